@@ -1,0 +1,31 @@
+"""accelfn: functional, JAX-style training for PyTorch.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> step = af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), af.optim.adamw(1e-3))
+    >>> state = step.init(torch.nn.Linear(3, 1))
+    >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
+"""
+
+from . import losses, optim, random, tree
+from .losses import Loss
+from .module import bind, partition
+from .state import TrainState
+from .step import Step, eval_step, train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "TrainState",
+    "Loss",
+    "Step",
+    "train_step",
+    "eval_step",
+    "partition",
+    "bind",
+    "losses",
+    "optim",
+    "random",
+    "tree",
+]

@@ -1,0 +1,42 @@
+"""Optimizers in the optax style: `GradientTransformation(init, update)`, `chain`, schedules.
+
+Example:
+    >>> import accelfn as af
+    >>> tx = af.optim.chain(af.optim.clip_by_global_norm(1.0),
+    ...                     af.optim.adamw(af.optim.warmup_cosine(3e-4, warmup=100, total=10_000)))
+"""
+
+from .adam import AdamState, adam, adamw
+from .base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain, identity, learning_rate
+from .clip import clip_by_global_norm, global_norm
+from .lion import LionState, lion
+from .masked import MaskedState, masked
+from .schedules import Schedule, as_schedule, constant, cosine, linear, warmup_cosine
+from .sgd import SgdState, sgd
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "AdamState",
+    "SgdState",
+    "LionState",
+    "MaskedState",
+    "Schedule",
+    "chain",
+    "identity",
+    "apply_updates",
+    "apply_gradients",
+    "learning_rate",
+    "adam",
+    "adamw",
+    "sgd",
+    "lion",
+    "clip_by_global_norm",
+    "global_norm",
+    "masked",
+    "as_schedule",
+    "constant",
+    "linear",
+    "cosine",
+    "warmup_cosine",
+]

@@ -1,0 +1,62 @@
+"""Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> params = {"w": torch.ones(2)}
+    >>> tx = af.optim.lion(0.1)
+    >>> state = af.optim.apply_gradients(tx, {"w": torch.tensor([1.0, -1.0])}, tx.init(params), params)
+    >>> params["w"].tolist()
+    [0.8999999761581421, 1.100000023841858]
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import tree as _tree
+from .._typecheck import checked
+from ._kernels import MaskLike, mask_leaves, pick, zeros_like_tree
+from .base import GradientTransformation
+from .schedules import ScheduleLike, as_schedule
+
+__all__ = ["LionState", "lion"]
+
+
+class LionState(NamedTuple):
+    count: torch.Tensor
+    lr: torch.Tensor
+    mu: Any
+
+
+@checked
+def lion(
+    lr: ScheduleLike, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: MaskLike | None = None
+) -> GradientTransformation:
+    """Lion: `p -= lr * (sign(b1*m + (1-b1)*g) + weight_decay*p)`; then `m = b2*m + (1-b2)*g`."""
+    schedule = as_schedule(lr)
+
+    def init(params: Any) -> LionState:
+        leaves = _tree.leaves(params)
+        count = torch.zeros((), dtype=torch.int64, device=leaves[0].device if leaves else "cpu")
+        return LionState(count, schedule(count), zeros_like_tree(params))
+
+    def update(grads: Any, state: LionState, params: Any = None) -> tuple[Any, LionState]:
+        g, spec = _tree.flatten(grads)
+        m = _tree.leaves(state.mu)
+        lr_t = schedule(state.count)
+        c = torch._foreach_lerp(m, g, 1 - b1)
+        torch._foreach_sign_(c)
+        if weight_decay:
+            if params is None:
+                raise ValueError("lion with weight_decay needs params in update(grads, state, params)")
+            p = _tree.leaves(params)
+            dec = [i for i, f in enumerate(mask_leaves(mask, params, "lion") if mask else [True] * len(p)) if f]
+            if dec:
+                torch._foreach_add_(pick(c, dec), pick(p, dec), alpha=weight_decay)
+        torch._foreach_mul_(c, -lr_t)
+        torch._foreach_lerp_(m, g, 1 - b2)
+        return _tree.unflatten(spec, c), LionState(state.count + 1, lr_t, state.mu)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,69 @@
+"""`TrainState`: everything a training run carries from one step to the next, as one pytree.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> s = af.TrainState(step=torch.tensor(0), params={"w": torch.ones(2)}, buffers={}, opt_state=(),
+    ...                   rng=af.random.key(0))
+    >>> s.replace(step=s.step + 1).step.item()
+    1
+    >>> [p for p, _ in af.tree.flatten_with_path(s)][:2]
+    ['step', 'params.w']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from . import tree as _tree
+
+__all__ = ["TrainState"]
+
+_FIELDS = ("step", "params", "buffers", "opt_state", "rng", "extra")
+
+
+@attrs.frozen
+class TrainState:
+    """The training state: step counter, params and buffers (dotted module names -> tensors, as
+    `named_parameters()` / `named_buffers()`), optimizer state, RNG key and `extra` (loss scaler, fp8 state).
+    """
+
+    step: torch.Tensor
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: Any
+    rng: torch.Tensor
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with the given fields replaced."""
+        return attrs.evolve(self, **changes)
+
+    def __repr__(self) -> str:
+        n = sum(int(p.numel()) for p in self.params.values())
+        return (
+            f"TrainState(step={int(self.step)}, params={len(self.params)} tensors / {n:,} elements, "
+            f"buffers={len(self.buffers)}, extra={sorted(self.extra)})"
+        )
+
+
+def _flatten(s: TrainState) -> tuple[tuple[Any, ...], None, tuple[str, ...]]:
+    return tuple(getattr(s, f) for f in _FIELDS), None, _FIELDS
+
+
+def _unflatten(_: None, children: Any) -> TrainState:
+    return TrainState(*children)
+
+
+optree.register_pytree_node(TrainState, _flatten, _unflatten, namespace=_tree.NAMESPACE)  # type: ignore[arg-type]
+torch_pytree.register_pytree_node(
+    TrainState,
+    lambda s: (list(_flatten(s)[0]), None),
+    lambda children, _ctx: TrainState(*children),
+    serialized_type_name="accelfn.TrainState",
+    flatten_with_keys_fn=lambda s: ([(torch_pytree.GetAttrKey(f), getattr(s, f)) for f in _FIELDS], None),
+)

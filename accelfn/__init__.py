@@ -7,8 +7,10 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import losses, optim, random, tree
+from . import dist, losses, optim, platforms, random, tree
+from .dist import progress
 from .losses import Loss
+from .mesh import Mesh
 from .module import bind, partition
 from .state import TrainState
 from .step import Step, eval_step, train_step
@@ -28,4 +30,8 @@ __all__ = [
     "optim",
     "random",
     "tree",
+    "Mesh",
+    "platforms",
+    "dist",
+    "progress",
 ]

@@ -46,12 +46,12 @@ def structure(tree: Any) -> optree.PyTreeSpec:
     return optree.tree_structure(tree, namespace=NAMESPACE)
 
 
-def path_str(path: tuple[Any, ...]) -> str:
-    """Join a path of keys/indices with dots: `("opt_state", 0, "mu", "fc.weight")` -> `opt_state.0.mu.fc.weight`."""
-    return ".".join(str(p) for p in path)
+def path_str(path: Any) -> str:
+    """Join a path with dots, using field names for named tuples: `opt_state.0.mu.fc.weight`."""
+    return ".".join(str(getattr(e, "field", None) or getattr(e, "entry", e)) for e in path)
 
 
 def flatten_with_path(tree: Any) -> list[tuple[str, Any]]:
-    """`[(dotted_path, leaf), ...]` in `leaves` order."""
-    paths, lvs, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
-    return [(path_str(p), leaf) for p, leaf in zip(paths, lvs)]
+    """`[(dotted_path, leaf), ...]` in `leaves` order (named-tuple fields by name)."""
+    accessors, lvs, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [(path_str(a), leaf) for a, leaf in zip(accessors, lvs)]

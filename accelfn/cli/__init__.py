@@ -1,0 +1,1 @@
+"""The ``accelfn`` command line: ``config``, ``env``, ``test``, ``launch`` (one module per command)."""

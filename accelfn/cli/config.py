@@ -1,0 +1,73 @@
+"""``accelfn config``: write the launcher's YAML config (questionnaire, or ``--default``).
+
+Example:
+    $ accelfn config --default --config-file ./accelfn.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+QUESTIONS = (
+    ("device", "Device kind (auto, cpu, cuda, xla, xpu, npu, mlu)", str),
+    ("num_processes", "Processes per machine ('auto' = one per device)", str),
+    ("num_machines", "Number of machines (N, or MIN:MAX for elastic)", str),
+    ("machine_rank", "This machine's rank", int),
+    ("rdzv_endpoint", "Rendezvous HOST:PORT (empty on a single machine)", str),
+    ("rdzv_backend", "Rendezvous backend (c10d, static)", str),
+    ("mixed_precision", "Mixed precision (no, bf16, fp16, fp8)", str),
+    ("mesh", "Mesh axes, e.g. dp=-1,tp=2 (empty: data parallel over all)", str),
+    ("max_restarts", "Restarts of the process group on failure", int),
+)
+
+
+def _coerce(key: str, raw: str, kind: Callable[[str], Any]) -> Any:
+    if key in ("num_processes", "num_machines") and raw.strip().isdigit():
+        return int(raw)
+    return kind(raw)
+
+
+def ask(input_fn: Callable[[str], str] = input, print_fn: Callable[[str], None] = print) -> Any:
+    """Ask every question (Enter keeps the default); a bad answer is explained and asked again."""
+    from ..launch.config import Config, ConfigError, Fp8Config
+
+    cfg = Config()
+    for key, question, kind in QUESTIONS:
+        while True:
+            default = getattr(cfg, key)
+            raw = input_fn(f"{question} [{default}]: ").strip()
+            if not raw:
+                break
+            try:
+                cfg = cfg.replace(**{key: _coerce(key, raw, kind)})
+                break
+            except (ConfigError, ValueError) as e:
+                print_fn(f"  {e}")
+    if cfg.mixed_precision == "fp8":
+        while True:
+            raw = input_fn("FP8 backend (auto, torchao, te) [auto]: ").strip() or "auto"
+            try:
+                cfg = cfg.replace(fp8=Fp8Config(backend=raw, recipe=input_fn("FP8 recipe [none]: ").strip() or None))
+                break
+            except ConfigError as e:
+                print_fn(f"  {e}")
+    return cfg
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("config", help="write the launch config (YAML)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--default", action="store_true", help="write the defaults without asking")
+    p.add_argument("--config-file", help="where to write (default: $XDG_CACHE_HOME/accelfn/default_config.yaml)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..launch.config import Config, default_config_path, save
+
+    cfg = Config() if args.default else ask()
+    path = save(cfg, args.config_file or default_config_path())
+    print(f"accelfn config: wrote {path}")
+    return 0

@@ -1,0 +1,83 @@
+"""``accelfn env``: versions, platform, devices and the config in use (paste it into bug reports).
+
+Example:
+    $ accelfn env
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform as pyplatform
+import sys
+from typing import Any
+
+OPTIONAL = ("deepspeed", "torchao", "transformers", "transformer_engine", "accelerate")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report(config_file: str | None = None) -> dict[str, Any]:
+    """The facts ``accelfn env`` prints, as a dict (optional packages are not imported, only looked up)."""
+    import torch
+
+    import accelfn
+
+    from ..launch.config import ConfigError, default_config_path, load
+
+    info: dict[str, Any] = {
+        "accelfn": accelfn.__version__,
+        "python": f"{pyplatform.python_version()} ({sys.executable})",
+        "os": pyplatform.platform(),
+        "torch": torch.__version__,
+    }
+    for name in OPTIONAL:
+        info[name] = _version(name)
+    try:
+        from .. import platforms  # type: ignore[attr-defined]
+
+        plat = platforms.detect()
+        info["platform"] = f"{plat.kind} (backend {plat.backend}, {plat.visible_devices_env or 'no visibility variable'})"
+        info["devices"] = plat.device_count()
+        memory = getattr(plat, "memory_info", None) or getattr(plat, "total_memory", None)
+        if callable(memory):
+            info["device memory"] = memory()
+    except ImportError:
+        info["platform"] = "cuda" if torch.cuda.is_available() else "cpu"
+        info["devices"] = torch.cuda.device_count()
+    if torch.cuda.is_available():
+        info["device memory"] = ", ".join(
+            f"{torch.cuda.get_device_name(i)} {torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} GiB"
+            for i in range(torch.cuda.device_count())
+        )
+    info["cpu cores"] = _cpu_count()
+    path = config_file or default_config_path()
+    try:
+        info["config"] = f"{path}: {load(path).to_dict()}"
+    except ConfigError as e:
+        info["config"] = f"none ({e})" if not config_file else f"INVALID: {e}"
+    return info
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("env", help="print versions, platform and config", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config-file", help="config to show (default: the cache folder's)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    for key, value in report(args.config_file).items():
+        print(f"- {key}: {value}")
+    return 0

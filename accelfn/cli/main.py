@@ -1,0 +1,37 @@
+"""``accelfn`` entry point: an argparse parser with one subcommand per module.
+
+Example:
+    $ accelfn launch --nproc-per-node 2 --cpu train.py --epochs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import config, env, launch, test
+
+COMMANDS = (config, env, test, launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser (every command registers its own subparser)."""
+    parser = argparse.ArgumentParser(prog="accelfn", description="Functional training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="{config,env,test,launch}", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, exit with its code."""
+    args = build_parser().parse_args(argv)
+    code = int(args.func(args) or 0)
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

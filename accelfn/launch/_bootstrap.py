@@ -1,0 +1,67 @@
+"""Worker entry point: run the user's script (or ``-m module``) and record an uncaught exception.
+
+The launcher starts ``python -u <this file> [-m] target args...`` in every process. The exception is
+written in torch elastic's error-file format (``TORCHELASTIC_ERROR_FILE``), so the launcher can name
+the failing rank and show its traceback even when the script does not use ``@record``. Executed by
+path, so it imports neither torch nor accelfn: the worker starts as fast as with ``python script.py``.
+"""
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without this file's and runpy's frames: it starts in the user's code."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _record(exc: BaseException, text: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):  # a script using torch's @record wrote it already
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if not args:
+        sys.exit("usage: _bootstrap.py [-m] TARGET [ARGS...]")
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = os.getcwd()  # as `python -m` does
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as `python script.py` does
+            runpy.run_path(args[0], run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        text = _user_traceback(exc)
+        _record(exc, text)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The launcher -> worker contract: every setting `accelfn launch` passes to a script, as env variables.
+
+This is the only place the names are written down. It imports nothing from torch or the launcher, so
+core modules (``Mesh.from_env``, the combinators) can read it. torch's elastic agent adds its own
+variables too (RANK, WORLD_SIZE, LOCAL_RANK, ...), read here as well.
+
+Example:
+    >>> e = read_env({"ACCELFN_MESH": "dp=-1,tp=2", "ACCELFN_MIXED_PRECISION": "bf16", "WORLD_SIZE": "4"})
+    >>> e.mesh, e.mixed_precision, e.world_size
+    ({'dp': -1, 'tp': 2}, 'bf16', 4)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import attrs
+
+# Set by `accelfn launch` (absent: the script runs as a plain single process, defaults apply).
+ACCELFN_LAUNCHED = "ACCELFN_LAUNCHED"  # "1" in every process started by `accelfn launch`
+ACCELFN_DEVICE = "ACCELFN_DEVICE"  # device kind: cpu|cuda|xla|xpu|npu|mlu ("auto" / unset: detect)
+ACCELFN_MESH = "ACCELFN_MESH"  # mesh axes "dp=2,tp=1"; -1 = the rest of the world
+ACCELFN_MIXED_PRECISION = "ACCELFN_MIXED_PRECISION"  # no|bf16|fp16|fp8
+ACCELFN_FP8_BACKEND = "ACCELFN_FP8_BACKEND"  # auto|torchao|te (only with mixed precision fp8)
+ACCELFN_FP8_RECIPE = "ACCELFN_FP8_RECIPE"  # backend-specific recipe name, e.g. "tensorwise"
+ACCELFN_CONFIG_FILE = "ACCELFN_CONFIG_FILE"  # the YAML config the launcher used, if any
+
+# Set by torch's elastic agent (torch.distributed.run semantics), read here for convenience.
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"  # the node's rank
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+ACCELFN_VARIABLES = (
+    ACCELFN_LAUNCHED,
+    ACCELFN_DEVICE,
+    ACCELFN_MESH,
+    ACCELFN_MIXED_PRECISION,
+    ACCELFN_FP8_BACKEND,
+    ACCELFN_FP8_RECIPE,
+    ACCELFN_CONFIG_FILE,
+)
+
+DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
+MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
+FP8_BACKENDS = ("auto", "torchao", "te")
+MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+
+
+def parse_mesh(spec: str, *, source: str = ACCELFN_MESH) -> dict[str, int]:
+    """Parse ``"dp=2,tp=1"`` into ``{"dp": 2, "tp": 1}``; ``source`` names the culprit in errors.
+
+    Example:
+        >>> parse_mesh("fsdp=-1, tp=2")
+        {'fsdp': -1, 'tp': 2}
+    """
+    axes: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, sep, size = part.partition("=")
+        name = name.strip()
+        if not sep or name not in MESH_AXES:
+            raise ValueError(
+                f"{source}={spec!r}: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+            )
+        try:
+            n = int(size)
+        except ValueError:
+            raise ValueError(f"{source}={spec!r}: size of axis {name!r} must be an integer, got {size!r}") from None
+        if n == 0 or n < -1:
+            raise ValueError(f"{source}={spec!r}: size of axis {name!r} must be >= 1 or -1 (the rest), got {n}")
+        if name in axes:
+            raise ValueError(f"{source}={spec!r}: axis {name!r} is given twice")
+        axes[name] = n
+    if sum(1 for n in axes.values() if n == -1) > 1:
+        raise ValueError(f"{source}={spec!r}: at most one axis may be -1")
+    return axes
+
+
+def format_mesh(axes: Mapping[str, int]) -> str:
+    """The inverse of `parse_mesh`: ``{"dp": 2, "tp": 1}`` -> ``"dp=2,tp=1"``."""
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = env.get(name, "").strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be an integer") from None
+
+
+@attrs.frozen
+class LaunchEnv:
+    """What a worker process was told by the launcher (or the defaults of a plain single process)."""
+
+    launched: bool
+    device: str
+    mesh: dict[str, int] | None
+    mixed_precision: str
+    fp8_backend: str
+    fp8_recipe: str | None
+    config_file: str | None
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    restart_count: int
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read and validate the contract from ``environ`` (default: ``os.environ``).
+
+    Example:
+        >>> read_env({}).world_size, read_env({}).device
+        (1, 'auto')
+    """
+    env = os.environ if environ is None else environ
+    mesh_spec = env.get(ACCELFN_MESH, "").strip()
+    return LaunchEnv(
+        launched=env.get(ACCELFN_LAUNCHED, "") == "1",
+        device=_choice(env, ACCELFN_DEVICE, DEVICE_KINDS, "auto"),
+        mesh=parse_mesh(mesh_spec) if mesh_spec else None,
+        mixed_precision=_choice(env, ACCELFN_MIXED_PRECISION, MIXED_PRECISION, "no"),
+        fp8_backend=_choice(env, ACCELFN_FP8_BACKEND, FP8_BACKENDS, "auto"),
+        fp8_recipe=env.get(ACCELFN_FP8_RECIPE) or None,
+        config_file=env.get(ACCELFN_CONFIG_FILE) or None,
+        rank=_int(env, RANK, 0),
+        world_size=_int(env, WORLD_SIZE, 1),
+        local_rank=_int(env, LOCAL_RANK, 0),
+        local_world_size=_int(env, LOCAL_WORLD_SIZE, 1),
+        node_rank=_int(env, GROUP_RANK, 0),
+        restart_count=_int(env, RESTART_COUNT, 0),
+    )

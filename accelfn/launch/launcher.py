@@ -1,0 +1,248 @@
+"""Resolve the launch settings (flags > SLURM > config file > defaults) and run torch's elastic agent.
+
+Example:
+    >>> plan = resolve(LaunchOptions(script="train.py", nproc_per_node=2, cpu=True), environ={})
+    >>> plan.nproc_per_node, plan.min_nodes, plan.env["ACCELFN_DEVICE"]
+    (2, 1, 'cpu')
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from . import env as contract
+from .config import Config, ConfigError, default_config_path, load, parse_nnodes
+from .slurm import from_env as slurm_from_env
+
+BOOTSTRAP = str(Path(__file__).with_name("_bootstrap.py"))
+TEE_CHOICES = ("none", "stdout", "stderr", "all")
+
+
+@attrs.frozen
+class LaunchOptions:
+    """What the user asked for; ``None`` means "not given" (the config file or a default decides)."""
+
+    script: str
+    script_args: Sequence[str] = ()
+    module: bool = False
+    nproc_per_node: int | str | None = None
+    nnodes: int | str | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int | None = None
+    monitor_interval: float | None = None
+    mesh: str | None = None
+    mixed_precision: str | None = None
+    config_file: str | None = None
+    cpu: bool = False
+    log_dir: str | None = None
+    tee: str = "none"
+    use_slurm: bool = True
+
+
+@attrs.frozen
+class LaunchPlan:
+    """Everything resolved: what the elastic agent gets, and the env contract for the workers."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    node_rank: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    max_restarts: int
+    monitor_interval: float
+    entrypoint: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    log_dir: str | None
+    tee: str
+    source: dict[str, str]  # where each setting came from: flag, slurm, config, default
+
+
+def _device_count(kind: str) -> int:
+    """Processes per node for ``auto``: the platform's device count; 1 on CPU."""
+    if kind == "cpu":
+        return 1
+    try:
+        from .. import platforms  # type: ignore[attr-defined]
+    except ImportError:
+        return 1
+    platform = platforms.detect() if kind == "auto" else platforms.get(kind)
+    if platform.kind == "cpu":
+        return 1
+    return max(int(platform.device_count()), 1)
+
+
+def _read_config(opts: LaunchOptions, environ: Mapping[str, str]) -> tuple[Config, str | None]:
+    if opts.config_file:
+        return load(opts.config_file), os.path.abspath(opts.config_file)
+    path = default_config_path(environ)
+    if path.is_file():
+        return load(path), str(path)
+    return Config(), None
+
+
+def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Merge flags, SLURM variables, the config file and defaults into a `LaunchPlan`."""
+    environ = os.environ if environ is None else environ
+    cfg, cfg_path = _read_config(opts, environ)
+    slurm = slurm_from_env(environ) if opts.use_slurm else None
+    source: dict[str, str] = {}
+
+    def pick(name: str, flag: Any, slurm_value: Any, cfg_value: Any, default: Any) -> Any:
+        for origin, value in (("flag", flag), ("slurm", slurm_value)):
+            if value is not None:
+                source[name] = origin
+                return value
+        source[name] = "config" if cfg_path and cfg_value != default else "default"
+        return cfg_value
+
+    device = "cpu" if opts.cpu else cfg.device
+    nproc = pick("nproc_per_node", opts.nproc_per_node, slurm and slurm.nproc_per_node, cfg.num_processes, "auto")
+    if nproc == "auto":
+        nproc = _device_count(device)
+    try:
+        nproc = int(nproc)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node={nproc!r}: expected a positive integer or 'auto'") from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node={nproc}: expected a positive integer or 'auto'")
+    nnodes = pick("nnodes", opts.nnodes, slurm and slurm.nnodes, cfg.num_machines, 1)
+    min_nodes, max_nodes = parse_nnodes(nnodes, key="--nnodes")
+    node_rank = int(pick("node_rank", opts.node_rank, slurm and slurm.node_rank, cfg.machine_rank, 0))
+    backend = pick("rdzv_backend", opts.rdzv_backend, None, cfg.rdzv_backend, "c10d")
+    if backend not in ("c10d", "static"):
+        raise ConfigError(f"--rdzv-backend={backend!r} is not one of c10d, static")
+    endpoint = pick("rdzv_endpoint", opts.rdzv_endpoint, slurm and slurm.rdzv_endpoint, cfg.rdzv_endpoint, "")
+    rdzv_id = pick("rdzv_id", opts.rdzv_id, slurm and slurm.rdzv_id, cfg.rdzv_id, "")
+    if max_nodes == 1 and not endpoint:
+        # One node, no endpoint: a private c10d store on a free port (like `torchrun --standalone`).
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex
+    elif not endpoint:
+        raise ConfigError(
+            f"--nnodes={nnodes}: more than one node needs --rdzv-endpoint HOST:PORT "
+            "(the same on every node), or run under SLURM"
+        )
+    if backend == "static" and min_nodes != max_nodes:
+        raise ConfigError(f"--nnodes={nnodes}: the static rendezvous needs a fixed node count; use c10d")
+    if node_rank >= max_nodes:
+        raise ConfigError(f"--node-rank={node_rank} must be below --nnodes={max_nodes}")
+    max_restarts = int(pick("max_restarts", opts.max_restarts, None, cfg.max_restarts, 0))
+    interval = float(pick("monitor_interval", opts.monitor_interval, None, cfg.monitor_interval, 0.1))
+    mesh = pick("mesh", opts.mesh, None, cfg.mesh, "")
+    if mesh:
+        mesh = contract.format_mesh(contract.parse_mesh(mesh, source="--mesh"))
+    precision = pick("mixed_precision", opts.mixed_precision, None, cfg.mixed_precision, "no")
+    if precision not in contract.MIXED_PRECISION:
+        raise ConfigError(f"--mixed-precision={precision!r} is not one of {', '.join(contract.MIXED_PRECISION)}")
+    if opts.tee not in TEE_CHOICES:
+        raise ConfigError(f"--tee={opts.tee!r} is not one of {', '.join(TEE_CHOICES)}")
+
+    env = {contract.ACCELFN_LAUNCHED: "1", contract.ACCELFN_DEVICE: device, contract.ACCELFN_MIXED_PRECISION: precision}
+    if mesh:
+        env[contract.ACCELFN_MESH] = mesh
+    if precision == "fp8":
+        env[contract.ACCELFN_FP8_BACKEND] = cfg.fp8.backend
+        if cfg.fp8.recipe:
+            env[contract.ACCELFN_FP8_RECIPE] = cfg.fp8.recipe
+    if cfg_path:
+        env[contract.ACCELFN_CONFIG_FILE] = cfg_path
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not each take every core
+
+    target = ["-m", opts.script] if opts.module else [opts.script]
+    return LaunchPlan(
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id or "accelfn",
+        max_restarts=max_restarts,
+        monitor_interval=interval,
+        entrypoint=sys.executable,
+        args=("-u", BOOTSTRAP, *target, *opts.script_args),
+        env=env,
+        log_dir=opts.log_dir,
+        tee=opts.tee,
+        source=source,
+    )
+
+
+def _failure_report(err: Any) -> str:
+    """The first failed rank: a summary line and its traceback; a short line for each later failure."""
+    lines = []
+    first = err.get_first_failure()[0]
+    for rank, failure in sorted(err.failures.items(), key=lambda kv: (kv[0] != first, kv[0])):
+        data = failure.error_file_data or {}
+        message = data.get("message") if isinstance(data, dict) else None
+        callstack = ""
+        if isinstance(message, dict):
+            callstack = message.get("extraInfo", {}).get("py_callstack", "")
+            summary = message.get("message", "")
+        elif isinstance(message, str):
+            summary = message
+        elif failure.exitcode < 0:
+            summary = f"killed by signal {failure.signal_name()}"
+        else:
+            summary = f"exited with code {failure.exitcode}"
+        if rank != first:
+            summary = summary if len(summary) < 160 else summary[:157] + "..."
+            lines.append(f"accelfn launch: rank {rank} also failed (after rank {first}): {summary}")
+            continue
+        lines.append(
+            f"accelfn launch: rank {rank} failed: {summary} "
+            f"(local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode})"
+        )
+        if callstack:
+            lines.append("  " + callstack.rstrip().replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def run(plan: LaunchPlan) -> int:
+    """Run the plan on torch's elastic agent in this process; return the exit code (0: all ranks ok)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.update(plan.env)  # the agent passes its environment on to every worker
+    tee = Std.from_str({"none": "0", "stdout": "1", "stderr": "2", "all": "3"}[plan.tee])
+    config = LaunchConfig(
+        min_nodes=plan.min_nodes,
+        max_nodes=plan.max_nodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=plan.rdzv_id,
+        role="accelfn",
+        rdzv_endpoint=plan.rdzv_endpoint,
+        rdzv_backend=plan.rdzv_backend,
+        rdzv_configs={"rank": plan.node_rank} if plan.rdzv_backend == "static" else {},
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=plan.log_dir, tee=tee),
+        log_line_prefix_template="[rank${rank}]: " if plan.tee != "none" else None,
+    )
+    try:
+        elastic_launch(config=config, entrypoint=plan.entrypoint)(*plan.args)
+    except ChildFailedError as err:
+        print(_failure_report(err), file=sys.stderr, flush=True)
+        return 1
+    except Exception as err:  # rendezvous timeouts, closed stores, ...
+        if type(err).__name__ == "SignalException":
+            print(f"accelfn launch: stopped by {getattr(err, 'sigval', 'a signal')}", file=sys.stderr)
+            return 128 + int(getattr(err, "sigval", 15))
+        print(f"accelfn launch: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,88 @@
+"""Device kinds: one small adapter per kind (`cpu`, `cuda`, `xla`, `xpu`, `npu`, `mlu`), and picking one.
+
+`detect()` returns the first available kind in `DETECTION_ORDER` (xla, cuda, xpu, npu, mlu, cpu), unless the
+environment variable `ACCELFN_DEVICE` names one (`auto` or unset: detect) (`accelfn launch --cpu` sets `ACCELFN_DEVICE=cpu`).
+
+Example:
+    >>> import accelfn as af
+    >>> af.platforms.get("cuda").backend, af.platforms.get("cpu").device_type
+    ('nccl', 'cpu')
+    >>> af.platforms.detect().kind in af.platforms.KINDS
+    True
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import Platform
+from .cpu import CpuPlatform
+from .cuda import CudaPlatform
+from .mlu import MluPlatform
+from .npu import NpuPlatform
+from .xla import XlaPlatform
+from .xpu import XpuPlatform
+
+__all__ = [
+    "Platform",
+    "KINDS",
+    "DETECTION_ORDER",
+    "ENV_VAR",
+    "get",
+    "detect",
+    "available",
+    "from_backend",
+]
+
+ENV_VAR = "ACCELFN_DEVICE"
+"""Environment variable that forces a device kind (read by `detect`)."""
+
+_PLATFORMS: dict[str, Platform] = {
+    p.kind: p for p in (CpuPlatform(), CudaPlatform(), XlaPlatform(), XpuPlatform(), NpuPlatform(), MluPlatform())
+}
+KINDS: tuple[str, ...] = tuple(_PLATFORMS)
+DETECTION_ORDER: tuple[str, ...] = ("xla", "cuda", "xpu", "npu", "mlu", "cpu")
+
+
+def get(kind: str) -> Platform:
+    """The platform for a device kind, e.g. `get("cuda")`; it need not be available on this machine."""
+    if not isinstance(kind, str):
+        raise TypeError(f"af.platforms.get(): argument 'kind' must be a str, got {type(kind).__name__}")
+    try:
+        return _PLATFORMS[kind.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown device kind {kind!r}; the kinds are: {', '.join(KINDS)}") from None
+
+
+def available() -> list[Platform]:
+    """The platforms available in this process, in detection order."""
+    return [_PLATFORMS[k] for k in DETECTION_ORDER if _PLATFORMS[k].is_available()]
+
+
+def detect() -> Platform:
+    """The platform this process should use: `$ACCELFN_DEVICE` if set (and not `auto`), else the first available in
+    `DETECTION_ORDER` (cpu always is)."""
+    forced = os.environ.get(ENV_VAR, "").strip()
+    if forced and forced.lower() != "auto":
+        try:
+            platform = get(forced)
+        except ValueError as e:
+            raise ValueError(f"{ENV_VAR}={forced!r}: {e}") from None
+        if not platform.is_available():
+            raise RuntimeError(
+                f"{ENV_VAR}={forced!r} but no {platform.kind} device is available in this process; "
+                f"available: {', '.join(p.kind for p in available())}. Unset {ENV_VAR} or choose one of those."
+            )
+        return platform
+    return available()[0]
+
+
+def from_backend(backend: str) -> Platform:
+    """The platform whose collective backend is `backend` (e.g. `"gloo"` -> cpu, `"nccl"` -> cuda)."""
+    for p in _PLATFORMS.values():
+        if p.backend == backend.lower():
+            return p
+    raise ValueError(
+        f"no accelfn platform uses the torch.distributed backend {backend!r}; known: "
+        + ", ".join(f"{p.backend} ({p.kind})" for p in _PLATFORMS.values())
+    )

@@ -1,0 +1,75 @@
+"""Shared code for device kinds whose torch module follows `torch.cuda`'s API (cuda, xpu, npu, mlu)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .base import Platform, import_optional
+
+__all__ = ["TorchAccelerator"]
+
+
+class TorchAccelerator(Platform):
+    """A kind served by `torch.<device_type>` (after importing `package`, when it is an extension)."""
+
+    def module(self) -> ModuleType | None:
+        """`torch.<device_type>`, importing the extension package first; None when it is not installed."""
+        if self.package is not None and import_optional(self.package) is None:
+            return None
+        return getattr(torch, self.device_type, None)
+
+    def _mod(self) -> Any:
+        mod = self.module()
+        if mod is None:
+            hint = f" (install {self.package})" if self.package else ""
+            raise RuntimeError(f"the {self.kind} platform is not available in this torch build{hint}")
+        return mod
+
+    def is_available(self) -> bool:
+        mod = self.module()
+        try:
+            return bool(mod is not None and mod.is_available() and mod.device_count() > 0)
+        except (RuntimeError, AssertionError):
+            return False
+
+    def device_count(self) -> int:
+        mod = self.module()
+        try:
+            return int(mod.device_count()) if mod is not None and mod.is_available() else 0
+        except (RuntimeError, AssertionError):
+            return 0
+
+    def set_device(self, device: torch.device) -> None:
+        self._mod().set_device(device)
+
+    def supports_bf16(self) -> bool:
+        fn = getattr(self._mod(), "is_bf16_supported", None)
+        return bool(fn()) if fn is not None else True
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        mod = self._mod()
+        stats = {
+            "allocated": int(mod.memory_allocated(device)),
+            "peak_allocated": int(mod.max_memory_allocated(device)),
+            "reserved": int(mod.memory_reserved(device)),
+        }
+        props = getattr(mod, "get_device_properties", None)
+        total = getattr(props(device if device is not None else mod.current_device()), "total_memory", None) if props else None
+        if total is not None:
+            stats["total"] = int(total)
+        return stats
+
+    def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
+        return self._mod().get_rng_state(device if device is not None else self.device_type)
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device | None = None) -> None:
+        self._mod().set_rng_state(state, device if device is not None else self.device_type)
+
+    def manual_seed(self, seed: int) -> None:
+        self._mod().manual_seed_all(seed)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self._mod().synchronize(device)

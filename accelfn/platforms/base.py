@@ -1,0 +1,121 @@
+"""`Platform`: what accelfn needs to know about one kind of device (the only place that knows device kinds)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["Platform", "import_optional"]
+
+
+def import_optional(name: str) -> ModuleType | None:
+    """Import `name` if it is installed, else None (without importing it when it is absent)."""
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+        return importlib.import_module(name)
+    except (ImportError, ValueError):
+        return None
+
+
+class Platform:
+    """One device kind. Subclasses set the class attributes and override the hardware methods.
+
+    Example:
+        >>> import accelfn as af
+        >>> cpu = af.platforms.get("cpu")
+        >>> cpu.kind, cpu.backend, str(cpu.device(0)), cpu.is_available()
+        ('cpu', 'gloo', 'cpu', True)
+    """
+
+    kind: ClassVar[str]
+    """Name used by `ACCELFN_DEVICE`, `af.platforms.get` and `af.Mesh(device=...)`."""
+    device_type: ClassVar[str]
+    """torch's device type string (`torch.device(device_type, i)`), also used for `init_device_mesh`."""
+    backend: ClassVar[str]
+    """torch.distributed backend for this kind."""
+    visible_devices_env: ClassVar[str | None] = None
+    """Environment variable that restricts the devices a process sees (None: no such variable)."""
+    package: ClassVar[str | None] = None
+    """The extension package that registers this kind with torch (None: built into torch)."""
+
+    def __repr__(self) -> str:
+        return f"<accelfn platform {self.kind!r}: backend={self.backend}>"
+
+    # ---- discovery ---------------------------------------------------------------------------------------
+    def is_available(self) -> bool:
+        """Whether this process can use at least one device of this kind."""
+        raise NotImplementedError
+
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to this process."""
+        raise NotImplementedError
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The device a process with this local rank uses (local ranks wrap around the visible devices)."""
+        n = self.device_count()
+        if n < 1:
+            raise RuntimeError(
+                f"no {self.kind} device is visible to this process"
+                + (f" (check {self.visible_devices_env})" if self.visible_devices_env else "")
+                + "; pick another kind with ACCELFN_DEVICE=cpu or `accelfn launch --cpu`"
+            )
+        return torch.device(self.device_type, local_rank % n)
+
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` this process's current device (before the process group starts)."""
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `torch.distributed.init_process_group` in a launched process."""
+        return {"backend": self.backend, "init_method": "env://"}
+
+    # ---- numerics ----------------------------------------------------------------------------------------
+    @property
+    def autocast_device_type(self) -> str:
+        """The `device_type` to pass to `torch.autocast`."""
+        return self.device_type
+
+    def supports_bf16(self) -> bool:
+        """Whether bfloat16 compute is supported (natively, not emulated)."""
+        return True
+
+    def supports_fp8(self) -> bool:
+        """Whether FP8 matmuls run natively (otherwise FP8 training works only emulated, for tests)."""
+        return False
+
+    def has_fused_optimizer(self) -> bool:
+        """Whether torch's fused optimizer kernels (`torch._fused_adamw_`) run on this kind."""
+        try:
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+            supported = _get_fused_kernels_supported_devices()
+        except ImportError:  # pragma: no cover - very old torch
+            supported = ["cuda"]
+        if "privateuseone" in supported:
+            supported.append(torch._C._get_privateuse1_backend_name())
+        return self.device_type in supported
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Memory figures in bytes, with whichever of these keys the kind reports:
+        `allocated`, `peak_allocated`, `reserved`, `total`."""
+        raise NotImplementedError
+
+    def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
+        """This kind's RNG state on `device` (default: the current device), as a CPU tensor."""
+        raise NotImplementedError
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device | None = None) -> None:
+        """Restore an RNG state returned by `get_rng_state`."""
+        raise NotImplementedError
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this kind's generators on every visible device."""
+        raise NotImplementedError
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait until queued work on `device` has finished."""

@@ -1,0 +1,129 @@
+"""Train a small byte-level GPT on the King James text in examples/data with accelfn.
+
+    python examples/train_lm.py --steps 400
+
+The loss goes from ~5.5 (uniform over 256 bytes) to ~2.0 in a few hundred steps on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+import accelfn as af
+
+DATA = Path(__file__).parent / "data" / "kjv_genesis_ecclesiastes.txt"
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        attn = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style decoder over bytes (vocabulary 256), with tied input/output embeddings."""
+
+    def __init__(self, d: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 64, dropout: float = 0.1):
+        super().__init__()
+        self.tok = nn.Embedding(256, d)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d))
+        self.blocks = nn.Sequential(*[Block(d, heads, dropout) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 256, bias=False)
+        self.head.weight = self.tok.weight  # tied: stored once in the state, kept tied by accelfn
+        nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.tok.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> af.Loss:
+    logits = model(batch["ids"][:, :-1])
+    return af.losses.cross_entropy(logits, batch["ids"][:, 1:])
+
+
+def windows(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
+    return {"ids": torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()}
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: str, n: int, seq_len: int) -> str:
+    ids = torch.tensor([list(prompt.encode())])
+    for _ in range(n):
+        logits = model(ids[:, -seq_len:])[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return bytes(ids[0].tolist()).decode(errors="replace")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    torch.manual_seed(args.seed)
+    data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8)
+    split = int(0.95 * len(data))
+    train, valid = data[:split], data[split:]
+
+    model = TinyGPT(args.d_model, args.layers, seq_len=args.seq_len)
+    schedule = af.optim.warmup_cosine(args.lr, warmup=args.steps // 10, total=args.steps, end=args.lr / 10)
+    no_decay_on_vectors = lambda params: {k: v.ndim >= 2 for k, v in params.items()}  # noqa: E731
+    optimizer = af.optim.adamw(schedule, b2=0.99, weight_decay=0.1, mask=no_decay_on_vectors)
+    step = af.train_step(loss_fn, optimizer, clip_grad_norm=1.0)
+    evaluate = af.eval_step(loss_fn)
+    state = step.init(model, seed=args.seed)
+    evaluate.init(model)
+    n_params = sum(v.numel() for v in state.params.values())
+    print(f"model: {n_params:,} parameters; data: {len(train):,} training bytes")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    t0 = time.perf_counter()
+    first = None
+    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=1.0)
+    for i in bar:
+        state, metrics = step(state, windows(train, args.batch_size, args.seq_len, gen))
+        if i % 10 == 0 or i == args.steps - 1:
+            loss = metrics["loss"].item()
+            first = loss if first is None else first
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics['lr'].item():.2e}")
+    elapsed = time.perf_counter() - t0
+
+    val_gen = torch.Generator().manual_seed(1234)
+    val = [evaluate(state, windows(valid, 32, args.seq_len, val_gen)) for _ in range(8)]
+    val_loss = sum(v.total.item() for v in val) / sum(v.count.item() for v in val)
+    print(f"train loss {first:.3f} -> {metrics['loss'].item():.3f} in {args.steps} steps ({elapsed:.1f} s)")
+    print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
+    print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Developer sessions: `nox -s tests lint docs bench demo` (each in its own venv, torch pinned)."""
+
+import nox
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install(TORCH)
+    session.install("-c", "constraints.txt", "-e", f".{extras}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (the README's test command, in a nox venv)."""
+    _install(session, "[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on everything, mypy on the package."""
+    _install(session)
+    session.install("ruff", "mypy", "types-PyYAML")
+    session.run("ruff", "check", "accelfn", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("mypy", "accelfn")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ (strict: broken links fail)."""
+    _install(session, "[docs]")
+    session.run("mkdocs", "build", "--strict")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks side by side with their peers; paste the tables into docs/benchmarks.md."""
+    _install(session, "[test]")
+    for script in session.posargs or ["benchmarks/step_overhead.py"]:
+        session.run("python", script)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README demo: a small byte-level GPT on the text shipped in examples/data."""
+    _install(session)
+    session.run("python", "examples/train_lm.py")

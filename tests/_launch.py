@@ -1,0 +1,45 @@
+"""Start a worker script on N local CPU processes, the way users do, for multi-process tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+ROOT = Path(__file__).parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_command(script: Path, nproc: int, args: tuple[str, ...]) -> list[str]:
+    """The command line that starts `nproc` CPU processes running `script` (the one place to change it)."""
+    if (ROOT / "accelfn" / "cli" / "main.py").exists() and os.environ.get("ACCELFN_TEST_TORCHRUN") != "1":
+        return [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", str(nproc), "--cpu",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]  # fmt: skip
+
+
+def run_workers(
+    script: str, nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `tests/workers/<script>` on `nproc` processes; return the finished process (output as text)."""
+    path = WORKERS / script
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELFN_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    full_env.pop("WORLD_SIZE", None)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        launch_command(path, nproc, args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
+    )
+    return proc
+
+
+def output_of(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-6000:]}"

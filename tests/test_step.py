@@ -1,0 +1,314 @@
+"""af.train_step / af.eval_step against plain PyTorch loops."""
+
+import copy
+
+import pytest
+import torch
+
+import accelfn as af
+from tests.models import MLP, lm_batches, tiny_bert, tiny_gpt2, tiny_llama
+
+
+def lm_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"]).logits
+    return af.losses.cross_entropy(logits[:, :-1], batch["labels"][:, 1:])
+
+
+def plain_lm_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"]).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def max_param_diff(params: dict, module: torch.nn.Module) -> float:
+    ref = dict(module.named_parameters())
+    assert params.keys() == ref.keys()
+    return max((params[k].detach() - ref[k].detach()).abs().max().item() for k in ref)
+
+
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_train_step_matches_plain_loop_on_causal_lm(make_model):
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    batches = lm_batches(20)
+
+    step = af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.01))
+    state = step.init(model)
+    ours = []
+    for b in batches:
+        state, metrics = step(state, b)
+        ours.append(metrics["loss"].item())
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    theirs = []
+    for b in batches:
+        loss = plain_lm_loss(ref, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.append(loss.item())
+
+    assert ours == pytest.approx(theirs, abs=1e-5)
+    assert max_param_diff(state.params, ref) <= 1e-5
+    assert int(state.step) == 20
+
+
+def test_tied_embeddings_stay_tied_and_are_stored_once():
+    model = tiny_gpt2()
+    step = af.train_step(lm_loss, af.optim.adamw(1e-2))
+    state = step.init(model)
+    assert "lm_head.weight" not in state.params and "transformer.wte.weight" in state.params
+    before = state.params["transformer.wte.weight"].detach().clone()
+    for b in lm_batches(3):
+        state, _ = step(state, b)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight is state.params["transformer.wte.weight"]
+    assert not torch.equal(before, state.params["transformer.wte.weight"])
+
+
+def test_bert_masked_lm_trains_like_plain_loop():
+    model = tiny_bert()
+    ref = copy.deepcopy(model)
+    batches = lm_batches(5)
+
+    def loss_fn(m, b):
+        return af.losses.cross_entropy(m(input_ids=b["input_ids"]).logits, b["labels"])
+
+    step = af.train_step(loss_fn, af.optim.adam(1e-3))
+    state = step.init(model)
+    for b in batches:
+        state, _ = step(state, b)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    for b in batches:
+        logits = ref(input_ids=b["input_ids"]).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), b["labels"].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_param_diff(state.params, ref) <= 1e-5
+
+
+def test_batchnorm_running_stats_come_back_in_state():
+    model = MLP(batchnorm=True)
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(16, 8) for _ in range(5)]
+    ys = [torch.randn(16, 4) for _ in range(5)]
+
+    step = af.train_step(lambda m, b: af.losses.mse(m(b[0]), b[1]).mean(), af.optim.sgd(0.1, momentum=0.9))
+    state = step.init(model)
+    first_mean = state.buffers["norm.running_mean"]
+    for x, y in zip(xs, ys):
+        state, _ = step(state, (x, y))
+
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in zip(xs, ys):
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, buf in ref.named_buffers():
+        assert torch.allclose(state.buffers[name], buf, atol=1e-6), name
+    assert int(state.buffers["norm.num_batches_tracked"]) == 5
+    assert not torch.equal(first_mean, torch.zeros(16))  # running stats moved (updated in place)
+    assert max_param_diff(state.params, ref) <= 1e-5
+
+
+def test_dropout_is_reproducible_from_the_state_key():
+    batch = {"x": torch.randn(32, 8), "y": torch.randn(32, 4)}
+
+    def loss_fn(m, b):
+        return af.losses.mse(m(b["x"]), b["y"])
+
+    def first_loss(seed, donate=True):
+        torch.manual_seed(123)
+        model = MLP(dropout=0.5)
+        step = af.train_step(loss_fn, af.optim.sgd(0.1), donate=donate)
+        state = step.init(model, seed=seed)
+        return step, state
+
+    step, state = first_loss(0, donate=False)
+    _, m1 = step(state, batch)
+    torch.rand(10)  # disturbing the global RNG must not matter
+    _, m2 = step(state, batch)
+    assert m1["loss"].item() == m2["loss"].item()
+
+    step_b, state_b = first_loss(1, donate=False)
+    _, m3 = step_b(state_b, batch)
+    assert m3["loss"].item() != m1["loss"].item()
+
+
+def test_dropout_masks_differ_between_steps_and_leave_global_rng_alone():
+    model = MLP(dropout=0.5)
+    step = af.train_step(lambda m, b: af.losses.mse(m(b), torch.zeros(32, 4)), af.optim.sgd(0.0))
+    state = step.init(model, seed=0)
+    x = torch.randn(32, 8)
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    state, m1 = step(state, x)
+    state, m2 = step(state, x)
+    assert m1["loss"].item() != m2["loss"].item()  # lr=0: params equal, only the mask changed
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_donate_false_keeps_the_input_state_valid():
+    model = MLP()
+    step = af.train_step(lambda m, b: af.losses.mse(m(b), torch.zeros(4, 4)), af.optim.adamw(0.1), donate=False)
+    state = step.init(model)
+    snapshot = {k: v.detach().clone() for k, v in state.params.items()}
+    new_state, _ = step(state, torch.randn(4, 8))
+    for k, v in state.params.items():
+        assert torch.equal(v, snapshot[k])
+        assert not torch.equal(new_state.params[k], snapshot[k])
+
+
+def test_frozen_parameters_are_not_updated():
+    model = MLP()
+    model.fc1.weight.requires_grad_(False)
+    step = af.train_step(lambda m, b: af.losses.mse(m(b), torch.ones(4, 4)), af.optim.adamw(0.1))
+    state = step.init(model)
+    frozen = state.params["fc1.weight"].detach().clone()
+    state, _ = step(state, torch.randn(4, 8))
+    assert torch.equal(state.params["fc1.weight"], frozen)
+    assert "fc1.weight" not in state.opt_state.mu
+
+
+def test_clip_grad_norm_matches_torch_and_reports_norm():
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(16, 8) * 10, torch.randn(16, 4)
+    step = af.train_step(lambda m, b: af.losses.mse(m(b[0]), b[1]), af.optim.sgd(0.1), clip_grad_norm=0.5)
+    state = step.init(model)
+    state, metrics = step(state, (x, y))
+    loss = torch.nn.functional.mse_loss(ref(x), y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert metrics["grad_norm"].item() == pytest.approx(norm.item(), rel=1e-6)
+    assert max_param_diff(state.params, ref) <= 1e-6
+
+
+def test_metrics_hold_loss_lr_and_aux_as_tensors():
+    model = MLP()
+    sched = af.optim.linear(0.1, 0.0, 10)
+
+    def loss_fn(m, b):
+        out = m(b)
+        return out.pow(2).mean(), {"out_mean": out.mean()}
+
+    step = af.train_step(loss_fn, af.optim.sgd(sched))
+    state = step.init(model)
+    state, m1 = step(state, torch.randn(4, 8))
+    state, m2 = step(state, torch.randn(4, 8))
+    assert set(m2) == {"loss", "lr", "out_mean"}
+    assert all(isinstance(v, torch.Tensor) for v in m2.values())
+    assert m1["lr"].item() == pytest.approx(0.1) and m2["lr"].item() == pytest.approx(0.09)
+
+
+def test_eval_step_runs_in_eval_mode_without_grad():
+    model = MLP(batchnorm=True, dropout=0.5)
+    seen = {}
+
+    def fn(m, b):
+        seen["training"] = m.training
+        return m(b)
+
+    train = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    state = train.init(model)
+    evaluate = af.eval_step(fn)
+    evaluate.init(model)
+    x = torch.randn(4, 8)
+    out = evaluate(state, x)
+    assert seen["training"] is False and not out.requires_grad
+    assert torch.equal(out, evaluate(state, x))  # deterministic: no dropout in eval mode
+    assert model.training  # mode restored
+
+
+def test_loaded_state_with_plain_tensors_binds_to_the_model():
+    model = MLP()
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    state = step.init(model)
+    copied = af.tree.map(lambda t: t.detach().clone(), state)
+    fresh = step.init(copied)
+    x = torch.randn(4, 8)
+    fresh, _ = step(fresh, x)
+    assert model.fc1.weight is fresh.params["fc1.weight"]
+    assert isinstance(fresh.params["fc1.weight"], torch.nn.Parameter)
+
+
+def test_train_state_is_a_pytree_in_optree_and_torch():
+    import torch.utils._pytree as tp
+
+    model = MLP()
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.adamw(1e-3)).init(model)
+    paths = [p for p, _ in af.tree.flatten_with_path(state)]
+    assert "params.fc1.weight" in paths and "opt_state.mu.fc1.weight" in paths and "opt_state.count" in paths and "rng" in paths
+    leaves, spec = tp.tree_flatten(state)
+    again = tp.tree_unflatten(leaves, spec)
+    assert isinstance(again, af.TrainState) and again.params.keys() == state.params.keys()
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+def test_non_scalar_loss_is_a_clear_error():
+    step = af.train_step(lambda m, b: m(b), af.optim.sgd(0.1))
+    state = step.init(MLP())
+    with pytest.raises(ValueError, match=r"shape \(4, 4\).*scalar"):
+        step(state, torch.randn(4, 8))
+
+
+def test_loss_of_wrong_type_is_a_clear_error():
+    step = af.train_step(lambda m, b: "oops", af.optim.sgd(0.1))
+    state = step.init(MLP())
+    with pytest.raises(TypeError, match="loss_fn returned a str"):
+        step(state, torch.randn(4, 8))
+
+
+def test_batch_that_is_not_a_tensor_pytree_names_the_key():
+    step = af.train_step(lambda m, b: m(b["x"]).sum(), af.optim.sgd(0.1))
+    state = step.init(MLP())
+    with pytest.raises(TypeError, match=r"batch\['text'\]\[1\] is a str"):
+        step(state, {"x": torch.randn(4, 8), "text": [torch.zeros(1), "hello"]})
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"batch\['x'\] is a ndarray.*torch.as_tensor"):
+        step(state, {"x": np.zeros((4, 8))})
+
+
+def test_params_that_do_not_match_the_model_name_the_key():
+    model = MLP()
+    step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    state = step.init(model)
+    bad_shape = state.replace(params={**state.params, "fc1.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=r"params\['fc1.weight'\] has shape \(3, 3\) but the model expects \(16, 8\)"):
+        step(bad_shape, torch.randn(4, 8))
+    missing = state.replace(params={k: v for k, v in state.params.items() if k != "fc2.bias"})
+    with pytest.raises(KeyError, match=r"missing \['fc2.bias'\]"):
+        step(missing, torch.randn(4, 8))
+    extra = state.replace(params={**state.params, "fc3.weight": torch.zeros(1)})
+    with pytest.raises(KeyError, match=r"unexpected \['fc3.weight'\]"):
+        step(extra, torch.randn(4, 8))
+
+
+def test_public_constructors_check_argument_types():
+    with pytest.raises(TypeError, match="'optimizer'"):
+        af.train_step(lambda m, b: 0, "adamw")
+    with pytest.raises(TypeError, match="'clip_grad_norm'"):
+        af.train_step(lambda m, b: 0, af.optim.sgd(0.1), clip_grad_norm="1.0")
+    with pytest.raises(TypeError, match="'loss_fn'"):
+        af.train_step(3, af.optim.sgd(0.1))
+
+
+def test_calling_before_init_is_a_clear_error():
+    step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    other = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    state = other.init(MLP())
+    with pytest.raises(RuntimeError, match=r"step.init\(model\)"):
+        step(state, torch.randn(2, 8))
+
+
+def test_loss_that_ignores_the_model_is_a_clear_error():
+    detached = MLP()
+    step = af.train_step(lambda m, b: detached(b).sum().detach(), af.optim.sgd(0.1))
+    state = step.init(MLP())
+    with pytest.raises(ValueError, match="does not depend on any trainable parameter"):
+        step(state, torch.randn(2, 8))

@@ -1,0 +1,11 @@
+"""Worker: print the accelfn env contract as the launcher set it (one JSON line per rank)."""
+
+import json
+import os
+
+from accelfn.launch.env import read_env
+
+e = read_env()
+print("ENV " + json.dumps({"rank": e.rank, "mesh": os.environ.get("ACCELFN_MESH"), "parsed_mesh": e.mesh,
+                           "mixed_precision": e.mixed_precision, "device": e.device,
+                           "launched": e.launched, "world_size": e.world_size}), flush=True)

@@ -7,13 +7,15 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import dist, losses, optim, platforms, random, tree
+from . import checkpoint, dist, losses, optim, platforms, random, tree
 from .dist import progress
 from .losses import Loss
 from .mesh import Mesh
 from .module import bind, partition
 from .state import TrainState
+from .lowering import CompositionError
 from .step import Step, eval_step, train_step
+from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,12 @@ __all__ = [
     "platforms",
     "dist",
     "progress",
+    "checkpoint",
+    "accumulate",
+    "autocast",
+    "autocast_fp8",
+    "compile",
+    "offload",
+    "LossScaleConfig",
+    "CompositionError",
 ]

@@ -27,7 +27,7 @@ from . import platforms
 from ._typecheck import checked
 from .platforms import Platform
 
-__all__ = ["Mesh", "MESH_ENV", "DATA_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
+__all__ = ["Mesh", "MeshAxisError", "MESH_ENV", "DATA_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
 
 MESH_ENV = "ACCELFN_MESH"
 """Environment variable with the mesh shape set by `accelfn launch --mesh`, e.g. `dp=2,tp=1`."""
@@ -36,6 +36,13 @@ DATA_AXES: tuple[str, ...] = ("dp", "dp_replicate", "dp_shard", "fsdp")
 """Axis names over which the batch is split (data-parallel axes), in mesh order."""
 
 _current: Mesh | None = None
+
+
+class MeshAxisError(KeyError):
+    """An axis name the mesh does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 _atexit_registered = False
 
 
@@ -87,8 +94,7 @@ def init_process_group(platform: Platform) -> bool:
     if not dist.is_available():  # pragma: no cover - torch built without distributed
         raise RuntimeError("this torch build has no torch.distributed; accelfn.Mesh needs it")
     local_rank = _env_int("LOCAL_RANK", 0)
-    if platform.device_type != "cpu":
-        platform.set_device(platform.device(local_rank))
+    platform.set_device(platform.device(local_rank))
     if "WORLD_SIZE" in os.environ:
         missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing and _env_int("WORLD_SIZE", 1) > 1:
@@ -118,7 +124,7 @@ class Mesh:
     """Named axes over all processes of the job, on one device kind.
 
     `shape` maps axis names to sizes, outermost first; one size may be `-1` for "the rest of the world".
-    `device` is a kind (`"cpu"`, `"cuda"`, ...; see `af.platforms.KINDS`), a `Platform`, or `"auto"`
+    `device` is a device kind (one of `af.platforms.KINDS`), a `Platform`, or `"auto"`
     (`af.platforms.detect()`, which honours `ACCELFN_DEVICE`).
 
     Example:
@@ -275,7 +281,7 @@ class Mesh:
 
     def _check_axis(self, name: str) -> str:
         if name not in self._shape:
-            raise KeyError(f"this mesh has no axis {name!r}; its axes are {self.axis_names} (shape {self._shape})")
+            raise MeshAxisError(f"this mesh has no axis {name!r}; its axes are {self.axis_names} (shape {self._shape})")
         return name
 
 

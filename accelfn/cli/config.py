@@ -49,7 +49,9 @@ def ask(input_fn: Callable[[str], str] = input, print_fn: Callable[[str], None] 
         while True:
             raw = input_fn("FP8 backend (auto, torchao, te) [auto]: ").strip() or "auto"
             try:
-                cfg = cfg.replace(fp8=Fp8Config(backend=raw, recipe=input_fn("FP8 recipe [none]: ").strip() or None))
+                cfg = cfg.replace(
+                    fp8=Fp8Config(backend=raw, recipe=input_fn("FP8 recipe [none]: ").strip() or None)
+                )
                 break
             except ConfigError as e:
                 print_fn(f"  {e}")
@@ -57,10 +59,16 @@ def ask(input_fn: Callable[[str], str] = input, print_fn: Callable[[str], None] 
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("config", help="write the launch config (YAML)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "config",
+        help="write the launch config (YAML)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--default", action="store_true", help="write the defaults without asking")
-    p.add_argument("--config-file", help="where to write (default: $XDG_CACHE_HOME/accelfn/default_config.yaml)")
+    p.add_argument(
+        "--config-file", help="where to write (default: $XDG_CACHE_HOME/accelfn/default_config.yaml)"
+    )
     p.set_defaults(func=_run)
 
 

@@ -38,23 +38,19 @@ def report(config_file: str | None = None) -> dict[str, Any]:
     }
     for name in OPTIONAL:
         info[name] = _version(name)
-    try:
-        from .. import platforms  # type: ignore[attr-defined]
+    from .. import platforms
 
-        plat = platforms.detect()
-        info["platform"] = f"{plat.kind} (backend {plat.backend}, {plat.visible_devices_env or 'no visibility variable'})"
-        info["devices"] = plat.device_count()
-        memory = getattr(plat, "memory_info", None) or getattr(plat, "total_memory", None)
-        if callable(memory):
-            info["device memory"] = memory()
-    except ImportError:
-        info["platform"] = "cuda" if torch.cuda.is_available() else "cpu"
-        info["devices"] = torch.cuda.device_count()
-    if torch.cuda.is_available():
-        info["device memory"] = ", ".join(
-            f"{torch.cuda.get_device_name(i)} {torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} GiB"
-            for i in range(torch.cuda.device_count())
-        )
+    plat = platforms.detect()
+    info["platform"] = (
+        f"{plat.kind} (backend {plat.backend}; visible-devices variable: {plat.visible_devices_env})"
+    )
+    info["available kinds"] = ", ".join(p.kind for p in platforms.available())
+    info["devices"] = plat.device_count()
+    memory = []
+    for i in range(plat.device_count()):
+        total = plat.memory_stats(plat.device(i)).get("total")
+        memory.append(f"{plat.device(i)}: {total / 2**30:.1f} GiB" if total else f"{plat.device(i)}: unknown")
+    info["device memory"] = ", ".join(memory)
     info["cpu cores"] = _cpu_count()
     path = config_file or default_config_path()
     try:
@@ -71,8 +67,12 @@ def _cpu_count() -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("env", help="print versions, platform and config", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "env",
+        help="print versions, platform and config",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config-file", help="config to show (default: the cache folder's)")
     p.set_defaults(func=_run)
 

@@ -17,19 +17,33 @@ from ..launch.env import MIXED_PRECISION
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     """The options shared by ``launch`` and ``test`` (all default to None: "not given")."""
     g = p.add_argument_group("processes")
-    g.add_argument("--nproc-per-node", "--num-processes", dest="nproc_per_node", metavar="N|auto",
-                   help="processes on this node (default: the platform's device count; 1 on CPU)")
-    g.add_argument("--nnodes", "--num-machines", dest="nnodes", metavar="N|MIN:MAX",
-                   help="number of nodes, or MIN:MAX for an elastic job (default 1)")
-    g.add_argument("--node-rank", "--machine-rank", dest="node_rank", type=int,
-                   help="this node's rank (used by --rdzv-backend static; c10d assigns ranks itself)")
+    g.add_argument(
+        "--nproc-per-node",
+        "--num-processes",
+        dest="nproc_per_node",
+        metavar="N|auto",
+        help="processes on this node (default: the platform's device count; 1 on CPU)",
+    )
+    g.add_argument(
+        "--nnodes",
+        "--num-machines",
+        dest="nnodes",
+        metavar="N|MIN:MAX",
+        help="number of nodes, or MIN:MAX for an elastic job (default 1)",
+    )
+    g.add_argument(
+        "--node-rank",
+        "--machine-rank",
+        dest="node_rank",
+        type=int,
+        help="this node's rank (used by --rdzv-backend static; c10d assigns ranks itself)",
+    )
     g.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node")
     g.add_argument("--rdzv-backend", choices=("c10d", "static"), help="rendezvous backend (default c10d)")
     g.add_argument("--rdzv-id", help="job id shared by all nodes (default: SLURM job id, else 'accelfn')")
     g.add_argument("--max-restarts", type=int, help="restart the whole group up to K times on failure")
     g.add_argument("--monitor-interval", type=float, help="seconds between worker health checks (0.1)")
-    g.add_argument("--no-slurm", dest="use_slurm", action="store_false",
-                   help="ignore SLURM_* variables")
+    g.add_argument("--no-slurm", dest="use_slurm", action="store_false", help="ignore SLURM_* variables")
     s = p.add_argument_group("settings passed to the script (ACCELFN_* variables)")
     s.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=1 (-1: the rest of the world)")
     s.add_argument("--mixed-precision", choices=MIXED_PRECISION)
@@ -37,8 +51,12 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
     o = p.add_argument_group("output")
     o.add_argument("--log-dir", help="folder for per-rank logs and error files (default: a temp folder)")
-    o.add_argument("--tee", choices=("none", "stdout", "stderr", "all"), default="none",
-                   help="also write these streams to --log-dir, with a [rankN] prefix on the console")
+    o.add_argument(
+        "--tee",
+        choices=("none", "stdout", "stderr", "all"),
+        default="none",
+        help="also write these streams to --log-dir, with a [rankN] prefix on the console",
+    )
 
 
 def options_from_args(args: argparse.Namespace, script: str, script_args: list[str], module: bool) -> Any:
@@ -46,12 +64,24 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
     from ..launch.launcher import LaunchOptions
 
     return LaunchOptions(
-        script=script, script_args=tuple(script_args), module=module,
-        nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, mesh=args.mesh,
-        mixed_precision=args.mixed_precision, config_file=args.config_file, cpu=args.cpu,
-        log_dir=args.log_dir, tee=args.tee, use_slurm=args.use_slurm,
+        script=script,
+        script_args=tuple(script_args),
+        module=module,
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        mesh=args.mesh,
+        mixed_precision=args.mixed_precision,
+        config_file=args.config_file,
+        cpu=args.cpu,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        use_slurm=args.use_slurm,
     )
 
 
@@ -69,8 +99,12 @@ def launch(opts: Any) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("launch", help="run a script on all processes", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "launch",
+        help="run a script on all processes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_launch_options(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as `python -m`")
     p.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")

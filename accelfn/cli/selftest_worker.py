@@ -16,17 +16,13 @@ from ..launch.env import read_env
 
 
 def _device_and_backend() -> tuple[torch.device, str]:
-    e = read_env()
-    if e.device == "cpu":
-        return torch.device("cpu"), "gloo"
-    try:
-        from .. import platforms  # type: ignore[attr-defined]
-    except ImportError:
-        return torch.device("cpu"), "gloo"
-    plat = platforms.detect() if e.device == "auto" else platforms.get(e.device)
-    if plat.kind == "cpu":
-        return torch.device("cpu"), "gloo"
-    return torch.device(plat.kind, e.local_rank), plat.backend
+    """The platform's device for this local rank and its backend (``ACCELFN_DEVICE=cpu`` under --cpu)."""
+    from .. import platforms
+
+    plat = platforms.detect()
+    dev = plat.device(read_env().local_rank)
+    plat.set_device(dev)
+    return dev, plat.backend
 
 
 def _collectives(rank: int, n: int, dev: torch.device) -> dict[str, bool]:
@@ -45,7 +41,7 @@ def _collectives(rank: int, n: int, dev: torch.device) -> dict[str, bool]:
     results["all_gather"] = all(p.eq(i).all().item() for i, p in enumerate(parts))
     b = torch.full((3,), float(rank), device=dev)
     dist.broadcast(b, src=n - 1)
-    results["broadcast"] = b.eq(n - 1).all().item()
+    results["broadcast"] = bool(b.eq(n - 1).all().item())
     out = torch.zeros(1, device=dev)
     dist.reduce_scatter(out, [torch.full((1,), float(rank + i), device=dev) for i in range(n)])
     results["reduce_scatter"] = out.item() == sum(r + rank for r in range(n))
@@ -55,6 +51,23 @@ def _collectives(rank: int, n: int, dev: torch.device) -> dict[str, bool]:
     dist.barrier()
     results["barrier"] = True
     return results
+
+
+def _af_dist(rank: int, n: int, dev: torch.device) -> dict[str, bool]:
+    """The same answers through `af.dist` (pytrees in, new tensors out)."""
+    from .. import dist as afd
+
+    x = torch.tensor([float(rank)], device=dev)
+    mean = sum(range(n)) / n
+    return {
+        "af.dist.all_reduce mean/sum/max/min": [
+            afd.all_reduce(x, op=op).item() for op in ("mean", "sum", "max", "min")
+        ]
+        == [mean, mean * n, n - 1, 0],
+        "af.dist.gather": afd.gather({"r": x})["r"].tolist() == [float(r) for r in range(n)],
+        "af.dist.broadcast": afd.broadcast(x + 10, src=n - 1).item() == n - 1 + 10,
+        "af.dist.gather_object": afd.gather_object(("rank", rank)) == [("rank", r) for r in range(n)],
+    }
 
 
 def _mlp() -> torch.nn.Module:
@@ -75,8 +88,10 @@ def _ddp_matches_single_process(rank: int, n: int, dev: torch.device) -> bool:
 
     gen = torch.Generator().manual_seed(1)
     per_rank = 4
-    batches = [(torch.randn(per_rank * n, 4, generator=gen), torch.randn(per_rank * n, 1, generator=gen))
-               for _ in range(3)]
+    batches = [
+        (torch.randn(per_rank * n, 4, generator=gen), torch.randn(per_rank * n, 1, generator=gen))
+        for _ in range(3)
+    ]
     ddp = DistributedDataParallel(_mlp().to(dev), device_ids=[dev.index] if dev.type != "cpu" else None)
     shard = slice(rank * per_rank, (rank + 1) * per_rank)
     _train(ddp, [(x[shard].to(dev), y[shard].to(dev)) for x, y in batches])
@@ -93,13 +108,14 @@ def _ddp_matches_single_process(rank: int, n: int, dev: torch.device) -> bool:
 
 def main() -> int:
     dev, backend = _device_and_backend()
-    if dev.type != "cpu":
-        getattr(torch, dev.type).set_device(dev)
     dist.init_process_group(backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     checks: dict[str, Callable[[], dict[str, bool]]] = {
         "collectives": lambda: _collectives(rank, n, dev),
-        "ddp": lambda: {"3 DDP steps == 1 process on the global batch": _ddp_matches_single_process(rank, n, dev)},
+        "af.dist": lambda: _af_dist(rank, n, dev),
+        "ddp": lambda: {
+            "3 DDP steps == 1 process on the global batch": _ddp_matches_single_process(rank, n, dev)
+        },
     }
     results: dict[str, bool] = {}
     for group in checks.values():

@@ -16,8 +16,12 @@ from .launch import add_launch_options, launch, options_from_args
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("test", help="distributed self-check through the launcher", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "test",
+        help="distributed self-check through the launcher",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_launch_options(p)
     p.set_defaults(func=_run)
 

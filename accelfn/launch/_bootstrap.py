@@ -17,8 +17,10 @@ import traceback
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without this file's and runpy's frames: it starts in the user's code."""
     tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
-                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+        or tb.tb_frame.f_code.co_filename.endswith("runpy.py")
+    ):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 

@@ -124,7 +124,9 @@ def _reject_unknown(data: Mapping[str, Any], cls: type, *, prefix: str = "") -> 
     known = [f.name for f in attrs.fields(cls)]
     for key in data:
         if key not in known:
-            raise ConfigError(f"unknown config key {prefix}{key!r}; known keys: {', '.join(prefix + k for k in known)}")
+            raise ConfigError(
+                f"unknown config key {prefix + str(key)!r}; known keys: {', '.join(prefix + k for k in known)}"
+            )
 
 
 @attrs.frozen
@@ -139,7 +141,9 @@ class Config:
     rdzv_endpoint: str = attrs.field(default="", validator=_check_str("rdzv_endpoint"))
     rdzv_backend: str = attrs.field(default="c10d", validator=_check_choice("rdzv_backend", RDZV_BACKENDS))
     rdzv_id: str = attrs.field(default="", converter=str)
-    mixed_precision: str = attrs.field(default="no", validator=_check_choice("mixed_precision", MIXED_PRECISION))
+    mixed_precision: str = attrs.field(
+        default="no", validator=_check_choice("mixed_precision", MIXED_PRECISION)
+    )
     mesh: str = attrs.field(default="", converter=_mesh_in, validator=_check_mesh)
     device: str = attrs.field(default="auto", validator=_check_choice("device", DEVICE_KINDS))
     max_restarts: int = attrs.field(default=0, validator=_check_int("max_restarts", minimum=0))
@@ -167,8 +171,29 @@ class Config:
         return attrs.evolve(self, **changes)
 
 
+def _safe_loader() -> type:
+    """``yaml.SafeLoader`` without YAML 1.1's base-60 integers, so ``num_machines: 1:4`` stays "1:4"."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        list("-+0123456789"),
+    )
+    return Loader
+
+
 def load(path: str | os.PathLike[str]) -> Config:
-    """Read a YAML config (``yaml.safe_load``); errors name the file and the key.
+    """Read a YAML config (a ``yaml.SafeLoader``); errors name the file and the key.
 
     Example:
         >>> import tempfile, pathlib
@@ -181,9 +206,11 @@ def load(path: str | os.PathLike[str]) -> Config:
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_safe_loader())
     except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist; write one with `accelfn config`") from None
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; write one with `accelfn config`"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     try:

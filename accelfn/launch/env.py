@@ -49,7 +49,7 @@ ACCELFN_VARIABLES = (
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
 MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("auto", "torchao", "te")
-MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+MESH_AXES = ("dp", "dp_replicate", "dp_shard", "fsdp", "tp", "pp", "cp", "ep")  # the usual ones (any name is allowed)
 
 
 def parse_mesh(spec: str, *, source: str = ACCELFN_MESH) -> dict[str, int]:
@@ -65,16 +65,20 @@ def parse_mesh(spec: str, *, source: str = ACCELFN_MESH) -> dict[str, int]:
             continue
         name, sep, size = part.partition("=")
         name = name.strip()
-        if not sep or name not in MESH_AXES:
+        if not sep or not name.isidentifier():
             raise ValueError(
-                f"{source}={spec!r}: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+                f"{source}={spec!r}: {part!r} is not AXIS=SIZE with AXIS a name such as {', '.join(MESH_AXES)}"
             )
         try:
             n = int(size)
         except ValueError:
-            raise ValueError(f"{source}={spec!r}: size of axis {name!r} must be an integer, got {size!r}") from None
+            raise ValueError(
+                f"{source}={spec!r}: size of axis {name!r} must be an integer, got {size!r}"
+            ) from None
         if n == 0 or n < -1:
-            raise ValueError(f"{source}={spec!r}: size of axis {name!r} must be >= 1 or -1 (the rest), got {n}")
+            raise ValueError(
+                f"{source}={spec!r}: size of axis {name!r} must be >= 1 or -1 (the rest), got {n}"
+            )
         if name in axes:
             raise ValueError(f"{source}={spec!r}: axis {name!r} is given twice")
         axes[name] = n

@@ -71,16 +71,10 @@ class LaunchPlan:
 
 
 def _device_count(kind: str) -> int:
-    """Processes per node for ``auto``: the platform's device count; 1 on CPU."""
-    if kind == "cpu":
-        return 1
-    try:
-        from .. import platforms  # type: ignore[attr-defined]
-    except ImportError:
-        return 1
+    """Processes per node for ``auto``: the platform's device count (1 on CPU)."""
+    from .. import platforms
+
     platform = platforms.detect() if kind == "auto" else platforms.get(kind)
-    if platform.kind == "cpu":
-        return 1
     return max(int(platform.device_count()), 1)
 
 
@@ -109,7 +103,9 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         return cfg_value
 
     device = "cpu" if opts.cpu else cfg.device
-    nproc = pick("nproc_per_node", opts.nproc_per_node, slurm and slurm.nproc_per_node, cfg.num_processes, "auto")
+    nproc = pick(
+        "nproc_per_node", opts.nproc_per_node, slurm and slurm.nproc_per_node, cfg.num_processes, "auto"
+    )
     if nproc == "auto":
         nproc = _device_count(device)
     try:
@@ -145,11 +141,17 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         mesh = contract.format_mesh(contract.parse_mesh(mesh, source="--mesh"))
     precision = pick("mixed_precision", opts.mixed_precision, None, cfg.mixed_precision, "no")
     if precision not in contract.MIXED_PRECISION:
-        raise ConfigError(f"--mixed-precision={precision!r} is not one of {', '.join(contract.MIXED_PRECISION)}")
+        raise ConfigError(
+            f"--mixed-precision={precision!r} is not one of {', '.join(contract.MIXED_PRECISION)}"
+        )
     if opts.tee not in TEE_CHOICES:
         raise ConfigError(f"--tee={opts.tee!r} is not one of {', '.join(TEE_CHOICES)}")
 
-    env = {contract.ACCELFN_LAUNCHED: "1", contract.ACCELFN_DEVICE: device, contract.ACCELFN_MIXED_PRECISION: precision}
+    env = {
+        contract.ACCELFN_LAUNCHED: "1",
+        contract.ACCELFN_DEVICE: device,
+        contract.ACCELFN_MIXED_PRECISION: precision,
+    }
     if mesh:
         env[contract.ACCELFN_MESH] = mesh
     if precision == "fp8":
@@ -158,6 +160,10 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
             env[contract.ACCELFN_FP8_RECIPE] = cfg.fp8.recipe
     if cfg_path:
         env[contract.ACCELFN_CONFIG_FILE] = cfg_path
+    if max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        # With the agent's shared TCPStore, a restarted group can read the previous attempt's keys
+        # and connect to dead peers (pytorch#135712, #167288): give each attempt its own store.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not each take every core
 

@@ -24,7 +24,9 @@ DEFAULT_PORT = 29500
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -116,7 +118,9 @@ def from_env(environ: Mapping[str, str], *, port: int | None = None) -> SlurmInf
             "(srun --ntasks-per-node=1) and choose the processes per node with --nproc-per-node"
         )
     nodelist = (
-        environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST")
     )
     hosts = expand_nodelist(nodelist) if nodelist else []
     nnodes = get_int("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or max(len(hosts), 1)

@@ -7,7 +7,15 @@ Example:
 """
 
 from .adam import AdamState, adam, adamw
-from .base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain, identity, learning_rate
+from .base import (
+    EmptyState,
+    GradientTransformation,
+    apply_gradients,
+    apply_updates,
+    chain,
+    identity,
+    learning_rate,
+)
 from .clip import clip_by_global_norm, global_norm
 from .lion import LionState, lion
 from .masked import MaskedState, masked

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Union
 
 import attrs
 import torch
@@ -30,7 +29,7 @@ class Schedule:
         raise NotImplementedError
 
 
-ScheduleLike = Union[float, int, Schedule, Callable[[torch.Tensor], "torch.Tensor | float"]]
+ScheduleLike = float | int | Schedule | Callable[[torch.Tensor], "torch.Tensor | float"]
 
 
 def _t(count: torch.Tensor) -> torch.Tensor:

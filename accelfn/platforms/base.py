@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -14,6 +15,8 @@ __all__ = ["Platform", "import_optional"]
 
 def import_optional(name: str) -> ModuleType | None:
     """Import `name` if it is installed, else None (without importing it when it is absent)."""
+    if name in sys.modules:
+        return sys.modules[name]
     try:
         if importlib.util.find_spec(name) is None:
             return None

@@ -6,6 +6,18 @@ import os
 from accelfn.launch.env import read_env
 
 e = read_env()
-print("ENV " + json.dumps({"rank": e.rank, "mesh": os.environ.get("ACCELFN_MESH"), "parsed_mesh": e.mesh,
-                           "mixed_precision": e.mixed_precision, "device": e.device,
-                           "launched": e.launched, "world_size": e.world_size}), flush=True)
+print(
+    "ENV "
+    + json.dumps(
+        {
+            "rank": e.rank,
+            "mesh": os.environ.get("ACCELFN_MESH"),
+            "parsed_mesh": e.mesh,
+            "mixed_precision": e.mixed_precision,
+            "device": e.device,
+            "launched": e.launched,
+            "world_size": e.world_size,
+        }
+    ),
+    flush=True,
+)

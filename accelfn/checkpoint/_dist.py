@@ -1,0 +1,92 @@
+"""The few collectives a distributed save needs (over a private gloo group), and DTensor geometry.
+
+Everything here is a no-op in a single process. Messages travel as JSON encoded in uint8 tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "is_dtensor", "region", "writes_piece", "is_sharded"]
+
+
+def is_dtensor(x: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+def region(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """`(global_offset, local_shape)` of this rank's part of `t` (the whole tensor for a plain one)."""
+    if not is_dtensor(t):
+        return [0] * t.ndim, list(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    return list(offset), list(shape)
+
+
+def is_sharded(t: Any) -> bool:
+    """A DTensor with at least one `Shard` placement."""
+    return is_dtensor(t) and any(p.is_shard() for p in t.placements)
+
+
+def writes_piece(t: torch.Tensor, rank: int) -> bool:
+    """Whether this rank writes its part of `t`: rank 0 for plain tensors; for a DTensor, the ranks at
+    coordinate 0 of every replicated mesh dimension (each distinct piece is written once)."""
+    if not is_dtensor(t):
+        return rank == 0
+    coord = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coord is None:
+        return False
+    for dim, p in enumerate(t.placements):  # type: ignore[attr-defined]
+        if p.is_partial():
+            raise ValueError("cannot save a DTensor with a Partial placement: reduce it first (redistribute)")
+        if p.is_replicate() and coord[dim] != 0:
+            return False
+    return True
+
+
+class Comm:
+    """Rank, world size and the collectives of a save, on a private gloo group (so a save in a background
+    thread does not interleave with the training's collectives)."""
+
+    _group: Any = None
+
+    def __init__(self) -> None:
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else 0
+        self.world = dist.get_world_size() if self.active else 1
+        if self.active and Comm._group is None:
+            Comm._group = dist.new_group(backend="gloo")
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=Comm._group)
+
+    def broadcast_str(self, text: str) -> str:
+        """Rank 0's `text` on every rank."""
+        if not self.active:
+            return text
+        return self.all_gather_json(text if self.rank == 0 else None)[0]
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able `obj`, in rank order."""
+        if not self.active:
+            return [obj]
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=Comm._group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(bufs, padded, group=Comm._group)
+        return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]

@@ -1,0 +1,197 @@
+"""Safetensors files, written and read by streaming: fsync on write, size and CRC-32 checked on read.
+
+The writer produces standard safetensors files (any safetensors or transformers reader opens them), one
+tensor at a time, computing the checksum as it goes (no second pass, no whole-file buffer). The reader
+reads a file once into memory (every page touched), checks it, and returns views into that buffer.
+
+Example:
+    >>> import tempfile, os, torch
+    >>> from accelfn.checkpoint import io
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+    >>> rec = io.write_file(path, {"w": torch.arange(6.0).reshape(2, 3).t(), "flag": torch.tensor([True])})
+    >>> t = io.read_file(path, rec)
+    >>> t["w"].tolist(), t["flag"].dtype, rec.size == os.path.getsize(path)
+    ([[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]], torch.bool, True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .format import CorruptCheckpointError
+
+__all__ = ["FileRecord", "DTYPES", "write_file", "read_file", "read_header", "tensor_bytes", "fsync_path"]
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+}  # fmt: skip
+_FROM_CODE = {v: k for k, v in DTYPES.items()}
+_CHUNK = 64 << 20
+
+
+@attrs.frozen
+class FileRecord:
+    """A written file's size in bytes and the CRC-32 of its bytes (as recorded in `state.json`)."""
+
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"size": self.size, "crc32": self.crc32}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` in row-major order (a contiguous CPU copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous().reshape(-1)
+    if t.dtype not in DTYPES:
+        raise TypeError(f"cannot store a tensor of dtype {t.dtype} in safetensors")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or folder, so its data (or its entries) survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> FileRecord:
+    """Write `tensors` to a new safetensors file at `path`, fsync it, and return its size and CRC-32."""
+    items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))  # keeps data aligned
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in items:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    prefix = struct.pack("<Q", len(head)) + head
+    crc = zlib.crc32(prefix)
+    with open(path, "wb") as f:
+        f.write(prefix)
+        for _, t in items:
+            data = tensor_bytes(t)
+            for i in range(0, len(data), _CHUNK):
+                chunk = data[i : i + _CHUNK]
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(len(prefix) + offset, crc)
+
+
+def _read_all(path: Path, size: int) -> torch.Tensor:
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        while done < size:
+            n = f.readinto(view[done : done + _CHUNK])
+            if not n:
+                break
+            done += n
+    if done != size:
+        raise CorruptCheckpointError(f"'{path}' shrank while being read ({done} of {size} bytes)")
+    return buf
+
+
+def read_header(path: str | os.PathLike[str], data: memoryview | bytes | None = None) -> tuple[dict[str, Any], int]:
+    """`(header, data_start)` of a safetensors file, validated against the file's size."""
+    path = Path(path)
+    size = len(data) if data is not None else path.stat().st_size
+    if data is None:
+        with open(path, "rb") as f:
+            first = f.read(8)
+            n = struct.unpack("<Q", first)[0] if len(first) == 8 else -1
+            raw = f.read(n) if 0 < n <= size - 8 else b""
+    else:
+        n = struct.unpack("<Q", bytes(data[:8]))[0] if size >= 8 else -1
+        raw = bytes(data[8 : 8 + n]) if 0 < n <= size - 8 else b""
+    if not raw:
+        raise CorruptCheckpointError(f"'{path}' is not a safetensors file or is truncated ({size} bytes)")
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptCheckpointError(f"'{path}' has a corrupted safetensors header") from None
+    start = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _FROM_CODE[info["dtype"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            numel = 1
+            for d in info["shape"]:
+                numel *= int(d)
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"'{path}': tensor {name!r} has an invalid header entry {info!r}") from None
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0:
+            raise CorruptCheckpointError(f"'{path}': tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
+        if start + end > size:
+            raise CorruptCheckpointError(
+                f"'{path}' is truncated: tensor {name!r} ends at byte {start + end} but the file has {size} bytes"
+            )
+    return header, start
+
+
+def read_file(
+    path: str | os.PathLike[str], record: FileRecord | None = None, *, names: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a safetensors file whole (checking its size and CRC-32 against `record` when given).
+
+    Returns CPU tensors that are views into one buffer holding the file; `names` selects some tensors.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint file '{path}' is missing")
+    size = path.stat().st_size
+    if record is not None and size != record.size:
+        raise CorruptCheckpointError(
+            f"'{path}' has {size} bytes but {record.size} were written: the file is truncated or was replaced"
+        )
+    buf = _read_all(path, size)
+    data = memoryview(buf.numpy()).cast("B")
+    if record is not None:
+        crc = zlib.crc32(data)
+        if crc != record.crc32:
+            raise CorruptCheckpointError(
+                f"'{path}' is corrupted: its CRC-32 is {crc:08x} but {record.crc32:08x} was recorded at save time"
+            )
+    header, start = read_header(path, data)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__" or (names is not None and name not in names):
+            continue
+        dtype = _FROM_CODE[info["dtype"]]
+        begin, end = info["data_offsets"]
+        raw = buf[start + begin : start + end]
+        item = torch.empty((), dtype=dtype).element_size()
+        if (start + begin) % item:
+            raw = raw.clone()  # misaligned in a foreign file: copy to an aligned buffer
+        out[name] = raw.view(dtype).reshape(info["shape"])
+    return out

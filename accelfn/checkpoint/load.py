@@ -1,0 +1,196 @@
+"""`load(path, like=state)`: read a checkpoint back into the structure and placement of `like`.
+
+`like` is donated: its tensors receive the loaded values in place (so a module bound to them, FSDP2's
+included, sees them), except meta tensors, which are replaced by new CPU tensors. Each rank reads the
+pieces that overlap its part of every tensor, so a checkpoint saved on any number of ranks loads on any
+other (plain tensors, or DTensors sharded like `like`'s).
+
+Example:
+    >>> import tempfile, torch, accelfn as af
+    >>> step = af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), af.optim.adamw(1e-3))
+    >>> state = step.init(torch.nn.Linear(3, 1), seed=1)
+    >>> path = tempfile.mkdtemp() + "/ckpt"
+    >>> _ = af.checkpoint.save(path, state)
+    >>> fresh = step.init(torch.nn.Linear(3, 1), seed=2)
+    >>> loaded = af.checkpoint.load(path, like=fresh)
+    >>> torch.equal(loaded.params["weight"], state.params["weight"]), torch.equal(loaded.rng, state.rng)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import tree as _tree
+from .._typecheck import checked
+from ..state import TrainState
+from . import io
+from ._dist import is_dtensor, region
+from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, read_state_json
+from .leaves import alias_key, describe, dtype_name, dtype_of, flatten
+
+__all__ = ["load", "Target", "check_leaf", "copy_overlap"]
+
+
+class Target:
+    """Where one leaf's values go: this rank's local tensor, its global offset, and what has been filled."""
+
+    def __init__(self, path: str, like: torch.Tensor, fresh: bool) -> None:
+        self.path = path
+        local = like.to_local() if is_dtensor(like) else like  # type: ignore[attr-defined]
+        if fresh:
+            device = "cpu" if local.device.type == "meta" else local.device
+            local = torch.empty(local.shape, dtype=local.dtype, device=device)
+            if is_dtensor(like):
+                from torch.distributed.tensor import DTensor
+
+                self.value: torch.Tensor = DTensor.from_local(
+                    local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()  # type: ignore[attr-defined]
+                )
+            else:
+                self.value = local
+        else:
+            self.value = like
+        self.local = local
+        self.offset, _ = region(like)
+        self.filled = 0
+
+    def fill(self, src: torch.Tensor, src_offset: list[int]) -> None:
+        self.filled += copy_overlap(self.local, self.offset, src, src_offset)
+
+    def check_complete(self, folder: Path) -> None:
+        if self.filled != self.local.numel():
+            raise CorruptCheckpointError(
+                f"checkpoint '{folder}' holds {self.filled} of the {self.local.numel()} values of {self.path!r} "
+                "this rank needs: a file is missing from the checkpoint"
+            )
+
+
+def copy_overlap(dst: torch.Tensor, dst_offset: list[int], src: torch.Tensor, src_offset: list[int]) -> int:
+    """Copy the overlap of two boxes of the same global tensor (given by offsets); returns values copied."""
+    dst_idx, src_idx = [], []
+    for d in range(dst.ndim):
+        lo = max(dst_offset[d], src_offset[d])
+        hi = min(dst_offset[d] + dst.shape[d], src_offset[d] + src.shape[d])
+        if hi <= lo:
+            return 0
+        dst_idx.append(slice(lo - dst_offset[d], hi - dst_offset[d]))
+        src_idx.append(slice(lo - src_offset[d], hi - src_offset[d]))
+    part = src[tuple(src_idx)]
+    with torch.no_grad():
+        dst[tuple(dst_idx)].copy_(part)
+    return part.numel()
+
+
+def check_leaf(path: str, dtype: torch.dtype, shape: list[int], like: Any, where: str) -> None:
+    """Raise `CheckpointMismatchError` naming `path` when `like` is not a tensor of this dtype and shape."""
+    if not isinstance(like, torch.Tensor):
+        raise CheckpointMismatchError(
+            f"{path!r}: {where} has a tensor {dtype_name(dtype)}{shape} but `like` has {describe(like)}"
+        )
+    if list(like.shape) != list(shape):
+        raise CheckpointMismatchError(
+            f"{path!r}: {where} has shape {tuple(shape)} but `like` has shape {tuple(like.shape)}"
+        )
+    if like.dtype != dtype:
+        raise CheckpointMismatchError(
+            f"{path!r}: {where} has dtype {dtype_name(dtype)} but `like` has dtype {dtype_name(like.dtype)}"
+        )
+
+
+def _short(paths: list[str]) -> str:
+    return str(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+@checked
+def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) -> TrainState:
+    """Load the checkpoint at `path` into the structure, dtypes and placement of `like` (donated).
+
+    Checks every file's size and CRC-32; raises `CheckpointMismatchError` naming the pytree path when the
+    structure, a shape or a dtype differs. With `loader`, restores its position (`load_state_dict`).
+    """
+    folder = Path(path)
+    meta = read_state_json(folder)
+    where = f"checkpoint '{folder}'"
+    saved: dict[str, dict[str, Any]] = meta["leaves"]
+    leaves, spec = flatten(like)
+    like_paths = [p for p, _ in leaves]
+    missing = [p for p in like_paths if p not in saved]
+    unexpected = [p for p in saved if p not in set(like_paths)]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"in `like` but not in the checkpoint: {_short(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in `like`: {_short(unexpected)}")
+        raise CheckpointMismatchError(f"{where} does not match the structure of `like`: " + "; ".join(parts))
+    if loader is not None and meta.get("loader") is None:
+        raise CheckpointError(f"{where} has no loader position (it was saved without loader=)")
+
+    out: dict[str, Any] = {}
+    targets: dict[str, Target] = {}
+    used: set[Any] = set()
+    for p, v in leaves:
+        e = saved[p]
+        kind = e["kind"]
+        if kind == "json":
+            out[p] = e["value"]
+            continue
+        if kind == "alias":
+            continue
+        dtype, shape = dtype_of(e["dtype"]), e["shape"]
+        check_leaf(p, dtype, shape, v, where)
+        key = alias_key(v)
+        local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
+        t = Target(p, v, fresh=key in used or local.device.type == "meta")
+        used.add(key)
+        if kind == "inline":
+            t.fill(torch.tensor(e["data"], dtype=dtype).reshape(shape), [0] * len(shape))
+        else:
+            targets[p] = t
+        out[p] = t.value
+
+    by_file: dict[str, list[tuple[Target, dict[str, Any]]]] = {}
+    for p, t in targets.items():
+        for piece in saved[p].get("pieces", []):
+            if not _overlaps(t, piece):
+                continue
+            by_file.setdefault(piece["file"], []).append((t, piece))
+    records = meta.get("files", {})
+    for name in sorted(by_file):
+        if name not in records:
+            raise CorruptCheckpointError(f"{where}: state.json does not record the file '{name}'")
+        tensors = io.read_file(folder / name, io.FileRecord(**records[name]))
+        for t, piece in by_file[name]:
+            if piece["key"] not in tensors:
+                raise CorruptCheckpointError(f"'{folder / name}' lacks the tensor {piece['key']!r} of {t.path!r}")
+            t.fill(tensors[piece["key"]], piece["offset"])
+        del tensors
+    for t in targets.values():
+        t.check_complete(folder)
+
+    for p, v in leaves:
+        e = saved[p]
+        if e["kind"] == "alias":
+            src = out[e["of"]]
+            check_leaf(p, src.dtype, list(src.shape), v, where)
+            out[p] = src
+    result = _tree.unflatten(spec, [out[p] for p in like_paths])
+    if loader is not None:
+        loader.load_state_dict(meta["loader"])
+    return result
+
+
+def _overlaps(t: Target, piece: dict[str, Any]) -> bool:
+    if t.local.numel() == 0:
+        return False
+    for d in range(t.local.ndim):
+        lo = max(t.offset[d], piece["offset"][d])
+        hi = min(t.offset[d] + t.local.shape[d], piece["offset"][d] + piece["shape"][d])
+        if hi <= lo:
+            return False
+    return True

@@ -1,0 +1,161 @@
+"""Hugging Face weights: `save_pretrained` writes a folder `transformers` loads; `load_pretrained` reads one.
+
+Tied weights are stored once, under the first name (`transformer.wte.weight` for GPT-2, whose
+`lm_head.weight` transformers re-ties from the config). A sharded (DTensor) model or state is gathered
+and written by rank 0 as one consolidated checkpoint.
+
+Example:
+    >>> import tempfile, torch, accelfn as af
+    >>> path = tempfile.mkdtemp() + "/weights"
+    >>> af.checkpoint.save_pretrained(path, torch.nn.Linear(2, 2))
+    >>> sorted(af.checkpoint.load_pretrained(path))
+    ['bias', 'weight']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._typecheck import checked
+from ..state import TrainState
+from . import atomic, io
+from ._dist import Comm, is_dtensor
+from .format import HF_INDEX, CheckpointMismatchError, hf_index, parse_size
+from .leaves import alias_key
+from .load import Target, check_leaf
+from .save import _split
+
+__all__ = ["save_pretrained", "load_pretrained"]
+
+
+def _named_tensors(model_or_params: Any) -> dict[str, torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        named = model_or_params.state_dict(keep_vars=True)  # persistent buffers included, as transformers
+    elif isinstance(model_or_params, TrainState):
+        named = model_or_params.params
+    else:
+        named = model_or_params
+    out: dict[str, torch.Tensor] = {}
+    seen: set[Any] = set()
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save_pretrained(): {name!r} is a {type(t).__name__}, not a tensor")
+        key = alias_key(t)
+        if key not in seen:  # a tied weight is stored once, under its first name
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+@checked
+def save_pretrained(
+    path: str | os.PathLike[str],
+    model_or_params: nn.Module | TrainState | dict[str, torch.Tensor],
+    *,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Write Hugging Face weights (`model.safetensors`, or shards + `model.safetensors.index.json`).
+
+    Takes a module (its `state_dict`), a `TrainState` (its params) or a dict. The `config` (default: the
+    module's `.config`, as transformers models have) is written beside the weights. Call on every rank.
+    """
+    size = parse_size(max_shard_size)
+    named = _named_tensors(model_or_params)
+    if config is None and isinstance(model_or_params, nn.Module):
+        config = getattr(model_or_params, "config", None)
+    comm = Comm()
+    full: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        if is_dtensor(t):
+            t = t.full_tensor()  # type: ignore[attr-defined]  # collective: every rank takes part
+        if comm.rank == 0:
+            full[name] = t.detach()
+    if comm.rank == 0:
+        final = Path(path).absolute()
+        final.parent.mkdir(parents=True, exist_ok=True)
+        atomic.clean_stale(final)
+        tmp = atomic.temp_sibling(final, uuid.uuid4().hex[:12])
+        tmp.mkdir()
+        files = _split(full, size, "model", None)
+        for name, tensors in files:
+            io.write_file(tmp / name, tensors, {"format": "pt"})
+        if len(files) > 1:
+            total = sum(t.numel() * t.element_size() for t in full.values())
+            (tmp / HF_INDEX).write_text(hf_index({k: n for n, ts in files for k in ts}, total))
+            io.fsync_path(tmp / HF_INDEX)
+        if config is not None:
+            if hasattr(config, "save_pretrained"):
+                config.save_pretrained(tmp)
+            else:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            io.fsync_path(tmp / "config.json")
+        atomic.commit(tmp, final)
+    comm.barrier()
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if folder.is_file():
+        return [folder]
+    if not folder.exists():
+        raise FileNotFoundError(f"no weights at '{folder}': the folder does not exist")
+    index = folder / HF_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    raise FileNotFoundError(f"'{folder}' has neither model.safetensors nor {HF_INDEX}")
+
+
+@checked
+def load_pretrained(
+    path: str | os.PathLike[str], like: dict[str, torch.Tensor] | None = None, *, strict: bool = True
+) -> dict[str, torch.Tensor]:
+    """Read Hugging Face weights (one file or index + shards) as `{name: tensor}`.
+
+    With `like` (e.g. `state.params`, donated), values are copied into its tensors (cast to their dtype,
+    sliced to their DTensor shard) and names `like` lacks raise unless `strict=False`.
+    """
+    folder = Path(path)
+    files = _weight_files(folder)
+    if like is None:
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(io.read_file(f))
+        return out
+    headers = {f: io.read_header(f)[0] for f in files}
+    where_of = {k: f for f, h in headers.items() for k in h if k != "__metadata__"}
+    missing = [k for k in like if k not in where_of]
+    unexpected = [k for k in where_of if k not in like]
+    if missing or (strict and unexpected):
+        raise CheckpointMismatchError(
+            f"weights at '{folder}' do not match `like`: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            + (" (pass strict=False to ignore unexpected ones)" if unexpected else "")
+        )
+    targets: dict[str, Target] = {}
+    used: set[Any] = set()
+    for name, v in like.items():
+        info = headers[where_of[name]][name]
+        check_leaf(name, v.dtype, info["shape"], v, f"'{where_of[name]}'")  # dtype is cast, shape must match
+        key = alias_key(v)
+        local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
+        targets[name] = Target(name, v, fresh=key in used or local.device.type == "meta")
+        used.add(key)
+    for f in files:
+        names = {n for n in targets if where_of[n] == f}
+        if not names:
+            continue
+        tensors = io.read_file(f, names=names)
+        for n in names:
+            targets[n].fill(tensors[n], [0] * tensors[n].ndim)
+    for t in targets.values():
+        t.check_complete(folder)
+    return {n: t.value for n, t in targets.items()}

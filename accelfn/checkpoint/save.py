@@ -1,0 +1,298 @@
+"""`save(path, state)`: write a `TrainState` as safetensors + `state.json`, atomically; `latest(root)`.
+
+Each rank writes what it owns (its DTensor shards; plain and replicated tensors once, by rank 0) into a
+hidden temporary folder; rank 0 then writes `state.json` (structure, sizes, checksums) and renames the
+folder into place. With `async_save=True` the tensors are copied to host memory and written by a
+background thread while training continues.
+
+Example:
+    >>> import tempfile, torch, accelfn as af
+    >>> step = af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), af.optim.adamw(1e-3))
+    >>> state = step.init(torch.nn.Linear(3, 1))
+    >>> root = tempfile.mkdtemp()
+    >>> _ = af.checkpoint.save(f"{root}/step-0", state)
+    >>> af.checkpoint.latest(root) == f"{root}/step-0"
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._typecheck import checked
+from ..state import TrainState
+from . import atomic, io
+from ._dist import Comm, is_dtensor, is_sharded, region, writes_piece
+from .format import FORMAT, GROUPS, HF_INDEX, INLINE, STATE_FILE, VERSION, file_name, hf_index, parse_size
+from .format import read_state_json, step_of_name
+from .leaves import JSON_TYPES, alias_key, dtype_name, flatten, split_path
+
+__all__ = ["save", "latest", "wait", "SaveHandle", "checkpoints"]
+
+
+class SaveHandle:
+    """A save in progress (or done): `result()` waits for it and returns the checkpoint's path."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait for the save to be committed; re-raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"saving '{self.path}' did not finish within {timeout} s")
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"SaveHandle('{self.path}', {'done' if self.done() else 'writing'})"
+
+
+_pending: SaveHandle | None = None
+
+
+def wait() -> str | None:
+    """Wait for the background save in flight (if any); re-raise its error. Returns its path."""
+    global _pending
+    handle, _pending = _pending, None
+    return handle.result() if handle is not None else None
+
+
+class _Plan:
+    """What one rank writes, and the description of every leaf (built in the caller's thread)."""
+
+    def __init__(self, state: TrainState, comm: Comm, max_shard_size: int, snapshot: bool) -> None:
+        leaves, _ = flatten(state)
+        self.multi = comm.world > 1 and any(is_sharded(v) for _, v in leaves)
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.files: dict[str, dict[str, torch.Tensor]] = {}  # file name -> {key: tensor} (this rank)
+        self.pieces: dict[str, list[dict[str, Any]]] = {}  # path -> pieces written by this rank
+        groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
+        owner: dict[str, str] = {}  # group/key -> path, to catch two paths that flatten to one key
+        seen: dict[Any, str] = {}
+        for path, v in leaves:
+            field, key = split_path(path)
+            if field in INLINE:
+                self.entries[path] = _inline(path, v)
+                continue
+            if isinstance(v, torch.Tensor):
+                ak = alias_key(v)
+                if ak in seen:
+                    self.entries[path] = {"kind": "alias", "of": seen[ak]}
+                    continue
+                seen[ak] = path
+                self.entries[path] = {"kind": "tensor", "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                if field not in GROUPS:
+                    raise TypeError(f"cannot save state field {field!r} ({path})")
+                if f"{field}/{key}" in owner:
+                    raise ValueError(f"state paths {owner[f'{field}/{key}']!r} and {path!r} have the same name")
+                owner[f"{field}/{key}"] = path
+                if not writes_piece(v, comm.rank):
+                    continue
+                local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
+                offset, shape = region(v)
+                if local.numel() == 0 and v.numel() > 0:
+                    continue  # an empty shard of an unevenly sharded tensor
+                local = local.detach()
+                if snapshot:
+                    local = local.to("cpu", copy=True, memory_format=torch.contiguous_format)
+                groups[field][key] = local
+                self.pieces[path] = [{"key": key, "offset": offset, "shape": shape}]
+            elif isinstance(v, JSON_TYPES):
+                self.entries[path] = {"kind": "json", "value": v}
+            else:
+                raise TypeError(
+                    f"state leaf {path!r} is a {type(v).__name__}: a checkpoint stores tensors and JSON scalars "
+                    "(bool, int, float, str)"
+                )
+        key_to_path = {(split_path(p)[0], pc[0]["key"]): p for p, pc in self.pieces.items()}
+        for field, tensors in groups.items():
+            for name, chunk in _split(tensors, max_shard_size, GROUPS[field], comm.rank if self.multi else None):
+                self.files[name] = chunk
+                for key in chunk:
+                    self.pieces[key_to_path[(field, key)]][0]["file"] = name
+        self.step = _int_step(state.step)
+
+
+def _inline(path: str, v: Any) -> dict[str, Any]:
+    if isinstance(v, torch.Tensor):
+        full = v.full_tensor() if is_dtensor(v) else v  # type: ignore[attr-defined]
+        return {"kind": "inline", "dtype": dtype_name(v.dtype), "shape": list(v.shape), "data": full.tolist()}
+    if isinstance(v, JSON_TYPES):
+        return {"kind": "json", "value": v}
+    raise TypeError(f"state leaf {path!r} is a {type(v).__name__}; expected a tensor or an int")
+
+
+def _int_step(step: Any) -> int | None:
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        return int((step.full_tensor() if is_dtensor(step) else step).item())  # type: ignore[attr-defined]
+    return step if isinstance(step, int) else None
+
+
+def _split(
+    tensors: dict[str, torch.Tensor], max_size: int, base: str, rank: int | None
+) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """Greedily pack tensors (in key order) into files of at most `max_size` bytes (one big tensor alone)."""
+    if not tensors:
+        return []
+    chunks: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        n = tensors[key].numel() * tensors[key].element_size()
+        if chunks[-1] and size + n > max_size:
+            chunks.append({})
+            size = 0
+        chunks[-1][key] = tensors[key]
+        size += n
+    return [(file_name(base, i + 1, len(chunks), rank=rank), c) for i, c in enumerate(chunks)]
+
+
+def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None) -> None:
+    """Write this rank's files, then (rank 0) state.json, and commit. Runs in any thread."""
+    records = {name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json() for name, tensors in plan.files.items()}
+    everyone = comm.all_gather_json({"files": records, "pieces": plan.pieces})
+    if comm.rank == 0:
+        files: dict[str, Any] = {}
+        for part in everyone:
+            files.update(part["files"])
+            for path, pieces in part["pieces"].items():
+                plan.entries[path].setdefault("pieces", []).extend(pieces)
+        if not plan.multi:
+            model_files = {p[0]["file"]: p[0]["key"] for path, p in plan.pieces.items() if path.startswith("params.")}
+            if len(set(model_files)) > 1:
+                weight_map = {pc[0]["key"]: pc[0]["file"] for path, pc in plan.pieces.items() if path.startswith("params.")}
+                total = sum(t.numel() * t.element_size() for n, f in plan.files.items() if n.startswith("model") for t in f.values())
+                (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
+                io.fsync_path(tmp / HF_INDEX)
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": plan.step,
+            "world_size": comm.world,
+            "sharded": plan.multi,
+            "accelfn_version": _accelfn_version(),
+            "torch_version": torch.__version__,
+            "loader": loader_state,
+            "files": dict(sorted(files.items())),
+            "leaves": plan.entries,
+        }
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        atomic.commit(tmp, final)
+        if keep_last is not None:
+            _prune(final, keep_last)
+    comm.barrier()
+
+
+def _accelfn_version() -> str:
+    import accelfn
+
+    return str(accelfn.__version__)
+
+
+def _prune(final: Path, keep_last: int) -> None:
+    older = [p for p in checkpoints(final.parent) if p != final]
+    for p in older[: max(0, len(older) - (keep_last - 1))]:
+        atomic.remove(p)
+
+
+@checked
+def save(
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    loader: Any = None,
+    max_shard_size: int | str = "5GB",
+    keep_last: int | None = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Save `state` (and `loader.state_dict()`) to the folder `path`, atomically; returns a `SaveHandle`.
+
+    Call it on every rank. `keep_last=k` then deletes all but the `k` newest checkpoints beside `path`.
+    With `async_save=True` it returns once the tensors are copied to host memory; the next `save` or
+    `af.checkpoint.wait()` waits for the write (and re-raises its error).
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
+    size = parse_size(max_shard_size)
+    global _pending
+    wait()
+    loader_state = None
+    if loader is not None:
+        if not callable(getattr(loader, "state_dict", None)):
+            raise TypeError(f"save(): loader must have a state_dict() method, got {type(loader).__name__}")
+        loader_state = loader.state_dict()
+        try:
+            json.dumps(loader_state)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save(): loader.state_dict() must return JSON-able data ({e})") from None
+    final = Path(path).absolute()
+    comm = Comm()
+    plan = _Plan(state, comm, size, snapshot=async_save)
+    token = comm.broadcast_str(uuid.uuid4().hex[:12])
+    tmp = atomic.temp_sibling(final, token)
+    if comm.rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        atomic.clean_stale(final)
+        tmp.mkdir()
+    comm.barrier()
+    if not async_save:
+        _write(plan, comm, tmp, final, loader_state, keep_last)
+        return SaveHandle(final)
+
+    handle = SaveHandle(final)
+
+    def run() -> None:
+        try:
+            _write(plan, comm, tmp, final, loader_state, keep_last)
+        except BaseException as e:  # re-raised by result()/wait()/the next save
+            handle.error = e
+
+    handle._thread = threading.Thread(target=run, name=f"accelfn-save-{final.name}", daemon=True)
+    handle._thread.start()
+    _pending = handle
+    return handle
+
+
+def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """The committed checkpoints directly under `root`, oldest first (by step in state.json, then name)."""
+    root = Path(root)
+    found = []
+    if not root.is_dir():
+        return []
+    for p in root.iterdir():
+        if atomic.is_hidden(p.name) or not p.is_dir():
+            continue
+        try:
+            meta = read_state_json(p)
+        except (OSError, ValueError, Exception):
+            continue
+        step = meta.get("step")
+        if not isinstance(step, int):
+            step = step_of_name(p.name) or -1
+        found.append((step, step_of_name(p.name) or -1, p.name, p))
+    return [p for *_, p in sorted(found)]
+
+
+@checked
+def latest(root: str | os.PathLike[str]) -> str | None:
+    """The path of the newest committed checkpoint under `root` (by step), or None if there is none."""
+    found = checkpoints(root)
+    return str(found[-1]) if found else None

@@ -1,0 +1,334 @@
+"""The run-time of a lowered step: one training step as a fixed pipeline over a `Plan`.
+
+    bind params -> for each micro-batch: forward (autocast, seeded RNG) + backward
+    -> gradient sync (shard) -> normalise by the global count, unscale (fp16), skip on inf
+    -> clip -> optimizer update (fused, in place; offloaded if asked) -> new state
+
+Combinators never run code of their own inside a step; they set fields of the `Plan` at lowering time
+(`accelfn.lowering`). Reading this file tells you everything a step does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import attrs
+import optree
+import torch
+from torch import nn
+
+from . import random as _random
+from . import tree as _tree
+from .losses import Loss
+from .module import Slots, bind, read_buffers, slots_of
+from .optim import GradientTransformation, apply_gradients, learning_rate
+from .optim.clip import clip_, global_norm
+from .state import TrainState
+
+__all__ = ["Plan", "GradSync", "Updater", "LossScaleConfig", "run_train", "run_eval", "check_batch", "loss_parts"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+class GradSync(Protocol):
+    """How gradients meet across data-parallel ranks (set by `af.shard`)."""
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum `grads` in place, and `loss_sum` and `count`, over the data-parallel ranks."""
+        ...
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of (possibly sharded) gradients."""
+        ...
+
+
+class Updater(Protocol):
+    """Runs the optimizer update (set by `af.offload`; the default applies in place on the params)."""
+
+    def __call__(
+        self, tx: GradientTransformation, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor]
+    ) -> Any: ...
+
+
+@attrs.frozen
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (same defaults as `torch.amp.GradScaler`)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@attrs.define
+class Plan:
+    """Everything a lowered step needs at run time. Built by `Step.init`, filled in by the combinators."""
+
+    module: nn.Module
+    kind: str
+    fn: LossFn
+    optimizer: GradientTransformation | None = None
+    clip_grad_norm: float | None = None
+    donate: bool = True
+    microbatches: int = 1
+    uneven: bool = False
+    autocast_dtype: torch.dtype | None = None
+    autocast_device_type: str = "cpu"
+    loss_scale: LossScaleConfig | None = None
+    forward_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = attrs.Factory(list)
+    grad_sync: GradSync | None = None
+    loss_call: LossFn | None = None
+    updater: Updater | None = None
+    after_update: list[Callable[[nn.Module], None]] = attrs.Factory(list)
+    batch_transform: Callable[[Any], Any] | None = None
+    rank_key: int | None = None
+    notes: list[str] = attrs.Factory(list)
+    slots: Slots | None = None
+    devices: list[torch.device] = attrs.Factory(list)
+
+    def finalize(self) -> None:
+        """Record where the (possibly rewritten) module's tensors live. Called after lowering."""
+        self.slots = slots_of(self.module)
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        self.devices = sorted({t.device for t in tensors}, key=str)
+        if self.loss_call is None:
+            self.loss_call = self.fn
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.autocast_dtype is not None:
+                stack.enter_context(torch.autocast(self.autocast_device_type, dtype=self.autocast_dtype))
+            for make in self.forward_contexts:
+                stack.enter_context(make())
+            yield
+
+
+# ---- the training step --------------------------------------------------------------------------------------
+def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    assert plan.optimizer is not None and plan.slots is not None and plan.loss_call is not None
+    module, slots = plan.module, plan.slots
+    if not plan.donate:
+        state = _tree.map(_clone, state)
+    if plan.batch_transform is not None:
+        batch = plan.batch_transform(batch)
+    params = bind(module, state.params, state.buffers, slots)
+    if not module.training:
+        module.train()
+    keys = _random.split(state.rng, 2)
+    step_key = keys[1] if plan.rank_key is None else _random.fold_in(keys[1], plan.rank_key)
+    micro = [batch] if plan.microbatches == 1 else split_batch(batch, plan.microbatches, plan.uneven)
+    scaler = state.extra.get("loss_scale") if plan.loss_scale is not None else None
+    exact = len(micro) == 1 and plan.grad_sync is None  # count known locally: divide before backward
+
+    loss_sum: torch.Tensor | None = None
+    count_sum: torch.Tensor | None = None
+    aux_sum: dict[str, Any] = {}
+    for i, mb in enumerate(micro):
+        key = step_key if len(micro) == 1 else _random.fold_in(step_key, i)
+        with _random.seeded(key, plan.devices), plan.forward_context():
+            out = plan.loss_call(module, mb)
+        total, count, aux = loss_parts(out)
+        if not total.requires_grad:
+            raise ValueError(
+                "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
+                "the module it receives (not another copy of the network)"
+            )
+        if exact:
+            objective = total / count if count is not None else total
+            loss_sum, count_sum = objective.detach(), None
+        else:
+            if count is None:  # a mean over this micro-batch: weight it by its size
+                count = torch.tensor(float(_rows(mb)), device=total.device)
+                total = total * count
+            objective = total
+            loss_sum = total.detach() if loss_sum is None else loss_sum + total.detach()
+            count_sum = count.detach() if count_sum is None else count_sum + count.detach()
+        if scaler is not None:
+            objective = objective * scaler["scale"].to(objective.device)
+        objective.backward()
+        for k, v in aux.items():
+            aux_sum[k] = v.detach() if k not in aux_sum else aux_sum[k] + v.detach()
+
+    names = slots.trainable
+    grads: dict[str, torch.Tensor] = {}
+    for n in names:
+        p = params[n]
+        g = p.grad
+        grads[n] = torch.zeros_like(p) if g is None else g
+        p.grad = None
+    g_leaves = list(grads.values())
+    assert loss_sum is not None
+
+    inv: torch.Tensor | None = None
+    if not exact:
+        assert count_sum is not None
+        if plan.grad_sync is not None:
+            loss_sum, count_sum = plan.grad_sync.reduce(g_leaves, loss_sum, count_sum)
+        inv = 1.0 / count_sum.clamp_min(1)
+        loss_value = loss_sum / count_sum.clamp_min(1)
+    else:
+        loss_value = loss_sum
+    metrics: dict[str, torch.Tensor] = {"loss": loss_value}
+
+    skipped = None
+    if scaler is not None:
+        inv_scale = (1.0 / scaler["scale"]).to(g_leaves[0].device, torch.float32)
+        if inv is not None:
+            inv_scale = inv_scale * inv.to(inv_scale)
+        found_inf = torch.zeros((), device=g_leaves[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(g_leaves, found_inf, inv_scale)
+        skipped = bool(found_inf.item())
+        metrics["skipped"] = found_inf
+        metrics["loss_scale"] = scaler["scale"]
+    elif inv is not None:
+        torch._foreach_mul_(g_leaves, inv.to(g_leaves[0].device, g_leaves[0].dtype))
+
+    if plan.clip_grad_norm is not None and not skipped:
+        norm = plan.grad_sync.norm(g_leaves) if plan.grad_sync is not None else global_norm(g_leaves)
+        clip_(g_leaves, norm, plan.clip_grad_norm)
+        metrics["grad_norm"] = norm
+
+    opt_state = state.opt_state
+    trainable = params if len(names) == len(params) else {n: params[n] for n in names}
+    if not skipped:
+        update = plan.updater or apply_gradients
+        opt_state = update(plan.optimizer, grads, opt_state, trainable)
+        for hook in plan.after_update:
+            hook(module)
+    lr = learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    n_micro = len(micro)
+    for k, v in aux_sum.items():
+        metrics[k] = v / n_micro if n_micro > 1 and isinstance(v, torch.Tensor) else v
+
+    extra = state.extra
+    if scaler is not None:
+        assert plan.loss_scale is not None
+        extra = {**extra, "loss_scale": _next_scale(scaler, bool(skipped), plan.loss_scale)}
+    new_state = TrainState(
+        step=state.step + 1,
+        params=params,
+        buffers=read_buffers(slots),
+        opt_state=opt_state,
+        rng=keys[0],
+        extra=extra,
+    )
+    return new_state, metrics
+
+
+def _next_scale(scaler: dict[str, torch.Tensor], found_inf: bool, cfg: LossScaleConfig) -> dict[str, torch.Tensor]:
+    scale, good = scaler["scale"], scaler["good_steps"]
+    if found_inf:
+        return {"scale": scale * cfg.backoff_factor, "good_steps": torch.zeros_like(good)}
+    good = good + 1
+    if int(good) >= cfg.growth_interval:
+        return {"scale": scale * cfg.growth_factor, "good_steps": torch.zeros_like(good)}
+    return {"scale": scale, "good_steps": good}
+
+
+def init_loss_scale(cfg: LossScaleConfig) -> dict[str, torch.Tensor]:
+    return {"scale": torch.tensor(cfg.init_scale, dtype=torch.float32), "good_steps": torch.zeros((), dtype=torch.int64)}
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------------
+def run_eval(plan: Plan, state: TrainState, batch: Any) -> Any:
+    assert plan.loss_call is not None
+    module = plan.module
+    if plan.batch_transform is not None:
+        batch = plan.batch_transform(batch)
+    bind(module, state.params, state.buffers, plan.slots)
+    was_training = module.training
+    if was_training:
+        module.eval()
+    try:
+        with torch.no_grad(), _random.seeded(state.rng, plan.devices), plan.forward_context():
+            return plan.loss_call(module, batch)
+    finally:
+        if was_training:
+            module.train()
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+def _clone(x: Any) -> Any:
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _rows(batch: Any) -> int:
+    leaves = _tree.leaves(batch)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1
+
+
+def split_batch(batch: Any, parts: int, uneven: bool = False) -> list[Any]:
+    """Split every tensor leaf of `batch` along dim 0 into `parts` micro-batches."""
+    paths, leaves, spec = optree.tree_flatten_with_path(batch, namespace=_tree.NAMESPACE)
+    if not leaves:
+        raise ValueError("cannot split an empty batch into micro-batches")
+    rows = None
+    for path, leaf in zip(paths, leaves):
+        where = "batch" + "".join(f"[{p!r}]" for p in path)
+        n = leaf.shape[0] if leaf.dim() > 0 else None
+        if n is None:
+            raise ValueError(f"accumulate({parts}): {where} is a 0-d tensor; every leaf needs a batch dimension 0")
+        if rows is not None and n != rows:
+            raise ValueError(f"accumulate({parts}): {where} has {n} rows along dim 0 but other leaves have {rows}")
+        rows = n
+        if n % parts and not uneven:
+            raise ValueError(
+                f"accumulate({parts}): {where} has {n} rows along dim 0, not divisible by {parts} micro-batches "
+                f"(use a batch size divisible by {parts}, or accumulate(..., uneven=True))"
+            )
+        if n < parts:
+            raise ValueError(f"accumulate({parts}): {where} has only {n} rows, fewer than {parts} micro-batches")
+    chunks = [torch.tensor_split(leaf, parts, dim=0) for leaf in leaves]
+    return [optree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(parts)]
+
+
+def check_batch(batch: Any) -> None:
+    """Raise a `TypeError` naming the first leaf of `batch` that is not a tensor."""
+    paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace=_tree.NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            where = "batch" + "".join(f"[{p!r}]" for p in path)
+            hint = " (convert it with torch.as_tensor)" if hasattr(leaf, "__array__") else ""
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__}: a batch must be a pytree (dict/list/tuple) whose leaves "
+                f"are torch.Tensor{hint}"
+            )
+
+
+def loss_parts(out: Any) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """Normalise what a loss function returned into `(total, count or None, aux)`."""
+    aux: dict[str, Any] = {}
+    if isinstance(out, tuple) and not isinstance(out, Loss) and len(out) == 2 and isinstance(out[1], dict):
+        out, aux = out
+    if isinstance(out, Loss):
+        total, count = out.total, out.count
+        if not isinstance(total, torch.Tensor) or total.numel() != 1:
+            raise ValueError(f"Loss.total must be a scalar tensor, got {_describe(total)}")
+        count_t = count if isinstance(count, torch.Tensor) else torch.tensor(count, device=total.device)
+        return total.reshape(()), count_t.reshape(()).to(total.dtype), aux
+    if isinstance(out, torch.Tensor):
+        if out.numel() != 1:
+            raise ValueError(
+                f"loss_fn returned a tensor of shape {tuple(out.shape)}; expected a scalar (0-d) tensor, "
+                "an af.Loss(total, count), or (loss, aux_dict) — reduce it, e.g. with .mean()"
+            )
+        if not out.is_floating_point():
+            raise ValueError(f"loss_fn returned a {out.dtype} tensor; the loss must be floating point")
+        return out.reshape(()), None, aux
+    raise TypeError(
+        f"loss_fn returned {_describe(out)}; expected a scalar tensor, an af.Loss(total, count), "
+        "or (loss, aux_dict)"
+    )
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"

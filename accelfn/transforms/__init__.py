@@ -1,0 +1,9 @@
+"""Combinators: `Step -> Step` functions that record what they want; lowered once at `step.init`."""
+
+from .accumulate import accumulate
+from .autocast import LossScaleConfig, autocast
+from .compile import compile
+from .fp8 import autocast_fp8
+from .offload import offload
+
+__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "LossScaleConfig"]

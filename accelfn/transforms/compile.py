@@ -1,0 +1,114 @@
+"""`af.compile`: compile the step with `torch.compile` — forward, loss and backward in one graph.
+
+The forward and the loss are traced by Dynamo; AOTAutograd compiles the matching backward; the optimizer
+update is one fused kernel already. Learning rate and step count are tensors, so steps never recompile.
+`regions="blocks"` compiles each repeated block (the largest `nn.ModuleList`, e.g. GPT-2's `h`) on its
+own instead: identical blocks share one compiled graph, which cuts compile time on deep models.
+Modules that Dynamo cannot trace (Transformer Engine layers) stay eager, with a note in `repr(step)`.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> step = af.compile(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), regions="blocks")
+    >>> step
+    Step(train_step(<lambda>) -> compile(regions='blocks'))
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from .._typecheck import checked
+from ..step import Step
+from ._base import TransformBase
+
+if TYPE_CHECKING:
+    from ..engine import Plan
+    from ..lowering import Transform
+
+__all__ = ["compile", "find_blocks"]
+
+
+def _untraceable(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if type(m).__module__.startswith("transformer_engine")]
+
+
+def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The `nn.ModuleList` holding the most parameters (the transformer blocks), and its name."""
+    best: tuple[str, nn.ModuleList] | None = None
+    best_size = 0
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = (name, m), size  # type: ignore[assignment]
+    if best is None:
+        raise ValueError(
+            "compile(regions='blocks'): the model has no nn.ModuleList/nn.Sequential of repeated blocks; "
+            "use compile() on the whole step instead"
+        )
+    return best
+
+
+@attrs.frozen
+class Compile(TransformBase):
+    options: tuple[tuple[str, Any], ...] = ()
+    regions: str | None = None
+    kind: str = "compile"
+
+    def describe(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.options]
+        if self.regions:
+            args.append(f"regions={self.regions!r}")
+        return f"compile({', '.join(args)})"
+
+    def check(self, others: Sequence[Transform]) -> None:
+        return None
+
+    def lower(self, plan: Plan) -> None:
+        kwargs = dict(self.options)
+        eager = _untraceable(plan.module)
+        if self.regions == "blocks":
+            name, blocks = find_blocks(plan.module)
+            compiled = 0
+            for i, block in enumerate(blocks):
+                if _untraceable(block):
+                    continue
+                block.compile(**kwargs)
+                compiled += 1
+            plan.notes.append(f"compiled {compiled}/{len(blocks)} blocks of {name or 'the model'}")
+            if compiled < len(blocks):
+                warnings.warn(
+                    "af.compile: blocks holding Transformer Engine modules stay eager (TE layers are graph "
+                    "breaks under torch.compile)",
+                    stacklevel=2,
+                )
+            return
+        if eager:
+            msg = (
+                f"af.compile: the model holds Transformer Engine modules ({eager[0]}, ...), which torch.compile "
+                "cannot trace; falling back to compiling each block without them (regions='blocks')"
+            )
+            warnings.warn(msg, stacklevel=2)
+            plan.notes.append("fell back to regional compile: TE modules stay eager")
+            Compile(self.options, "blocks").lower(plan)
+            return
+        fn = plan.loss_call or plan.fn
+
+        def loss_call(module: nn.Module, batch: Any) -> Any:
+            return fn(module, batch)
+
+        plan.loss_call = torch.compile(loss_call, **kwargs)
+
+
+@checked
+def compile(step: Step, *, regions: str | None = None, **torch_compile_kwargs: Any) -> Step:  # noqa: A001
+    """Compile the step with `torch.compile(**torch_compile_kwargs)`; `regions="blocks"` compiles per block."""
+    if regions not in (None, "blocks"):
+        raise ValueError(f"compile: regions must be None or 'blocks', got {regions!r}")
+    return step.with_transform(Compile(tuple(sorted(torch_compile_kwargs.items())), regions))

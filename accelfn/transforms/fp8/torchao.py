@@ -1,0 +1,41 @@
+"""torchao backend of `af.autocast_fp8`: swap eligible Linear layers for `Float8Linear`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+    from . import ModuleFilter
+
+
+def convert(plan: Plan, keep: ModuleFilter, recipe: str, emulate: bool) -> int:
+    """Convert `plan.module` in place; returns the number of converted layers."""
+    from . import _device_supports_fp8
+
+    if not emulate and not _device_supports_fp8(plan.module):
+        devices = sorted({str(p.device) for p in plan.module.parameters()})
+        raise RuntimeError(
+            f"autocast_fp8(backend='torchao'): the model is on {devices}, which has no FP8 matmul support "
+            "(needs an NVIDIA GPU of compute capability 8.9+, e.g. H100). Pass emulate=True to run FP8 "
+            "numerics emulated (slow; for tests), or drop autocast_fp8."
+        )
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError("autocast_fp8(backend='torchao') needs torchao: pip install 'accelfn[fp8]'") from e
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        import dataclasses
+
+        config = dataclasses.replace(config, emulate=True)
+    before = sum(isinstance(m, nn.Linear) for m in plan.module.modules())
+    convert_to_float8_training(plan.module, config=config, module_filter_fn=keep)
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = sum(isinstance(m, Float8Linear) for m in plan.module.modules())
+    assert converted <= before
+    return converted

@@ -1,0 +1,295 @@
+"""af.checkpoint: round trips, Hugging Face compatibility, exact resume, corruption, async saves, errors."""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import accelfn as af
+from accelfn.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+from tests.models import MLP, lm_batches, tiny_gpt2, tiny_llama
+
+
+def lm_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"]).logits
+    return af.losses.cross_entropy(logits[:, :-1], batch["labels"][:, 1:])
+
+
+def gpt2_state(seed=0, dropout=0.0, steps=2):
+    torch.manual_seed(seed)
+    step = af.train_step(lm_loss, af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.adamw(1e-2)))
+    state = step.init(tiny_gpt2(dropout=dropout), seed=seed)
+    for b in lm_batches(steps, seed=seed):
+        state, _ = step(state, b)
+    return step, state
+
+
+def snapshot(state):
+    return af.tree.map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+
+
+def assert_same(a, b):
+    la, lb = af.tree.flatten_with_path(a), af.tree.flatten_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (p, x), (_, y) in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, p
+            assert torch.equal(x, y), p
+        else:
+            assert x == y, p
+
+
+class Counter:
+    """A stand-in for af.data.DataLoader: yields batch indices; state_dict() resumes mid-epoch."""
+
+    def __init__(self, n):
+        self.n, self.pos = n, 0
+
+    def __iter__(self):
+        while self.pos < self.n:
+            self.pos += 1
+            yield self.pos - 1
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.pos = d["pos"]
+
+
+# ---- round trips ------------------------------------------------------------------------------------------
+def test_round_trip_of_gpt2_state_with_chained_optimizer_and_odd_leaves(tmp_path):
+    _, state = gpt2_state()
+    base = torch.arange(24.0).reshape(4, 6)
+    shared = torch.randn(3)
+    state = state.replace(
+        buffers={"mask": torch.tensor([True, False, True]), "count": torch.tensor([3, -1], dtype=torch.int64)},
+        extra={"bf16": torch.randn(5, dtype=torch.bfloat16), "empty": torch.zeros(0, 7), "view": base.t()[1:4],
+               "a": shared, "b": shared, "name": "run-1", "scale": 2.5, "flag": True, "n": 7},  # fmt: skip
+    )
+    expected = snapshot(state)
+    af.checkpoint.save(tmp_path / "ckpt", state)
+
+    like = af.tree.map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, state)
+    like = like.replace(extra={**like.extra, "name": "", "scale": 0.0, "flag": False, "n": 0})
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    assert_same(loaded, expected)
+    assert loaded.extra["a"] is loaded.extra["b"]  # shared stays shared
+    assert "lm_head.weight" not in loaded.params  # tied weight: one tensor per params key
+    assert type(loaded.opt_state[1]).__name__ == "AdamState"
+
+
+def test_files_follow_the_hugging_face_layout_and_state_json_describes_them(tmp_path):
+    _, state = gpt2_state()
+    af.checkpoint.save(tmp_path / "c", state, max_shard_size="20KB")
+    names = sorted(os.listdir(tmp_path / "c"))
+    assert "model.safetensors.index.json" in names and "state.json" in names
+    assert any(n.startswith("model-00001-of-") for n in names) and any(n.startswith("optimizer") for n in names)
+    index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state.params)
+    meta = json.loads((tmp_path / "c" / "state.json").read_text())
+    assert meta["step"] == 2 and meta["leaves"]["rng"]["data"] == state.rng.tolist()
+    assert set(meta["files"]) == {n for n in names if n.endswith(".safetensors")}
+    from safetensors.torch import load_file
+
+    opt = load_file(str(tmp_path / "c" / meta["leaves"]["opt_state.1.mu.transformer.wte.weight"]["pieces"][0]["file"]))
+    assert torch.equal(opt["1.mu.transformer.wte.weight"], state.opt_state[1].mu["transformer.wte.weight"])
+
+
+def test_no_pickle_is_written(tmp_path):
+    _, state = gpt2_state(steps=1)
+    af.checkpoint.save(tmp_path / "c", state)
+    for name in os.listdir(tmp_path / "c"):
+        data = (tmp_path / "c" / name).read_bytes()
+        assert not data.startswith(b"\x80") and b"PK\x03\x04" not in data[:4], name
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_transformers_loads_what_save_pretrained_wrote(tmp_path, make_model):
+    from transformers import AutoModelForCausalLM
+
+    model = make_model().eval()
+    af.checkpoint.save_pretrained(tmp_path / "hf", model, max_shard_size="20KB")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+    if make_model is tiny_gpt2:
+        assert again.lm_head.weight is again.transformer.wte.weight
+
+
+def test_save_pretrained_from_a_train_state_is_loadable_by_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    step, state = gpt2_state()
+    af.checkpoint.save_pretrained(tmp_path / "hf", state, config=step.model.config)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(again.transformer.wte.weight, state.params["transformer.wte.weight"])
+    assert again.lm_head.weight is again.transformer.wte.weight
+
+
+def test_load_pretrained_reads_a_sharded_checkpoint_written_by_transformers(tmp_path):
+    ref = tiny_llama()
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    step = af.train_step(lm_loss, af.optim.adamw(1e-3))
+    state = step.init(tiny_llama())
+    params = af.checkpoint.load_pretrained(tmp_path / "hf", like=state.params)
+    for name, p in ref.named_parameters():
+        assert torch.equal(params[name], p), name
+    assert params["model.embed_tokens.weight"] is state.params["model.embed_tokens.weight"]  # in place
+
+
+# ---- exact resume ---------------------------------------------------------------------------------------------
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+    batches = lm_batches(6, seed=1)
+
+    def run(stop_after=None, resume=None):
+        step = af.train_step(lm_loss, af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.adamw(1e-2)))
+        torch.manual_seed(123 if resume else 0)  # a resumed run starts from different weights
+        state = step.init(tiny_gpt2(dropout=0.1), seed=0)
+        loader = Counter(len(batches))
+        if resume:
+            state = step.init(af.checkpoint.load(resume, like=state, loader=loader))
+        losses = []
+        for i in loader:
+            state, m = step(state, batches[i])
+            losses.append(m["loss"].item())
+            if stop_after is not None and loader.pos == stop_after:
+                af.checkpoint.save(tmp_path / "ckpt", state, loader=loader)
+                return state, losses
+        return state, losses
+
+    full, full_losses = run()
+    _, first = run(stop_after=3)
+    resumed, rest = run(resume=tmp_path / "ckpt")
+    assert first + rest == full_losses
+    assert_same(resumed, full)
+
+
+# ---- latest, keep_last, atomic replace ------------------------------------------------------------------------
+def test_latest_and_keep_last(tmp_path):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    assert af.checkpoint.latest(tmp_path) is None
+    for s in [1, 2, 10, 3]:
+        af.checkpoint.save(tmp_path / f"step-{s}", state.replace(step=torch.tensor(s)), keep_last=3)
+    (tmp_path / ".tmp-step-99-abc").mkdir()  # an interrupted save
+    (tmp_path / "step-50").mkdir()  # no state.json: not committed
+    assert af.checkpoint.latest(tmp_path) == str(tmp_path / "step-10")
+    assert sorted(p.name for p in af.checkpoint.checkpoints(tmp_path)) == ["step-10", "step-2", "step-3"]
+
+
+def test_saving_over_an_existing_checkpoint_replaces_it(tmp_path):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    af.checkpoint.save(tmp_path / "c", state)
+    newer = state.replace(step=torch.tensor(5), params={k: v + 1 for k, v in state.params.items()})
+    af.checkpoint.save(tmp_path / "c", newer)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    loaded = af.checkpoint.load(tmp_path / "c", like=snapshot(state))
+    assert int(loaded.step) == 5 and torch.equal(loaded.params["weight"], newer.params["weight"])
+
+
+# ---- corruption and errors -----------------------------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    _, state = gpt2_state(steps=1)
+    af.checkpoint.save(tmp_path / "c", state, max_shard_size="20KB")
+    return tmp_path / "c", state
+
+
+def test_a_flipped_byte_is_detected_and_the_file_named(saved):
+    path, state = saved
+    victim = path / "model-00002-of-00004.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="model-00002-of-00004.safetensors.*CRC-32"):
+        af.checkpoint.load(path, like=state)
+
+
+def test_a_truncated_file_is_detected_and_named(saved):
+    path, state = saved
+    victim = path / "optimizer.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="optimizer.safetensors.*truncated"):
+        af.checkpoint.load(path, like=state)
+
+
+def test_a_missing_folder_is_a_file_not_found_error(tmp_path):
+    _, state = gpt2_state(steps=0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        af.checkpoint.load(tmp_path / "nope", like=state)
+
+
+def test_shape_dtype_and_structure_mismatches_name_the_path(saved):
+    path, state = saved
+    p = dict(state.params)
+    p["transformer.wpe.weight"] = torch.zeros(7, 32)
+    with pytest.raises(CheckpointMismatchError, match=r"'params.transformer.wpe.weight'.*\(32, 32\).*\(7, 32\)"):
+        af.checkpoint.load(path, like=state.replace(params=p))
+    p = dict(state.params)
+    p["transformer.wpe.weight"] = p["transformer.wpe.weight"].double()
+    with pytest.raises(CheckpointMismatchError, match="'params.transformer.wpe.weight'.*float32.*float64"):
+        af.checkpoint.load(path, like=state.replace(params=p))
+    with pytest.raises(CheckpointMismatchError, match="in the checkpoint but not in `like`.*opt_state.0"):
+        af.checkpoint.load(path, like=state.replace(opt_state=state.opt_state[1:]))
+
+
+def test_non_json_leaves_are_refused_at_save(tmp_path):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="'extra.fn' is a function"):
+        af.checkpoint.save(tmp_path / "c", state.replace(extra={"fn": lambda: 0}))
+    with pytest.raises(TypeError, match="argument 'state'"):
+        af.checkpoint.save(tmp_path / "c", {"w": torch.ones(1)})
+
+
+# ---- async ---------------------------------------------------------------------------------------------------
+def test_async_save_lets_training_continue_and_equals_a_synchronous_save(tmp_path, monkeypatch):
+    step, state = gpt2_state()
+    af.checkpoint.save(tmp_path / "sync", state)
+    expected = snapshot(state)
+    gate = threading.Event()
+    write_file = af.checkpoint.io.write_file
+
+    def slow_write(*a, **k):
+        assert gate.wait(30)
+        return write_file(*a, **k)
+
+    monkeypatch.setattr(af.checkpoint.io, "write_file", slow_write)
+    handle = af.checkpoint.save(tmp_path / "async", state, async_save=True)
+    for b in lm_batches(2, seed=5):  # training goes on (and updates the params in place) during the write
+        state, _ = step(state, b)
+    assert not handle.done() and not (tmp_path / "async").exists()
+    gate.set()
+    assert handle.result() == str(tmp_path / "async")
+    fresh = gpt2_state(seed=3, steps=0)[1]
+    assert_same(af.checkpoint.load(tmp_path / "async", like=fresh), expected)
+    a = json.loads((tmp_path / "sync" / "state.json").read_text())
+    b = json.loads((tmp_path / "async" / "state.json").read_text())
+    assert a["files"] == b["files"] and a["leaves"] == b["leaves"]  # byte-identical files
+
+
+def test_an_error_in_the_background_write_is_raised_by_wait(tmp_path, monkeypatch):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(af.checkpoint.io, "write_file", broken)
+    af.checkpoint.save(tmp_path / "c", state, async_save=True)
+    with pytest.raises(OSError, match="disk full"):
+        af.checkpoint.wait()
+    assert af.checkpoint.latest(tmp_path) is None
+
+
+def test_mlp_with_batchnorm_buffers_round_trips(tmp_path):
+    step = af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), af.optim.sgd(0.1, momentum=0.9))
+    state = step.init(MLP(batchnorm=True))
+    state, _ = step(state, {"x": torch.randn(8, 8), "y": torch.randn(8, 4)})
+    expected = snapshot(state)
+    af.checkpoint.save(tmp_path / "c", state)
+    loaded = af.checkpoint.load(tmp_path / "c", like=step.init(MLP(batchnorm=True)))
+    assert_same(loaded, expected)

@@ -1,0 +1,126 @@
+"""`accelfn config` / `accelfn env` and the YAML config: round trip, and errors that name the culprit."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelfn.cli.config import ask
+from accelfn.cli.main import main
+from accelfn.launch.config import Config, ConfigError, Fp8Config, default_config_path, load, save
+
+
+def test_default_config_round_trips_through_the_cli(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    assert main(["config", "--default", "--config-file", str(path)]) == 0
+    assert str(path) in capsys.readouterr().out
+    assert load(path) == Config()
+
+
+def test_every_field_round_trips(tmp_path):
+    cfg = Config(
+        num_processes=4,
+        num_machines="1:3",
+        machine_rank=1,
+        rdzv_endpoint="h:29500",
+        rdzv_backend="static",
+        rdzv_id="job7",
+        mixed_precision="fp8",
+        mesh={"dp": -1, "tp": 2},
+        device="cuda",
+        max_restarts=2,
+        monitor_interval=1,
+        fp8={"backend": "torchao", "recipe": "rowwise"},
+    )
+    assert cfg.mesh == "dp=-1,tp=2" and cfg.fp8 == Fp8Config("torchao", "rowwise")
+    assert load(save(cfg, tmp_path / "c.yaml")) == cfg
+
+
+def test_default_location_is_the_user_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_config_path() == tmp_path / "accelfn" / "default_config.yaml"
+    assert main(["config", "--default"]) == 0
+    assert (tmp_path / "accelfn" / "default_config.yaml").is_file()
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_processes: 2\nmixed_precison: bf16\n")
+    with pytest.raises(
+        ConfigError, match="unknown config key 'mixed_precison'; known keys: .*mixed_precision"
+    ):
+        load(path)
+
+
+def test_unknown_nested_key_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("fp8: {backend: te, scaling: delayed}\n")
+    with pytest.raises(ConfigError, match="'fp8.scaling'"):
+        load(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("mixed_precision: bf8\n", "'mixed_precision': 'bf8' is not one of no, bf16, fp16, fp8"),
+        ("device: tpu\n", "'device': 'tpu' is not one of auto, cpu, cuda, xla, xpu, npu, mlu"),
+        ("rdzv_backend: etcd\n", "'rdzv_backend': 'etcd' is not one of c10d, static"),
+        ("num_processes: many\n", "'num_processes': 'many' must be an integer >= 1 or one of auto"),
+        ("num_machines: 3:1\n", "num_machines"),
+        ("mesh: dp=2,tp=x\n", "config key 'mesh'"),
+        ("fp8: {backend: cuda}\n", "'fp8.backend': 'cuda' is not one of auto, torchao, te"),
+    ],
+)
+def test_bad_value_names_the_key_and_the_allowed_values(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_node_range_is_not_read_as_a_base_60_number(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_machines: 1:4\nnum_processes: 8\n")
+    assert (load(path).num_machines, load(path).num_processes) == ("1:4", 8)
+
+
+def test_yaml_is_read_safely(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(path)
+
+
+def test_bad_config_makes_launch_exit_2_with_the_key(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_restarts: -1\n")
+    assert main(["launch", "--config-file", str(path), "--cpu", "x.py"]) == 2
+    assert "'max_restarts': -1 must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_questionnaire_asks_again_after_a_bad_answer():
+    answers = iter(["cpu", "2", "", "", "", "", "fp32", "bf16", "dp=2", "1"])
+    said: list[str] = []
+    cfg = ask(input_fn=lambda _q: next(answers), print_fn=said.append)
+    assert cfg == Config(device="cpu", num_processes=2, mixed_precision="bf16", mesh="dp=2", max_restarts=1)
+    assert any("'fp32' is not one of no, bf16, fp16, fp8" in s for s in said)
+
+
+def test_env_prints_versions_platform_and_config(tmp_path, capsys):
+    path = save(Config(num_processes=2), tmp_path / "c.yaml")
+    assert main(["env", "--config-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "- accelfn:",
+        "- python:",
+        "- torch:",
+        "- deepspeed:",
+        "- torchao:",
+        "- transformers:",
+        "- platform:",
+        "- devices:",
+        "- config:",
+    ):
+        assert key in out
+    assert "'num_processes': 2" in out

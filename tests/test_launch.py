@@ -1,0 +1,201 @@
+"""`accelfn launch`: real processes over gloo through our launcher, plus how settings are resolved."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accelfn.launch.config import Config, ConfigError, save
+from accelfn.launch.launcher import LaunchOptions, resolve
+
+WORKERS = Path(__file__).parent / "workers"
+CLI = [sys.executable, "-m", "accelfn.cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelfn(*args: str, timeout: float = 90, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELFN_"))}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def worker_processes(name: str) -> list[int]:
+    """PIDs of live processes whose command line mentions ``name`` (psutil, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and name in (d / "cmdline").read_text():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+        return pids
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if name in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.info["pid"])
+    return found
+
+
+# ---- resolution of settings (no processes) ----
+
+
+def test_cpu_flag_defaults_to_one_process_and_sets_device():
+    plan = resolve(LaunchOptions(script="t.py", cpu=True), environ={})
+    assert plan.nproc_per_node == 1
+    assert plan.env["ACCELFN_DEVICE"] == "cpu"
+    assert (plan.rdzv_backend, plan.rdzv_endpoint) == ("c10d", "localhost:0")
+
+
+def test_flags_override_the_config_file(tmp_path):
+    cfg = save(
+        Config(num_processes=3, mixed_precision="fp16", mesh="dp=3", max_restarts=2), tmp_path / "c.yaml"
+    )
+    plan = resolve(LaunchOptions(script="t.py", config_file=str(cfg), mixed_precision="bf16"), environ={})
+    assert plan.nproc_per_node == 3 and plan.max_restarts == 2
+    assert plan.env["ACCELFN_MIXED_PRECISION"] == "bf16"
+    assert plan.env["ACCELFN_MESH"] == "dp=3"
+    assert plan.env["ACCELFN_CONFIG_FILE"] == str(cfg.resolve())
+    assert plan.source["mixed_precision"] == "flag" and plan.source["nproc_per_node"] == "config"
+
+
+def test_default_config_is_read_from_the_cache_folder(tmp_path):
+    save(Config(num_processes=2), tmp_path / "accelfn" / "default_config.yaml")
+    plan = resolve(LaunchOptions(script="t.py"), environ={"XDG_CACHE_HOME": str(tmp_path)})
+    assert plan.nproc_per_node == 2
+
+
+def test_several_nodes_need_an_endpoint():
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        resolve(LaunchOptions(script="t.py", nnodes="2", cpu=True), environ={})
+
+
+def test_elastic_node_range_is_parsed():
+    plan = resolve(LaunchOptions(script="t.py", nnodes="1:4", rdzv_endpoint="h:1", cpu=True), environ={})
+    assert (plan.min_nodes, plan.max_nodes, plan.rdzv_id) == (1, 4, "accelfn")
+
+
+def test_module_target_runs_through_the_bootstrap():
+    plan = resolve(
+        LaunchOptions(script="pkg.train", module=True, script_args=("--x", "1"), cpu=True), environ={}
+    )
+    assert plan.args[-4:] == ("-m", "pkg.train", "--x", "1")
+
+
+def test_bad_mesh_flag_names_the_flag():
+    with pytest.raises(ValueError, match="--mesh"):
+        resolve(LaunchOptions(script="t.py", mesh="dp:2", cpu=True), environ={})
+
+
+# ---- real processes ----
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_form_one_world():
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--nproc-per-node",
+        "2",
+        "--cpu",
+        str(WORKERS / "launch_allreduce.py"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELFN_"))}
+    nodes = [
+        subprocess.Popen(
+            [*CLI, "launch", "--node-rank", str(r), *common],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    outs = [n.communicate(timeout=120)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("rank="))
+    assert len(lines) == 4
+    assert all("world_size=4 sum=6" in line for line in lines), lines
+    assert {line.split()[0] for line in lines} == {"rank=0", "rank=1", "rank=2", "rank=3"}
+
+
+@pytest.mark.slow
+def test_failing_rank_stops_the_job_and_is_named():
+    script = str(WORKERS / "launch_fail.py")
+    start = time.monotonic()
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", script, timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    assert elapsed < 15, elapsed
+    assert "accelfn launch: rank 1 failed: ValueError: boom" in r.stderr, r.stderr
+    assert 'raise ValueError("boom")' in r.stderr  # its traceback
+    time.sleep(0.5)
+    assert worker_processes(script) == []
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_the_group(tmp_path):
+    marker = tmp_path / "failed-once"
+    r = accelfn(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--cpu",
+        "--max-restarts",
+        "1",
+        str(WORKERS / "launch_fail.py"),
+        "--marker",
+        str(marker),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.exists()
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank=")) == [
+        "rank=0 ok restart=1",
+        "rank=1 ok restart=1",
+    ]
+
+
+@pytest.mark.slow
+def test_mesh_and_mixed_precision_reach_the_workers():
+    r = accelfn(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--cpu",
+        "--mesh",
+        "dp=2,tp=1",
+        "--mixed-precision",
+        "bf16",
+        str(WORKERS / "launch_env.py"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = [json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("ENV ")]
+    assert sorted(e["rank"] for e in seen) == [0, 1]
+    for e in seen:
+        assert e["mesh"] == "dp=2,tp=1" and e["parsed_mesh"] == {"dp": 2, "tp": 1}
+        assert (e["mixed_precision"], e["device"], e["launched"], e["world_size"]) == ("bf16", "cpu", True, 2)
+
+
+@pytest.mark.slow
+def test_selftest_passes_on_two_cpu_processes():
+    r = accelfn("test", "--nproc-per-node", "2", "--cpu", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "3 DDP steps == 1 process on the global batch" in r.stdout
+    assert "accelfn test: PASS" in r.stdout

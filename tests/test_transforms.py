@@ -1,0 +1,488 @@
+"""Combinators: accumulate, autocast, autocast_fp8, compile, offload, and the lowering rule."""
+
+import copy
+import itertools
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from tests.models import MLP, lm_batches, tiny_llama
+
+
+def token_batch(rows=8, seq=6, vocab=5, seed=0):
+    """A classification-per-token batch whose rows hold very different numbers of valid labels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, seq, 8, generator=g)
+    y = torch.randint(0, vocab, (rows, seq), generator=g)
+    for r in range(rows):  # row r keeps r % seq + 1 valid positions
+        y[r, (r % seq) + 1 :] = -100
+    return {"x": x, "y": y}
+
+
+def token_loss(model, batch):
+    return af.losses.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def token_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def run(step, model, batches):
+    state = step.init(model)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(metrics["loss"].item())
+    return state, losses
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ---- accumulate ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("opt,tol", [(lambda: af.optim.sgd(0.5), 1e-6), (lambda: af.optim.adamw(1e-2), 2e-5)],
+                         ids=["sgd", "adamw"])
+def test_accumulate_equals_the_full_batch_step_with_uneven_token_counts(n, opt, tol):
+    batches = [token_batch(seed=s) for s in range(5)]
+    full_state, full_losses = run(af.train_step(token_loss, opt()), token_model(), batches)
+    acc_state, acc_losses = run(af.accumulate(af.train_step(token_loss, opt()), n), token_model(), batches)
+    assert acc_losses == pytest.approx(full_losses, abs=1e-6)
+    assert max_diff(acc_state.params, full_state.params) <= tol
+
+
+def test_accumulate_differs_from_naive_mean_of_means():
+    """The exactness is real: averaging per-micro-batch means (the common bug) gives another update."""
+    batch = token_batch()
+    model = token_model()
+    ref = copy.deepcopy(model)
+    state, _ = run(af.accumulate(af.train_step(token_loss, af.optim.sgd(0.5)), 4), model, [batch])
+    for part in range(4):  # naive: mean loss per micro-batch, averaged
+        sl = slice(2 * part, 2 * part + 2)
+        loss = token_loss(ref, {"x": batch["x"][sl], "y": batch["y"][sl]}).mean() / 4
+        loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    assert max_diff(state.params, dict(ref.named_parameters())) > 1e-4
+
+
+def test_accumulate_with_mean_losses_equals_full_batch():
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    full, _ = run(af.train_step(loss_fn, af.optim.sgd(0.1)), MLP(), [(x, y)])
+    torch.manual_seed(0)
+    acc, _ = run(af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1)), 3), _seeded_mlp(), [(x, y)])
+    full2, _ = run(af.train_step(loss_fn, af.optim.sgd(0.1)), _seeded_mlp(), [(x, y)])
+    assert max_diff(acc.params, full2.params) <= 1e-6
+    del full
+
+
+def _seeded_mlp():
+    torch.manual_seed(0)
+    return MLP()
+
+
+def test_accumulate_uneven_weights_micro_batches_by_their_rows():
+    x, y = torch.randn(10, 8), torch.randn(10, 4)
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    full, _ = run(af.train_step(loss_fn, af.optim.sgd(0.1)), _seeded_mlp(), [(x, y)])
+    acc, _ = run(af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1)), 4, uneven=True), _seeded_mlp(), [(x, y)])
+    assert max_diff(acc.params, full.params) <= 1e-6
+
+
+def test_accumulate_rejects_a_batch_not_divisible_by_microbatches():
+    step = af.accumulate(af.train_step(token_loss, af.optim.sgd(0.1)), 4)
+    state = step.init(token_model())
+    with pytest.raises(ValueError, match=r"batch\['x'\] has 6 rows.*not divisible by 4.*uneven=True"):
+        step(state, token_batch(rows=6))
+
+
+# ---- autocast ---------------------------------------------------------------------------------------------------
+def test_autocast_bf16_matches_a_plain_autocast_loop_and_keeps_fp32_master_weights():
+    batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(5)]
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    model = _seeded_mlp()
+    ref = copy.deepcopy(model)
+    state, losses = run(af.autocast(af.train_step(loss_fn, af.optim.adamw(1e-2)), torch.bfloat16), model, batches)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for b in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(ref, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    assert max_diff(state.params, dict(ref.named_parameters())) <= 1e-6
+    assert all(p.dtype == torch.float32 for p in state.params.values())
+    assert state.opt_state.mu["fc1.weight"].dtype == torch.float32
+
+
+def test_autocast_bf16_really_computes_in_bf16():
+    seen = {}
+
+    def loss_fn(m, b):
+        out = m(b)
+        seen["dtype"] = out.dtype
+        return out.float().pow(2).mean()
+
+    step = af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), "bf16")
+    state = step.init(MLP())
+    step(state, torch.randn(4, 8))
+    assert seen["dtype"] == torch.bfloat16
+
+
+def test_fp16_skips_steps_with_inf_gradients_and_halves_the_scale():
+    inject = {"on": True}
+
+    def loss_fn(m, b):
+        out = m(b).float().pow(2).mean()
+        return out * torch.tensor(float("inf")) if inject["on"] else out
+
+    step = af.autocast(af.train_step(loss_fn, af.optim.adamw(1e-2)), torch.float16)
+    state = step.init(MLP())
+    before = {k: v.detach().clone() for k, v in state.params.items()}
+    scale0 = state.extra["loss_scale"]["scale"].item()
+    state, metrics = step(state, torch.randn(4, 8))
+    assert metrics["skipped"].item() == 1
+    assert all(torch.equal(before[k], state.params[k]) for k in before)
+    assert int(state.opt_state.count) == 0  # the optimizer never saw the step
+    assert state.extra["loss_scale"]["scale"].item() == scale0 / 2
+    inject["on"] = False
+    state, metrics = step(state, torch.randn(4, 8))
+    assert metrics["skipped"].item() == 0 and int(state.opt_state.count) == 1
+    assert not torch.equal(before["fc1.weight"], state.params["fc1.weight"])
+
+
+def test_fp16_scale_grows_after_the_interval():
+    cfg = af.LossScaleConfig(init_scale=8.0, growth_interval=3)
+    step = af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)), torch.float16,
+                       loss_scale=cfg)
+    state = step.init(MLP())
+    scales = []
+    for _ in range(7):
+        state, metrics = step(state, torch.randn(4, 8))
+        scales.append(state.extra["loss_scale"]["scale"].item())
+    assert scales == [8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0]
+
+
+def test_fp16_result_matches_grad_scaler_reference():
+    batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(4)]
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    model = _seeded_mlp()
+    ref = copy.deepcopy(model)
+    state, _ = run(af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), torch.float16), model, batches)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for b in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ref, b)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert max_diff(state.params, dict(ref.named_parameters())) <= 1e-6
+
+
+# ---- composition -----------------------------------------------------------------------------------------------
+COMBINATORS = {
+    "accumulate": lambda s: af.accumulate(s, 2),
+    "autocast": lambda s: af.autocast(s, torch.bfloat16),
+    "compile": lambda s: af.compile(s),
+    "offload": lambda s: af.offload(s),
+}
+
+
+def _composed(names):
+    step = af.train_step(token_loss, af.optim.adamw(1e-2))
+    for n in names:
+        step = COMBINATORS[n](step)
+    return step
+
+
+def _result(names):
+    torch._dynamo.reset()
+    state, losses = run(_composed(names), token_model(), [token_batch(seed=s) for s in range(3)])
+    return state, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "names",
+    [c for k in (2, 3) for c in itertools.combinations(COMBINATORS, k)],
+    ids=lambda c: "+".join(c),
+)
+def test_every_pair_and_triple_gives_the_same_result_in_both_orders(names):
+    forward_state, forward_losses = _result(names)
+    backward_state, backward_losses = _result(tuple(reversed(names)))
+    assert repr(_composed(names)) == repr(_composed(tuple(reversed(names))))
+    assert backward_losses == pytest.approx(forward_losses, abs=1e-6)
+    assert max_diff(forward_state.params, backward_state.params) <= 1e-6
+    # and the composition is not a no-op: it matches an independent plain reference within bf16 tolerance
+    plain_state, plain_losses = run(af.train_step(token_loss, af.optim.adamw(1e-2)), token_model(),
+                                    [token_batch(seed=s) for s in range(3)])
+    tol = 3e-2 if "autocast" in names else 1e-5
+    assert forward_losses == pytest.approx(plain_losses, abs=tol)
+
+
+def test_repr_shows_the_canonical_order():
+    step = af.offload(af.compile(af.accumulate(af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), "bf16"), 4)))
+    assert repr(step) == (
+        "Step(train_step(token_loss) -> accumulate(4) -> autocast(bfloat16) -> compile() -> "
+        "offload(optimizer_state=True, params=False))"
+    )
+
+
+def test_fp16_with_fp8_is_an_error_naming_both():
+    step = af.autocast_fp8(af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), torch.float16), emulate=True)
+    with pytest.raises(af.CompositionError, match=r"autocast_fp8\(.*autocast\(float16\)|autocast\(float16\).*autocast_fp8"):
+        step.init(token_model())
+
+
+def test_applying_a_combinator_twice_is_an_error():
+    with pytest.raises(af.CompositionError, match=r"accumulate\(2\) and accumulate\(4\)"):
+        af.accumulate(af.accumulate(af.train_step(token_loss, af.optim.sgd(0.1)), 4), 2)
+
+
+def test_combinator_arguments_are_checked():
+    with pytest.raises(TypeError, match="'microbatches'"):
+        af.accumulate(af.train_step(token_loss, af.optim.sgd(0.1)), "4")
+    with pytest.raises(ValueError, match="unknown precision 'fp4'"):
+        af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), "fp4")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="cuda")
+
+
+def test_autocast_auto_follows_the_launcher_setting(monkeypatch):
+    base = af.train_step(token_loss, af.optim.sgd(0.1))
+    monkeypatch.setenv("ACCELFN_MIXED_PRECISION", "no")
+    assert af.autocast(base) is base
+    monkeypatch.setenv("ACCELFN_MIXED_PRECISION", "bf16")
+    assert "autocast(bfloat16)" in repr(af.autocast(base))
+    monkeypatch.setenv("ACCELFN_MIXED_PRECISION", "fp8")
+    assert "autocast_fp8" in repr(af.autocast(base)) and "autocast(bfloat16)" in repr(af.autocast(base))
+
+
+# ---- compile ---------------------------------------------------------------------------------------------------
+def test_compile_matches_eager_and_does_not_recompile_after_step_two():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    batches = lm_batches(10, vocab=64)
+    sched = af.optim.warmup_cosine(1e-2, warmup=3, total=10)
+
+    def lm_loss(m, b):
+        return af.losses.cross_entropy(m(input_ids=b["input_ids"]).logits[:, :-1], b["labels"][:, 1:])
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    eager_state, eager_losses = run(af.train_step(lm_loss, af.optim.adamw(sched)), copy.deepcopy(model), batches[:1])
+    counters.clear()
+    step = af.compile(af.train_step(lm_loss, af.optim.adamw(sched)))
+    state = step.init(copy.deepcopy(model))
+    losses, frames = [], []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(metrics["loss"].item())
+        frames.append(counters["stats"]["unique_graphs"])
+    _, eager_losses = run(af.train_step(lm_loss, af.optim.adamw(sched)), copy.deepcopy(model), batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert frames[1] == frames[-1], f"recompiled after step 2: graphs per step {frames}"
+    del eager_state
+
+
+def test_regional_compile_compiles_each_block():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    step = af.compile(af.train_step(lambda m, b: m(input_ids=b["input_ids"]).logits.float().pow(2).mean(),
+                                    af.optim.sgd(0.1)), regions="blocks")
+    state = step.init(model)
+    assert "compiled 2/2 blocks of model.layers" in repr(step)
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    state, m = step(state, lm_batches(1)[0])
+    assert torch.isfinite(m["loss"])
+
+
+def test_regional_compile_without_blocks_is_a_clear_error():
+    step = af.compile(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), regions="blocks")
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        step.init(nn.Linear(3, 3))
+
+
+# ---- offload ---------------------------------------------------------------------------------------------------
+def test_offload_keeps_optimizer_state_in_host_memory_with_identical_results():
+    batches = [token_batch(seed=s) for s in range(4)]
+    plain, plain_losses = run(af.train_step(token_loss, af.optim.adamw(1e-2)), token_model(), batches)
+    step = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)))
+    off, off_losses = run(step, token_model(), batches)
+    assert off_losses == plain_losses
+    assert max_diff(off.params, plain.params) == 0.0
+    assert all(t.device.type == "cpu" for t in af.tree.leaves(off.opt_state))
+
+
+@pytest.mark.gpu
+def test_offload_on_gpu_keeps_state_on_the_host_and_pinned():
+    model = token_model().cuda()
+    step = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)), params=True)
+    state = step.init(model)
+    batch = af.tree.map(lambda t: t.cuda(), token_batch())
+    state, _ = step(state, batch)
+    leaves = af.tree.leaves(state.opt_state)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in leaves)
+    assert all(p.device.type == "cuda" for p in state.params.values())
+
+
+# ---- fp8 (torchao, emulated on CPU) ----------------------------------------------------------------------------
+def _llama16():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def _lm_loss(m, b):
+    return af.losses.cross_entropy(m(input_ids=b["input_ids"]).logits[:, :-1], b["labels"][:, 1:])
+
+
+@pytest.mark.slow
+def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
+    from torchao.float8.float8_linear import Float8Linear
+
+    batches = lm_batches(50, batch=4, seq=16, vocab=64)
+    bf16 = af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16)
+    _, bf16_losses = run(bf16, _llama16(), batches)
+    fp8 = af.autocast_fp8(af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16),
+                          backend="torchao", emulate=True)
+    state, fp8_losses = run(fp8, _llama16(), batches)
+    model = fp8.model
+    assert not isinstance(model.lm_head, Float8Linear)  # the last Linear stays high precision
+    assert not isinstance(model.model.layers[0].self_attn.q_proj, Float8Linear) or True
+    converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert len(converted) >= 10 and "lm_head" not in converted
+    assert "model.layers.0.self_attn.q_proj" not in converted  # the first Linear stays high precision
+    assert fp8_losses[-1] < fp8_losses[0] * 0.8  # it trains
+    for a, b in zip(fp8_losses[-10:], bf16_losses[-10:]):
+        assert abs(a - b) / b < 0.05
+    # the converted model's state round-trips as a pytree of ordinary tensors
+    copied = af.tree.map(lambda t: t.detach().clone(), state)
+    fp8.init(copied)
+    _, m = fp8(copied, batches[0])
+    assert torch.isfinite(m["loss"])
+
+
+def test_torchao_fp8_refuses_cpu_without_emulate():
+    step = af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="torchao")
+    with pytest.raises(RuntimeError, match="no FP8 matmul support.*emulate=True"):
+        step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+
+
+def test_fp8_module_filter_overrides_the_default():
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
+    step = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="torchao",
+                           emulate=True, module_filter=lambda mod, fqn: isinstance(mod, nn.Linear))
+    step.init(net)
+    assert [type(m).__name__ for m in step.model] == ["Float8Linear"] * 3
+
+
+# ---- fp8 (Transformer Engine, faked) ---------------------------------------------------------------------------
+@pytest.fixture
+def fake_te(monkeypatch):
+    calls = {"autocast": 0}
+    te_pkg = types.ModuleType("transformer_engine")
+    te_pkg.__path__ = []
+    te_torch = types.ModuleType("transformer_engine.pytorch")
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+
+    class Linear(nn.Linear):
+        def __init__(self, i, o, bias=True, params_dtype=None, device=None):
+            super().__init__(i, o, bias=bias, dtype=params_dtype, device=device)
+
+        def get_extra_state(self):
+            return torch.tensor([1.0, 2.0])  # stands for TE's amax history/scales
+
+    Linear.__module__ = "transformer_engine.pytorch.module.linear"
+
+    class _Ctx:
+        def __init__(self, **kw):
+            calls["kwargs"] = kw
+
+        def __enter__(self):
+            calls["autocast"] += 1
+
+        def __exit__(self, *a):
+            return False
+
+    class Format:
+        HYBRID = "hybrid"
+
+    class DelayedScaling:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    te_torch.Linear = Linear
+    te_torch.fp8_autocast = _Ctx
+    recipe.DelayedScaling = DelayedScaling
+    recipe.Format = Format
+    recipe.Float8CurrentScaling = lambda: "current"
+    for name, mod in [("transformer_engine", te_pkg), ("transformer_engine.pytorch", te_torch),
+                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    return calls
+
+
+def test_te_backend_swaps_linears_runs_under_fp8_autocast_and_keeps_scaling_state(fake_te):
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    ref = copy.deepcopy(net)
+    step = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te")
+    state = step.init(net)
+    kinds = [type(m).__module__.split(".")[0] for m in step.model]
+    assert kinds == ["torch", "transformer_engine", "transformer_engine", "torch"]
+    assert torch.equal(step.model[1].weight, ref[1].weight)  # weights copied
+    assert set(state.extra["te_fp8"]) == {"1", "2"}
+    x = torch.randn(4, 32)
+    state, _ = step(state, x)
+    assert fake_te["autocast"] == 1 and fake_te["kwargs"]["enabled"] is True
+    assert fake_te["kwargs"]["fp8_recipe"].kw["fp8_format"] == "hybrid"
+
+
+def test_te_backend_without_te_installed_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    step = af.autocast_fp8(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), backend="te")
+    with pytest.raises(ImportError, match=r"pip install 'accelfn\[te\]'"):
+        step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+
+
+def test_auto_backend_picks_torchao_without_te_and_says_so():
+    step = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), emulate=True)
+    step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+    assert "chose torchao" in repr(step)
+
+
+def test_compile_falls_back_to_regions_around_te_modules(fake_te):
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    step = af.compile(af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te"))
+    with pytest.warns(UserWarning, match="Transformer Engine"):
+        step.init(net)
+    assert "TE modules stay eager" in repr(step)

@@ -7,7 +7,7 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import checkpoint, dist, losses, optim, platforms, random, tree
+from . import checkpoint, data, dist, losses, optim, platforms, random, tree
 from .dist import progress
 from .losses import Loss
 from .mesh import Mesh
@@ -15,7 +15,7 @@ from .module import bind, partition
 from .state import TrainState
 from .lowering import CompositionError
 from .step import Step, eval_step, train_step
-from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload
+from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload, shard
 
 __version__ = "0.1.0"
 
@@ -37,11 +37,13 @@ __all__ = [
     "dist",
     "progress",
     "checkpoint",
+    "data",
     "accumulate",
     "autocast",
     "autocast_fp8",
     "compile",
     "offload",
+    "shard",
     "LossScaleConfig",
     "CompositionError",
 ]

@@ -45,6 +45,10 @@ class GradSync(Protocol):
         """The global L2 norm of (possibly sharded) gradients."""
         ...
 
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Average metric scalars over the data-parallel ranks."""
+        ...
+
 
 class Updater(Protocol):
     """Runs the optimizer update (set by `af.offload`; the default applies in place on the params)."""
@@ -150,7 +154,9 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
             count_sum = count.detach() if count_sum is None else count_sum + count.detach()
         if scaler is not None:
             objective = objective * scaler["scale"].to(objective.device)
-        objective.backward()
+        microbatch = getattr(plan.grad_sync, "microbatch", None)
+        with microbatch(i == len(micro) - 1) if microbatch is not None else contextlib.nullcontext():
+            objective.backward()
         for k, v in aux.items():
             aux_sum[k] = v.detach() if k not in aux_sum else aux_sum[k] + v.detach()
 
@@ -204,8 +210,10 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
     if lr is not None:
         metrics["lr"] = lr
     n_micro = len(micro)
-    for k, v in aux_sum.items():
-        metrics[k] = v / n_micro if n_micro > 1 and isinstance(v, torch.Tensor) else v
+    aux_mean = {k: v / n_micro if n_micro > 1 else v for k, v in aux_sum.items() if isinstance(v, torch.Tensor)}
+    if plan.grad_sync is not None:
+        aux_mean = plan.grad_sync.reduce_metrics(aux_mean)
+    metrics.update(aux_mean)
 
     extra = state.extra
     if scaler is not None:

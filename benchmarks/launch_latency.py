@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKER = '''
+WORKER = """
 import os, sys
 with open(sys.argv[1], "a") as f:
     f.write(os.environ.get("RANK", "?") + "\\n")
@@ -32,31 +32,83 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.all_reduce(x)
     assert x.item() == dist.get_world_size()
     dist.destroy_process_group()
-'''
+"""
 
 
 def commands(script: str, count: str) -> dict[str, list[str]]:
     bindir = Path(sys.executable).parent
-    accelfn = str(bindir / "accelfn") if (bindir / "accelfn").exists() else shutil.which("accelfn") or "accelfn"
-    accelerate = str(bindir / "accelerate") if (bindir / "accelerate").exists() else shutil.which("accelerate")
+    accelfn = (
+        str(bindir / "accelfn") if (bindir / "accelfn").exists() else shutil.which("accelfn") or "accelfn"
+    )
+    accelerate = (
+        str(bindir / "accelerate") if (bindir / "accelerate").exists() else shutil.which("accelerate")
+    )
     cmds = {
-        "accelfn launch --nproc-per-node 2 --cpu": [accelfn, "launch", "--nproc-per-node", "2", "--cpu", script, count],
-        "torchrun --nproc-per-node 2": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                        script, count],
+        "accelfn launch --nproc-per-node 2 --cpu": [
+            accelfn,
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--cpu",
+            script,
+            count,
+        ],
+        "torchrun --nproc-per-node 2": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            script,
+            count,
+        ],
     }
     if accelerate:
         quiet = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        # accelerate 1.15 refuses --multi_gpu together with --cpu; without --cpu, on a machine with no GPU,
+        # --multi_gpu runs the processes on CPU; --cpu alone silently runs one process (see FINDINGS.md).
         cmds["accelerate launch --multi_gpu --num_processes 2 --cpu"] = [
-            accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--cpu", *quiet, script, count]
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--cpu",
+            *quiet,
+            script,
+            count,
+        ]
+        cmds["accelerate launch --multi_gpu --num_processes 2"] = [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            *quiet,
+            script,
+            count,
+        ]
         cmds["accelerate launch --num_processes 2 --cpu"] = [
-            accelerate, "launch", "--num_processes", "2", "--cpu", *quiet, script, count]
+            accelerate,
+            "launch",
+            "--num_processes",
+            "2",
+            "--cpu",
+            *quiet,
+            script,
+            count,
+        ]
     return cmds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--append", help="append a 'Launch latency' section with the results to this markdown file")
+    parser.add_argument(
+        "--append", help="append a 'Launch latency' section with the results to this markdown file"
+    )
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="launch_latency_"))
@@ -77,7 +129,8 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             if r.returncode != 0:
                 failures[name] += 1
-                print(f"{name}: exit {r.returncode}\n{r.stderr[-2000:]}", file=sys.stderr)
+                last = (r.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"{name}: exit {r.returncode}: {last}", file=sys.stderr)
                 continue
             times[name].append(elapsed)
             procs[name].add(len(count.read_text().splitlines()) if count.exists() else 0)
@@ -89,7 +142,7 @@ def main() -> None:
         machine += f", torch {torch.__version__}"
     except ImportError:
         pass
-    header = f"| launcher command | median s | min s | processes that ran | runs |\n|---|---|---|---|---|"
+    header = "| launcher command | median s | min s | processes that ran | runs |\n|---|---|---|---|---|"
     rows = []
     for name in names:
         t = times[name]

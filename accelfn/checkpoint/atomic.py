@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .io import fsync_path
 
-__all__ = ["temp_sibling", "commit", "remove", "clean_stale", "is_hidden"]
+__all__ = ["temp_sibling", "commit", "remove", "clean_stale", "is_hidden", "check_replaceable"]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -85,6 +85,20 @@ def remove(path: Path) -> None:
         fsync_path(path.parent)
         path = hidden
     shutil.rmtree(path, ignore_errors=True)
+
+
+def check_replaceable(final: Path, markers: tuple[str, ...]) -> None:
+    """Refuse to replace an existing path unless it is an empty folder or holds one of `markers` (a
+    checkpoint or weights folder): a save never deletes a user's unrelated files."""
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise FileExistsError(f"'{final}' exists and is a file; a checkpoint is written as a folder")
+    if any(final.iterdir()) and not any((final / m).exists() for m in markers):
+        raise FileExistsError(
+            f"'{final}' exists and is not a checkpoint (it has none of {list(markers)}); "
+            "refusing to replace it: choose another path or remove it"
+        )
 
 
 def clean_stale(final: Path) -> None:

@@ -89,7 +89,9 @@ def read_state_json(folder: Path) -> dict[str, Any]:
     if not folder.exists():
         raise FileNotFoundError(f"no checkpoint at '{folder}': the folder does not exist")
     if not folder.is_dir():
-        raise NotADirectoryError(f"'{folder}' is a file; a checkpoint is a folder written by af.checkpoint.save")
+        raise NotADirectoryError(
+            f"'{folder}' is a file; a checkpoint is a folder written by af.checkpoint.save"
+        )
     path = folder / STATE_FILE
     if not path.exists():
         hint = ""
@@ -101,7 +103,9 @@ def read_state_json(folder: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"'{path}' is not valid JSON ({e}): the file is corrupted") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' is not an accelfn checkpoint description (no \"format\": \"{FORMAT}\")")
+        raise CheckpointError(
+            f'\'{path}\' is not an accelfn checkpoint description (no "format": "{FORMAT}")'
+        )
     if meta.get("version") != VERSION:
         raise CheckpointError(
             f"'{path}' has format version {meta.get('version')!r}; this accelfn reads version {VERSION}"

@@ -52,6 +52,10 @@ class FileRecord:
         return {"size": self.size, "crc32": self.crc32}
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of `t` in row-major order (a contiguous CPU copy only when needed)."""
     t = t.detach()
@@ -60,7 +64,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.dtype not in DTYPES:
         raise TypeError(f"cannot store a tensor of dtype {t.dtype} in safetensors")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return _bytes_of(t.view(torch.uint8))
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -83,7 +87,11 @@ def write_file(
         if t.dtype not in DTYPES:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     if metadata:
         header["__metadata__"] = metadata
@@ -106,7 +114,7 @@ def write_file(
 
 def _read_all(path: Path, size: int) -> torch.Tensor:
     buf = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buf.numpy()).cast("B")
+    view = _bytes_of(buf)
     done = 0
     with open(path, "rb", buffering=0) as f:
         while done < size:
@@ -119,7 +127,9 @@ def _read_all(path: Path, size: int) -> torch.Tensor:
     return buf
 
 
-def read_header(path: str | os.PathLike[str], data: memoryview | bytes | None = None) -> tuple[dict[str, Any], int]:
+def read_header(
+    path: str | os.PathLike[str], data: memoryview | bytes | None = None
+) -> tuple[dict[str, Any], int]:
     """`(header, data_start)` of a safetensors file, validated against the file's size."""
     path = Path(path)
     size = len(data) if data is not None else path.stat().st_size
@@ -148,10 +158,14 @@ def read_header(path: str | os.PathLike[str], data: memoryview | bytes | None = 
             for d in info["shape"]:
                 numel *= int(d)
         except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError(f"'{path}': tensor {name!r} has an invalid header entry {info!r}") from None
+            raise CorruptCheckpointError(
+                f"'{path}': tensor {name!r} has an invalid header entry {info!r}"
+            ) from None
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if end - begin != nbytes or begin < 0:
-            raise CorruptCheckpointError(f"'{path}': tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
+            raise CorruptCheckpointError(
+                f"'{path}': tensor {name!r} has {end - begin} bytes for shape {info['shape']}"
+            )
         if start + end > size:
             raise CorruptCheckpointError(
                 f"'{path}' is truncated: tensor {name!r} ends at byte {start + end} but the file has {size} bytes"
@@ -175,7 +189,7 @@ def read_file(
             f"'{path}' has {size} bytes but {record.size} were written: the file is truncated or was replaced"
         )
     buf = _read_all(path, size)
-    data = memoryview(buf.numpy()).cast("B")
+    data = _bytes_of(buf)
     if record is not None:
         crc = zlib.crc32(data)
         if crc != record.crc32:

@@ -52,7 +52,14 @@ def alias_key(t: torch.Tensor) -> Any:
         return ("dtensor", id(t))
     if t.numel() == 0 or t.device.type == "meta":
         return ("object", id(t))
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        str(t.device),
+    )
 
 
 def describe(x: Any) -> str:

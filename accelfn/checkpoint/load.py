@@ -48,8 +48,14 @@ class Target:
             if is_dtensor(like):
                 from torch.distributed.tensor import DTensor
 
+                dt: Any = like
                 self.value: torch.Tensor = DTensor.from_local(
-                    local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()  # type: ignore[attr-defined]
+                    local,
+                    dt.device_mesh,
+                    dt.placements,
+                    run_check=False,
+                    shape=like.shape,
+                    stride=like.stride(),  # type: ignore[attr-defined]
                 )
             else:
                 self.value = local
@@ -167,7 +173,9 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
         tensors = io.read_file(folder / name, io.FileRecord(**records[name]))
         for t, piece in by_file[name]:
             if piece["key"] not in tensors:
-                raise CorruptCheckpointError(f"'{folder / name}' lacks the tensor {piece['key']!r} of {t.path!r}")
+                raise CorruptCheckpointError(
+                    f"'{folder / name}' lacks the tensor {piece['key']!r} of {t.path!r}"
+                )
             t.fill(tensors[piece["key"]], piece["offset"])
         del tensors
     for t in targets.values():

@@ -71,6 +71,8 @@ def save_pretrained(
     named = _named_tensors(model_or_params)
     if config is None and isinstance(model_or_params, nn.Module):
         config = getattr(model_or_params, "config", None)
+    final = Path(path).absolute()
+    atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"))
     comm = Comm()
     full: dict[str, torch.Tensor] = {}
     for name, t in named.items():
@@ -79,7 +81,6 @@ def save_pretrained(
         if comm.rank == 0:
             full[name] = t.detach()
     if comm.rank == 0:
-        final = Path(path).absolute()
         final.parent.mkdir(parents=True, exist_ok=True)
         atomic.clean_stale(final)
         tmp = atomic.temp_sibling(final, uuid.uuid4().hex[:12])

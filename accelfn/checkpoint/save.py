@@ -30,8 +30,20 @@ from .._typecheck import checked
 from ..state import TrainState
 from . import atomic, io
 from ._dist import Comm, is_dtensor, is_sharded, region, writes_piece
-from .format import FORMAT, GROUPS, HF_INDEX, INLINE, STATE_FILE, VERSION, file_name, hf_index, parse_size
-from .format import read_state_json, step_of_name
+from .format import (
+    FORMAT,
+    GROUPS,
+    HF_INDEX,
+    INLINE,
+    STATE_FILE,
+    VERSION,
+    CheckpointError,
+    file_name,
+    hf_index,
+    parse_size,
+    read_state_json,
+    step_of_name,
+)
 from .leaves import JSON_TYPES, alias_key, dtype_name, flatten, split_path
 
 __all__ = ["save", "latest", "wait", "SaveHandle", "checkpoints"]
@@ -100,7 +112,9 @@ class _Plan:
                 if field not in GROUPS:
                     raise TypeError(f"cannot save state field {field!r} ({path})")
                 if f"{field}/{key}" in owner:
-                    raise ValueError(f"state paths {owner[f'{field}/{key}']!r} and {path!r} have the same name")
+                    raise ValueError(
+                        f"state paths {owner[f'{field}/{key}']!r} and {path!r} have the same name"
+                    )
                 owner[f"{field}/{key}"] = path
                 if not writes_piece(v, comm.rank):
                     continue
@@ -122,7 +136,9 @@ class _Plan:
                 )
         key_to_path = {(split_path(p)[0], pc[0]["key"]): p for p, pc in self.pieces.items()}
         for field, tensors in groups.items():
-            for name, chunk in _split(tensors, max_shard_size, GROUPS[field], comm.rank if self.multi else None):
+            for name, chunk in _split(
+                tensors, max_shard_size, GROUPS[field], comm.rank if self.multi else None
+            ):
                 self.files[name] = chunk
                 for key in chunk:
                     self.pieces[key_to_path[(field, key)]][0]["file"] = name
@@ -164,7 +180,10 @@ def _split(
 
 def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None) -> None:
     """Write this rank's files, then (rank 0) state.json, and commit. Runs in any thread."""
-    records = {name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json() for name, tensors in plan.files.items()}
+    records = {
+        name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json()
+        for name, tensors in plan.files.items()
+    }
     everyone = comm.all_gather_json({"files": records, "pieces": plan.pieces})
     if comm.rank == 0:
         files: dict[str, Any] = {}
@@ -173,10 +192,21 @@ def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, k
             for path, pieces in part["pieces"].items():
                 plan.entries[path].setdefault("pieces", []).extend(pieces)
         if not plan.multi:
-            model_files = {p[0]["file"]: p[0]["key"] for path, p in plan.pieces.items() if path.startswith("params.")}
+            model_files = {
+                p[0]["file"]: p[0]["key"] for path, p in plan.pieces.items() if path.startswith("params.")
+            }
             if len(set(model_files)) > 1:
-                weight_map = {pc[0]["key"]: pc[0]["file"] for path, pc in plan.pieces.items() if path.startswith("params.")}
-                total = sum(t.numel() * t.element_size() for n, f in plan.files.items() if n.startswith("model") for t in f.values())
+                weight_map = {
+                    pc[0]["key"]: pc[0]["file"]
+                    for path, pc in plan.pieces.items()
+                    if path.startswith("params.")
+                }
+                total = sum(
+                    t.numel() * t.element_size()
+                    for n, f in plan.files.items()
+                    if n.startswith("model")
+                    for t in f.values()
+                )
                 (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
                 io.fsync_path(tmp / HF_INDEX)
         meta = {
@@ -244,6 +274,7 @@ def save(
         except (TypeError, ValueError) as e:
             raise TypeError(f"save(): loader.state_dict() must return JSON-able data ({e})") from None
     final = Path(path).absolute()
+    atomic.check_replaceable(final, (STATE_FILE,))
     comm = Comm()
     plan = _Plan(state, comm, size, snapshot=async_save)
     token = comm.broadcast_str(uuid.uuid4().hex[:12])
@@ -282,7 +313,7 @@ def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
             continue
         try:
             meta = read_state_json(p)
-        except (OSError, ValueError, Exception):
+        except (OSError, ValueError, CheckpointError):
             continue
         step = meta.get("step")
         if not isinstance(step, int):

@@ -7,6 +7,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code = int(args.func(args) or 0)
     if argv is None:
-        sys.exit(code)
+        # As a command, skip the interpreter's teardown of torch (~0.5 s): nothing is left to clean up.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

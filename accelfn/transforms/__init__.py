@@ -5,5 +5,6 @@ from .autocast import LossScaleConfig, autocast
 from .compile import compile
 from .fp8 import autocast_fp8
 from .offload import offload
+from .shard import shard
 
-__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "LossScaleConfig"]
+__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "shard", "LossScaleConfig"]

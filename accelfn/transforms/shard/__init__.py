@@ -1,0 +1,107 @@
+"""`af.shard`: data parallelism over the mesh — DDP, FSDP (ZeRO-3-like) and HSDP.
+
+- `"ddp"`: params replicated (broadcast from rank 0 at `init`); after the backward pass the gradients
+  meet in one bucketed all-reduce (sum), with the loss sum and the count riding in the same buffer, so the
+  update divides by the *global* count: N ranks give the update of one process on the global batch.
+  One sync per call, also under `af.accumulate`.
+- `"fsdp"`: torch's FSDP2 (`fully_shard`) on every block and on the root; the state's params and
+  optimizer state are the module's own DTensor shards (memory per rank ~1/N). Reduce-scatter sums.
+  Under `af.autocast` the matching `MixedPrecisionPolicy` (param dtype, fp32 reduce) is used.
+- `"hsdp"`: FSDP2 on a 2-D mesh (`dp` replicate x `fsdp` shard).
+
+Each rank passes its own shard of the global batch (as `af.data.DataLoader(mesh=...)` yields), or, with
+`inputs="global"`, every rank passes the same global batch and the step takes its rows. Metrics are
+global: the loss is the global mean, `aux` values are averaged over ranks.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> mesh = af.Mesh({"dp": -1}, device="cpu")
+    >>> step = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.sgd(0.1)), mesh)
+    >>> state = step.init(torch.nn.Linear(4, 4))
+    >>> state, metrics = step(state, torch.randn(8, 4))
+    >>> step
+    Step(train_step(<lambda>) -> shard(ddp, dp=1))
+    >>> mesh.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..._typecheck import checked
+from ...mesh import Mesh
+from ...step import Step
+from .._base import TransformBase
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+    from ...lowering import Transform
+    from ...state import TrainState
+
+__all__ = ["shard", "STRATEGIES"]
+
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+BACKENDS = ("torch", "deepspeed")
+
+
+@attrs.frozen(eq=False)
+class Shard(TransformBase):
+    mesh: Mesh
+    strategy: str = "ddp"
+    backend: str = "torch"
+    inputs: str = "local"
+    bucket_mb: float = 25.0
+    kind: str = "shard"
+
+    def describe(self) -> str:
+        axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        extra = f", backend={self.backend!r}" if self.backend != "torch" else ""
+        return f"shard({self.strategy}, {axes}{extra})"
+
+    def check(self, others: Sequence[Transform]) -> None:
+        return None
+
+    def lower(self, plan: Plan) -> None:
+        if self.strategy == "ddp":
+            from .ddp import lower_ddp
+
+            lower_ddp(self, plan)
+        else:
+            from .fsdp import lower_fsdp
+
+            lower_fsdp(self, plan)
+
+    def init_state(self, plan: Plan, state: TrainState) -> TrainState:
+        return state
+
+
+@checked
+def shard(
+    step: Step,
+    mesh: Mesh,
+    *,
+    strategy: str = "ddp",
+    backend: str = "torch",
+    inputs: str = "local",
+    bucket_mb: float = 25.0,
+) -> Step:
+    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"shard: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "deepspeed":
+        raise NotImplementedError(
+            "shard(backend='deepspeed') is not implemented yet; use backend='torch' with strategy='fsdp' "
+            "(ZeRO-3-like) or 'ddp'"
+        )
+    if inputs not in ("local", "global"):
+        raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
+    if not mesh.data_axes:
+        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp); its axes are {mesh.axis_names}")
+    if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
+        raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
+    return step.with_transform(Shard(mesh, strategy, backend, inputs, bucket_mb))

@@ -1,0 +1,41 @@
+"""Pieces shared by the sharding strategies: batch slicing/moving, loss and metric reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from ... import tree as _tree
+from ...mesh import Mesh
+
+
+def batch_transform(mesh: Mesh, inputs: str) -> Callable[[Any], Any]:
+    """Move the batch to this rank's device; with `inputs="global"`, first take this rank's rows."""
+    device, n, r = mesh.device, mesh.data_size, mesh.data_rank
+
+    def take(batch: Any) -> Any:
+        def one(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+            if inputs == "global":
+                rows = t.shape[0] if t.dim() else 0
+                if rows % n:
+                    where = "batch" + "".join(f"[{p!r}]" for p in path)
+                    raise ValueError(
+                        f"shard(inputs='global'): {where} has {rows} rows, not divisible by the {n} data-parallel ranks"
+                    )
+                t = t[r * rows // n : (r + 1) * rows // n]
+            return t.to(device, non_blocking=True) if t.device != device else t
+
+        return optree.tree_map_with_path(one, batch, namespace=_tree.NAMESPACE)
+
+    return take
+
+
+def reduce_scalars(values: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Sum a few scalars over `group` in one collective."""
+    flat = torch.stack([v.detach().float().reshape(()) for v in values])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return list(flat.unbind(0))

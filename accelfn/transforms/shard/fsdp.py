@@ -1,0 +1,106 @@
+"""FSDP / HSDP strategies of `af.shard`, on torch's FSDP2 (`fully_shard`).
+
+The state's params are the module's own DTensor parameters (FINDINGS: passing other tensors through an
+FSDP2 module makes it compute and communicate twice), so binding is in place and free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..compile import find_blocks
+from .common import batch_transform
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+    from . import Shard
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@attrs.define
+class FSDPSync:
+    """FSDP2 has already summed (reduce-scattered) the gradients; only the scalars remain to meet."""
+
+    root: nn.Module
+    data_group: dist.ProcessGroup | None
+    shard_group: dist.ProcessGroup | None
+
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        self.root.set_requires_gradient_sync(last)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            if not last:
+                self.root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = torch.stack([loss_sum.float().reshape(()), count.float().reshape(())])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
+        return flat[0].to(loss_sum.dtype), flat[1].to(loss_sum.dtype)
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        local = [_local(g) for g in grads]
+        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local]).sum() if local else torch.zeros(())
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.shard_group)
+        return sq.sqrt()
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not values:
+            return values
+        flat = torch.stack([v.float().reshape(()) for v in values.values()])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
+        flat /= dist.get_world_size(self.data_group)
+        return dict(zip(values, flat.unbind(0)))
+
+
+def lower_fsdp(shard: Shard, plan: Plan) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = shard.mesh
+    axes = mesh.data_axes
+    plan.module.to(mesh.device)
+    data_mesh = mesh.submesh(*axes)
+    data_group = data_mesh.get_group() if len(axes) == 1 else data_mesh._flatten().get_group()
+    with torch.no_grad():
+        src = dist.get_global_rank(data_group, 0)
+        for t in [*plan.module.parameters(), *plan.module.buffers()]:
+            dist.broadcast(t.data, src=src, group=data_group)
+    if shard.strategy == "hsdp":
+        fsdp_mesh = mesh.submesh("dp", "fsdp")
+        shard_group = mesh.group("fsdp")
+    else:
+        fsdp_mesh = data_mesh if len(axes) == 1 else data_mesh._flatten()
+        shard_group = data_group
+    mp = MixedPrecisionPolicy()
+    if plan.autocast_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
+    try:
+        _, blocks = find_blocks(plan.module)
+        for block in blocks:
+            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp)
+    except ValueError:
+        blocks = None
+    fully_shard(plan.module, mesh=fsdp_mesh, mp_policy=mp)
+    for m in plan.module.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    plan.batch_transform = batch_transform(mesh, shard.inputs)
+    plan.rank_key = mesh.data_rank
+    plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
+    n_blocks = len(blocks) if blocks is not None else 0
+    plan.notes.append(f"{shard.strategy} over {mesh.data_size} ranks ({n_blocks} blocks + root sharded)")

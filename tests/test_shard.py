@@ -1,0 +1,78 @@
+"""af.shard on real processes (gloo, through `accelfn launch`) vs the single-process run on the global batch."""
+
+import pytest
+
+import accelfn as af
+from tests._launch import output_of, run_workers
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
+    configs = [
+        "ddp:mlp", "ddp:gpt2:sgd", "ddp:gpt2", "ddp:gpt2:accumulate",   # ddp asserts 1 all-reduce per call
+        "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
+    ]  # fmt: skip
+    proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        strategy, model, *extra = c.split(":")
+        for rank in (0, 1):
+            assert f"rank {rank}: OK {strategy} {model} {sorted(extra)}" in proc.stdout, out
+
+
+@pytest.mark.slow
+def test_hsdp_on_a_2x2_mesh_equals_one_process():
+    proc = run_workers("shard_worker.py", 4, "hsdp:mlp", "hsdp:mlp:accumulate", timeout=400)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert proc.stdout.count("OK hsdp mlp") == 8, out
+
+
+def test_unknown_mesh_axis_lists_the_axes():
+    mesh = af.Mesh({"dp": -1}, device="cpu")
+    try:
+        with pytest.raises(KeyError, match=r"no axis 'tp'.*\('dp',\)"):
+            mesh.axis_size("tp")
+        with pytest.raises(ValueError, match="strategy must be one of"):
+            af.shard(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), mesh, strategy="zero")
+        with pytest.raises(ValueError, match="needs a 2-D mesh with axes 'dp' and 'fsdp'"):
+            af.shard(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), mesh, strategy="hsdp")
+    finally:
+        mesh.close()
+
+
+def test_global_inputs_not_divisible_across_ranks_is_a_clear_error(monkeypatch):
+    import torch
+
+    from accelfn.transforms.shard.common import batch_transform
+
+    class FakeMesh:
+        device, data_size, data_rank = torch.device("cpu"), 2, 0
+
+    take = batch_transform(FakeMesh(), "global")
+    with pytest.raises(ValueError, match=r"batch\['x'\] has 5 rows, not divisible by the 2 data-parallel ranks"):
+        take({"x": torch.zeros(5, 3)})
+    assert take({"x": torch.arange(6)})["x"].tolist() == [0, 1, 2]
+
+
+def test_shard_in_a_single_process_is_the_plain_step():
+    import copy
+
+    import torch
+
+    mesh = af.Mesh({"dp": -1}, device="cpu")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        x = torch.randn(6, 4)
+        plain = af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :3]), af.optim.adamw(1e-2))
+        sharded = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :3]), af.optim.adamw(1e-2)), mesh)
+        s1, s2 = plain.init(copy.deepcopy(model)), sharded.init(copy.deepcopy(model))
+        for _ in range(3):
+            s1, m1 = plain(s1, x)
+            s2, m2 = sharded(s2, x)
+        assert torch.allclose(m1["loss"], m2["loss"], atol=1e-7)
+        assert all(torch.allclose(s1.params[k], s2.params[k], atol=1e-7) for k in s1.params)
+    finally:
+        mesh.close()

@@ -1,0 +1,114 @@
+"""Worker: af.shard(strategy) on N ranks == the unsharded step on the global batch (run by test_shard.py)."""
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accelfn as af
+
+CONFIGS = [arg.split(":") for arg in sys.argv[1:]]  # e.g. ddp:gpt2:accumulate:sgd
+model_kind = ""
+
+
+def make_model():
+    torch.manual_seed(0)
+    if model_kind == "gpt2":
+        from tests.models import tiny_gpt2
+
+        return tiny_gpt2(n_embd=32)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+
+def batches(n=10, rows=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        if model_kind == "gpt2":
+            ids = torch.randint(0, 64, (rows, 12), generator=g)
+            labels = ids.clone()
+            for r in range(rows):  # uneven valid-token counts per row, so per rank
+                labels[r, (r * 3) % 11 + 1 :] = -100
+            out.append({"input_ids": ids, "labels": labels})
+        else:
+            x = torch.randn(rows, 8, generator=g)
+            y = torch.randint(0, 5, (rows,), generator=g)
+            y[: rows // 2 - 1] = -100  # rank 0 sees far fewer valid labels than rank 1
+            out.append({"x": x, "y": y})
+    return out
+
+
+def loss_fn(model, b):
+    if model_kind == "gpt2":
+        logits = model(input_ids=b["input_ids"]).logits
+        return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
+    return af.losses.cross_entropy(model(b["x"]), b["y"])
+
+
+def full(params):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in params.items()}
+
+
+
+
+def check(strategy, extra, mesh):
+    data = batches()
+    opt = (lambda: af.optim.sgd(0.1, momentum=0.9)) if "sgd" in extra else (lambda: af.optim.adamw(1e-3, weight_decay=0.01))  # noqa: E731
+
+    ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
+    ref_state = ref_step.init(make_model())
+    ref_losses = []
+    for b in data:
+        ref_state, m = ref_step(ref_state, b)
+        ref_losses.append(m["loss"].item())
+
+    step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
+    if "accumulate" in extra:
+        step = af.accumulate(step, 2)
+    step = af.shard(step, mesh, strategy=strategy, inputs="global")
+
+    calls = {"all_reduce": 0}
+    real_all_reduce = dist.all_reduce
+
+
+    def counting_all_reduce(*a, **k):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*a, **k)
+
+
+    state = step.init(make_model())
+    dist.all_reduce = counting_all_reduce
+    losses = []
+    per_step_calls = []
+    for b in data:
+        before = calls["all_reduce"]
+        state, m = step(state, b)
+        per_step_calls.append(calls["all_reduce"] - before)
+        losses.append(m["loss"].item())
+    dist.all_reduce = real_all_reduce
+
+    params = full(state.params)
+    diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert diff <= 1e-5, f"rank {mesh.rank}: params differ from the single-process run by {diff}"
+    assert loss_diff <= 1e-5, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
+    if strategy == "ddp":
+        # one all-reduce for gradients + loss + count, one for clip's nothing (ddp norm is local), per call
+        assert per_step_calls == [1] * len(data), per_step_calls
+    if strategy in ("fsdp", "hsdp"):
+        local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
+        total = sum(v.numel() for v in params.values())
+        opt_local = sum(t.to_local().numel() for t in af.tree.leaves(state.opt_state.mu))
+        n = mesh.axis_size("fsdp") if strategy == "hsdp" else mesh.data_size
+        assert local <= total / n + 64 * len(params), (local, total)
+        assert opt_local <= total / n + 64 * len(params), (opt_local, total)
+        print(f"rank {mesh.rank}: local params {local} of {total}, opt mu {opt_local}")
+    print(f"rank {mesh.rank}: OK {strategy} {model_kind} {sorted(extra)} max param diff {diff:.2e} calls {per_step_calls[:3]}")
+
+
+mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
+for strategy, model_kind, *rest in CONFIGS:
+    check(strategy, set(rest), mesh)
+mesh.close()

@@ -1,8 +1,11 @@
 """Train a small byte-level GPT on the King James text in examples/data with accelfn.
 
-    python examples/train_lm.py --steps 400
+    accelfn launch --nproc-per-node 2 --cpu examples/train_lm.py     # 2 processes, data parallel
+    python examples/train_lm.py                                       # the same script, one process
 
-The loss goes from ~5.5 (uniform over 256 bytes) to ~2.0 in a few hundred steps on 2 CPU cores.
+The loss goes from ~5.5 (uniform over 256 bytes) to ~2.0 in a few hundred steps on 2 CPU cores. Each
+process draws its own windows of text (its shard of the global batch of `--batch-size` x processes);
+`af.shard` averages the gradients over the processes, so every process holds the same model.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
-
 import accelfn as af
 
 DATA = Path(__file__).parent / "data" / "kjv_genesis_ecclesiastes.txt"
@@ -90,6 +91,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
+    mesh = af.Mesh.from_env()  # {"dp": world size}: 1 without `accelfn launch`
     data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8)
     split = int(0.95 * len(data))
     train, valid = data[:split], data[split:]
@@ -98,17 +100,17 @@ def main() -> None:
     schedule = af.optim.warmup_cosine(args.lr, warmup=args.steps // 10, total=args.steps, end=args.lr / 10)
     no_decay_on_vectors = lambda params: {k: v.ndim >= 2 for k, v in params.items()}  # noqa: E731
     optimizer = af.optim.adamw(schedule, b2=0.99, weight_decay=0.1, mask=no_decay_on_vectors)
-    step = af.train_step(loss_fn, optimizer, clip_grad_norm=1.0)
+    step = af.shard(af.train_step(loss_fn, optimizer, clip_grad_norm=1.0), mesh)
     evaluate = af.eval_step(loss_fn)
     state = step.init(model, seed=args.seed)
     evaluate.init(model)
     n_params = sum(v.numel() for v in state.params.values())
-    print(f"model: {n_params:,} parameters; data: {len(train):,} training bytes")
+    af.dist.print(f"model: {n_params:,} parameters; data: {len(train):,} training bytes; {step}")
 
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + mesh.data_rank)  # each rank its own windows
     t0 = time.perf_counter()
     first = None
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=1.0)
+    bar = af.progress(range(args.steps), desc="train", dynamic_ncols=True, mininterval=1.0)
     for i in bar:
         state, metrics = step(state, windows(train, args.batch_size, args.seq_len, gen))
         if i % 10 == 0 or i == args.steps - 1:
@@ -120,9 +122,11 @@ def main() -> None:
     val_gen = torch.Generator().manual_seed(1234)
     val = [evaluate(state, windows(valid, 32, args.seq_len, val_gen)) for _ in range(8)]
     val_loss = sum(v.total.item() for v in val) / sum(v.count.item() for v in val)
-    print(f"train loss {first:.3f} -> {metrics['loss'].item():.3f} in {args.steps} steps ({elapsed:.1f} s)")
-    print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
-    print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
+    af.dist.print(f"train loss {first:.3f} -> {metrics['loss'].item():.3f} in {args.steps} steps ({elapsed:.1f} s, "
+                  f"{mesh.world_size} process(es), global batch {args.batch_size * mesh.data_size})")
+    af.dist.print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
+    af.dist.print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
+    mesh.close()
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_close_and_context_manager_destroy_the_process_group() -> None:
         assert dist.is_initialized() and af.Mesh.current() is mesh
     assert not dist.is_initialized() and af.Mesh.current() is None
     with pytest.raises(RuntimeError, match=r"Mesh\(dp=1; cpu, closed\) is closed: .*make a new af.Mesh"):
-        mesh.torch_mesh
+        _ = mesh.torch_mesh
     mesh.close()  # twice is fine
 
 

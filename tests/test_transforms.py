@@ -360,6 +360,19 @@ def _llama16():
     return LlamaForCausalLM(cfg)
 
 
+def pattern_batches(n, batch=4, seq=16, vocab=64):
+    """Learnable sequences: each token determines the next (t -> 3t + 1 mod vocab)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(batch, seq, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        for t in range(1, seq):
+            ids[:, t] = (ids[:, t - 1] * 3 + 1) % vocab
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
 def _lm_loss(m, b):
     return af.losses.cross_entropy(m(input_ids=b["input_ids"]).logits[:, :-1], b["labels"][:, 1:])
 
@@ -368,7 +381,7 @@ def _lm_loss(m, b):
 def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
     from torchao.float8.float8_linear import Float8Linear
 
-    batches = lm_batches(50, batch=4, seq=16, vocab=64)
+    batches = pattern_batches(50)
     bf16 = af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16)
     _, bf16_losses = run(bf16, _llama16(), batches)
     fp8 = af.autocast_fp8(af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16),
@@ -376,7 +389,6 @@ def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
     state, fp8_losses = run(fp8, _llama16(), batches)
     model = fp8.model
     assert not isinstance(model.lm_head, Float8Linear)  # the last Linear stays high precision
-    assert not isinstance(model.model.layers[0].self_attn.q_proj, Float8Linear) or True
     converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     assert len(converted) >= 10 and "lm_head" not in converted
     assert "model.layers.0.self_attn.q_proj" not in converted  # the first Linear stays high precision

@@ -2,7 +2,7 @@
 
 The writer produces standard safetensors files (any safetensors or transformers reader opens them), one
 tensor at a time, computing the checksum as it goes (no second pass, no whole-file buffer). The reader
-reads a file once into memory (every page touched), checks it, and returns views into that buffer.
+reads a file in one sequential pass, straight into the destination tensors where it can, checking it.
 
 Example:
     >>> import tempfile, os, torch
@@ -112,21 +112,6 @@ def write_file(
     return FileRecord(len(prefix) + offset, crc)
 
 
-def _read_all(path: Path, size: int) -> torch.Tensor:
-    buf = torch.empty(size, dtype=torch.uint8)
-    view = _bytes_of(buf)
-    done = 0
-    with open(path, "rb", buffering=0) as f:
-        while done < size:
-            n = f.readinto(view[done : done + _CHUNK])
-            if not n:
-                break
-            done += n
-    if done != size:
-        raise CorruptCheckpointError(f"'{path}' shrank while being read ({done} of {size} bytes)")
-    return buf
-
-
 def read_header(
     path: str | os.PathLike[str], data: memoryview | bytes | None = None
 ) -> tuple[dict[str, Any], int]:
@@ -174,11 +159,17 @@ def read_header(
 
 
 def read_file(
-    path: str | os.PathLike[str], record: FileRecord | None = None, *, names: set[str] | None = None
+    path: str | os.PathLike[str],
+    record: FileRecord | None = None,
+    *,
+    names: set[str] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read a safetensors file whole (checking its size and CRC-32 against `record` when given).
+    """Read a safetensors file in one sequential pass, checking its size and CRC-32 against `record`.
 
-    Returns CPU tensors that are views into one buffer holding the file; `names` selects some tensors.
+    `names` selects tensors; `into` maps names to contiguous CPU tensors of the same dtype and shape that
+    receive the bytes directly (no intermediate copy; they hold partial data if an error is raised).
+    Returns `{name: tensor}` (the `into` tensor itself where one was given).
     """
     path = Path(path)
     if not path.exists():
@@ -188,24 +179,61 @@ def read_file(
         raise CorruptCheckpointError(
             f"'{path}' has {size} bytes but {record.size} were written: the file is truncated or was replaced"
         )
-    buf = _read_all(path, size)
-    data = _bytes_of(buf)
-    if record is not None:
-        crc = zlib.crc32(data)
-        if crc != record.crc32:
-            raise CorruptCheckpointError(
-                f"'{path}' is corrupted: its CRC-32 is {crc:08x} but {record.crc32:08x} was recorded at save time"
-            )
-    header, start = read_header(path, data)
+    header, start = read_header(path)
+    entries = sorted(
+        ((n, i) for n, i in header.items() if n != "__metadata__"), key=lambda e: int(e[1]["data_offsets"][0])
+    )
     out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__" or (names is not None and name not in names):
-            continue
-        dtype = _FROM_CODE[info["dtype"]]
-        begin, end = info["data_offsets"]
-        raw = buf[start + begin : start + end]
-        item = torch.empty((), dtype=dtype).element_size()
-        if (start + begin) % item:
-            raw = raw.clone()  # misaligned in a foreign file: copy to an aligned buffer
-        out[name] = raw.view(dtype).reshape(info["shape"])
+    scratch: torch.Tensor | None = None
+    with open(path, "rb", buffering=0) as f:
+        prefix = f.read(start)
+        crc = zlib.crc32(prefix) if record is not None else 0
+        pos = start
+
+        def read(dest: memoryview) -> None:
+            nonlocal crc, pos
+            done = 0
+            while done < len(dest):
+                n = f.readinto(dest[done : done + _CHUNK])
+                if not n:
+                    raise CorruptCheckpointError(f"'{path}' ended early (it is {size} bytes)")
+                if record is not None:
+                    crc = zlib.crc32(dest[done : done + n], crc)
+                done += n
+            pos += done
+
+        def skip(n: int) -> None:
+            nonlocal scratch, pos
+            if record is None:
+                f.seek(n, os.SEEK_CUR)
+                pos += n
+                return
+            scratch = torch.empty(min(n, _CHUNK), dtype=torch.uint8) if scratch is None else scratch
+            view = _bytes_of(scratch)
+            while n > 0:
+                k = min(n, len(view))
+                read(view[:k])
+                n -= k
+
+        for name, info in entries:
+            begin, end = (int(x) for x in info["data_offsets"])
+            if start + begin > pos:
+                skip(start + begin - pos)
+            if names is not None and name not in names:
+                skip(end - begin)
+                continue
+            dtype, shape = _FROM_CODE[info["dtype"]], list(info["shape"])
+            dest = into.get(name) if into is not None else None
+            if dest is None or dest.dtype != dtype or list(dest.shape) != shape or not dest.is_contiguous():
+                dest = torch.empty(shape, dtype=dtype)
+            if dest.device.type != "cpu":
+                raise ValueError(f"read_file(): into[{name!r}] must be a CPU tensor")
+            read(_bytes_of(dest.detach().reshape(-1).view(torch.uint8)))
+            out[name] = dest
+        if record is not None and pos < size:
+            skip(size - pos)
+    if record is not None and crc != record.crc32:
+        raise CorruptCheckpointError(
+            f"'{path}' is corrupted: its CRC-32 is {crc:08x} but {record.crc32:08x} was recorded at save time"
+        )
     return out

@@ -65,7 +65,19 @@ class Target:
         self.offset, _ = region(like)
         self.filled = 0
 
+    def direct(self, piece: dict[str, Any]) -> bool:
+        """Whether a stored piece is exactly this rank's local tensor, so it can be read straight into it."""
+        return (
+            piece["offset"] == list(self.offset)
+            and piece["shape"] == list(self.local.shape)
+            and self.local.device.type == "cpu"
+            and self.local.is_contiguous()
+        )
+
     def fill(self, src: torch.Tensor, src_offset: list[int]) -> None:
+        if src is self.local:  # read in place
+            self.filled += src.numel()
+            return
         self.filled += copy_overlap(self.local, self.offset, src, src_offset)
 
     def check_complete(self, folder: Path) -> None:
@@ -170,7 +182,8 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
     for name in sorted(by_file):
         if name not in records:
             raise CorruptCheckpointError(f"{where}: state.json does not record the file '{name}'")
-        tensors = io.read_file(folder / name, io.FileRecord(**records[name]))
+        into = {piece["key"]: t.local for t, piece in by_file[name] if t.direct(piece)}
+        tensors = io.read_file(folder / name, io.FileRecord(**records[name]), into=into)
         for t, piece in by_file[name]:
             if piece["key"] not in tensors:
                 raise CorruptCheckpointError(

@@ -154,7 +154,12 @@ def load_pretrained(
         names = {n for n in targets if where_of[n] == f}
         if not names:
             continue
-        tensors = io.read_file(f, names=names)
+        into = {
+            n: targets[n].local
+            for n in names
+            if targets[n].direct({"offset": [0] * targets[n].local.ndim, "shape": headers[f][n]["shape"]})
+        }
+        tensors = io.read_file(f, names=names, into=into)
         for n in names:
             targets[n].fill(tensors[n], [0] * tensors[n].ndim)
     for t in targets.values():

@@ -10,6 +10,6 @@ Example:
 from .batches import BatchInfo
 from .layout import DataLayout
 from .loader import DataLoader
-from .metrics import gather_for_metrics
+from ..dist.metrics import gather_for_metrics
 
 __all__ = ["DataLoader", "gather_for_metrics", "BatchInfo", "DataLayout"]

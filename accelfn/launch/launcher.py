@@ -247,7 +247,7 @@ def run(plan: LaunchPlan) -> int:
         return 1
     except Exception as err:  # rendezvous timeouts, closed stores, ...
         if type(err).__name__ == "SignalException":
-            print(f"accelfn launch: stopped by {getattr(err, 'sigval', 'a signal')}", file=sys.stderr)
+            print(f"accelfn launch: stopped by signal {getattr(err, 'sigval', '?')}", file=sys.stderr)
             return 128 + int(getattr(err, "sigval", 15))
         print(f"accelfn launch: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1

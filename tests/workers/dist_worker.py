@@ -25,7 +25,9 @@ assert af.dist.gather_object({"rank": r, "s": "x" * r}) == [{"rank": i, "s": "x"
 # ---- all_reduce: every op, input untouched, ints, pytrees -------------------------------------------------
 v = torch.tensor([r + 1.0, -float(r)])
 ranks = range(n)
-assert torch.equal(af.dist.all_reduce(v, op="sum"), torch.tensor([sum(i + 1.0 for i in ranks), -float(sum(ranks))]))
+assert torch.equal(
+    af.dist.all_reduce(v, op="sum"), torch.tensor([sum(i + 1.0 for i in ranks), -float(sum(ranks))])
+)
 assert torch.allclose(af.dist.all_reduce(v, op="mean"), torch.tensor([(n + 1) / 2, -(n - 1) / 2]))
 assert torch.equal(af.dist.all_reduce(v, op="max"), torch.tensor([float(n), 0.0]))
 assert torch.equal(af.dist.all_reduce(v, op="min"), torch.tensor([1.0, -(n - 1.0)]))

@@ -18,6 +18,7 @@ if rank == 1 and (marker is None or not os.path.exists(marker)):
     if marker is not None:
         open(marker, "w").close()
     time.sleep(0.2)
+    print(f"RAISING at {time.time()}", flush=True)
     raise ValueError("boom")
 x = torch.ones(1)
 dist.all_reduce(x)  # the others block here until rank 1 dies

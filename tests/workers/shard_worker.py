@@ -51,11 +51,13 @@ def full(params):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in params.items()}
 
 
-
-
 def check(strategy, extra, mesh):
     data = batches()
-    opt = (lambda: af.optim.sgd(0.1, momentum=0.9)) if "sgd" in extra else (lambda: af.optim.adamw(1e-3, weight_decay=0.01))  # noqa: E731
+    opt = (
+        (lambda: af.optim.sgd(0.1, momentum=0.9))
+        if "sgd" in extra
+        else (lambda: af.optim.adamw(1e-3, weight_decay=0.01))
+    )  # noqa: E731
 
     ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
     ref_state = ref_step.init(make_model())
@@ -72,11 +74,9 @@ def check(strategy, extra, mesh):
     calls = {"all_reduce": 0}
     real_all_reduce = dist.all_reduce
 
-
     def counting_all_reduce(*a, **k):
         calls["all_reduce"] += 1
         return real_all_reduce(*a, **k)
-
 
     state = step.init(make_model())
     dist.all_reduce = counting_all_reduce
@@ -105,7 +105,9 @@ def check(strategy, extra, mesh):
         assert local <= total / n + 64 * len(params), (local, total)
         assert opt_local <= total / n + 64 * len(params), (opt_local, total)
         print(f"rank {mesh.rank}: local params {local} of {total}, opt mu {opt_local}")
-    print(f"rank {mesh.rank}: OK {strategy} {model_kind} {sorted(extra)} max param diff {diff:.2e} calls {per_step_calls[:3]}")
+    print(
+        f"rank {mesh.rank}: OK {strategy} {model_kind} {sorted(extra)} max param diff {diff:.2e} calls {per_step_calls[:3]}"
+    )
 
 
 mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")

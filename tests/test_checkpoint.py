@@ -302,7 +302,9 @@ def test_an_error_in_the_background_write_is_raised_by_wait(tmp_path, monkeypatc
     af.checkpoint.save(tmp_path / "c", state, async_save=True)
     with pytest.raises(OSError, match="disk full"):
         af.checkpoint.wait()
-    assert af.checkpoint.latest(tmp_path) is None
+    assert (
+        af.checkpoint.latest(tmp_path) is None and os.listdir(tmp_path) == []
+    )  # the temporary folder is gone
 
 
 def test_mlp_with_batchnorm_buffers_round_trips(tmp_path):

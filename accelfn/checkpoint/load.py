@@ -180,6 +180,8 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
             by_file.setdefault(piece["file"], []).append((t, piece))
     records = meta.get("files", {})
     for name in sorted(by_file):
+        if "/" in name or "\\" in name or name.startswith("."):
+            raise CorruptCheckpointError(f"{where}: state.json names an invalid file {name!r}")
         if name not in records:
             raise CorruptCheckpointError(f"{where}: state.json does not record the file '{name}'")
         into = {piece["key"]: t.local for t, piece in by_file[name] if t.direct(piece)}

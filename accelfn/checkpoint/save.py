@@ -17,8 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -192,20 +194,12 @@ def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, k
             for path, pieces in part["pieces"].items():
                 plan.entries[path].setdefault("pieces", []).extend(pieces)
         if not plan.multi:
-            model_files = {
-                p[0]["file"]: p[0]["key"] for path, p in plan.pieces.items() if path.startswith("params.")
+            weight_map = {
+                pc[0]["key"]: pc[0]["file"] for p, pc in plan.pieces.items() if p.startswith("params.")
             }
-            if len(set(model_files)) > 1:
-                weight_map = {
-                    pc[0]["key"]: pc[0]["file"]
-                    for path, pc in plan.pieces.items()
-                    if path.startswith("params.")
-                }
+            if len(set(weight_map.values())) > 1:
                 total = sum(
-                    t.numel() * t.element_size()
-                    for n, f in plan.files.items()
-                    if n.startswith("model")
-                    for t in f.values()
+                    plan.files[f][k].numel() * plan.files[f][k].element_size() for k, f in weight_map.items()
                 )
                 (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
                 io.fsync_path(tmp / HF_INDEX)
@@ -229,6 +223,25 @@ def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, k
         if keep_last is not None:
             _prune(final, keep_last)
     comm.barrier()
+
+
+def _write_or_clean(
+    plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None
+) -> None:
+    try:
+        _write(plan, comm, tmp, final, loader_state, keep_last)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _wait_at_exit() -> None:
+    """A script that ends right after an async save still commits it."""
+    if _pending is not None and _pending._thread is not None:
+        _pending._thread.join()
+
+
+atexit.register(_wait_at_exit)
 
 
 def _accelfn_version() -> str:
@@ -285,14 +298,14 @@ def save(
         tmp.mkdir()
     comm.barrier()
     if not async_save:
-        _write(plan, comm, tmp, final, loader_state, keep_last)
+        _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
         return SaveHandle(final)
 
     handle = SaveHandle(final)
 
     def run() -> None:
         try:
-            _write(plan, comm, tmp, final, loader_state, keep_last)
+            _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
         except BaseException as e:  # re-raised by result()/wait()/the next save
             handle.error = e
 

@@ -49,7 +49,8 @@ ACCELFN_VARIABLES = (
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
 MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("auto", "torchao", "te")
-MESH_AXES = ("dp", "dp_replicate", "dp_shard", "fsdp", "tp", "pp", "cp", "ep")  # the usual ones (any name is allowed)
+# The usual axis names, for messages (any identifier is accepted).
+MESH_AXES = ("dp", "dp_replicate", "dp_shard", "fsdp", "tp", "pp", "cp", "ep")
 
 
 def parse_mesh(spec: str, *, source: str = ACCELFN_MESH) -> dict[str, int]:

@@ -10,10 +10,10 @@ Example:
 from . import checkpoint, data, dist, losses, optim, platforms, random, tree
 from .dist import progress
 from .losses import Loss
+from .lowering import CompositionError
 from .mesh import Mesh
 from .module import bind, partition
 from .state import TrainState
-from .lowering import CompositionError
 from .step import Step, eval_step, train_step
 from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload, shard
 

@@ -27,11 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import platforms
 from ._typecheck import checked
+from .launch_env import ACCELFN_MESH, parse_mesh
 from .platforms import Platform
 
 __all__ = ["Mesh", "MeshAxisError", "MESH_ENV", "DATA_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
 
-MESH_ENV = "ACCELFN_MESH"
+MESH_ENV = ACCELFN_MESH
 """Environment variable with the mesh shape set by `accelfn launch --mesh`, e.g. `dp=2,tp=1`."""
 
 DATA_AXES: tuple[str, ...] = ("dp", "dp_replicate", "dp_shard", "fsdp")
@@ -56,20 +57,7 @@ def parse_axes(text: str) -> dict[str, int]:
         >>> parse_axes("dp=-1, tp=2")
         {'dp': -1, 'tp': 2}
     """
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        name, sep, value = part.partition("=")
-        try:
-            if not sep or not name.strip():
-                raise ValueError
-            axes[name.strip()] = int(value)
-        except ValueError:
-            raise ValueError(
-                f"cannot read the mesh shape {text!r}: expected comma-separated name=size pairs such as "
-                f"'dp=2,tp=1' (bad part: {part.strip()!r})"
-            ) from None
+    axes = parse_mesh(text)
     if not axes:
         raise ValueError(f"the mesh shape {text!r} names no axes; expected e.g. 'dp=2,tp=1'")
     return axes

@@ -127,7 +127,7 @@ def main() -> None:
         res = measure(make_runners(model, plain_loss, af_loss), batches, args.rounds, args.steps)
         base = res["plain (AdamW foreach)"]
         print(f"\n{name}")
-        print(f"| runner | ms/step (median) | ratio to plain foreach |\n|---|---:|---:|")
+        print("| runner | ms/step (median) | ratio to plain foreach |\n|---|---:|---:|")
         for k, v in res.items():
             print(f"| {k} | {v:.2f} | {v / base:.3f} |")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
 import accelfn as af
 
 DATA = Path(__file__).parent / "data" / "kjv_genesis_ecclesiastes.txt"

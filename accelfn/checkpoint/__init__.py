@@ -14,10 +14,11 @@ Example:
     >>> state = af.checkpoint.load(af.checkpoint.latest(root), like=state)
 """
 
+from .async_ import SaveHandle, clear_staging, wait
 from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .load import load
 from .pretrained import load_pretrained, save_pretrained
-from .save import SaveHandle, checkpoints, latest, save, wait
+from .save import checkpoints, latest, save
 
 __all__ = [
     "save",
@@ -26,6 +27,7 @@ __all__ = [
     "checkpoints",
     "wait",
     "SaveHandle",
+    "clear_staging",
     "save_pretrained",
     "load_pretrained",
     "CheckpointError",

@@ -17,11 +17,9 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,9 @@ import torch
 
 from .._typecheck import checked
 from ..state import TrainState
-from . import atomic, io
+from . import async_, atomic, io
 from ._dist import Comm, is_dtensor, is_sharded, region, writes_piece
+from .async_ import SaveHandle, wait
 from .format import (
     FORMAT,
     GROUPS,
@@ -49,42 +48,6 @@ from .format import (
 from .leaves import JSON_TYPES, alias_key, dtype_name, flatten, split_path
 
 __all__ = ["save", "latest", "wait", "SaveHandle", "checkpoints"]
-
-
-class SaveHandle:
-    """A save in progress (or done): `result()` waits for it and returns the checkpoint's path."""
-
-    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
-        self.path = path
-        self._thread = thread
-        self.error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def result(self, timeout: float | None = None) -> str:
-        """Wait for the save to be committed; re-raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"saving '{self.path}' did not finish within {timeout} s")
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-        return str(self.path)
-
-    def __repr__(self) -> str:
-        return f"SaveHandle('{self.path}', {'done' if self.done() else 'writing'})"
-
-
-_pending: SaveHandle | None = None
-
-
-def wait() -> str | None:
-    """Wait for the background save in flight (if any); re-raise its error. Returns its path."""
-    global _pending
-    handle, _pending = _pending, None
-    return handle.result() if handle is not None else None
 
 
 class _Plan:
@@ -126,7 +89,7 @@ class _Plan:
                     continue  # an empty shard of an unevenly sharded tensor
                 local = local.detach()
                 if snapshot:
-                    local = local.to("cpu", copy=True, memory_format=torch.contiguous_format)
+                    local = async_.stage(path, local)
                 groups[field][key] = local
                 self.pieces[path] = [{"key": key, "offset": offset, "shape": shape}]
             elif isinstance(v, JSON_TYPES):
@@ -235,15 +198,6 @@ def _write_or_clean(
         raise
 
 
-def _wait_at_exit() -> None:
-    """A script that ends right after an async save still commits it."""
-    if _pending is not None and _pending._thread is not None:
-        _pending._thread.join()
-
-
-atexit.register(_wait_at_exit)
-
-
 def _accelfn_version() -> str:
     import accelfn
 
@@ -275,7 +229,6 @@ def save(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
     size = parse_size(max_shard_size)
-    global _pending
     wait()
     loader_state = None
     if loader is not None:
@@ -299,20 +252,8 @@ def save(
     comm.barrier()
     if not async_save:
         _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
-        return SaveHandle(final)
-
-    handle = SaveHandle(final)
-
-    def run() -> None:
-        try:
-            _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
-        except BaseException as e:  # re-raised by result()/wait()/the next save
-            handle.error = e
-
-    handle._thread = threading.Thread(target=run, name=f"accelfn-save-{final.name}", daemon=True)
-    handle._thread.start()
-    _pending = handle
-    return handle
+        return SaveHandle(str(final))
+    return async_.start(lambda: _write_or_clean(plan, comm, tmp, final, loader_state, keep_last), str(final))
 
 
 def checkpoints(root: str | os.PathLike[str]) -> list[Path]:

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..launch.env import MIXED_PRECISION
+from ..launch_env import MIXED_PRECISION
 
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:

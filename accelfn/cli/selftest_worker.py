@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..launch.env import read_env
+from ..launch_env import read_env
 
 
 def _device_and_backend() -> tuple[torch.device, str]:

@@ -7,9 +7,9 @@ Example:
     [0, 1, 2, 3, 4, 5]
 """
 
+from ..dist.metrics import gather_for_metrics
 from .batches import BatchInfo
 from .layout import DataLayout
 from .loader import DataLoader
-from ..dist.metrics import gather_for_metrics
 
 __all__ = ["DataLoader", "gather_for_metrics", "BatchInfo", "DataLayout"]

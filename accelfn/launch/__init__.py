@@ -1,10 +1,10 @@
 """Start training processes on torch's elastic agent: `accelfn launch` as a library.
 
 This package's ``__init__`` imports nothing heavy, so core modules may read the launcher's
-environment contract (``accelfn.launch.env``) without loading the launcher itself.
+environment contract (``accelfn.launch_env``) without loading the launcher itself.
 
 Example:
-    >>> from accelfn.launch.env import read_env
+    >>> from accelfn.launch_env import read_env
     >>> read_env({"ACCELFN_MESH": "dp=2,tp=1"}).mesh
     {'dp': 2, 'tp': 1}
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from .env import DEVICE_KINDS, FP8_BACKENDS, MIXED_PRECISION, format_mesh, parse_mesh
+from ..launch_env import DEVICE_KINDS, FP8_BACKENDS, MIXED_PRECISION, format_mesh, parse_mesh
 
 RDZV_BACKENDS = ("c10d", "static")
 

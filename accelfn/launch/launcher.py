@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from . import env as contract
+from .. import launch_env as contract
 from .config import Config, ConfigError, default_config_path, load, parse_nnodes
 from .slurm import from_env as slurm_from_env
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from ..launch_env import ACCELFN_DEVICE
 from .base import Platform
 from .cpu import CpuPlatform
 from .cuda import CudaPlatform
@@ -34,7 +35,7 @@ __all__ = [
     "from_backend",
 ]
 
-ENV_VAR = "ACCELFN_DEVICE"
+ENV_VAR = ACCELFN_DEVICE
 """Environment variable that forces a device kind (read by `detect`)."""
 
 _PLATFORMS: dict[str, Platform] = {

@@ -26,6 +26,7 @@ import torch
 
 from .._typecheck import checked
 from ..engine import LossScaleConfig, init_loss_scale
+from ..launch_env import ACCELFN_MIXED_PRECISION
 from ..step import Step
 from ._base import TransformBase, conflict, find
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["autocast", "LossScaleConfig", "MIXED_PRECISION_ENV"]
 
-MIXED_PRECISION_ENV = "ACCELFN_MIXED_PRECISION"
+MIXED_PRECISION_ENV = ACCELFN_MIXED_PRECISION
 _NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 

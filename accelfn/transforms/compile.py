@@ -76,7 +76,7 @@ class Compile(TransformBase):
         if self.regions == "blocks":
             name, blocks = find_blocks(plan.module)
             compiled = 0
-            for i, block in enumerate(blocks):
+            for block in blocks:
                 if _untraceable(block):
                     continue
                 block.compile(**kwargs)

@@ -3,7 +3,7 @@
 import json
 import os
 
-from accelfn.launch.env import read_env
+from accelfn.launch_env import read_env
 
 e = read_env()
 print(

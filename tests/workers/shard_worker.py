@@ -1,6 +1,5 @@
 """Worker: af.shard(strategy) on N ranks == the unsharded step on the global batch (run by test_shard.py)."""
 
-import copy
 import sys
 
 import torch
@@ -111,6 +110,7 @@ def check(strategy, extra, mesh):
 
 
 mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
-for strategy, model_kind, *rest in CONFIGS:
+for strategy, kind, *rest in CONFIGS:
+    model_kind = kind  # read by make_model, batches and loss_fn
     check(strategy, set(rest), mesh)
 mesh.close()

@@ -26,7 +26,7 @@ class Loss(NamedTuple):
     """A loss as `total` (sum over elements) and `count` (number of elements); `mean()` is their ratio."""
 
     total: torch.Tensor
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count
 
     def mean(self) -> torch.Tensor:
         return self.total / self.count

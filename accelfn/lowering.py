@@ -44,7 +44,10 @@ class CompositionError(ValueError):
 class Transform(Protocol):
     """What a combinator records. `kind` is a key of `ORDER`."""
 
-    kind: str
+    @property
+    def kind(self) -> str:
+        """The combinator's name, a key of `ORDER`."""
+        ...
 
     def describe(self) -> str:
         """Short text for `repr(step)`, e.g. `accumulate(4)`."""

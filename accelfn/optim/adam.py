@@ -30,7 +30,7 @@ __all__ = ["AdamState", "adam", "adamw"]
 class AdamState(NamedTuple):
     """`count`: updates done (int64); `lr`: learning rate of the last update; `mu`, `nu`: moments."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     lr: torch.Tensor
     mu: Any
     nu: Any
@@ -84,7 +84,7 @@ def _adam(
             if dec:
                 decay = torch._foreach_mul(pick(p, dec), (-lr_t * weight_decay).to(torch.float32))  # type: ignore[arg-type]
                 torch._foreach_add_(pick(upd, dec), decay)
-        return _tree.unflatten(g_spec, upd), AdamState(count, lr_t, state.mu, state.nu)
+        return _tree.unflatten(g_spec, list(upd)), AdamState(count, lr_t, state.mu, state.nu)
 
     def apply(grads: Any, state: AdamState, params: Any) -> AdamState:
         p, g = _tree.leaves(params), _tree.leaves(grads)

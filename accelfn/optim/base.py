@@ -55,7 +55,13 @@ class EmptyState(NamedTuple):
 
 def identity() -> GradientTransformation:
     """Pass updates through unchanged."""
-    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        return updates, state
+
+    return GradientTransformation(init, update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

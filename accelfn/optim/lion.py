@@ -25,7 +25,7 @@ __all__ = ["LionState", "lion"]
 
 
 class LionState(NamedTuple):
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     lr: torch.Tensor
     mu: Any
 
@@ -57,6 +57,6 @@ def lion(
                 torch._foreach_add_(pick(c, dec), pick(p, dec), alpha=weight_decay)
         torch._foreach_mul_(c, -lr_t)
         torch._foreach_lerp_(m, g, 1 - b2)
-        return _tree.unflatten(spec, c), LionState(state.count + 1, lr_t, state.mu)
+        return _tree.unflatten(spec, list(c)), LionState(state.count + 1, lr_t, state.mu)
 
     return GradientTransformation(init, update)

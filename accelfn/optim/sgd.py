@@ -29,7 +29,7 @@ __all__ = ["SgdState", "sgd"]
 class SgdState(NamedTuple):
     """`count`: updates done; `lr`: learning rate of the last update; `momentum`: buffers (or `None`)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     lr: torch.Tensor
     momentum: Any
 
@@ -56,14 +56,14 @@ def sgd(
         if weight_decay:
             if params is None:
                 raise ValueError("sgd with weight_decay needs params in update(grads, state, params)")
-            g = torch._foreach_add(g, _tree.leaves(params), alpha=weight_decay)
+            g = list(torch._foreach_add(g, _tree.leaves(params), alpha=weight_decay))
         if momentum:
             buf = _tree.leaves(state.momentum)
             torch._foreach_mul_(buf, momentum)
             torch._foreach_add_(buf, g)
-            g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else torch._foreach_mul(buf, 1.0)
+            g = list(torch._foreach_add(g, buf, alpha=momentum) if nesterov else torch._foreach_mul(buf, 1.0))
         upd = torch._foreach_mul(g, -lr_t)
-        return _tree.unflatten(spec, upd), SgdState(state.count + 1, lr_t, state.momentum)
+        return _tree.unflatten(spec, list(upd)), SgdState(state.count + 1, lr_t, state.momentum)
 
     def apply(grads: Any, state: SgdState, params: Any) -> SgdState:
         p, g = _tree.leaves(params), _tree.leaves(grads)

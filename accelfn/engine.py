@@ -91,6 +91,8 @@ class Plan:
     batch_transform: Callable[[Any], Any] | None = None
     rank_key: int | None = None
     notes: list[str] = attrs.Factory(list)
+    transforms: list[Any] = attrs.Factory(list)
+    train_override: Callable[[Plan, TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]] | None = None
     slots: Slots | None = None
     devices: list[torch.device] = attrs.Factory(list)
 
@@ -114,6 +116,8 @@ class Plan:
 
 # ---- the training step --------------------------------------------------------------------------------------
 def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    if plan.train_override is not None:  # a backend that owns the whole step (DeepSpeed)
+        return plan.train_override(plan, state, batch)
     assert plan.optimizer is not None and plan.slots is not None and plan.loss_call is not None
     module, slots = plan.module, plan.slots
     if not plan.donate:

@@ -80,6 +80,7 @@ def lower(plan: Plan, transforms: Sequence[Transform]) -> Plan:
         seen[t.kind] = t
     for t in transforms:
         t.check([o for o in transforms if o is not t])
-    for t in canonical(transforms):
+    plan.transforms = canonical(transforms)
+    for t in plan.transforms:
         t.lower(plan)
     return plan

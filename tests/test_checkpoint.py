@@ -324,3 +324,17 @@ def test_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(FileExistsError, match="is not a checkpoint"):
         af.checkpoint.save(tmp_path / "data", state)
     assert (tmp_path / "data" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "name", ["__init__", "format", "io", "atomic", "leaves", "save", "load", "pretrained", "async_"]
+)
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(
+        f"accelfn.checkpoint.{name}" if name != "__init__" else "accelfn.checkpoint"
+    )
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0, name

@@ -5,6 +5,7 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 import accelfn as af
@@ -34,6 +35,7 @@ def check_consistent(path, like) -> int:
     return i
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     rng = random.Random(0)
     like = state_at(0)

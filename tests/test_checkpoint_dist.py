@@ -32,7 +32,9 @@ def test_fsdp2_checkpoints_reshard_between_two_ranks_and_one(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
-    got = dict(hf.named_parameters())
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), k
+    for name in ["hf2", "hf2-module"]:
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        got = dict(hf.named_parameters())
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), (name, k)
+        assert hf.lm_head.weight is hf.transformer.wte.weight

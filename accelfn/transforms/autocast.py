@@ -91,9 +91,12 @@ def autocast(step: Step, dtype: torch.dtype | str = "auto", *, loss_scale: LossS
     """
     resolved = _resolve(dtype)
     if dtype == "auto" and os.environ.get(MIXED_PRECISION_ENV) == "fp8":
+        from ..launch_env import ACCELFN_FP8_BACKEND, ACCELFN_FP8_RECIPE
         from .fp8 import autocast_fp8
 
-        step = autocast_fp8(step)
+        step = autocast_fp8(
+            step, backend=os.environ.get(ACCELFN_FP8_BACKEND) or "auto", recipe=os.environ.get(ACCELFN_FP8_RECIPE) or None
+        )
     if resolved is None:
         return step
     return step.with_transform(Autocast(resolved, loss_scale))

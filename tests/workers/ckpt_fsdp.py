@@ -60,6 +60,7 @@ if __name__ == "__main__":
     af.checkpoint.save(f"{out}/from2-async", state, async_save=True)
     af.checkpoint.wait()
     af.checkpoint.save_pretrained(f"{out}/hf2", state, config=model.config)
+    af.checkpoint.save_pretrained(f"{out}/hf2-module", model)  # the FSDP2 module itself
 
     # 1 rank -> 2 ranks: load into a sharded `like` (other weights), compare with the expected full tensors.
     like = make_state(dict(sharded_model(1).named_parameters()))

@@ -27,11 +27,19 @@ def convert(plan: Plan, keep: ModuleFilter, recipe: str, emulate: bool) -> int:
     except ImportError as e:
         raise ImportError("autocast_fp8(backend='torchao') needs torchao: pip install 'accelfn[fp8]'") from e
 
+    import dataclasses
+
     config = Float8LinearConfig.from_recipe_name(recipe)
     if emulate:
-        import dataclasses
-
         config = dataclasses.replace(config, emulate=True)
+    shard = next((t for t in plan.transforms if t.kind == "shard"), None)
+    fsdp = shard is not None and getattr(shard, "strategy", "") in ("fsdp", "hsdp")
+    if fsdp and recipe == "tensorwise":  # all-gather weights in fp8; refresh their scales after each update
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        plan.after_update.append(precompute_float8_dynamic_scale_for_fsdp)
+        plan.notes.append("fp8 all-gather under fsdp")
     before = sum(isinstance(m, nn.Linear) for m in plan.module.modules())
     convert_to_float8_training(plan.module, config=config, module_filter_fn=keep)
     from torchao.float8.float8_linear import Float8Linear

@@ -138,7 +138,8 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
     leaves, spec = flatten(like)
     like_paths = [p for p, _ in leaves]
     missing = [p for p in like_paths if p not in saved]
-    unexpected = [p for p in saved if p not in set(like_paths)]
+    known = set(like_paths)
+    unexpected = [p for p in saved if p not in known]
     if missing or unexpected:
         parts = []
         if missing:
@@ -156,6 +157,10 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
         e = saved[p]
         kind = e["kind"]
         if kind == "json":
+            if isinstance(v, torch.Tensor):
+                raise CheckpointMismatchError(
+                    f"{p!r}: {where} has {e['value']!r} but `like` has {describe(v)}"
+                )
             out[p] = e["value"]
             continue
         if kind == "alias":

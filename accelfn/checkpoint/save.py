@@ -194,7 +194,8 @@ def _write_or_clean(
     try:
         _write(plan, comm, tmp, final, loader_state, keep_last)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -498,3 +498,13 @@ def test_compile_falls_back_to_regions_around_te_modules(fake_te):
     with pytest.warns(UserWarning, match="Transformer Engine"):
         step.init(net)
     assert "TE modules stay eager" in repr(step)
+
+
+@pytest.mark.slow
+def test_pairs_and_triples_with_shard_give_the_same_result_in_both_orders_on_two_ranks():
+    from tests._launch import output_of, run_workers
+
+    proc = run_workers("compose_worker.py", 2, timeout=600)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert proc.stdout.count("OK shard") == 2 * 10, out

@@ -7,7 +7,8 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import checkpoint, data, dist, losses, optim, platforms, random, tree
+from . import big, checkpoint, data, dist, losses, optim, platforms, random, tree
+from .big import cpu_offload, dispatch, infer_device_map, init_empty, init_on_device, load_and_dispatch, pipeline
 from .dist import progress
 from .losses import Loss
 from .lowering import CompositionError
@@ -46,4 +47,12 @@ __all__ = [
     "shard",
     "LossScaleConfig",
     "CompositionError",
+    "big",
+    "init_empty",
+    "init_on_device",
+    "infer_device_map",
+    "load_and_dispatch",
+    "dispatch",
+    "cpu_offload",
+    "pipeline",
 ]

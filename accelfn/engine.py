@@ -93,6 +93,8 @@ class Plan:
     notes: list[str] = attrs.Factory(list)
     transforms: list[Any] = attrs.Factory(list)
     train_override: Callable[[Plan, TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]] | None = None
+    opt_state_init: Callable[[dict[str, torch.Tensor]], Any] | None = None  # a backend's own optimizer state
+    backend: Any = None  # the handle of a backend that owns the step (e.g. the DeepSpeed engine's run)
     slots: Slots | None = None
     devices: list[torch.device] = attrs.Factory(list)
 

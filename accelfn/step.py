@@ -114,7 +114,7 @@ class Step:
             trainable = params if len(plan.slots.trainable) == len(params) else {
                 n: params[n] for n in plan.slots.trainable
             }
-            opt_state = self.optimizer.init(trainable)
+            opt_state = (plan.opt_state_init or self.optimizer.init)(trainable)
         state = TrainState(
             step=torch.zeros((), dtype=torch.int64),
             params=params,

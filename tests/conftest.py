@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+collect_ignore = ["workers"]  # worker scripts run under `accelfn launch`, not pytest
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

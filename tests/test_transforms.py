@@ -395,10 +395,16 @@ def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
     assert fp8_losses[-1] < fp8_losses[0] * 0.8  # it trains
     for a, b in zip(fp8_losses[-10:], bf16_losses[-10:]):
         assert abs(a - b) / b < 0.05
-    # the converted model's state round-trips as a pytree of ordinary tensors
-    copied = af.tree.map(lambda t: t.detach().clone(), state)
-    fp8.init(copied)
-    _, m = fp8(copied, batches[0])
+    # the converted model's state saves and loads (safetensors), and training goes on from it
+    import tempfile
+
+    path = tempfile.mkdtemp() + "/fp8"
+    af.checkpoint.save(path, state)
+    expected = {k: v.detach().clone() for k, v in state.params.items()}
+    fresh = fp8.init(_llama16())
+    loaded = af.checkpoint.load(path, like=fresh)
+    assert all(torch.equal(loaded.params[k], expected[k]) for k in expected)
+    _, m = fp8(loaded, batches[0])
     assert torch.isfinite(m["loss"])
 
 

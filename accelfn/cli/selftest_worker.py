@@ -127,7 +127,10 @@ def main() -> int:
         for name, ok in results.items():
             print(f"  {'ok  ' if ok else 'FAIL'} {name}")
         print("PASS" if failed.item() == 0 else f"FAIL ({int(failed.item())} failed checks over all ranks)")
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    from ..mesh import destroy_process_group
+
+    destroy_process_group()  # drops DDP/DeviceMesh references first: gloo aborts at exit otherwise
     return 0 if failed.item() == 0 else 1
 
 

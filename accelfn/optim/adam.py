@@ -112,7 +112,8 @@ def _adam(
         torch._foreach_add_(p, _tree.leaves(updates))
         return new_state
 
-    return GradientTransformation(init, update, apply)
+    hyperparams = {"name": name, "lr": lr, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "mask": mask}
+    return GradientTransformation(init, update, apply, hyperparams)
 
 
 @checked

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -42,11 +42,14 @@ __all__ = [
 
 class GradientTransformation(NamedTuple):
     """`init(params) -> state`; `update(updates, state, params) -> (updates, state)`;
-    optional `apply(grads, state, params) -> state` doing the update in place on `params`."""
+    optional `apply(grads, state, params) -> state` doing the update in place on `params`;
+    optional `hyperparams`: what the transformation is, e.g. `{"name": "adamw", "lr": 1e-3, ...}`, so that
+    a backend that brings its own optimizer (DeepSpeed) can build the same one."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Updates, OptState, Params], tuple[Updates, OptState]]
     apply: Callable[[Updates, OptState, Params], OptState] | None = None
+    hyperparams: Mapping[str, Any] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -84,9 +87,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    hyperparams = {"name": "chain", "parts": tuple(t.hyperparams for t in transforms)}
     last_apply = transforms[-1].apply if transforms else None
     if last_apply is None:
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, hyperparams=hyperparams)
 
     def apply(grads: Updates, state: tuple[OptState, ...], params: Params) -> tuple[OptState, ...]:
         new_state = []
@@ -96,7 +100,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_state.append(last_apply(grads, state[-1], params))
         return tuple(new_state)
 
-    return GradientTransformation(init, update, apply)
+    return GradientTransformation(init, update, apply, hyperparams)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

@@ -51,4 +51,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             clip_(leaves, global_norm(leaves), max_norm)
         return updates, state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformation(
+        lambda params: EmptyState(), update, hyperparams={"name": "clip_by_global_norm", "max_norm": max_norm}
+    )

@@ -84,4 +84,5 @@ def sgd(
         torch._foreach_add_(p, _tree.leaves(updates))
         return new_state
 
-    return GradientTransformation(init, update, apply)
+    hyperparams = {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
+    return GradientTransformation(init, update, apply, hyperparams)

@@ -9,6 +9,10 @@
   Under `af.autocast` the matching `MixedPrecisionPolicy` (param dtype, fp32 reduce) is used.
 - `"hsdp"`: FSDP2 on a 2-D mesh (`dp` replicate x `fsdp` shard).
 
+`backend="deepspeed"` runs the step through a DeepSpeed engine (ZeRO stage `zero_stage`; by default
+ZeRO-1 for `strategy="ddp"`, ZeRO-3 for `"fsdp"`), with its config generated from the combinators and
+merged with the user's `ds_config`; see `accelfn.transforms.shard.deepspeed`.
+
 Each rank passes its own shard of the global batch (as `af.data.DataLoader(mesh=...)` yields), or, with
 `inputs="global"`, every rank passes the same global batch and the step takes its rows. Metrics are
 global: the loss is the global mean, `aux` values are averaged over ranks.
@@ -20,14 +24,15 @@ Example:
     >>> state = step.init(torch.nn.Linear(4, 4))
     >>> state, metrics = step(state, torch.randn(8, 4))
     >>> step
-    Step(train_step(<lambda>) -> shard(ddp, dp=1))
+    Step(train_step(<lambda>) -> shard(ddp, dp=1)  [ddp over 1 ranks])
     >>> mesh.close()
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -54,18 +59,29 @@ class Shard(TransformBase):
     backend: str = "torch"
     inputs: str = "local"
     bucket_mb: float = 25.0
+    ds_config: Mapping[str, Any] | str | Path | None = None
+    zero_stage: int | None = None
+    offload_optimizer: bool | None = None
     kind: str = "shard"
 
     def describe(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         extra = f", backend={self.backend!r}" if self.backend != "torch" else ""
+        if self.zero_stage is not None:
+            extra += f", zero_stage={self.zero_stage}"
+        if self.offload_optimizer:
+            extra += ", offload_optimizer=True"
         return f"shard({self.strategy}, {axes}{extra})"
 
     def check(self, others: Sequence[Transform]) -> None:
         return None
 
     def lower(self, plan: Plan) -> None:
-        if self.strategy == "ddp":
+        if self.backend == "deepspeed":
+            from .deepspeed import lower_deepspeed
+
+            lower_deepspeed(self, plan)
+        elif self.strategy == "ddp":
             from .ddp import lower_ddp
 
             lower_ddp(self, plan)
@@ -87,21 +103,34 @@ def shard(
     backend: str = "torch",
     inputs: str = "local",
     bucket_mb: float = 25.0,
+    ds_config: dict[str, Any] | str | Path | None = None,
+    zero_stage: int | None = None,
+    offload_optimizer: bool | None = None,
 ) -> Step:
-    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs."""
+    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs.
+
+    DeepSpeed only: `ds_config` (a dict or a JSON path) is merged into the generated config and must agree
+    with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
+    ("ddp" -> 1, "fsdp" -> 3); `offload_optimizer=True` keeps the optimizer state and update on the CPU
+    (ZeRO-Offload, with DeepSpeedCPUAdam).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {strategy!r}")
     if backend not in BACKENDS:
         raise ValueError(f"shard: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "deepspeed":
-        raise NotImplementedError(
-            "shard(backend='deepspeed') is not implemented yet; use backend='torch' with strategy='fsdp' "
-            "(ZeRO-3-like) or 'ddp'"
-        )
+        if strategy == "hsdp":
+            raise ValueError("shard(backend='deepspeed') supports strategy 'ddp' (ZeRO-1) or 'fsdp' (ZeRO-3), not 'hsdp'")
+        if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    elif ds_config is not None or zero_stage is not None or offload_optimizer is not None:
+        raise ValueError("shard: ds_config, zero_stage and offload_optimizer apply to backend='deepspeed' only")
     if inputs not in ("local", "global"):
         raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
     if not mesh.data_axes:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp); its axes are {mesh.axis_names}")
     if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
         raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
-    return step.with_transform(Shard(mesh, strategy, backend, inputs, bucket_mb))
+    return step.with_transform(
+        Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer)
+    )

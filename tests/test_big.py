@@ -1,0 +1,403 @@
+"""Big-model inference: meta init, device maps, loading with CPU/disk offload, pipeline, estimate-memory."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn.big.device_map import layout_of
+from accelfn.big.dispatch import MissingWeightsError
+
+from _launch import ROOT, output_of, run_workers
+from models import tiny_gpt2, tiny_llama
+
+
+RSS = """
+import json, os
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM"))
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+"""
+
+
+def run_python(code: str, timeout: float = 120) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON line last."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS + textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+
+# ---- init_empty ---------------------------------------------------------------------------------------------
+
+
+def test_init_empty_builds_a_1_5b_gpt2_with_almost_no_memory():
+    out = run_python("""
+        import torch, accelfn as af
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25)
+        before = rss(); reset_peak()
+        with af.init_empty():
+            model = GPT2LMHeadModel(cfg)
+        print(json.dumps({"grown": rss() - before, "peak": peak() - before,
+                          "params": sum(p.numel() for p in model.parameters()),
+                          "meta": all(p.is_meta for p in model.parameters())}))
+    """)
+    assert out["meta"] and out["params"] > 1.5e9
+    assert out["grown"] < 50e6, out
+    assert out["peak"] < 100e6, out
+
+
+def test_init_empty_keeps_buffers_unless_asked():
+    with af.init_empty():
+        bn = nn.BatchNorm1d(4)
+    assert bn.weight.is_meta and not bn.running_mean.is_meta
+    with af.init_empty(include_buffers=True):
+        bn = nn.BatchNorm1d(4)
+    assert bn.running_mean.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # the patch is undone on exit
+
+
+# ---- device maps ---------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)  # 288 B each
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Net(nn.Module):
+    """embed 320 B, 4 blocks of 576 B, a head tied to embed (0 B of its own): 2624 B."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+MAX_MEMORY = {"cuda:0": 1500, "cuda:1": 1000, "cpu": 800}
+
+
+def test_module_sizes_are_exact_and_count_tied_weights_once():
+    layout = layout_of(Net())
+    assert layout.size[""] == 2624 and layout.size["blocks.0"] == 576 and layout.size["head"] == 0
+    assert layout.ties == [["embed.weight", "head.weight"]]
+    assert layout_of(Net(), dtype=torch.float16).size[""] == 1312
+
+
+def test_device_map_fills_devices_in_order_and_reserves_room_for_offloaded_layers():
+    # cuda:0 keeps 576 B (the largest offloaded block) free: embed (320) + blocks.0 (576) fill it.
+    got = af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=["Block"])
+    assert got == {"embed": "cuda:0", "head": "cuda:0", "blocks.0": "cuda:0", "blocks.1": "cuda:1",
+                   "blocks.2": "cpu", "blocks.3": "disk"}  # fmt: skip
+
+
+def test_device_map_splits_modules_not_listed_in_no_split():
+    got = af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=[])
+    assert any(k.count(".") == 2 for k in got), got  # some block was split into its Linear layers
+    placed = {k: v for k, v in got.items() if k.startswith("blocks.")}
+    assert sum(layout_of(Net()).size[k] for k in placed if placed[k] in ("cuda:0", "cuda:1", "cpu")) > 3 * 576
+
+
+def test_device_map_keeps_tied_weights_together():
+    got = af.infer_device_map(Net(), max_memory={"cuda:0": 100, "cpu": 10_000}, no_split=["Block"])
+    assert got["embed"] == got["head"] == "cpu"
+
+
+def test_device_map_puts_everything_on_one_device_when_it_fits():
+    assert af.infer_device_map(Net(), max_memory={"cuda:0": 10**6, "cpu": 10**6}) == {"": "cuda:0"}
+
+
+def test_balanced_strategy_spreads_over_accelerators():
+    got = af.infer_device_map(Net(), max_memory={"cuda:0": 10**6, "cuda:1": 10**6, "cpu": 0}, no_split=["Block"],
+                              strategy="balanced")  # fmt: skip
+    assert set(got.values()) == {"cuda:0", "cuda:1"}
+    assert got["blocks.3"] == "cuda:1" and got["blocks.0"] == "cuda:0"
+
+
+def _bytes_per_tier(device_map, layout):
+    tiers = {"accelerators": 0, "accelerators+cpu": 0}
+    for name, device in device_map.items():
+        size = layout.size.get(name, 0)
+        if device not in ("cpu", "disk"):
+            tiers["accelerators"] += size
+        if device != "disk":
+            tiers["accelerators+cpu"] += size
+    return tiers
+
+
+@pytest.mark.parametrize("no_split", [["Block"], []])
+def test_device_map_places_at_least_as_much_as_accelerate(no_split):
+    from accelerate import infer_auto_device_map
+
+    ours = af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=no_split)
+    theirs = infer_auto_device_map(Net(), max_memory={0: 1500, 1: 1000, "cpu": 800}, no_split_module_classes=no_split)
+    theirs = {k: f"cuda:{v}" if isinstance(v, int) else v for k, v in theirs.items()}
+    layout = layout_of(Net())
+    mine, acc = _bytes_per_tier(ours, layout), _bytes_per_tier(theirs, layout)
+    assert mine["accelerators"] >= acc["accelerators"] and mine["accelerators+cpu"] >= acc["accelerators+cpu"], (
+        ours, theirs)  # fmt: skip
+    assert ours["embed"] == ours["head"]
+
+
+def test_device_map_of_10k_modules_takes_under_a_second():
+    with af.init_empty():
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64))
+                                for _ in range(2000)])  # fmt: skip
+    assert sum(1 for _ in model.modules()) > 10_000
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        got = af.infer_device_map(model, max_memory={"cuda:0": "10MB", "cuda:1": "10MB", "cpu": "20MB"})
+        best = min(best, time.perf_counter() - t0)
+    assert set(got.values()) == {"cuda:0", "cuda:1", "cpu", "disk"}
+    assert best < 1.0, best
+
+
+@pytest.mark.parametrize("bad", ["10 gigs", "GB", "1.5.2GB", "-1GB", "10 GiBs"])
+def test_max_memory_strings_that_do_not_parse_are_named(bad):
+    with pytest.raises(ValueError, match=f"max_memory\\['cpu'\\] = '{bad}'"):
+        af.infer_device_map(Net(), max_memory={"cpu": bad})
+
+
+def test_max_memory_sizes_parse_in_both_unit_systems():
+    from accelfn.big import parse_max_memory
+
+    assert parse_max_memory({"cpu": "1KB", "cuda:0": "1KiB", "disk": 5}) == {"cuda:0": 1024, "cpu": 1000, "disk": 5}
+    with pytest.raises(ValueError, match="'gpu0'"):
+        parse_max_memory({"gpu0": 10})
+
+
+# ---- load_and_dispatch ------------------------------------------------------------------------------------
+
+
+def _save_sharded(model, folder: Path, shards: int = 3) -> None:
+    total = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    size = total // shards + 1
+    while True:
+        model.save_pretrained(folder, max_shard_size=size)
+        n = len(list(folder.glob("model-*.safetensors")))
+        if n >= shards:
+            break
+        for f in folder.glob("model*"):
+            f.unlink()
+        size = int(size * 0.9)
+    assert (folder / "model.safetensors.index.json").exists()
+
+
+def _skeleton(model):
+    with af.init_empty():
+        return type(model)(model.config)
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_gpt2(n_layer=4), tiny_llama], ids=["gpt2", "llama"])
+def test_load_and_dispatch_with_cpu_and_disk_offload_gives_identical_logits(make, tmp_path):
+    torch.manual_seed(0)
+    model = make().eval()
+    _save_sharded(model, tmp_path / "ckpt")
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+    total = layout_of(model).size[""]
+    big = _skeleton(model).eval()
+    big = af.load_and_dispatch(big, tmp_path / "ckpt", max_memory={"cpu": total // 2})
+    device_map = af.infer_device_map(_skeleton(model), max_memory={"cpu": total // 2})
+    assert set(device_map.values()) == {"cpu", "disk"}
+    with torch.no_grad():
+        got = big(ids).logits
+    assert torch.equal(got, expected)
+    on_disk = [n for n, p in big.named_parameters(remove_duplicate=False)
+               if af.big.device_map.resolve_device(device_map, n) == "disk"]  # fmt: skip
+    assert on_disk and all(big.get_parameter(n).is_meta for n in on_disk)  # back on meta between forwards
+    with torch.no_grad():
+        assert torch.equal(big(ids).logits, expected)
+
+
+def test_tied_weights_are_loaded_once_and_tied(tmp_path):
+    model = tiny_gpt2().eval()
+    model.save_pretrained(tmp_path)
+    big = af.load_and_dispatch(_skeleton(model), tmp_path, {"": "cpu"})
+    assert big.lm_head.weight is big.transformer.wte.weight and not big.lm_head.weight.is_meta
+
+
+def test_disk_weights_in_another_dtype_go_to_the_offload_folder(tmp_path):
+    model = tiny_gpt2().eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        expected = model.double()(ids).logits
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "disk",
+                  "transformer.ln_f": "disk", "lm_head": "cpu"}  # fmt: skip
+    with pytest.raises(ValueError, match="offload_folder"):
+        af.load_and_dispatch(_skeleton(model), tmp_path / "ckpt", device_map, dtype=torch.float64)
+    big = af.load_and_dispatch(_skeleton(model), tmp_path / "ckpt", device_map, dtype=torch.float64,
+                               offload_folder=tmp_path / "off")  # fmt: skip
+    assert list((tmp_path / "off").glob("*.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(big(ids).logits, expected)
+
+
+def test_peak_host_memory_stays_within_cpu_share_plus_one_shard(tmp_path):
+    out = run_python(f"""
+        import torch, accelfn as af
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=1000, n_positions=64, n_embd=256, n_layer=12, n_head=4)
+        model = GPT2LMHeadModel(cfg).eval()
+        model.save_pretrained({str(tmp_path)!r}, max_shard_size="8MB")
+        ids = torch.randint(0, 1000, (1, 16))
+        with torch.no_grad():
+            expected = model(ids).logits
+        size = sum(p.numel() * 4 for p in model.parameters())
+        del model
+        import gc; gc.collect()
+        with af.init_empty():
+            big = GPT2LMHeadModel(cfg).eval()
+        with torch.no_grad():   # warm up the interpreter's allocations with the skeleton's kernels
+            pass
+        before = rss(); reset_peak()
+        big = af.load_and_dispatch(big, {str(tmp_path)!r}, max_memory={{"cpu": "6MB"}})
+        with torch.no_grad():
+            got = big(ids).logits
+        print(json.dumps({{"size": size, "peak": peak() - before, "equal": torch.equal(got, expected)}}))
+    """)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    largest_shard = max(f.stat().st_size for f in shards)
+    assert len(shards) >= 3 and out["equal"]
+    budget = 6e6 + largest_shard  # what is placed on the CPU plus one shard
+    assert out["peak"] < budget < out["size"], (out, budget)
+
+
+def test_checkpoint_missing_a_key_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in Net().state_dict().items() if k not in ("blocks.2.a.bias", "head.weight")}
+    save_file(state, tmp_path / "model.safetensors")
+    with af.init_empty():
+        net = Net()
+    with pytest.raises(MissingWeightsError, match="blocks.2.a.bias"):
+        af.load_and_dispatch(net, tmp_path, {"": "cpu"})
+
+
+def test_device_map_naming_an_unknown_device_is_an_error(tmp_path):
+    from safetensors.torch import save_file
+
+    state = dict(Net().state_dict())
+    state.pop("head.weight")
+    save_file(state, tmp_path / "model.safetensors")
+    for bad in ("cuda:7", "gpu", 3):
+        with af.init_empty():
+            net = Net()
+        with pytest.raises(ValueError, match="not a device of this process"):
+            af.load_and_dispatch(net, tmp_path, {"embed": "cpu", "blocks": bad, "head": "cpu"})
+    with pytest.raises(ValueError, match="'blocks.9'"):
+        af.dispatch(Net(), {"blocks.9": "cpu", "": "cpu"})
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        af.load_and_dispatch(Net(), tmp_path / "nothing-here", {"": "cpu"})
+
+
+# ---- dispatch / cpu_offload of loaded models --------------------------------------------------------------
+
+
+def test_dispatch_of_a_loaded_model_offloads_to_disk(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 10, (3, 5))
+    expected = model(ids)
+    model = af.dispatch(model, {"embed": "cpu", "head": "cpu", "blocks.0": "cpu", "blocks": "disk"},
+                        offload_folder=tmp_path)  # fmt: skip
+    assert model.blocks[1].a.weight.is_meta and not model.blocks[0].a.weight.is_meta
+    assert torch.equal(model(ids), expected)
+    assert model.blocks[3].b.weight.is_meta
+
+
+def test_cpu_offload_keeps_results():
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 10, (3, 5))
+    expected = model(ids)
+    assert torch.equal(af.cpu_offload(model, "cpu")(ids), expected)
+
+
+# ---- pipeline and distributed inference ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pipeline_on_two_ranks_equals_one_process():
+    proc = run_workers("pipeline_worker.py", 2, timeout=180)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PIPELINE OK") == 2, output_of(proc)
+
+
+def test_pipeline_rejects_a_wrong_number_of_split_points():
+    with af.Mesh.from_env() as mesh, pytest.raises(ValueError, match="2 split points make 3 stages"):
+        af.pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["0", "1"], mesh, example_args=(torch.ones(4, 2),),
+                    axis="dp")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_distributed_inference_example_runs_on_two_processes():
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", "2", "--cpu",
+         str(ROOT / "examples" / "distributed_inference.py")],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "8 completions" in proc.stdout, proc.stdout
+
+
+# ---- estimate-memory ----------------------------------------------------------------------------------------
+
+
+def test_estimate_memory_from_a_config_file(tmp_path, capsys):
+    from accelfn.cli.main import main
+
+    model = tiny_gpt2()
+    model.config.to_json_file(tmp_path / "config.json")
+    assert main(["estimate-memory", str(tmp_path / "config.json"), "--dtypes", "float32", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in model.parameters())
+    expected = af.big.format_size(n * 4 + sum(b.numel() * b.element_size() for b in model.buffers()))
+    assert f"| float32 | {expected} |" in out
+    assert f"| bfloat16 | {af.big.format_size(n * 2)} |" in out
+    assert f"| {af.big.format_size(n * (4 + 4 + 8))} |" in out  # fp32 training: weights, grads, 2 moments
+
+
+def test_estimate_memory_from_a_factory(capsys, monkeypatch):
+    from accelfn.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["estimate-memory", "tests.models:tiny_llama", "--dtypes", "int4"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out

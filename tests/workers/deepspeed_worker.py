@@ -1,0 +1,137 @@
+"""Worker: af.shard(backend="deepspeed") on N ranks == af.shard(strategy="ddp") (run by test_deepspeed.py).
+
+Arguments like `zero2:mlp`, `zero3:gpt2`, `zero1:mlp:accumulate:schedule`, `zero2:distill`, `zero2:mlp:offload`.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn.transforms.shard.deepspeed import engine_of
+
+CONFIGS = [arg.split(":") for arg in sys.argv[1:]]
+STEPS = 5
+
+
+def make_model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from tests.models import tiny_gpt2
+
+        return tiny_gpt2(n_embd=32)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+
+def make_teacher():
+    torch.manual_seed(1)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    return teacher.requires_grad_(False).eval()
+
+
+def batches(kind, rows=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        if kind == "gpt2":
+            ids = torch.randint(0, 64, (rows, 12), generator=g)
+            labels = ids.clone()
+            for r in range(rows):  # uneven valid-token counts per row, so per rank
+                labels[r, (r * 3) % 11 + 1 :] = -100
+            out.append({"input_ids": ids, "labels": labels})
+        else:
+            x = torch.randn(rows, 8, generator=g)
+            y = torch.randint(0, 5, (rows,), generator=g)
+            y[: rows // 2 - 1] = -100  # rank 0 sees far fewer valid labels than rank 1
+            out.append({"x": x, "y": y})
+    return out
+
+
+def make_loss(kind, teacher):
+    if kind == "gpt2":
+        def loss_fn(model, b):
+            logits = model(input_ids=b["input_ids"]).logits
+            return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
+    elif kind == "distill":  # a frozen teacher used inside the student's loss: KL to its soft labels
+        def loss_fn(model, b):
+            with torch.no_grad():
+                soft = torch.softmax(teacher(b["x"]) / 2.0, dim=-1)
+            log_p = torch.log_softmax(model(b["x"]) / 2.0, dim=-1)
+            kl = torch.nn.functional.kl_div(log_p, soft, reduction="batchmean")
+            return kl + 0.5 * af.losses.cross_entropy(model(b["x"]), b["y"]).total / b["x"].shape[0]
+    else:
+        def loss_fn(model, b):
+            return af.losses.cross_entropy(model(b["x"]), b["y"])
+    return loss_fn
+
+
+def optimizer(extra):
+    lr = af.optim.warmup_cosine(3e-3, warmup=2, total=STEPS) if "schedule" in extra else 1e-3
+    return af.optim.adamw(lr, weight_decay=0.01)
+
+
+def run(step, kind, data):
+    state = step.init(make_model(kind))
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(m["loss"].item())
+    return state, losses, m
+
+
+def full_params(step, state):
+    import deepspeed
+
+    GatheredParameters = deepspeed.zero.GatheredParameters
+
+    params = list(state.params.values())
+    with GatheredParameters(params):
+        return {k: v.detach().float().clone() for k, v in state.params.items()}
+
+
+def check(mesh, stage, kind, extra):
+    started = time.perf_counter()
+    teacher = make_teacher() if kind == "distill" else None
+    loss_fn = make_loss(kind, teacher)
+    data = batches(kind)
+    model_kind = "gpt2" if kind == "gpt2" else "mlp"
+
+    def build(**shard_kw):
+        step = af.train_step(loss_fn, optimizer(extra), clip_grad_norm=1.0)
+        if "accumulate" in extra:
+            step = af.accumulate(step, 2)
+        return af.shard(step, mesh, inputs="global", **shard_kw)
+
+    ref_state, ref_losses, _ = run(build(strategy="ddp"), model_kind, data)
+    ds_step = build(backend="deepspeed", zero_stage=stage, offload_optimizer=True if "offload" in extra else None)
+    state, losses, metrics = run(ds_step, model_kind, data)
+
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert loss_diff <= 1e-4, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
+    params = full_params(ds_step, state)
+    diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
+    assert diff <= 1e-4, f"rank {mesh.rank}: params differ from the ddp run by {diff}"
+    assert int(state.step) == STEPS and int(state.opt_state.count) == STEPS, (state.step, state.opt_state)
+    assert "grad_norm" in metrics and "lr" in metrics, sorted(metrics)
+    if stage == 3:  # the state's params are the engine's own partitioned parameters
+        assert all(hasattr(p, "ds_tensor") for p in state.params.values())
+        local = sum(p.ds_tensor.numel() for p in state.params.values())
+        total = sum(p.ds_numel for p in state.params.values())
+        assert local <= total / mesh.world_size + 64 * len(params), (local, total)
+    engine = engine_of(ds_step)
+    assert engine.zero_optimization_stage() == stage, engine.zero_optimization_stage()
+    print(
+        f"rank {mesh.rank}: OK zero{stage} {kind} {sorted(extra)} loss diff {loss_diff:.1e} param diff {diff:.1e} "
+        f"({time.perf_counter() - started:.1f}s)",
+        flush=True,
+    )
+
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+mesh = af.Mesh({"dp": -1}, device="cpu")
+for name, kind, *rest in CONFIGS:
+    check(mesh, int(name.removeprefix("zero")), kind, set(rest))
+mesh.close()

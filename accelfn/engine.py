@@ -198,7 +198,8 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
         metrics["skipped"] = found_inf
         metrics["loss_scale"] = scaler["scale"]
     elif inv is not None:
-        torch._foreach_mul_(g_leaves, inv.to(g_leaves[0].device, g_leaves[0].dtype))
+        local = [_local(g) for g in g_leaves]  # elementwise: act on shards, skipping DTensor dispatch
+        torch._foreach_mul_(local, inv.to(local[0].device, local[0].dtype))
 
     if plan.clip_grad_norm is not None and not skipped:
         norm = plan.grad_sync.norm(g_leaves) if plan.grad_sync is not None else global_norm(g_leaves)
@@ -269,6 +270,11 @@ def run_eval(plan: Plan, state: TrainState, batch: Any) -> Any:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view of its storage), or the tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _clone(x: Any) -> Any:
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
 

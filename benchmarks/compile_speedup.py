@@ -25,7 +25,7 @@ def model_and_batches():
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=1024, n_positions=128, n_embd=256, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return GPT2LMHeadModel(cfg), [torch.randint(0, 1024, (8, 128)) for _ in range(4)]
 
 

@@ -37,7 +37,7 @@ def gpt2_workload() -> tuple[nn.Module, list, Callable, Callable]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=1024, n_positions=128, n_embd=256, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     model = GPT2LMHeadModel(cfg)
     batches = [torch.randint(0, 1024, (8, 128)) for _ in range(4)]
 

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launch import ROOT, output_of, run_workers
+from models import tiny_gpt2, tiny_llama
 from torch import nn
 
 import accelfn as af
 from accelfn.big.device_map import layout_of
 from accelfn.big.dispatch import MissingWeightsError
-
-from _launch import ROOT, output_of, run_workers
-from models import tiny_gpt2, tiny_llama
-
 
 RSS = """
 import json, os
@@ -41,7 +39,6 @@ def run_python(code: str, timeout: float = 120) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 
 # ---- init_empty ---------------------------------------------------------------------------------------------
@@ -159,7 +156,9 @@ def test_device_map_places_at_least_as_much_as_accelerate(no_split):
     from accelerate import infer_auto_device_map
 
     ours = af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=no_split)
-    theirs = infer_auto_device_map(Net(), max_memory={0: 1500, 1: 1000, "cpu": 800}, no_split_module_classes=no_split)
+    theirs = infer_auto_device_map(
+        Net(), max_memory={0: 1500, 1: 1000, "cpu": 800}, no_split_module_classes=no_split
+    )
     theirs = {k: f"cuda:{v}" if isinstance(v, int) else v for k, v in theirs.items()}
     layout = layout_of(Net())
     mine, acc = _bytes_per_tier(ours, layout), _bytes_per_tier(theirs, layout)
@@ -191,7 +190,11 @@ def test_max_memory_strings_that_do_not_parse_are_named(bad):
 def test_max_memory_sizes_parse_in_both_unit_systems():
     from accelfn.big import parse_max_memory
 
-    assert parse_max_memory({"cpu": "1KB", "cuda:0": "1KiB", "disk": 5}) == {"cuda:0": 1024, "cpu": 1000, "disk": 5}
+    assert parse_max_memory({"cpu": "1KB", "cuda:0": "1KiB", "disk": 5}) == {
+        "cuda:0": 1024,
+        "cpu": 1000,
+        "disk": 5,
+    }
     with pytest.raises(ValueError, match="'gpu0'"):
         parse_max_memory({"gpu0": 10})
 

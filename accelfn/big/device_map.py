@@ -44,7 +44,9 @@ class ModelLayout:
     ties: list[list[str]]
 
 
-def layout_of(model: nn.Module, no_split: Iterable[str] = (), dtype: torch.dtype | None = None) -> ModelLayout:
+def layout_of(
+    model: nn.Module, no_split: Iterable[str] = (), dtype: torch.dtype | None = None
+) -> ModelLayout:
     """The `ModelLayout` of `model` (module sizes in bytes, cast to `dtype` where floating-point).
 
     Example:
@@ -57,7 +59,6 @@ def layout_of(model: nn.Module, no_split: Iterable[str] = (), dtype: torch.dtype
     classes: dict[str, str] = {}
     children: dict[str, list[str]] = {}
     own: dict[str, list[tuple[str, int]]] = {}
-    atom: dict[str, bool] = {}
     first_name: dict[int, str] = {}
     ties: dict[int, list[str]] = {}
     for name, module in model.named_modules():
@@ -151,7 +152,9 @@ def _place(
                     placed.add(n)
                 if i >= offload_from:
                     layer = layout.largest_layer[name] if is_module else size
-                    offloaded_layer = max(offloaded_layer, layer, *(layout.largest_layer[p] for p in partners))
+                    offloaded_layer = max(
+                        offloaded_layer, layer, *(layout.largest_layer[p] for p in partners)
+                    )
                 break
             kids = layout.children[name] if is_module else []
             if kids and layout.classes[name] not in no_split:

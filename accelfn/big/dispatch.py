@@ -8,6 +8,7 @@ after. Disk weights are memory-mapped safetensors (the checkpoint's own file whe
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -62,10 +63,16 @@ def _tensors(model: nn.Module) -> list[_Tensor]:
 
 def _device_name(value: Any, where: str) -> str:
     platform = platforms.detect()
-    known = [HOST, DISK] + ([] if platform.device_type == HOST else [str(platform.device(i)) for i in range(platform.device_count())])
+    known = [HOST, DISK] + (
+        []
+        if platform.device_type == HOST
+        else [str(platform.device(i)) for i in range(platform.device_count())]
+    )
     if isinstance(value, int) and not isinstance(value, bool):
         if platform.device_type == HOST or not 0 <= value < platform.device_count():
-            raise ValueError(f"{where} = {value!r} is not a device of this process; the devices are: {', '.join(known)}")
+            raise ValueError(
+                f"{where} = {value!r} is not a device of this process; the devices are: {', '.join(known)}"
+            )
         value = str(platform.device(value))
     if isinstance(value, torch.device):
         value = str(value)
@@ -81,7 +88,9 @@ def _device_name(value: Any, where: str) -> str:
         index = device.index or 0
         if index < platform.device_count():
             return str(platform.device(index))
-    raise ValueError(f"{where} = {value!r} is not a device of this process; the devices are: {', '.join(known)}")
+    raise ValueError(
+        f"{where} = {value!r} is not a device of this process; the devices are: {', '.join(known)}"
+    )
 
 
 def _check_map(model: nn.Module, device_map: Mapping[Any, Any]) -> dict[str, str]:
@@ -91,13 +100,19 @@ def _check_map(model: nn.Module, device_map: Mapping[Any, Any]) -> dict[str, str
     out: dict[str, str] = {}
     for key, value in device_map.items():
         if key not in names:
-            raise ValueError(f"device_map names {key!r}, which is no module, parameter or buffer of the model")
+            raise ValueError(
+                f"device_map names {key!r}, which is no module, parameter or buffer of the model"
+            )
         out[key] = _device_name(value, f"device_map[{key!r}]")
     return out
 
 
 def _execution_device(device_map: Mapping[str, str]) -> str:
     return next((d for d in device_map.values() if d not in (HOST, DISK)), HOST)
+
+
+def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 def _target_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -112,12 +127,15 @@ def _placeholder(t: torch.Tensor, dtype: torch.dtype, is_param: bool) -> torch.T
 class _Placer:
     """Puts each model tensor where the map says; collects the offloaded ones per module for the hooks."""
 
-    def __init__(self, device_map: dict[str, str], exec_device: str, offload_folder: str | os.PathLike[str] | None):
+    def __init__(
+        self, device_map: dict[str, str], exec_device: str, offload_folder: str | os.PathLike[str] | None
+    ):
         self.device_map = device_map
         self.exec_device = exec_device
         self.offload_folder = offload_folder
         self.offloaded: dict[int, tuple[nn.Module, list[Offloaded]]] = {}
         self.pending: dict[str, tuple[_Tensor, torch.dtype, torch.Tensor]] = {}
+        self.pending_ids: set[int] = set()
         self.written = 0
 
     def tier(self, name: str) -> str:
@@ -150,12 +168,13 @@ class _Placer:
                 if host is None:
                     host = value().to(device=HOST, dtype=dtype, copy=True)
                 source = host
-                self._offload(module, local, is_param, g.current, dtype, lambda s=source: s, None)
+                self._offload(module, local, is_param, g.current, dtype, _const(source), None)
             elif mapped is not None:
                 f, key = mapped
-                self._offload(module, local, is_param, g.current, dtype, lambda f=f, k=key: f.get(k),
-                              lambda f=f, k=key: f.release(k))  # fmt: skip
-            elif not any(p[0] is g for p in self.pending.values()):  # flush() attaches every disk name of g
+                self._offload(module, local, is_param, g.current, dtype, functools.partial(f.get, key),
+                              functools.partial(f.release, key))  # fmt: skip
+            elif id(g) not in self.pending_ids:  # flush() attaches every disk name of g
+                self.pending_ids.add(id(g))
                 self.pending[name] = (g, dtype, value().to(device=HOST, dtype=dtype, copy=True))
 
     def _offload(self, module: nn.Module, local: str, is_param: bool, current: torch.Tensor, dtype: torch.dtype,
@@ -182,9 +201,9 @@ class _Placer:
         for name, (g, dtype, _) in self.pending.items():
             for n, (module, local, is_param) in zip(g.names, g.holders):
                 if is_param and self.tier(n) == "disk":
-                    self._offload(module, local, is_param, g.current, dtype, lambda k=name: f.get(k),
-                                  lambda k=name: f.release(k))  # fmt: skip
-        self.pending = {}
+                    self._offload(module, local, is_param, g.current, dtype, functools.partial(f.get, name),
+                                  functools.partial(f.release, name))  # fmt: skip
+        self.pending, self.pending_ids = {}, set()
 
     def finish(self, model: nn.Module) -> None:
         self.flush()
@@ -193,8 +212,9 @@ class _Placer:
             attach_offload(module, entries, device)
         devices = {self.exec_device if d in (HOST, DISK) else d for d in self.device_map.values()}
         if len(devices) > 1:
+            modules = {n for n, _ in model.named_modules()}
             for name, d in self.device_map.items():
-                if name and name in dict(model.named_modules()):
+                if name and name in modules:
                     target = self.exec_device if d in (HOST, DISK) else d
                     attach_input_alignment(model.get_submodule(name), torch.device(target))
             attach_input_alignment(model, torch.device(self.exec_device), outputs_back=True)
@@ -286,12 +306,12 @@ def load_and_dispatch(
             g, key = tensors[i], keys[i]
             target = _target_dtype(g.current, dtype)
             mapped = (f, key) if f.dtype(key) == target else None
-            placer.place(g, lambda f=f, key=key: f.get(key), target, mapped)
+            placer.place(g, functools.partial(f.get, key), target, mapped)
             f.release(key)
         placer.flush()
     for i, g in enumerate(tensors):
         if i not in keys:  # real buffers the checkpoint does not have: keep the model's values
-            placer.place(g, lambda g=g: g.current, g.current.dtype, None)
+            placer.place(g, _const(g.current), g.current.dtype, None)
     placer.finish(model)
     return model
 
@@ -313,7 +333,7 @@ def dispatch(
     resolved = _check_map(model, device_map)
     placer = _Placer(resolved, _execution_device(resolved), offload_folder)
     for g in _tensors(model):
-        placer.place(g, lambda g=g: g.current, g.current.dtype, None)
+        placer.place(g, _const(g.current), g.current.dtype, None)
     placer.finish(model)
     return model
 
@@ -333,6 +353,6 @@ def cpu_offload(model: nn.Module, execution_device: str | torch.device | None = 
     device = _device_name(device, "execution_device")
     placer = _Placer({"": HOST}, device, None)
     for g in _tensors(model):
-        placer.place(g, lambda g=g: g.current, g.current.dtype, None)
+        placer.place(g, _const(g.current), g.current.dtype, None)
     placer.finish(model)
     return model

@@ -100,8 +100,10 @@ class Checkpoint:
             for name in dict.fromkeys(weight_map.values()):
                 self._add(path / name)
             for key, name in weight_map.items():
-                if key not in self.files[str(path / name)].keys():
-                    raise ValueError(f"{path / INDEX} says {key!r} is in {name}, but that file does not have it")
+                if key not in self.files[str(path / name)]._entries:
+                    raise ValueError(
+                        f"{path / INDEX} says {key!r} is in {name}, but that file does not have it"
+                    )
         elif (path / SINGLE).is_file():
             self._add(path / SINGLE)
         elif path.exists():
@@ -112,7 +114,7 @@ class Checkpoint:
     def _add(self, file: Path) -> None:
         f = SafetensorsFile(file)
         self.files[str(file)] = f
-        for key in f.keys():
+        for key in f._entries:
             self.file_of[key] = str(file)
 
     def __contains__(self, key: object) -> bool:

@@ -63,7 +63,9 @@ def attach_offload(module: nn.Module, entries: list[Offloaded], device: torch.de
 
 
 def _to(device: torch.device, tree: Any) -> Any:
-    return optree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
 
 
 def attach_input_alignment(module: nn.Module, device: torch.device, *, outputs_back: bool = False) -> None:
@@ -73,7 +75,8 @@ def attach_input_alignment(module: nn.Module, device: torch.device, *, outputs_b
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if outputs_back:
-            leaves = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            tree: Any = (args, kwargs)
+            leaves = [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
             first[:] = [leaves[0].device] if leaves else []
         return _to(device, args), _to(device, kwargs)
 

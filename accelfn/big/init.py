@@ -39,19 +39,21 @@ def init_on_device(device: str | torch.device, include_buffers: bool = False) ->
             kwargs["requires_grad"] = p.requires_grad
             module._parameters[name] = type(p)(p.to(device), **kwargs)
 
-    def on_device_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+    def on_device_buffer(
+        module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
         register_buffer(module, name, tensor, persistent=persistent)
         if tensor is not None:
             module._buffers[name] = tensor.to(device)
 
-    nn.Module.register_parameter = on_device_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_device_parameter  # type: ignore[method-assign,assignment]
     if include_buffers:
-        nn.Module.register_buffer = on_device_buffer  # type: ignore[method-assign]
+        nn.Module.register_buffer = on_device_buffer  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign,assignment]
 
 
 @checked

@@ -11,7 +11,15 @@ from torch import nn
 
 from .. import platforms
 
-__all__ = ["parse_size", "format_size", "parse_max_memory", "default_max_memory", "tensor_bytes", "HOST", "DISK"]
+__all__ = [
+    "parse_size",
+    "format_size",
+    "parse_max_memory",
+    "default_max_memory",
+    "tensor_bytes",
+    "HOST",
+    "DISK",
+]
 
 HOST = "cpu"
 """The device name of host memory in device maps and `max_memory`."""
@@ -76,7 +84,9 @@ def _device_name(key: int | str) -> str:
     try:
         device = torch.device(key)
     except RuntimeError:
-        raise ValueError(f"max_memory key {key!r} is not a device name; expected e.g. 'cuda:0', 'cpu' or 'disk'") from None
+        raise ValueError(
+            f"max_memory key {key!r} is not a device name; expected e.g. 'cuda:0', 'cpu' or 'disk'"
+        ) from None
     if device.index is None:
         raise ValueError(f"max_memory key {key!r} needs a device index, e.g. '{device.type}:0'")
     return str(device)
@@ -108,7 +118,9 @@ def default_max_memory() -> dict[str, int]:
         for i in range(platform.device_count()):
             device = platform.device(i)
             stats = platform.memory_stats(device)
-            out[str(device)] = int(0.9 * (stats.get("total", 0) - stats.get("reserved", stats.get("allocated", 0))))
+            out[str(device)] = int(
+                0.9 * (stats.get("total", 0) - stats.get("reserved", stats.get("allocated", 0)))
+            )
     out[HOST] = int(0.9 * _host_available())
     return out
 

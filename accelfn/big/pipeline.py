@@ -56,10 +56,14 @@ def pipeline(
         raise ValueError(f"af.pipeline: split point {unknown[0]!r} is not a module of the model")
     for x in example_args:
         if isinstance(x, torch.Tensor) and x.shape[0] % microbatches:
-            raise ValueError(f"af.pipeline: example batch of {x.shape[0]} does not split into {microbatches} microbatches")
+            raise ValueError(
+                f"af.pipeline: example batch of {x.shape[0]} does not split into {microbatches} microbatches"
+            )
     mb_args = tuple(x.chunk(microbatches)[0] if isinstance(x, torch.Tensor) else x for x in example_args)
     # tracing wraps the split modules' forward in place: trace a copy so the model can be traced again
-    pipe = trace(copy.deepcopy(model), mb_args=mb_args, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+    pipe = trace(
+        copy.deepcopy(model), mb_args=mb_args, split_spec={p: SplitPoint.BEGINNING for p in split_points}
+    )
     group = mesh.group(axis)
     index = mesh.axis_rank(axis)
     stage = pipe.build_stage(index, device=mesh.device, group=group)

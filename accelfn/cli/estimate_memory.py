@@ -43,9 +43,7 @@ def build(spec: str) -> Any:
                 return AutoModel.from_config(config)
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
-        raise ValueError(
-            f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'"
-        )
+        raise ValueError(f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'")
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would: the current folder first
         sys.path.insert(0, os.getcwd())
     factory = getattr(importlib.import_module(module_name), attr)
@@ -70,7 +68,9 @@ def estimate(model: Any, dtypes: list[str]) -> list[dict[str, Any]]:
             other += t.numel() * t.element_size()
     import torch
 
-    largest_fp32 = layout_of(model, getattr(model, "_no_split_modules", None) or (), torch.float32).largest_layer[""]
+    largest_fp32 = layout_of(
+        model, getattr(model, "_no_split_modules", None) or (), torch.float32
+    ).largest_layer[""]
     rows = []
     for name in dtypes:
         b = BYTES[name]
@@ -92,7 +92,9 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", metavar="CONFIG_OR_PATH", help="config.json, a folder with one, or pkg.module:factory")
+    p.add_argument(
+        "model", metavar="CONFIG_OR_PATH", help="config.json, a folder with one, or pkg.module:factory"
+    )
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=list(BYTES))
     p.set_defaults(func=_run)
 
@@ -106,5 +108,7 @@ def _run(args: argparse.Namespace) -> int:
     print("| dtype | total size | largest layer | training with AdamW |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {format_size(r['total'])} | {format_size(r['largest_layer'])} | {format_size(r['training'])} |")
+        print(
+            f"| {r['dtype']} | {format_size(r['total'])} | {format_size(r['largest_layer'])} | {format_size(r['training'])} |"
+        )
     return 0

@@ -103,6 +103,8 @@ def check(mesh, stage, kind, extra):
         step = af.train_step(loss_fn, optimizer(extra), clip_grad_norm=1.0)
         if "accumulate" in extra:
             step = af.accumulate(step, 2)
+        if "bf16" in extra:
+            step = af.autocast(step, torch.bfloat16)
         return af.shard(step, mesh, inputs="global", **shard_kw)
 
     ref_state, ref_losses, _ = run(build(strategy="ddp"), model_kind, data)
@@ -110,10 +112,15 @@ def check(mesh, stage, kind, extra):
     state, losses, metrics = run(ds_step, model_kind, data)
 
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert loss_diff <= 1e-4, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
+    # bf16: DeepSpeed computes with bf16 weights (fp32 master copy), accelfn with fp32 weights under autocast
+    tol = 3e-2 if "bf16" in extra else 1e-4
+    if "bf16" in extra:
+        assert all(p.dtype == torch.bfloat16 for p in state.params.values())
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert loss_diff <= tol, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
     params = full_params(ds_step, state)
     diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
-    assert diff <= 1e-4, f"rank {mesh.rank}: params differ from the ddp run by {diff}"
+    assert diff <= (3e-2 if "bf16" in extra else 1e-4), f"rank {mesh.rank}: params differ from the ddp run by {diff}"
     assert int(state.step) == STEPS and int(state.opt_state.count) == STEPS, (state.step, state.opt_state)
     assert "grad_norm" in metrics and "lr" in metrics, sorted(metrics)
     if stage == 3:  # the state's params are the engine's own partitioned parameters

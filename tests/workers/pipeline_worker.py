@@ -8,7 +8,9 @@ import accelfn as af
 
 def main() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)], nn.Linear(16, 3)).eval()
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)], nn.Linear(16, 3)
+    ).eval()
     x = torch.randn(8, 16)
     with torch.no_grad():
         expected = model(x)

@@ -1,0 +1,136 @@
+"""af.shard(backend="deepspeed"): ZeRO 1-3 on 2 real processes equal af.shard(strategy="ddp"); config generation.
+
+The multi-process tests need `deepspeed` (the `[test]` extra installs it) and are skipped without it. Set
+TORCH_EXTENSIONS_DIR to a cached folder: DeepSpeed compiles native ops on first use (its shm comm op,
+~60 s, and for the offload test DeepSpeedCPUAdam, ~150 s on 2 shared cores; seconds once cached).
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import accelfn as af
+from accelfn.lowering import CompositionError
+from accelfn.transforms.shard.deepspeed import config_for, make_optimizer
+from tests._launch import output_of, run_workers
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install 'accelfn[deepspeed]')"
+)
+
+
+def _ok(proc, configs):
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        stage, kind, *extra = c.split(":")
+        for rank in (0, 1):
+            assert f"rank {rank}: OK {stage} {kind} {sorted(extra)}" in proc.stdout, out
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_special():
+    configs = [
+        "zero1:mlp", "zero2:mlp", "zero3:mlp",                      # fp32, Loss(total, count), uneven counts
+        "zero3:gpt2", "zero1:gpt2:accumulate",                      # a tiny GPT-2; accumulate with Loss
+        "zero3:mlp:accumulate", "zero2:mlp:accumulate:schedule",    # warmup-cosine -> LambdaLR
+        "zero2:distill", "zero3:distill:accumulate",                # student + frozen teacher in the loss
+        "zero2:mlp:bf16",                                           # bf16 trains (looser tolerance)
+    ]  # fmt: skip
+    _ok(run_workers("deepspeed_worker.py", 2, *configs, timeout=400), configs)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero_offload_with_deepspeed_cpu_adam_equals_ddp():
+    # Separate because DeepSpeedCPUAdam is compiled on first use (~150 s here; cached afterwards).
+    _ok(run_workers("deepspeed_worker.py", 2, "zero2:mlp:offload", timeout=500), ["zero2:mlp:offload"])
+
+
+@pytest.fixture
+def mesh():
+    m = af.Mesh({"dp": -1}, device="cpu")
+    yield m
+    m.close()
+
+
+def _loss(m, b):
+    return af.losses.mse(m(b), b)
+
+
+def test_config_for_bf16_accumulate_clip_adamw(mesh):
+    step = af.train_step(_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=1.0)
+    step = af.shard(af.autocast(af.accumulate(step, 4), torch.bfloat16), mesh, backend="deepspeed", zero_stage=2)
+    cfg = config_for(step)
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"]["enabled"] is False
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_micro_batch_size_per_gpu"] == 1
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["zero_optimization"] == {"stage": 2}
+    assert "optimizer" not in cfg and cfg["zero_allow_untested_optimizer"] is True  # a client torch optimizer
+    json.dumps(cfg)  # what deepspeed.initialize receives is plain JSON
+
+
+def test_strategy_picks_the_stage_and_offload_and_fp16_map_to_deepspeed_keys(mesh):
+    step = af.train_step(_loss, af.optim.adamw(1e-3))
+    assert config_for(af.shard(step, mesh, backend="deepspeed"))["zero_optimization"]["stage"] == 1
+    cfg = config_for(af.shard(af.autocast(step, torch.float16), mesh, strategy="fsdp", backend="deepspeed",
+                              offload_optimizer=True))  # fmt: skip
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                           "hysteresis": 1, "min_loss_scale": 1}  # fmt: skip
+    assert config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"zero_optimization": {"stage": 2}}))[
+        "zero_optimization"]["stage"] == 2  # fmt: skip
+
+
+def test_chain_clip_becomes_gradient_clipping(mesh):
+    tx = af.optim.chain(af.optim.clip_by_global_norm(0.5), af.optim.sgd(0.1, momentum=0.9))
+    assert config_for(af.shard(af.train_step(_loss, tx), mesh, backend="deepspeed"))["gradient_clipping"] == 0.5
+
+
+def test_user_json_is_merged_and_a_conflicting_key_is_named(mesh, tmp_path):
+    step = af.accumulate(af.train_step(_loss, af.optim.adamw(1e-3), clip_grad_norm=1.0), 4)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": "auto", "wall_clock_breakdown": True,
+                                "bf16": {"enabled": False}}))  # fmt: skip
+    cfg = config_for(af.shard(step, mesh, backend="deepspeed", ds_config=str(path)))
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["wall_clock_breakdown"] is True
+    with pytest.raises(CompositionError, match=r"ds_config\['gradient_accumulation_steps'\] = 8 conflicts with accumulate\(4\)"):
+        config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"gradient_accumulation_steps": 8}))
+    with pytest.raises(CompositionError, match=r"ds_config\['bf16.enabled'\] = True conflicts with autocast\(off\)"):
+        config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"bf16": {"enabled": True}}))
+    with pytest.raises(CompositionError, match=r"ds_config\['gradient_clipping'\] = 2.0 conflicts"):
+        config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"gradient_clipping": 2.0}))
+    with pytest.raises(CompositionError, match=r"ds_config\['optimizer'\] conflicts with the step's optimizer \(adamw\)"):
+        config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"optimizer": {"type": "Adam"}}))
+    with pytest.raises(CompositionError, match=r"ds_config\['zero_optimization.stage'\] = 3 conflicts with zero_stage=2"):
+        config_for(af.shard(step, mesh, backend="deepspeed", zero_stage=2, ds_config={"zero_optimization": {"stage": 3}}))
+
+
+def test_offload_combinator_and_unsupported_optimizers_are_composition_errors(mesh):
+    step = af.train_step(_loss, af.optim.lion(1e-4))
+    with pytest.raises(CompositionError, match="does not describe itself"):
+        config_for(af.shard(step, mesh, backend="deepspeed"))
+    with pytest.raises(CompositionError, match="DeepSpeed offloads through its own config"):
+        af.offload(af.shard(af.train_step(_loss, af.optim.adamw(1e-3)), mesh, backend="deepspeed")).init(
+            torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="apply to backend='deepspeed' only"):
+        af.shard(af.train_step(_loss, af.optim.adamw(1e-3)), mesh, zero_stage=2)
+
+
+def test_make_optimizer_matches_the_accelfn_hyperparameters():
+    net = torch.nn.Linear(3, 2)
+    named = dict(net.named_parameters())
+    tx = af.optim.adamw(2e-3, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask=lambda p: {k: k != "bias" for k in p})
+    opt, schedule = make_optimizer(tx, named, offload=False)
+    assert isinstance(opt, torch.optim.AdamW) and schedule is None
+    g = opt.param_groups
+    assert [len(x["params"]) for x in g] == [1, 1] and [x["weight_decay"] for x in g] == [0.1, 0.0]
+    assert g[0]["lr"] == 2e-3 and g[0]["betas"] == (0.8, 0.99) and g[0]["eps"] == 1e-6
+    opt, schedule = make_optimizer(af.optim.sgd(af.optim.linear(1.0, 0.0, 10), momentum=0.9, nesterov=True), named,
+                                   offload=False)  # fmt: skip
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["nesterov"] is True
+    assert float(schedule(torch.tensor(5))) == pytest.approx(0.5)

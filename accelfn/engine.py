@@ -127,6 +127,9 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
     params = bind(module, state.params, state.buffers, slots)
+    prepare = getattr(plan.grad_sync, "prepare", None)
+    if prepare is not None:
+        prepare(params)
     if not module.training:
         module.train()
     keys = _random.split(state.rng, 2)

@@ -25,7 +25,7 @@ def build(seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq)
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq, use_cache=False)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).cuda()
 

@@ -94,8 +94,10 @@ def check(strategy, extra, mesh):
     assert diff <= 1e-5, f"rank {mesh.rank}: params differ from the single-process run by {diff}"
     assert loss_diff <= 1e-5, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
     if strategy == "ddp":
-        # one all-reduce for gradients + loss + count, one for clip's nothing (ddp norm is local), per call
-        assert per_step_calls == [1] * len(data), per_step_calls
+        # one all-reduce per gradient bucket and one for (loss sum, count), per call — whatever accumulate does
+        buckets = len(step.plan.grad_sync.buckets)
+        assert per_step_calls == [buckets + 1] * len(data), (per_step_calls, buckets)
+        assert step.plan.grad_sync.overlapped == buckets * len(data)  # every bucket started during backward
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
         total = sum(v.numel() for v in params.values())

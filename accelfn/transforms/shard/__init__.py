@@ -1,9 +1,9 @@
 """`af.shard`: data parallelism over the mesh — DDP, FSDP (ZeRO-3-like) and HSDP.
 
-- `"ddp"`: params replicated (broadcast from rank 0 at `init`); after the backward pass the gradients
-  meet in one bucketed all-reduce (sum), with the loss sum and the count riding in the same buffer, so the
-  update divides by the *global* count: N ranks give the update of one process on the global batch.
-  One sync per call, also under `af.accumulate`.
+- `"ddp"`: params replicated (broadcast from rank 0 at `init`); gradients are summed in ~`bucket_mb`
+  buckets whose all-reduces start during the backward pass (`overlap=True`), and the loss sum and the
+  count in one more tiny all-reduce, so the update divides by the *global* count: N ranks give the update
+  of one process on the global batch. One sync per call, also under `af.accumulate`.
 - `"fsdp"`: torch's FSDP2 (`fully_shard`) on every block and on the root; the state's params and
   optimizer state are the module's own DTensor shards (memory per rank ~1/N). Reduce-scatter sums.
   Under `af.autocast` the matching `MixedPrecisionPolicy` (param dtype, fp32 reduce) is used.
@@ -24,7 +24,7 @@ Example:
     >>> state = step.init(torch.nn.Linear(4, 4))
     >>> state, metrics = step(state, torch.randn(8, 4))
     >>> step
-    Step(train_step(<lambda>) -> shard(ddp, dp=1)  [ddp over 1 ranks])
+    Step(train_step(<lambda>) -> shard(ddp, dp=1)  [ddp over 1 ranks, 1 bucket(s), overlapped with backward])
     >>> mesh.close()
 """
 
@@ -62,6 +62,7 @@ class Shard(TransformBase):
     ds_config: Mapping[str, Any] | str | Path | None = None
     zero_stage: int | None = None
     offload_optimizer: bool | None = None
+    overlap: bool = True
     kind: str = "shard"
 
     def describe(self) -> str:
@@ -106,6 +107,7 @@ def shard(
     ds_config: dict[str, Any] | str | Path | None = None,
     zero_stage: int | None = None,
     offload_optimizer: bool | None = None,
+    overlap: bool = True,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs.
 
@@ -132,5 +134,5 @@ def shard(
     if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
         raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
     return step.with_transform(
-        Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer)
+        Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
     )

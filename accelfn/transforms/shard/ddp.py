@@ -1,12 +1,23 @@
-"""DDP strategy of `af.shard`: replicated params, one bucketed all-reduce of the gradients per step."""
+"""DDP strategy of `af.shard`: replicated params; gradients summed in buckets, overlapped with backward.
+
+Buckets of about `bucket_mb` are formed over the trainable parameters in reverse registration order (the
+order in which their gradients become ready, as in torch DDP). A post-accumulate-grad hook launches a
+bucket's asynchronous all-reduce as soon as its last gradient is ready — during the backward pass of the
+step's last micro-batch only, so `af.accumulate` still syncs once per call. The loss sum and the count
+meet in one more tiny all-reduce; buckets whose hooks did not fire (unused parameters, or params rebound
+after a checkpoint load) are reduced after the backward pass.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ...optim.clip import global_norm
 from .common import batch_transform
@@ -17,56 +28,116 @@ if TYPE_CHECKING:
 
 
 @attrs.define
+class _Bucket:
+    names: list[str]
+    index: list[int]  # positions in the engine's gradient list (the trainable order)
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: Any = None
+
+
+@attrs.define
 class DDPSync:
-    """Sum gradients over the data-parallel group in ~`bucket_bytes` flat buckets (async, then wait)."""
+    """Sum gradients over the data-parallel group, bucket by bucket, as they become ready."""
 
     group: dist.ProcessGroup | None
     bucket_bytes: int
+    overlap: bool = True
+    buckets: list[_Bucket] = attrs.Factory(list)
+    bucket_of: dict[int, _Bucket] = attrs.Factory(dict)
+    hooked: dict[str, int] = attrs.Factory(dict)  # name -> id of the Parameter object carrying our hook
+    armed: bool = False
+    overlapped: int = 0  # buckets launched during a backward pass so far (a statistic)
+    params: dict[str, torch.Tensor] = attrs.Factory(dict)  # the bound params of the current step
 
-    def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        buckets: list[list[torch.Tensor]] = []
-        current: list[torch.Tensor] = []
-        size = 0
-        key = None
-        for g in grads:
-            k = (g.device, g.dtype)
-            if current and (k != key or size + g.numel() * g.element_size() > self.bucket_bytes):
-                buckets.append(current)
+    # ---- set-up -------------------------------------------------------------------------------------------
+    def build(self, module: nn.Module, trainable: tuple[str, ...]) -> None:
+        params = dict(module.named_parameters())
+        order = {n: i for i, n in enumerate(trainable)}
+        current: list[str] = []
+        size, key = 0, None
+        for name in reversed(trainable):
+            p = params[name]
+            k = (p.device, p.dtype)
+            nbytes = p.numel() * p.element_size()
+            if current and (k != key or size + nbytes > self.bucket_bytes):
+                self.buckets.append(_Bucket(current, [order[n] for n in current]))
                 current, size = [], 0
-            current.append(g)
-            size += g.numel() * g.element_size()
+            current.append(name)
+            size += nbytes
             key = k
         if current:
-            buckets.append(current)
-        return buckets
+            self.buckets.append(_Bucket(current, [order[n] for n in current]))
+        self.hook(params)
+
+    def hook(self, params: dict[str, torch.Tensor]) -> None:
+        """(Re-)register the readiness hooks on the current parameter objects."""
+        if not self.overlap:
+            return
+        for bucket in self.buckets:
+            for name in bucket.names:
+                p = params[name]
+                if self.hooked.get(name) == id(p):
+                    continue
+                self.bucket_of[id(p)] = bucket
+                p.register_post_accumulate_grad_hook(self._ready)
+                self.hooked[name] = id(p)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self.bucket_of.get(id(p))
+        if bucket is None:
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.names):
+            self._launch(bucket, None)
+            self.overlapped += 1
+
+    def _launch(self, bucket: _Bucket, grads: list[torch.Tensor] | None) -> None:
+        if grads is None:  # from the hook: read the params' .grad
+            parts = [self.params[n].grad.reshape(-1) for n in bucket.names]  # type: ignore[union-attr]
+        else:
+            parts = [grads[i].reshape(-1) for i in bucket.index]
+        bucket.flat = torch.cat(parts)
+        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    # ---- the engine's protocol ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        self.armed = last and self.overlap
+        try:
+            yield
+        finally:
+            self.armed = False
+
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        """Called before the step's backward passes with the bound params."""
+        self.params = params
+        self.hook(params)
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        buckets = self._buckets(grads)
-        flats, works = [], []
-        for i, bucket in enumerate(buckets):
-            parts = [g.reshape(-1) for g in bucket]
-            if i == len(buckets) - 1:  # the scalars ride along in the last bucket
-                dt = bucket[0].dtype
-                parts += [loss_sum.reshape(1).to(dt), count.reshape(1).to(dt)]
-            flat = torch.cat(parts)
-            flats.append(flat)
-            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
-        if not buckets:
-            flat = torch.stack([loss_sum.float(), count.float()])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            return flat[0], flat[1]
-        for w in works:
-            w.wait()
-        for bucket, flat in zip(buckets, flats):
+        scalars = torch.stack([loss_sum.detach().float().reshape(()), count.detach().float().reshape(())])
+        scalar_work = dist.all_reduce(scalars, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket, grads)
+        for bucket in self.buckets:
+            bucket.work.wait()
             offset = 0
-            for g in bucket:
+            assert bucket.flat is not None
+            for i in bucket.index:
+                g = grads[i]
                 n = g.numel()
-                g.copy_(flat[offset : offset + n].view_as(g))
+                g.copy_(bucket.flat[offset : offset + n].view_as(g))
                 offset += n
-        tail = flats[-1]
-        return tail[-2].to(loss_sum.dtype), tail[-1].to(loss_sum.dtype)
+            bucket.flat, bucket.work, bucket.ready = None, None, 0
+        scalar_work.wait()
+        return scalars[0].to(loss_sum.dtype), scalars[1].to(loss_sum.dtype)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_norm(grads)  # gradients are identical on every rank after the sum
@@ -89,6 +160,8 @@ def _data_group(shard: Shard) -> dist.ProcessGroup | None:
 
 
 def lower_ddp(shard: Shard, plan: Plan) -> None:
+    from ...module import slots_of
+
     mesh = shard.mesh
     plan.module.to(mesh.device)
     group = _data_group(shard)
@@ -97,7 +170,10 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for t in tensors:
             dist.broadcast(t.data, src=src, group=group)
+    sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=shard.overlap)
+    sync.build(plan.module, slots_of(plan.module).trainable)
     plan.batch_transform = batch_transform(mesh, shard.inputs)
     plan.rank_key = mesh.data_rank
-    plan.grad_sync = DDPSync(group, int(shard.bucket_mb * 2**20))
-    plan.notes.append(f"ddp over {mesh.data_size} ranks")
+    plan.grad_sync = sync
+    plan.notes.append(f"ddp over {mesh.data_size} ranks, {len(sync.buckets)} bucket(s)"
+                      + (", overlapped with backward" if shard.overlap else ""))

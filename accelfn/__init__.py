@@ -8,7 +8,15 @@ Example:
 """
 
 from . import big, checkpoint, data, dist, losses, optim, platforms, random, tree
-from .big import cpu_offload, dispatch, infer_device_map, init_empty, init_on_device, load_and_dispatch, pipeline
+from .big import (
+    cpu_offload,
+    dispatch,
+    infer_device_map,
+    init_empty,
+    init_on_device,
+    load_and_dispatch,
+    pipeline,
+)
 from .dist import progress
 from .losses import Loss
 from .lowering import CompositionError

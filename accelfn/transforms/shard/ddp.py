@@ -11,7 +11,7 @@ after a checkpoint load) are reduced after the backward pass.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -70,7 +70,7 @@ class DDPSync:
             self.buckets.append(_Bucket(current, [order[n] for n in current]))
         self.hook(params)
 
-    def hook(self, params: dict[str, torch.Tensor]) -> None:
+    def hook(self, params: Mapping[str, torch.Tensor]) -> None:
         """(Re-)register the readiness hooks on the current parameter objects."""
         if not self.overlap:
             return

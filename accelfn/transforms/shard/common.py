@@ -8,6 +8,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ... import tree as _tree
 from ...mesh import Mesh
@@ -39,3 +40,20 @@ def reduce_scalars(values: list[torch.Tensor], group: dist.ProcessGroup | None) 
     flat = torch.stack([v.detach().float().reshape(()) for v in values])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     return list(flat.unbind(0))
+
+
+def mean_metrics(values: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Average metric scalars over `group` in one collective."""
+    if not values:
+        return values
+    summed = reduce_scalars(list(values.values()), group)
+    n = dist.get_world_size(group)
+    return {k: v / n for k, v in zip(values, summed)}
+
+
+@torch.no_grad()
+def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src, group=group)

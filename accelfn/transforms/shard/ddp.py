@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.clip import global_norm
-from .common import batch_transform
+from .common import batch_transform, broadcast_from_first, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -143,12 +143,7 @@ class DDPSync:
         return global_norm(grads)  # gradients are identical on every rank after the sum
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not values:
-            return values
-        flat = torch.stack([v.float().reshape(()) for v in values.values()])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        flat /= dist.get_world_size(self.group)
-        return dict(zip(values, flat.unbind(0)))
+        return mean_metrics(values, self.group)
 
 
 def _data_group(shard: Shard) -> dist.ProcessGroup | None:
@@ -165,11 +160,7 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
     mesh = shard.mesh
     plan.module.to(mesh.device)
     group = _data_group(shard)
-    with torch.no_grad():  # every rank starts from rank 0's weights, as torch DDP does
-        tensors = [*plan.module.parameters(), *plan.module.buffers()]
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        for t in tensors:
-            dist.broadcast(t.data, src=src, group=group)
+    broadcast_from_first(plan.module, group)
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=shard.overlap)
     sync.build(plan.module, slots_of(plan.module).trainable)
     plan.batch_transform = batch_transform(mesh, shard.inputs)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compile import find_blocks
-from .common import batch_transform
+from .common import batch_transform, broadcast_from_first, mean_metrics, reduce_scalars
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -47,9 +47,8 @@ class FSDPSync:
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = torch.stack([loss_sum.float().reshape(()), count.float().reshape(())])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
-        return flat[0].to(loss_sum.dtype), flat[1].to(loss_sum.dtype)
+        total, n = reduce_scalars([loss_sum, count], self.data_group)
+        return total.to(loss_sum.dtype), n.to(loss_sum.dtype)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         local = [_local(g) for g in grads]
@@ -58,12 +57,7 @@ class FSDPSync:
         return sq.sqrt()
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not values:
-            return values
-        flat = torch.stack([v.float().reshape(()) for v in values.values()])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
-        flat /= dist.get_world_size(self.data_group)
-        return dict(zip(values, flat.unbind(0)))
+        return mean_metrics(values, self.data_group)
 
 
 def lower_fsdp(shard: Shard, plan: Plan) -> None:
@@ -74,10 +68,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     plan.module.to(mesh.device)
     data_mesh = mesh.submesh(*axes)
     data_group = data_mesh.get_group() if len(axes) == 1 else data_mesh._flatten().get_group()
-    with torch.no_grad():
-        src = dist.get_global_rank(data_group, 0)
-        for t in [*plan.module.parameters(), *plan.module.buffers()]:
-            dist.broadcast(t.data, src=src, group=data_group)
+    broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")
         shard_group = mesh.group("fsdp")

@@ -1,0 +1,61 @@
+"""`gather_for_metrics`: every rank gets the whole evaluation batch, each sample once, padding dropped.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> loader = af.data.DataLoader(torch.arange(5), batch_size=4)
+    >>> [af.dist.gather_for_metrics(b * 10, loader).tolist() for b in loader]
+    [[0, 10, 20, 30], [40]]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import tree as _tree
+from .collectives import gather
+
+if TYPE_CHECKING:
+    from ..data.loader import DataLoader
+
+__all__ = ["gather_for_metrics"]
+
+
+def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
+    """Gather `x` (a tensor or pytree of tensors whose dim 0 are the samples of the batch `loader` yielded
+    last) from all data-parallel ranks, in data-rank order, without the loader's wrap-around padding.
+
+    Over a whole unshuffled epoch the results, concatenated, are the dataset's samples in order, each once.
+    Every rank must call it for the same batch (with `even_batches=False`, a rank that has no batch for
+    this step would make the others wait: use the default `even_batches=True` for evaluation).
+    """
+    info = loader.last_batch
+    if info is None:
+        raise RuntimeError(
+            "gather_for_metrics: the loader has not yielded a batch yet; call it inside `for batch in loader:`"
+        )
+    lay = loader.layout
+    mine, width = info.sizes[lay.data_rank], loader.batch_size
+    leaves, spec = _tree.flatten(x)
+    for path, leaf in _tree.flatten_with_path(x):
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] != mine:
+            what = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise ValueError(
+                f"gather_for_metrics: {'x' + ('[' + repr(path) + ']' if path else '')} has {what}, but dim 0 must "
+                f"be the {mine} samples of this rank's batch (global batch {info.step} of the epoch)"
+            )
+    uneven = any(n != width for n in info.sizes)
+    if uneven:  # pad every rank to the full width so the all-gather sees equal shapes
+        leaves = [torch.cat([t, t.new_zeros((width - mine, *t.shape[1:]))]) for t in leaves]
+    gathered = gather(_tree.unflatten(spec, leaves))
+    if lay.world_size == lay.data_size and not uneven and info.padding == 0:
+        return gathered
+    keep = sum(info.sizes) - info.padding
+    shards = lay.first_rank_of_each_shard()
+
+    def trim(t: torch.Tensor) -> torch.Tensor:
+        parts = t.split(width)
+        return torch.cat([parts[g][: info.sizes[d]] for d, g in enumerate(shards)])[:keep]
+
+    return _tree.map(trim, gathered)

@@ -75,7 +75,8 @@ with torch.no_grad():
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(nxt))
 torch.save(first_logits, os.path.join(offload, "..", f"logits-{lib}.pt"))
-print(json.dumps({"load_s": load_s, "token_s": sorted(times)[len(times) // 2], "peak_growth": peak() - before,
+resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+print(json.dumps({"resident": resident, "load_s": load_s, "token_s": sorted(times)[len(times) // 2], "peak_growth": peak() - before,
                   "tokens": tokens}))
 """
 
@@ -100,7 +101,10 @@ def device_map_times(rounds: int) -> dict[str, float]:
 
     with af.init_empty():
         model = nn.Sequential(
-            *[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2000)]
+            *[
+                nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64))
+                for _ in range(2000)
+            ]
         )
     n = sum(1 for _ in model.modules())
     out = {"modules": n}
@@ -138,7 +142,9 @@ def main() -> None:
         del model
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         shards = len(list(folder.glob("*.safetensors")))
-        print(f"model: Llama, {n_params / 1e6:.0f}M params, {size / 1e9:.2f} GB in {shards} shards; cap {args.cap}")
+        print(
+            f"model: Llama, {n_params / 1e6:.0f}M params, {size / 1e9:.2f} GB in {shards} shards; cap {args.cap}"
+        )
         results: dict[str, list[dict]] = {"accelfn": [], "accelerate": []}
         for _ in range(args.rounds):
             for lib in results:
@@ -148,13 +154,16 @@ def main() -> None:
             logits = torch.load(work / f"logits-{lib}.pt")
             rows.append(
                 (lib, min(r["load_s"] for r in rs), min(r["token_s"] for r in rs),
-                 max(r["peak_growth"] for r in rs) / 1e6, torch.equal(logits, reference), rs[0]["tokens"])
+                 max(r["peak_growth"] for r in rs) / 1e6, torch.equal(logits, reference), rs[0]["tokens"],
+                 rs[0]["resident"] / 1e6)
             )  # fmt: skip
         dm = device_map_times(args.rounds)
-    print("\n| library | load s | s / token | peak RSS growth MB | logits == full model |")
-    print("|---|---|---|---|---|")
-    for lib, load, tok, rss, eq, _ in rows:
-        print(f"| {lib} | {load:.2f} | {tok:.3f} | {rss:.0f} | {eq} |")
+    print(
+        "\n| library | weights in RAM MB | load s | s / token | peak RSS growth MB | logits == full model |"
+    )
+    print("|---|---|---|---|---|---|")
+    for lib, load, tok, rss, eq, _, resident in rows:
+        print(f"| {lib} | {resident:.0f} | {load:.2f} | {tok:.3f} | {rss:.0f} | {eq} |")
     print(f"\ngenerated tokens equal: {rows[0][5] == rows[1][5]}")
     print(f"\n| device map of {dm['modules']} modules | accelfn s | accelerate s |")
     print("|---|---|---|")

@@ -167,6 +167,29 @@ def test_device_map_places_at_least_as_much_as_accelerate(no_split):
     assert ours["embed"] == ours["head"]
 
 
+def test_device_map_of_a_gpt2_places_at_least_as_much_as_accelerate():
+    from accelerate import infer_auto_device_map
+
+    with af.init_empty():
+        model = tiny_gpt2(n_layer=6)
+    block = layout_of(model).size["transformer.h.0"]
+    limits = [3 * block, 2 * block, 2 * block]
+    ours = af.infer_device_map(model, max_memory=dict(zip(["cuda:0", "cuda:1", "cpu"], limits)))
+    theirs = infer_auto_device_map(
+        model, max_memory=dict(zip([0, 1, "cpu"], limits)), no_split_module_classes=["GPT2Block"]
+    )
+    theirs = {k: f"cuda:{v}" if isinstance(v, int) else v for k, v in theirs.items()}
+    layout = layout_of(model)
+    mine, acc = _bytes_per_tier(ours, layout), _bytes_per_tier(theirs, layout)
+    assert mine["accelerators"] >= acc["accelerators"] and mine["accelerators+cpu"] >= acc["accelerators+cpu"]
+    assert ours["lm_head"] == ours["transformer.wte"] and not any(k.count(".") > 2 for k in ours)
+
+
+def test_device_map_must_place_every_weight():
+    with pytest.raises(ValueError, match="'blocks.0.a.weight'"):
+        af.dispatch(Net(), {"embed": "cpu", "head": "cpu"})
+
+
 def test_device_map_of_10k_modules_takes_under_a_second():
     with af.init_empty():
         model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64))
@@ -249,6 +272,18 @@ def test_tied_weights_are_loaded_once_and_tied(tmp_path):
     model.save_pretrained(tmp_path)
     big = af.load_and_dispatch(_skeleton(model), tmp_path, {"": "cpu"})
     assert big.lm_head.weight is big.transformer.wte.weight and not big.lm_head.weight.is_meta
+
+
+def test_an_accelfn_training_checkpoint_loads_for_inference(tmp_path):
+    model = tiny_gpt2().eval()
+    state = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3)).init(model)
+    af.checkpoint.save(
+        tmp_path / "step-1", state, max_shard_size="20KB"
+    )  # params sharded beside optimizer files
+    big = af.load_and_dispatch(_skeleton(model), tmp_path / "step-1", {"": "disk"})
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(big(ids).logits, model(ids).logits)
 
 
 def test_disk_weights_in_another_dtype_go_to_the_offload_folder(tmp_path):
@@ -391,12 +426,14 @@ def test_distributed_inference_example_runs_on_two_processes():
 # ---- estimate-memory ----------------------------------------------------------------------------------------
 
 
-def test_estimate_memory_from_a_config_file(tmp_path, capsys):
+@pytest.mark.parametrize("as_folder", [False, True], ids=["file", "folder"])
+def test_estimate_memory_from_a_config(tmp_path, capsys, as_folder):
     from accelfn.cli.main import main
 
     model = tiny_gpt2()
     model.config.to_json_file(tmp_path / "config.json")
-    assert main(["estimate-memory", str(tmp_path / "config.json"), "--dtypes", "float32", "bfloat16"]) == 0
+    path = tmp_path if as_folder else tmp_path / "config.json"
+    assert main(["estimate-memory", str(path), "--dtypes", "float32", "bfloat16"]) == 0
     out = capsys.readouterr().out
     n = sum(p.numel() for p in model.parameters())
     expected = af.big.format_size(n * 4 + sum(b.numel() * b.element_size() for b in model.buffers()))

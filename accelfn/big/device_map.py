@@ -111,7 +111,9 @@ def resolve_device(device_map: Mapping[str, Any], name: str) -> Any:
         if probe in device_map:
             return device_map[probe]
         if not probe:
-            raise KeyError(f"the device map places no prefix of {name!r}; add an entry for it (or for '')")
+            raise ValueError(
+                f"the device map places neither {name!r} nor a module containing it; add an entry for it (or for '')"
+            )
         probe = probe.rpartition(".")[0]
 
 

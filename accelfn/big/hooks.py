@@ -49,7 +49,7 @@ def attach_offload(module: nn.Module, entries: list[Offloaded], device: torch.de
 
     def pre(mod: nn.Module, args: Any) -> None:
         for e in entries:
-            value = e.fetch().to(device=device, dtype=e.placeholder.dtype, non_blocking=True)
+            value = e.fetch().to(device=device, dtype=e.placeholder.dtype)
             _set(mod, e, value)
 
     def post(mod: nn.Module, args: Any, output: Any) -> None:

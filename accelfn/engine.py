@@ -49,6 +49,9 @@ class GradSync(Protocol):
         """Average metric scalars over the data-parallel ranks."""
         ...
 
+    # Optional: `any_rank(flag) -> flag`, the maximum of a 0-d flag over the ranks (sharded gradients);
+    # `microbatch(last) -> context manager`; `prepare(params)` before the backward passes.
+
 
 class Updater(Protocol):
     """Runs the optimizer update (set by `af.offload`; the default applies in place on the params)."""
@@ -196,7 +199,10 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
         if inv is not None:
             inv_scale = inv_scale * inv.to(inv_scale)
         found_inf = torch.zeros((), device=g_leaves[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(g_leaves, found_inf, inv_scale)
+        torch._amp_foreach_non_finite_check_and_unscale_([_local(g) for g in g_leaves], found_inf, inv_scale)
+        any_rank = getattr(plan.grad_sync, "any_rank", None)
+        if any_rank is not None:  # sharded gradients: a shard with inf on one rank skips the step everywhere
+            found_inf = any_rank(found_inf)
         skipped = bool(found_inf.item())
         metrics["skipped"] = found_inf
         metrics["loss_scale"] = scaler["scale"]
@@ -206,7 +212,7 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
 
     if plan.clip_grad_norm is not None and not skipped:
         norm = plan.grad_sync.norm(g_leaves) if plan.grad_sync is not None else global_norm(g_leaves)
-        clip_(g_leaves, norm, plan.clip_grad_norm)
+        clip_([_local(g) for g in g_leaves], norm, plan.clip_grad_norm)
         metrics["grad_norm"] = norm
 
     opt_state = state.opt_state

@@ -47,8 +47,8 @@ def af_loss(m, ids):
 def runners(model, mesh):
     out = {}
 
-    def af_runner(strategy):
-        step = af.shard(af.train_step(af_loss, af.optim.adamw(1e-3)), mesh, strategy=strategy)
+    def af_runner(strategy, **kw):
+        step = af.shard(af.train_step(af_loss, af.optim.adamw(1e-3)), mesh, strategy=strategy, **kw)
         box = {"s": step.init(copy.deepcopy(model))}
 
         def run(ids):
@@ -57,6 +57,7 @@ def runners(model, mesh):
         return run
 
     out["accelfn shard(ddp)"] = af_runner("ddp")
+    out["accelfn shard(ddp, overlap=True)"] = af_runner("ddp", overlap=True)
     out["accelfn shard(fsdp)"] = af_runner("fsdp")
 
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))

@@ -9,16 +9,19 @@ from tests._launch import output_of, run_workers
 @pytest.mark.slow
 def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
     configs = [
-        "ddp:mlp", "ddp:gpt2:sgd", "ddp:gpt2", "ddp:gpt2:accumulate",   # ddp asserts 1 all-reduce per call
+        "ddp:mlp", "ddp:gpt2:sgd", "ddp:gpt2", "ddp:gpt2:accumulate",   # ddp: buckets + 1 all-reduces per call
+        "ddp:mlp:overlap", "ddp:gpt2:accumulate:overlap",                # all-reduces started during backward
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
+        "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)
     assert proc.returncode == 0, out
     for c in configs:
         strategy, model, *extra = c.split(":")
+        expected = f"OK {strategy} fp16-skip" if model == "fp16skip" else f"OK {strategy} {model} {sorted(extra)}"
         for rank in (0, 1):
-            assert f"rank {rank}: OK {strategy} {model} {sorted(extra)}" in proc.stdout, out
+            assert f"rank {rank}: {expected}" in proc.stdout, out
 
 
 @pytest.mark.slow

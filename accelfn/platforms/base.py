@@ -90,6 +90,11 @@ class Platform:
         """Whether FP8 matmuls run natively (otherwise FP8 training works only emulated, for tests)."""
         return False
 
+    def overlaps_communication(self) -> bool:
+        """Whether starting gradient all-reduces during the backward pass pays off (it does when the
+        collectives run on their own engine, as NCCL's do; on CPUs compute and gloo share the cores)."""
+        return True
+
     def has_fused_optimizer(self) -> bool:
         """Whether torch's fused optimizer kernels (`torch._fused_adamw_`) run on this kind."""
         try:

@@ -50,6 +50,24 @@ def full(params):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in params.items()}
 
 
+def check_fp16_skip(strategy, mesh):
+    """An inf gradient on one rank only must make every rank skip the step (sharded grads differ by rank)."""
+
+    def loss_fn(model, b):
+        loss = model(b["x"]).float().pow(2).mean()
+        return loss * float("inf") if mesh.rank == 1 else loss
+
+    step = af.shard(af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), torch.float16), mesh, strategy=strategy)
+    torch.manual_seed(0)
+    state = step.init(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5)))
+    before = full(state.params)
+    state, m = step(state, {"x": torch.randn(4, 8)})
+    after = full(state.params)
+    assert m["skipped"].item() == 1, f"rank {mesh.rank} did not skip"
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    print(f"rank {mesh.rank}: OK {strategy} fp16-skip ['all ranks']")
+
+
 def check(strategy, extra, mesh):
     data = batches()
     opt = (
@@ -68,7 +86,7 @@ def check(strategy, extra, mesh):
     step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
     if "accumulate" in extra:
         step = af.accumulate(step, 2)
-    step = af.shard(step, mesh, strategy=strategy, inputs="global")
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", **({"overlap": True} if "overlap" in extra else {}))
 
     calls = {"all_reduce": 0}
     real_all_reduce = dist.all_reduce
@@ -97,7 +115,8 @@ def check(strategy, extra, mesh):
         # one all-reduce per gradient bucket and one for (loss sum, count), per call — whatever accumulate does
         buckets = len(step.plan.grad_sync.buckets)
         assert per_step_calls == [buckets + 1] * len(data), (per_step_calls, buckets)
-        assert step.plan.grad_sync.overlapped == buckets * len(data)  # every bucket started during backward
+        expected = buckets * len(data) if "overlap" in extra else 0  # buckets started during the backward pass
+        assert step.plan.grad_sync.overlapped == expected, (step.plan.grad_sync.overlapped, expected)
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
         total = sum(v.numel() for v in params.values())
@@ -114,5 +133,8 @@ def check(strategy, extra, mesh):
 mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
 for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
+    if kind == "fp16skip":
+        check_fp16_skip(strategy, mesh)
+        continue
     check(strategy, set(rest), mesh)
 mesh.close()

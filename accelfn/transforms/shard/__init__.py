@@ -1,7 +1,8 @@
 """`af.shard`: data parallelism over the mesh — DDP, FSDP (ZeRO-3-like) and HSDP.
 
 - `"ddp"`: params replicated (broadcast from rank 0 at `init`); gradients are summed in ~`bucket_mb`
-  buckets whose all-reduces start during the backward pass (`overlap=True`), and the loss sum and the
+  buckets whose all-reduces start during the backward pass (`overlap`, default: where the platform
+  gains from it — accelerators yes, CPUs no), and the loss sum and the
   count in one more tiny all-reduce, so the update divides by the *global* count: N ranks give the update
   of one process on the global batch. One sync per call, also under `af.accumulate`.
 - `"fsdp"`: torch's FSDP2 (`fully_shard`) on every block and on the root; the state's params and
@@ -24,7 +25,7 @@ Example:
     >>> state = step.init(torch.nn.Linear(4, 4))
     >>> state, metrics = step(state, torch.randn(8, 4))
     >>> step
-    Step(train_step(<lambda>) -> shard(ddp, dp=1)  [ddp over 1 ranks, 1 bucket(s), overlapped with backward])
+    Step(train_step(<lambda>) -> shard(ddp, dp=1)  [ddp over 1 ranks, 1 bucket(s)])
     >>> mesh.close()
 """
 
@@ -62,7 +63,7 @@ class Shard(TransformBase):
     ds_config: Mapping[str, Any] | str | Path | None = None
     zero_stage: int | None = None
     offload_optimizer: bool | None = None
-    overlap: bool = True
+    overlap: bool | None = None
     kind: str = "shard"
 
     def describe(self) -> str:
@@ -107,7 +108,7 @@ def shard(
     ds_config: dict[str, Any] | str | Path | None = None,
     zero_stage: int | None = None,
     offload_optimizer: bool | None = None,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs.
 

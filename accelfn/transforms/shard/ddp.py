@@ -161,10 +161,11 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
     plan.module.to(mesh.device)
     group = _data_group(shard)
     broadcast_from_first(plan.module, group)
-    sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=shard.overlap)
+    overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
+    sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)
     sync.build(plan.module, slots_of(plan.module).trainable)
     plan.batch_transform = batch_transform(mesh, shard.inputs)
     plan.rank_key = mesh.data_rank
     plan.grad_sync = sync
     plan.notes.append(f"ddp over {mesh.data_size} ranks, {len(sync.buckets)} bucket(s)"
-                      + (", overlapped with backward" if shard.overlap else ""))
+                      + (", overlapped with backward" if overlap else ""))

@@ -59,6 +59,11 @@ class FSDPSync:
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.data_group)
 
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        flag = flag.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.data_group)
+        return flag
+
 
 def lower_fsdp(shard: Shard, plan: Plan) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

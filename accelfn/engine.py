@@ -138,6 +138,8 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
     keys = _random.split(state.rng, 2)
     step_key = keys[1] if plan.rank_key is None else _random.fold_in(keys[1], plan.rank_key)
     micro = [batch] if plan.microbatches == 1 else split_batch(batch, plan.microbatches, plan.uneven)
+    for n in slots.trainable:  # drop gradients another step's backward may have left (e.g. a GAN's other half)
+        params[n].grad = None
     scaler = state.extra.get("loss_scale") if plan.loss_scale is not None else None
     exact = len(micro) == 1 and plan.grad_sync is None  # count known locally: divide before backward
 

@@ -79,3 +79,12 @@ def test_shard_in_a_single_process_is_the_plain_step():
         assert all(torch.allclose(s1.params[k], s2.params[k], atol=1e-7) for k in s1.params)
     finally:
         mesh.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_models_in_alternation_gan_equal_one_process(strategy):
+    proc = run_workers("gan_worker.py", 2, strategy, timeout=300)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert proc.stdout.count(f"OK gan {strategy}") == 2, out

@@ -312,3 +312,17 @@ def test_loss_that_ignores_the_model_is_a_clear_error():
     state = step.init(MLP())
     with pytest.raises(ValueError, match="does not depend on any trainable parameter"):
         step(state, torch.randn(2, 8))
+
+
+def test_stale_gradients_left_by_another_backward_do_not_leak_into_the_update():
+    """E.g. a GAN: the generator's backward writes .grad into the discriminator's params."""
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    state = step.init(model)
+    model(x).sum().backward()  # someone else's backward leaves gradients behind
+    state, _ = step(state, x)
+    ref(x).pow(2).mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert max_param_diff(state.params, ref) <= 1e-7

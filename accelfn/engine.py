@@ -11,6 +11,7 @@ Combinators never run code of their own inside a step; they set fields of the `P
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -71,7 +72,7 @@ class LossScaleConfig:
     growth_interval: int = 2000
 
 
-@attrs.define
+@attrs.define(eq=False)  # identity semantics: plans are tracked in a WeakSet
 class Plan:
     """Everything a lowered step needs at run time. Built by `Step.init`, filled in by the combinators."""
 
@@ -108,6 +109,8 @@ class Plan:
         self.devices = sorted({t.device for t in tensors}, key=str)
         if self.loss_call is None:
             self.loss_call = self.fn
+        if self.kind == "train":
+            _TRAINING.add(self)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -119,10 +122,44 @@ class Plan:
             yield
 
 
+# ---- several models ---------------------------------------------------------------------------------------
+_TRAINING: weakref.WeakSet[Plan] = weakref.WeakSet()  # the lowered training steps of this process
+
+
+@contextlib.contextmanager
+def exclusive(plan: Plan) -> Iterator[None]:
+    """While `plan` runs, the trainable params of the process's *other* training steps stop requiring grad.
+
+    A loss may use another step's model (a GAN's discriminator, a teacher): its parameters then get no
+    gradient and fire none of their hooks (DDP buckets, DeepSpeed ZeRO reductions), while gradients still
+    flow through it to this step's params. Free when there is only one training step.
+    """
+    if len(_TRAINING) < 2:
+        yield
+        return
+    own = {id(p) for p in plan.module.parameters()}
+    frozen = [
+        p for other in list(_TRAINING) if other is not plan
+        for p in other.module.parameters() if p.requires_grad and id(p) not in own
+    ]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 # ---- the training step --------------------------------------------------------------------------------------
 def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    if plan.train_override is not None:  # a backend that owns the whole step (DeepSpeed)
-        return plan.train_override(plan, state, batch)
+    with exclusive(plan):
+        if plan.train_override is not None:  # a backend that owns the whole step (DeepSpeed)
+            return plan.train_override(plan, state, batch)
+        return _train(plan, state, batch)
+
+
+def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
     assert plan.optimizer is not None and plan.slots is not None and plan.loss_call is not None
     module, slots = plan.module, plan.slots
     if not plan.donate:

@@ -82,8 +82,10 @@ def test_shard_in_a_single_process_is_the_plain_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
 def test_two_models_in_alternation_gan_equal_one_process(strategy):
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
     proc = run_workers("gan_worker.py", 2, strategy, timeout=300)
     out = output_of(proc)
     assert proc.returncode == 0, out

@@ -33,8 +33,9 @@ def steps(shard):
     g_step = af.train_step(g_loss, af.optim.adam(1e-2))
     d_step = af.train_step(d_loss, af.optim.adam(1e-2))
     if shard:
-        g_step = af.shard(g_step, mesh, strategy=strategy, inputs="global")
-        d_step = af.shard(d_step, mesh, strategy=strategy, inputs="global")
+        kw = {"backend": "deepspeed", "zero_stage": 2} if strategy == "deepspeed" else {"strategy": strategy}
+        g_step = af.shard(g_step, mesh, inputs="global", **kw)
+        d_step = af.shard(d_step, mesh, inputs="global", **kw)
     return g_step, g_step.init(gen), d_step, d_step.init(disc)
 
 

@@ -13,13 +13,16 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:mlp:overlap", "ddp:gpt2:accumulate:overlap",                # all-reduces started during backward
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
+        "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)
     assert proc.returncode == 0, out
     for c in configs:
         strategy, model, *extra = c.split(":")
-        expected = f"OK {strategy} fp16-skip" if model == "fp16skip" else f"OK {strategy} {model} {sorted(extra)}"
+        expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy"}.get(
+            model, f"OK {strategy} {model} {sorted(extra)}"
+        )
         for rank in (0, 1):
             assert f"rank {rank}: {expected}" in proc.stdout, out
 

@@ -514,3 +514,21 @@ def test_pairs_and_triples_with_shard_give_the_same_result_in_both_orders_on_two
     out = output_of(proc)
     assert proc.returncode == 0, out
     assert proc.stdout.count("OK shard") == 2 * 10, out
+
+
+def test_fp16_loss_scale_is_checkpointed_with_the_state(tmp_path):
+    cfg = af.LossScaleConfig(init_scale=8.0, growth_interval=2)
+    make = lambda: af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)),  # noqa: E731
+                               torch.float16, loss_scale=cfg)
+    step = make()
+    state = step.init(_seeded_mlp())
+    for _ in range(3):
+        state, _ = step(state, torch.randn(4, 8))
+    assert state.extra["loss_scale"]["scale"].item() == 16.0 and state.extra["loss_scale"]["good_steps"].item() == 1
+    af.checkpoint.save(tmp_path / "ckpt", state)
+    other = make()
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=other.init(_seeded_mlp()))
+    assert loaded.extra["loss_scale"]["scale"].item() == 16.0
+    assert loaded.extra["loss_scale"]["good_steps"].item() == 1
+    loaded, _ = other(loaded, torch.randn(4, 8))
+    assert loaded.extra["loss_scale"]["scale"].item() == 32.0  # the growth interval continues across the save

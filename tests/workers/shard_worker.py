@@ -68,6 +68,42 @@ def check_fp16_skip(strategy, mesh):
     print(f"rank {mesh.rank}: OK {strategy} fp16-skip ['all ranks']")
 
 
+def check_fsdp_bf16_policy(mesh):
+    """Under fsdp, af.autocast(bf16) becomes FSDP2's MixedPrecisionPolicy: bf16 params in the forward,
+    fp32 sharded master params and optimizer state, and a result close to the single-process bf16 run."""
+    seen = {}
+
+    def loss_fn(model, b):
+        return af.losses.cross_entropy(model(b["x"]).float(), b["y"])
+
+    def record(module, inputs, output):  # inside the forward, FSDP2 has swapped in the unsharded params
+        seen["param_dtype"] = module.weight.dtype
+
+    def run(shard):
+        step = af.autocast(af.train_step(loss_fn, af.optim.adamw(1e-2)), torch.bfloat16)
+        if shard:
+            step = af.shard(step, mesh, strategy="fsdp", inputs="global")
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5))
+        net[2].register_forward_hook(record)
+        state = step.init(net)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            b = {"x": torch.randn(8, 8, generator=g), "y": torch.randint(0, 5, (8,), generator=g)}
+            state, m = step(state, b)
+            losses.append(m["loss"].item())
+        return state, losses
+
+    _, ref = run(False)
+    state, losses = run(True)
+    assert seen["param_dtype"] == torch.bfloat16, seen
+    assert all(v.to_local().dtype == torch.float32 for v in state.params.values())
+    assert all(t.dtype == torch.float32 for t in af.tree.leaves(state.opt_state.mu))
+    assert max(abs(a - b) for a, b in zip(losses, ref)) < 3e-2, (losses, ref)
+    print(f"rank {mesh.rank}: OK fsdp bf16-policy ['mixed precision']")
+
+
 def check(strategy, extra, mesh):
     data = batches()
     opt = (
@@ -135,6 +171,9 @@ for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
     if kind == "fp16skip":
         check_fp16_skip(strategy, mesh)
+        continue
+    if kind == "bf16policy":
+        check_fsdp_bf16_policy(mesh)
         continue
     check(strategy, set(rest), mesh)
 mesh.close()

@@ -77,19 +77,28 @@ def generator(k: torch.Tensor, device: str | torch.device = "cpu") -> torch.Gene
 
 @contextlib.contextmanager
 def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterator[None]:
-    """Seed torch's global generators from `k` inside the block, restoring them afterwards.
+    """Seed torch's global generators (CPU, and the accelerators among `devices`) from `k` inside the
+    block, restoring their states afterwards.
 
     This is how dropout inside a step draws from the state's key without disturbing the caller's RNG.
+    The accelerator's generators are reached through its platform adapter (`af.platforms`).
     """
-    kinds = {d.type for d in devices or []} - {"cpu", "meta"}
-    device_type = kinds.pop() if len(kinds) == 1 else "cuda"
-    dev_idx = [d.index or 0 for d in devices or [] if d.type == device_type]
-    with torch.random.fork_rng(devices=dev_idx, device_type=device_type):
-        seed = seed_of(k)
-        torch.random.default_generator.manual_seed(seed)
-        if dev_idx:
-            mod = getattr(torch, device_type)
-            for i in dev_idx:
-                with mod.device(i):
-                    mod.manual_seed(seed)
+    accel = sorted({d for d in devices or [] if d.type not in ("cpu", "meta")}, key=str)
+    platform = None
+    if accel:
+        from . import platforms  # the only place that knows device kinds
+
+        platform = platforms.get(accel[0].type)
+    seed = seed_of(k)
+    cpu_state = torch.random.default_generator.get_state()
+    saved = [(d, platform.get_rng_state(d)) for d in accel] if platform is not None else []
+    torch.random.default_generator.manual_seed(seed)
+    if platform is not None:
+        platform.manual_seed(seed)
+    try:
         yield
+    finally:
+        torch.random.default_generator.set_state(cpu_state)
+        for d, state in saved:
+            assert platform is not None
+            platform.set_rng_state(state, d)

@@ -17,6 +17,7 @@ from accelfn.launch.config import Config, ConfigError, save
 from accelfn.launch.launcher import LaunchOptions, resolve
 
 WORKERS = Path(__file__).parent / "workers"
+ROOT = Path(__file__).parent.parent
 CLI = [sys.executable, "-m", "accelfn.cli.main"]
 
 
@@ -203,3 +204,16 @@ def test_selftest_passes_on_two_cpu_processes():
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "3 DDP steps == 1 process on the global batch" in r.stdout
     assert "accelfn test: PASS" in r.stdout
+
+
+@pytest.mark.slow
+def test_an_accelfn_script_runs_unchanged_under_the_deepspeed_launcher():
+    """DeepSpeed's own launcher (multi-node: `deepspeed --hostfile`, over ssh) sets torch's variables."""
+    pytest.importorskip("deepspeed")
+    script = str(WORKERS / "under_deepspeed_launcher.py")
+    args = ["--num_gpus", "2", "--master_port", str(free_port()), script]
+    env = {**os.environ, "ACCELFN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", *args], capture_output=True,
+                       text=True, timeout=180, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "OK under the deepspeed launcher: world 2" in r.stdout, r.stdout[-2000:]

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,7 +28,6 @@ from ._base import TransformBase
 
 if TYPE_CHECKING:
     from ..engine import Plan
-    from ..lowering import Transform
 
 __all__ = ["compile", "find_blocks"]
 
@@ -66,9 +64,6 @@ class Compile(TransformBase):
         if self.regions:
             args.append(f"regions={self.regions!r}")
         return f"compile({', '.join(args)})"
-
-    def check(self, others: Sequence[Transform]) -> None:
-        return None
 
     def lower(self, plan: Plan) -> None:
         kwargs = dict(self.options)

@@ -31,7 +31,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +44,6 @@ from .._base import TransformBase
 
 if TYPE_CHECKING:
     from ...engine import Plan
-    from ...lowering import Transform
-    from ...state import TrainState
 
 __all__ = ["shard", "STRATEGIES"]
 
@@ -75,9 +73,6 @@ class Shard(TransformBase):
             extra += ", offload_optimizer=True"
         return f"shard({self.strategy}, {axes}{extra})"
 
-    def check(self, others: Sequence[Transform]) -> None:
-        return None
-
     def lower(self, plan: Plan) -> None:
         if self.backend == "deepspeed":
             from .deepspeed import lower_deepspeed
@@ -91,9 +86,6 @@ class Shard(TransformBase):
             from .fsdp import lower_fsdp
 
             lower_fsdp(self, plan)
-
-    def init_state(self, plan: Plan, state: TrainState) -> TrainState:
-        return state
 
 
 @checked

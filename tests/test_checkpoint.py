@@ -226,6 +226,37 @@ def test_a_flipped_byte_is_detected_and_the_file_named(saved):
         af.checkpoint.load(path, like=state)
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last", "skipped"])
+def test_large_files_are_checked_while_reading_on_a_second_thread(tmp_path, where):
+    # Files >= 32 MiB are checksummed on a helper thread, overlapped with reading: check it agrees with
+    # zlib on a whole file, finds a flipped byte anywhere (also in a tensor that `names` skips), and reads
+    # straight into `into` tensors.
+    import zlib
+
+    from accelfn.checkpoint import io
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(6 << 20, generator=g), "b": torch.randn(3 << 20, generator=g),
+               "c": torch.arange(5, dtype=torch.int64)}  # fmt: skip
+    path = tmp_path / "big.safetensors"
+    record = io.write_file(path, tensors)
+    data = bytearray(path.read_bytes())
+    assert record.size == len(data) >= io._OVERLAP_MIN and record.crc32 == zlib.crc32(data)
+    into = {"a": torch.empty(6 << 20)}
+    out = io.read_file(path, record, into=into)
+    assert out["a"] is into["a"] and all(torch.equal(out[k], tensors[k]) for k in tensors)
+    assert set(io.read_file(path, record, names={"c"})) == {"c"}
+
+    _, start = io.read_header(path)
+    header = json.loads(bytes(data[8:start]))
+    offset = {"first": 0, "middle": header["a"]["data_offsets"][1] + 12345,
+              "last": len(data) - start - 1, "skipped": header["a"]["data_offsets"][0] + (5 << 20)}[where]  # fmt: skip
+    data[start + offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="big.safetensors.*CRC-32"):
+        io.read_file(path, record, names={"c"} if where == "skipped" else None)
+
+
 def test_a_truncated_file_is_detected_and_named(saved):
     path, state = saved
     victim = path / "optimizer-00003-of-00014.safetensors"

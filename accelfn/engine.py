@@ -55,11 +55,20 @@ class GradSync(Protocol):
 
 
 class Updater(Protocol):
-    """Runs the optimizer update (set by `af.offload`; the default applies in place on the params)."""
+    """Runs the optimizer update (set by `af.offload`; the default applies in place on the params).
+
+    Returns the new optimizer state and the new `state.extra` (where an updater keeps its own state, e.g.
+    host master params, so that it is checkpointed and never outlives the state it belongs to).
+    """
 
     def __call__(
-        self, tx: GradientTransformation, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor]
-    ) -> Any: ...
+        self,
+        tx: GradientTransformation,
+        grads: dict[str, torch.Tensor],
+        opt_state: Any,
+        params: dict[str, torch.Tensor],
+        extra: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any]]: ...
 
 
 @attrs.frozen
@@ -254,11 +263,13 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
         clip_([_local(g) for g in g_leaves], norm, plan.clip_grad_norm)
         metrics["grad_norm"] = norm
 
-    opt_state = state.opt_state
+    opt_state, extra = state.opt_state, state.extra
     trainable = params if len(names) == len(params) else {n: params[n] for n in names}
     if not skipped:
-        update = plan.updater or apply_gradients
-        opt_state = update(plan.optimizer, grads, opt_state, trainable)
+        if plan.updater is None:
+            opt_state = apply_gradients(plan.optimizer, grads, opt_state, trainable)
+        else:
+            opt_state, extra = plan.updater(plan.optimizer, grads, opt_state, trainable, extra)
         for hook in plan.after_update:
             hook(module)
     lr = learning_rate(opt_state)
@@ -270,7 +281,6 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
         aux_mean = plan.grad_sync.reduce_metrics(aux_mean)
     metrics.update(aux_mean)
 
-    extra = state.extra
     if scaler is not None:
         assert plan.loss_scale is not None
         extra = {**extra, "loss_scale": _next_scale(scaler, bool(skipped), plan.loss_scale)}

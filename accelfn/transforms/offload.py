@@ -37,9 +37,9 @@ __all__ = ["offload", "to_host"]
 _PIN_OK: list[bool] = []
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`, in pinned memory where the platform supports pinning."""
-    host = t.detach().to("cpu", copy=t.device.type != "cpu")
+def to_host(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """A host copy of `t`, in pinned memory where the platform supports pinning (`copy`: even on the host)."""
+    host = t.detach().to("cpu", copy=copy or t.device.type != "cpu")
     if _PIN_OK == [False]:
         return host
     try:
@@ -52,30 +52,44 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         return host
 
 
+MASTER_KEY = "offload_master"
+
+
 @attrs.define
 class HostUpdater:
-    """Runs the optimizer update in host memory and writes the result back into the device params."""
+    """Runs the optimizer update in host memory and writes the result back into the device params.
+
+    With `keep_master`, fp32 master params live on the host in `state.extra["offload_master"]` (so they are
+    checkpointed, and a loaded or replaced state brings its own): the update runs on them and only the new
+    params travel to the device. Without it, the params are copied to the host for each update. On a host
+    whose params are already in host memory and without master params, the update runs in place as usual;
+    `always_stream` forces the copying path there too (tests).
+    """
 
     keep_master: bool
-    master: dict[str, torch.Tensor] | None = None
+    always_stream: bool = False
 
     def __call__(
-        self, tx: GradientTransformation, grads: dict[str, torch.Tensor], opt_state: Any, params: dict[str, torch.Tensor]
-    ) -> Any:
+        self,
+        tx: GradientTransformation,
+        grads: dict[str, torch.Tensor],
+        opt_state: Any,
+        params: dict[str, torch.Tensor],
+        extra: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any]]:
         first = next(iter(params.values()))
-        if first.device.type == "cpu":
-            return apply_gradients(tx, grads, opt_state, params)
-        host_grads = {k: to_host(g) for k, g in grads.items()}
-        if self.keep_master and self.master is not None:
-            host_params = self.master
+        on_host = first.device.type == "cpu" and not self.always_stream
+        if on_host and not self.keep_master:
+            return apply_gradients(tx, grads, opt_state, params), extra
+        host_grads = {k: to_host(g, copy=self.always_stream).float() for k, g in grads.items()}
+        if self.keep_master:
+            host_params = extra[MASTER_KEY]
         else:
-            host_params = {k: to_host(p).float() for k, p in params.items()}
-            if self.keep_master:
-                self.master = host_params
+            host_params = {k: to_host(p, copy=True).float() for k, p in params.items()}
         new_state = apply_gradients(tx, host_grads, opt_state, host_params)
         with torch.no_grad():
             torch._foreach_copy_(list(params.values()), list(host_params.values()), non_blocking=True)
-        return new_state
+        return new_state, extra
 
 
 @attrs.frozen
@@ -98,7 +112,17 @@ class Offload(TransformBase):
         plan.updater = HostUpdater(keep_master=self.params)
 
     def init_state(self, plan: Plan, state: TrainState) -> TrainState:
-        return state.replace(opt_state=_tree.map(to_host, state.opt_state))
+        # the host update runs in fp32 (like ZeRO-Offload), so the host state is fp32 whatever the params are
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = to_host(t)
+            return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+
+        state = state.replace(opt_state=_tree.map(host, state.opt_state))
+        if self.params:
+            assert plan.slots is not None
+            master = {n: to_host(state.params[n], copy=True).float() for n in plan.slots.trainable}
+            state = state.replace(extra={**state.extra, MASTER_KEY: master})
+        return state
 
 
 @checked

@@ -36,7 +36,7 @@ def model():
 
 def result(names):
     torch._dynamo.reset()
-    step = af.train_step(loss_fn, af.optim.adamw(1e-2))
+    step = af.train_step(loss_fn, af.optim.sgd(0.5, momentum=0.9))
     for n in names:
         step = ALL[n](step)
     state = step.init(model())
@@ -47,13 +47,21 @@ def result(names):
     return repr(step), state.params, losses
 
 
-plain_state = af.train_step(loss_fn, af.optim.adamw(1e-2)).init(model())
-plain_step = af.train_step(loss_fn, af.optim.adamw(1e-2))
-plain_state = plain_step.init(model())
+# the independent reference: a plain loop with torch.optim.SGD on the global batch, in one process
+ref = model()
+init = {k: p.detach().clone() for k, p in ref.named_parameters()}
+opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
 plain_losses = []
 for s in range(3):
-    plain_state, m = plain_step(plain_state, batch(s))
-    plain_losses.append(m["loss"].item())
+    b = batch(s)
+    loss = nn.functional.cross_entropy(ref(b["x"]).reshape(-1, 5), b["y"].reshape(-1), ignore_index=-100)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    plain_losses.append(loss.item())
+plain = {k: p.detach() for k, p in ref.named_parameters()}
+moved = max((plain[k] - init[k]).abs().max().item() for k in plain)
+assert moved > 0.05, moved
 
 combos = [("shard", *c) for k in (1, 2) for c in itertools.combinations(OTHERS, k)]
 for combo in combos:
@@ -62,8 +70,11 @@ for combo in combos:
     assert r1 == r2, (r1, r2)
     diff = max((p1[k] - p2[k]).abs().max().item() for k in p1)
     assert diff <= 1e-6 and max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-6, (combo, diff, l1, l2)
-    tol = 3e-2 if "autocast" in combo else 1e-5
-    ref = max(abs(a - b) for a, b in zip(l1, plain_losses))
-    assert ref <= tol, (combo, l1, plain_losses)
-    print(f"rank {mesh.rank}: OK {'+'.join(combo)} (both orders equal; vs 1-process plain {ref:.1e})")
+    # not a no-op: the updates match the 1-process plain loop (to bf16 precision where bf16 is on)
+    bf16 = "autocast" in combo
+    err = max((p1[k] - plain[k]).abs().max().item() for k in plain) / moved
+    assert err <= (0.015 if bf16 else 1e-5), (combo, err)
+    loss_err = max(abs(a - b) for a, b in zip(l1, plain_losses))
+    assert loss_err <= (2e-2 if bf16 else 1e-5), (combo, l1, plain_losses)
+    print(f"rank {mesh.rank}: OK {'+'.join(combo)} (both orders equal; update vs 1-process plain {err:.1e})")
 mesh.close()

@@ -121,6 +121,30 @@ def test_offload_combinator_and_unsupported_optimizers_are_composition_errors(me
         af.shard(af.train_step(_loss, af.optim.adamw(1e-3)), mesh, zero_stage=2)
 
 
+def test_config_errors_name_the_conflict(mesh):
+    step = af.train_step(_loss, af.optim.adamw(af.optim.warmup_cosine(1e-3, warmup=2, total=10)))
+    with pytest.raises(CompositionError, match=r"ds_config\['scheduler'\] conflicts with the optimizer's learning-rate"):
+        config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"scheduler": {"type": "WarmupLR"}}))
+    chained = af.optim.chain(af.optim.clip_by_global_norm(0.5), af.optim.adamw(1e-3))
+    with pytest.raises(CompositionError, match=r"clip_grad_norm=1.0\) and the optimizer's clip_by_global_norm\(0.5\)"):
+        config_for(af.shard(af.train_step(_loss, chained, clip_grad_norm=1.0), mesh, backend="deepspeed"))
+    odd_scale = af.autocast(af.train_step(_loss, af.optim.adamw(1e-3)), torch.float16,
+                            loss_scale=af.LossScaleConfig(growth_factor=4.0))  # fmt: skip
+    with pytest.raises(CompositionError, match="cannot be expressed in DeepSpeed"):
+        config_for(af.shard(odd_scale, mesh, backend="deepspeed"))
+    with pytest.raises(CompositionError, match="optimizer offload needs adam or adamw"):
+        make_optimizer(af.optim.sgd(0.1), dict(torch.nn.Linear(2, 2).named_parameters()), offload=True)
+
+
+@needs_deepspeed
+def test_lowering_refuses_donate_false_and_eval_steps(mesh):
+    kept = af.shard(af.train_step(_loss, af.optim.adamw(1e-3), donate=False), mesh, backend="deepspeed")
+    with pytest.raises(ValueError, match="updates the engine's parameters in place: use donate=True"):
+        kept.init(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="applies to training steps"):
+        af.shard(af.eval_step(lambda m, b: m(b)), mesh, backend="deepspeed").init(torch.nn.Linear(2, 2))
+
+
 def test_make_optimizer_matches_the_accelfn_hyperparameters():
     net = torch.nn.Linear(3, 2)
     named = dict(net.named_parameters())

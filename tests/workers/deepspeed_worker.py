@@ -70,6 +70,8 @@ def make_loss(kind, teacher):
 
 def optimizer(extra):
     lr = af.optim.warmup_cosine(3e-3, warmup=2, total=STEPS) if "schedule" in extra else 1e-3
+    if "bf16" in extra:  # updates large enough to tell training from bf16 rounding of the weights
+        lr = 2e-2
     return af.optim.adamw(lr, weight_decay=0.01)
 
 
@@ -113,14 +115,24 @@ def check(mesh, stage, kind, extra):
 
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     # bf16: DeepSpeed computes with bf16 weights (fp32 master copy), accelfn with fp32 weights under autocast
-    tol = 3e-2 if "bf16" in extra else 1e-4
+    tol = 1e-2 if "bf16" in extra else 1e-4  # bf16: measured 2.4e-3
     if "bf16" in extra:
         assert all(p.dtype == torch.bfloat16 for p in state.params.values())
         assert all(torch.isfinite(torch.tensor(losses))), losses
     assert loss_diff <= tol, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
     params = full_params(ds_step, state)
     diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
-    assert diff <= (3e-2 if "bf16" in extra else 1e-4), f"rank {mesh.rank}: params differ from the ddp run by {diff}"
+    if "bf16" in extra:
+        # DeepSpeed trains bf16 weights (fp32 master) where the reference computes in bf16 on fp32 weights;
+        # Adam's normalised updates make single elements differ by up to 2 lr, so compare the whole update:
+        # |update - reference update| / |reference update| (an update that never happened gives 1.0)
+        init = dict(make_model(model_kind).named_parameters())
+        ref_update = torch.cat([(ref_state.params[k] - init[k]).flatten() for k in params])
+        update = torch.cat([(params[k] - init[k]).flatten() for k in params])
+        diff = ((update - ref_update).norm() / ref_update.norm()).item()
+        print(f"rank {mesh.rank}: bf16 update error {diff:.3f} (|ref update| {ref_update.norm():.3f})", flush=True)
+    # bf16: measured 0.033; a run that skipped one of the 5 updates would be ~0.2, no training 1.0
+    assert diff <= (0.1 if "bf16" in extra else 1e-4), f"rank {mesh.rank}: params differ from the ddp run by {diff}"
     assert int(state.step) == STEPS and int(state.opt_state.count) == STEPS, (state.step, state.opt_state)
     assert "grad_norm" in metrics and "lr" in metrics, sorted(metrics)
     if stage == 3:  # the state's params are the engine's own partitioned parameters
@@ -139,6 +151,17 @@ def check(mesh, stage, kind, extra):
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 mesh = af.Mesh({"dp": -1}, device="cpu")
+# a mesh whose data axis does not span every process is refused, naming what to use instead
+tp_mesh = af.Mesh({"dp": 1, "tp": -1}, device="cpu")
+try:
+    af.shard(af.train_step(make_loss("mlp", None), af.optim.adamw(1e-3)), tp_mesh, backend="deepspeed").init(
+        make_model("mlp")
+    )
+except ValueError as e:
+    assert f"data-parallel over all {mesh.world_size} processes" in str(e) and "af.Mesh({'dp': -1})" in str(e), e
+else:
+    raise AssertionError("a tp-only mesh was accepted by shard(backend='deepspeed')")
+del tp_mesh
 for name, kind, *rest in CONFIGS:
     check(mesh, int(name.removeprefix("zero")), kind, set(rest))
 mesh.close()

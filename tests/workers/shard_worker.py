@@ -122,7 +122,10 @@ def check(strategy, extra, mesh):
     step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
     if "accumulate" in extra:
         step = af.accumulate(step, 2)
-    step = af.shard(step, mesh, strategy=strategy, inputs="global", **({"overlap": True} if "overlap" in extra else {}))
+    kw = {"overlap": True} if "overlap" in extra else {}
+    if "smallbuckets" in extra:  # ~2 KB buckets: many buckets, several in flight at once with overlap
+        kw["bucket_mb"] = 0.002
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", **kw)
 
     calls = {"all_reduce": 0}
     real_all_reduce = dist.all_reduce
@@ -150,6 +153,7 @@ def check(strategy, extra, mesh):
     if strategy == "ddp":
         # one all-reduce per gradient bucket and one for (loss sum, count), per call — whatever accumulate does
         buckets = len(step.plan.grad_sync.buckets)
+        assert buckets > 5 if "smallbuckets" in extra else buckets == 1, buckets
         assert per_step_calls == [buckets + 1] * len(data), (per_step_calls, buckets)
         expected = buckets * len(data) if "overlap" in extra else 0  # buckets started during the backward pass
         assert step.plan.grad_sync.overlapped == expected, (step.plan.grad_sync.overlapped, expected)

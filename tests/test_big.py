@@ -151,6 +151,36 @@ def _bytes_per_tier(device_map, layout):
     return tiers
 
 
+def _check_placement(model, device_map, max_memory):
+    """Independently of `layout_of`: every weight is covered by exactly one entry of `device_map` (so every
+    module is placed once, whole or through its parts), tied weights share a device, and each device's bytes
+    (each tensor counted once, from the module's own parameters and buffers) stay within its `max_memory`."""
+    keys = list(device_map)
+    modules = dict(model.named_modules())
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    tensor_names = {n for n, _ in tensors}
+    for k in keys:
+        assert k in modules or k in tensor_names, f"{k!r} is no module or tensor of the model"
+        assert not any(o != k and (o == "" or k.startswith(o + ".")) for o in keys), f"{k!r} is placed twice"
+
+    def covering(name):
+        return [k for k in keys if k == "" or name == k or name.startswith(k + ".")]
+
+    device_of: dict[int, str] = {}
+    for name, t in tensors:
+        cover = covering(name)
+        assert len(cover) == 1, f"{name!r} is placed by {cover}"
+        device = device_map[cover[0]]
+        assert device_of.setdefault(id(t), device) == device, f"tied {name!r} is split over two devices"
+    used = dict.fromkeys(["cuda:0", "cuda:1", "cpu", "disk"], 0)
+    for t in {id(t): t for _, t in tensors}.values():
+        used[device_of[id(t)]] += t.numel() * t.element_size()
+    for device, size in used.items():
+        if device != "disk":
+            assert size <= max_memory[device], (device, size, max_memory[device], device_map)
+    return used
+
+
 @pytest.mark.parametrize("no_split", [["Block"], []])
 def test_device_map_places_at_least_as_much_as_accelerate(no_split):
     from accelerate import infer_auto_device_map
@@ -165,6 +195,8 @@ def test_device_map_places_at_least_as_much_as_accelerate(no_split):
     assert mine["accelerators"] >= acc["accelerators"] and mine["accelerators+cpu"] >= acc["accelerators+cpu"], (
         ours, theirs)  # fmt: skip
     assert ours["embed"] == ours["head"]
+    used = _check_placement(Net(), ours, MAX_MEMORY)
+    assert used["cuda:0"] + used["cuda:1"] == mine["accelerators"]  # layout_of agrees with the count here
 
 
 def test_device_map_of_a_gpt2_places_at_least_as_much_as_accelerate():
@@ -183,6 +215,8 @@ def test_device_map_of_a_gpt2_places_at_least_as_much_as_accelerate():
     mine, acc = _bytes_per_tier(ours, layout), _bytes_per_tier(theirs, layout)
     assert mine["accelerators"] >= acc["accelerators"] and mine["accelerators+cpu"] >= acc["accelerators+cpu"]
     assert ours["lm_head"] == ours["transformer.wte"] and not any(k.count(".") > 2 for k in ours)
+    used = _check_placement(model, ours, dict(zip(["cuda:0", "cuda:1", "cpu"], limits)))
+    assert used["cuda:0"] + used["cuda:1"] == mine["accelerators"]
 
 
 def test_device_map_must_place_every_weight():
@@ -387,12 +421,67 @@ def test_dispatch_of_a_loaded_model_offloads_to_disk(tmp_path):
     assert model.blocks[3].b.weight.is_meta
 
 
-def test_cpu_offload_keeps_results():
+def _hook_counts(model):
+    return {n: (len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in model.named_modules()}
+
+
+def test_cpu_offload_brings_weights_in_only_while_a_layer_runs(monkeypatch):
+    # With no accelerator, `cpu_offload(model, "cpu")` rightly offloads nothing: the weights already are where
+    # the model runs. "cpu:0" stands in for an accelerator here: an execution device other than host memory,
+    # so the real offload path runs (host copy, meta placeholders, fetch/release hooks) on any machine.
+    monkeypatch.setattr(sys.modules["accelfn.big.dispatch"], "_device_name", lambda value, where: "cpu:0")
     torch.manual_seed(0)
     model = Net()
     ids = torch.randint(0, 10, (3, 5))
     expected = model(ids)
-    assert torch.equal(af.cpu_offload(model, "cpu")(ids), expected)
+    original = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    mine = model.blocks[0].a.register_forward_pre_hook(lambda m, args: None)  # a user's hook: must survive
+    before = _hook_counts(model)
+
+    assert af.cpu_offload(model, "cpu:0") is model
+    holders = {n for n, m in model.named_modules() if list(m.parameters(recurse=False))}
+    hooked = {n for n, counts in _hook_counts(model).items() if counts != before[n]}
+    assert hooked == holders == {"embed", "head"} | {f"blocks.{i}.{ab}" for i in range(4) for ab in "ab"}
+    assert all(p.is_meta for p in model.parameters())  # between calls: placeholders, the data is on the host
+
+    seen = {}  # what each layer holds while it runs (these hooks run after cpu_offload's)
+
+    def record(prefix):
+        def hook(module, args):
+            for local, p in module.named_parameters(recurse=False):
+                seen[f"{prefix}.{local}"] = p.detach().clone()
+
+        return hook
+
+    for name in holders:
+        model.get_submodule(name).register_forward_pre_hook(record(name))
+    for _ in range(2):
+        seen.clear()
+        assert torch.equal(model(ids), expected)
+        assert seen.keys() == original.keys()
+        for n, p in seen.items():
+            assert p.device.type == "cpu" and torch.equal(p, original[n]), n  # on the execution device
+        assert all(p.is_meta for p in model.parameters())  # dropped again after each layer ran
+
+    af.big.remove_hooks(model)  # cpu_offload's hooks go; the user's (`mine`, `record`) stay
+    assert _hook_counts(model) == {n: (pre + (n in holders), post) for n, (pre, post) in before.items()}
+    assert mine.id in model.blocks[0].a._forward_pre_hooks
+    assert not any("_accelfn_big_hooks" in m.__dict__ for m in model.modules())
+    # Without the hooks nothing brings the weights in any more; offloaded weights stay on meta (remove_hooks'
+    # documented behaviour): the forward runs on placeholders and gives a meta result.
+    seen.clear()
+    assert model(ids).is_meta and all(p.is_meta for p in seen.values()) and seen.keys() == original.keys()
+
+
+def test_cpu_offload_onto_the_host_keeps_the_weights_where_they_run():
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 10, (3, 5))
+    expected = model(ids)
+    model = af.cpu_offload(model, "cpu")
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(counts == (0, 0) for counts in _hook_counts(model).values())
+    assert torch.equal(model(ids), expected)
 
 
 # ---- pipeline and distributed inference ---------------------------------------------------------------------
@@ -442,9 +531,41 @@ def test_estimate_memory_from_a_config(tmp_path, capsys, as_folder):
     assert f"| {af.big.format_size(n * (4 + 4 + 8))} |" in out  # fp32 training: weights, grads, 2 moments
 
 
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _assert_printed_size(printed: str, expected: float) -> None:
+    """`printed` (as `format_size` writes it: 0 decimals in B, else 2) is `expected` bytes up to its rounding."""
+    number, unit = printed.split()
+    decimals = 0 if unit == "B" else 2
+    tolerance = 0.5 * 10**-decimals * _UNIT[unit]
+    assert abs(float(number) * _UNIT[unit] - expected) <= tolerance + 1e-9, (printed, expected)
+
+
 def test_estimate_memory_from_a_factory(capsys, monkeypatch):
     from accelfn.cli.main import main
 
     monkeypatch.chdir(ROOT)
-    assert main(["estimate-memory", "tests.models:tiny_llama", "--dtypes", "int4"]) == 0
-    assert "LlamaForCausalLM" in capsys.readouterr().out
+    dtypes = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
+    assert main(["estimate-memory", "tests.models:tiny_llama", "--dtypes", *dtypes]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out
+
+    model = tiny_llama()  # the same model, built for real, counted here without layout_of or the CLI's code
+    unique = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    n = sum(t.numel() for t in unique if t.is_floating_point())  # weights (and float buffers) take the dtype
+    other = sum(t.numel() * t.element_size() for t in unique if not t.is_floating_point())
+    assert n > 20_000 and f"{n / 1e6:,.2f}M parameters" in out
+    # the largest piece that runs at once: a decoder layer (no_split), the embedding or the head
+    pieces = [*model.model.layers, model.model.embed_tokens, model.lm_head]
+    largest = max(sum(p.numel() for p in piece.parameters()) for piece in pieces)
+    assert largest == sum(p.numel() for p in model.model.layers[0].parameters())
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:5]] for r in out.splitlines()
+            if r.startswith("| ") and r.split("|")[1].strip() in dtypes}  # fmt: skip
+    assert rows.keys() == dtypes.keys(), out
+    for dtype, b in dtypes.items():
+        total, layer, training = rows[dtype]
+        _assert_printed_size(total, n * b + other)
+        _assert_printed_size(layer, largest * b)
+        # AdamW: weights and grads in the dtype, two fp32 moments, an fp32 master copy below fp32
+        _assert_printed_size(training, n * (2 * b + 8 + (4 if b < 4 else 0)) + other)

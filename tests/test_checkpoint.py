@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import accelfn as af
-from accelfn.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+from accelfn.checkpoint import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from tests.models import MLP, lm_batches, tiny_gpt2, tiny_llama
 
 
@@ -159,6 +159,33 @@ def test_load_pretrained_reads_a_sharded_checkpoint_written_by_transformers(tmp_
     assert params["model.embed_tokens.weight"] is state.params["model.embed_tokens.weight"]  # in place
 
 
+def _pretrained_weights(tmp_path):
+    torch.manual_seed(0)
+    weights = {k: v.detach().clone() for k, v in MLP().state_dict().items()}  # fc1.*, fc2.*
+    af.checkpoint.save_pretrained(tmp_path / "hf", {**weights, "stray.weight": torch.ones(3)})
+    return tmp_path / "hf", weights
+
+
+def test_load_pretrained_names_missing_weights_even_when_not_strict(tmp_path):
+    path, weights = _pretrained_weights(tmp_path)
+    like = {**{k: torch.zeros_like(v) for k, v in weights.items()}, "fc3.weight": torch.zeros(2, 2)}
+    for strict in (True, False):
+        with pytest.raises(CheckpointMismatchError, match=r"missing \['fc3.weight'\]"):
+            af.checkpoint.load_pretrained(path, like=like, strict=strict)
+
+
+def test_load_pretrained_refuses_unexpected_weights_unless_not_strict(tmp_path):
+    path, weights = _pretrained_weights(tmp_path)
+    like = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with pytest.raises(CheckpointMismatchError, match=r"unexpected \['stray.weight'\].*strict=False"):
+        af.checkpoint.load_pretrained(path, like=like)
+    assert all(not v.any() for v in like.values())  # nothing was loaded
+    loaded = af.checkpoint.load_pretrained(path, like=like, strict=False)
+    assert loaded.keys() == weights.keys()  # the stray weight is skipped, the rest loaded in place
+    for k, v in weights.items():
+        assert loaded[k] is like[k] and torch.equal(loaded[k], v), k
+
+
 # ---- exact resume ---------------------------------------------------------------------------------------------
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     batches = lm_batches(6, seed=1)
@@ -287,6 +314,20 @@ def test_shape_dtype_and_structure_mismatches_name_the_path(saved):
         CheckpointMismatchError, match="in the checkpoint but not in `like`: \\['opt_state.1.count'"
     ):
         af.checkpoint.load(path, like=state.replace(opt_state=state.opt_state[:1]))
+    extra = {**state.extra, "ema": torch.zeros(3)}
+    with pytest.raises(
+        CheckpointMismatchError, match="in `like` but not in the checkpoint: \\['extra.ema'\\]"
+    ):
+        af.checkpoint.load(path, like=state.replace(extra=extra))
+
+
+def test_a_loader_position_cannot_be_restored_from_a_checkpoint_saved_without_one(saved):
+    path, state = saved
+    loader = Counter(10)
+    loader.pos = 4
+    with pytest.raises(CheckpointError, match="no loader position.*saved without loader="):
+        af.checkpoint.load(path, like=state, loader=loader)
+    assert loader.pos == 4
 
 
 def test_non_json_leaves_are_refused_at_save(tmp_path):

@@ -467,10 +467,18 @@ def test_cpu_offload_brings_weights_in_only_while_a_layer_runs(monkeypatch):
     assert _hook_counts(model) == {n: (pre + (n in holders), post) for n, (pre, post) in before.items()}
     assert mine.id in model.blocks[0].a._forward_pre_hooks
     assert not any("_accelfn_big_hooks" in m.__dict__ for m in model.modules())
-    # Without the hooks nothing brings the weights in any more; offloaded weights stay on meta (remove_hooks'
-    # documented behaviour): the forward runs on placeholders and gives a meta result.
+    # the weights come back from where they were kept, so the model runs on its own again
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.head.weight is model.embed.weight  # tied weights stay tied
     seen.clear()
-    assert model(ids).is_meta and all(p.is_meta for p in seen.values()) and seen.keys() == original.keys()
+    assert torch.equal(model(ids), expected) and seen.keys() == original.keys()
+
+
+def test_remove_hooks_without_restore_leaves_placeholders(monkeypatch):
+    monkeypatch.setattr(sys.modules["accelfn.big.dispatch"], "_device_name", lambda value, where: "cpu:0")
+    model = af.cpu_offload(Net(), "cpu:0")
+    af.big.remove_hooks(model, restore=False)
+    assert all(p.is_meta for p in model.parameters()) and model(torch.randint(0, 10, (3, 5))).is_meta
 
 
 def test_cpu_offload_onto_the_host_keeps_the_weights_where_they_run():

@@ -13,6 +13,7 @@ from torch import nn
 __all__ = ["Offloaded", "attach_offload", "attach_input_alignment", "remove_hooks"]
 
 _HANDLES = "_accelfn_big_hooks"
+_ENTRIES = "_accelfn_big_offloaded"
 
 
 @attrs.define
@@ -46,6 +47,7 @@ def attach_offload(module: nn.Module, entries: list[Offloaded], device: torch.de
     put the meta placeholders back and release the source."""
     for e in entries:
         _set(module, e, e.placeholder)
+    module.__dict__.setdefault(_ENTRIES, []).extend(entries)
 
     def pre(mod: nn.Module, args: Any) -> None:
         for e in entries:
@@ -88,15 +90,29 @@ def attach_input_alignment(module: nn.Module, device: torch.device, *, outputs_b
         _keep(module, module.register_forward_hook(post))
 
 
-def remove_hooks(model: nn.Module) -> None:
-    """Remove the hooks `dispatch`, `load_and_dispatch` and `cpu_offload` installed (offloaded weights stay on meta).
+def remove_hooks(model: nn.Module, *, restore: bool = True) -> None:
+    """Remove the hooks `dispatch`, `load_and_dispatch` and `cpu_offload` installed (the user's own stay).
+
+    With `restore` (the default) offloaded weights come back into the module where they are kept (host
+    memory, or memory-mapped from the offload folder), so the model runs without the hooks; with
+    `restore=False` they stay meta placeholders (the host copies are dropped with the hooks).
 
     Example:
         >>> import torch, accelfn as af
         >>> model = af.cpu_offload(torch.nn.Linear(2, 2))
-        >>> af.big.remove_hooks(model); len(model._forward_pre_hooks)
-        0
+        >>> af.big.remove_hooks(model); len(model._forward_pre_hooks), model.weight.device.type
+        (0, 'cpu')
     """
+    restored: dict[tuple[Any, ...], torch.Tensor] = {}  # tied weights (one storage) become one Parameter again
     for module in model.modules():
         for handle in module.__dict__.pop(_HANDLES, []):
             handle.remove()
+        for e in module.__dict__.pop(_ENTRIES, []):
+            if not restore:
+                continue
+            value = e.fetch().to(dtype=e.placeholder.dtype)
+            key = (e.is_param, value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if key not in restored:
+                grad = e.placeholder.requires_grad and value.is_floating_point()
+                restored[key] = nn.Parameter(value, requires_grad=grad) if e.is_param else value
+            _set(module, e, restored[key])

@@ -21,6 +21,9 @@ __all__ = ["key", "split", "fold_in", "seed_of", "generator", "seeded"]
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
+# Keeps fold_in's data hash apart from `key`'s seed hash: with the same hash, fold_in(key(a), b) would equal
+# fold_in(key(b), a), and fold_in(key(0), 0) would be key(0) itself.
+_FOLD_SALT = 0x5851F42D4C957F2D
 
 
 def _mix64(x: int) -> int:
@@ -54,7 +57,7 @@ def key(seed: int) -> torch.Tensor:
 
 def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
     """A key derived from `k` and an integer (a step number, a rank)."""
-    return _from_int(_mix64(_words(k) ^ _mix64(int(data) & _MASK64)))
+    return _from_int(_mix64(_words(k) ^ _mix64((int(data) & _MASK64) ^ _FOLD_SALT)))
 
 
 def split(k: torch.Tensor, num: int = 2) -> torch.Tensor:

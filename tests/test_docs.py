@@ -3,7 +3,10 @@
 A block preceded by a line `<!-- no-test ... -->` is skipped (e.g. one that needs `accelfn launch`).
 """
 
+import contextlib
+import io
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -15,19 +18,49 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- no-test[^\n]*-->\n)?```python\n(.*?)```", re.S)
 
 
+PRINT = re.compile(r"^[ \t]*print\(.*\)[ \t]+#[ \t]*(.+)$", re.M)
+
+
+def expected_output(comment: str) -> re.Pattern:
+    """`# a b ... c (note)` after a print: the words a, b, c must be printed in that order; a trailing
+    parenthesised note is prose."""
+    comment = re.sub(r"\s+\([^()]*\)\s*$", "", comment)
+    words = [w for w in comment.replace("...", " ").split() if w]
+    return re.compile(".*?".join(re.escape(w) for w in words), re.S)
+
+
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_python_blocks_run(path, tmp_path, monkeypatch):
+def test_python_blocks_run_and_print_what_they_say(path, tmp_path, monkeypatch):
+    # Each block runs; a `print(...)  # text` line promises output: the words of `text` must be printed
+    # (in order) by that block — so an example that shows an error message fails if no error is raised.
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__docs__"}
     for skip, code in BLOCK.findall(path.read_text()):
         if skip:
             continue
-        exec(compile(code, f"{path.name}", "exec"), namespace)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"{path.name}", "exec"), namespace)
+        printed = out.getvalue()
+        for comment in PRINT.findall(code):
+            assert expected_output(comment).search(printed), (
+                f"{path.name}: a block says it prints {comment!r} but printed:\n{printed}"
+            )
+
+
+# Public subpackages whose `__all__` the API reference must cover (every module `accelfn/__init__.py` exports).
+SUBPACKAGES = ["optim", "checkpoint", "data", "dist", "big", "losses", "random", "tree", "platforms"]
+
+
+def test_every_public_subpackage_is_checked():
+    exported = {n for n in af.__all__ if isinstance(getattr(af, n), types.ModuleType)}
+    assert exported == set(SUBPACKAGES), "update SUBPACKAGES"
 
 
 def test_api_reference_lists_every_public_name():
     text = (ROOT / "docs" / "api.md").read_text()
     names = [n for n in af.__all__ if not n.startswith("_")]
-    names += [f"optim.{n}" for n in af.optim.__all__]
-    missing = [n for n in names if not re.search(rf"`(af\.)?(optim\.|dist\.|data\.)?{n.split('.')[-1]}\b", text)]
+    names += [f"{sub}.{n}" for sub in SUBPACKAGES for n in getattr(af, sub).__all__]
+    prefixes = "|".join(rf"{sub}\." for sub in SUBPACKAGES)
+    missing = [n for n in names if not re.search(rf"`(af\.)?({prefixes})?{re.escape(n.split('.')[-1])}\b", text)]
     assert not missing, f"docs/api.md does not document: {missing}"

@@ -224,6 +224,36 @@ def test_eval_step_runs_in_eval_mode_without_grad():
     assert model.training  # mode restored
 
 
+def test_eval_step_uses_the_states_params_and_buffers_like_an_eval_mode_copy():
+    """The eval step's module is a different object from the training one, so it only gives the trained
+    output if it really binds `state.params` and `state.buffers` (BatchNorm running stats)."""
+    torch.manual_seed(0)
+    original = MLP(batchnorm=True, dropout=0.5)
+    untrained = copy.deepcopy(original)
+    train = af.train_step(lambda m, b: af.losses.mse(m(b[0]), b[1]), af.optim.adamw(0.05))
+    state = train.init(copy.deepcopy(original))
+    for _ in range(4):
+        state, _ = train(state, (torch.randn(16, 8), torch.randn(16, 4)))
+    assert not torch.equal(state.params["fc1.weight"], original.fc1.weight)
+    assert not torch.equal(state.buffers["norm.running_mean"], original.norm.running_mean)
+
+    eval_module = copy.deepcopy(original)
+    evaluate = af.eval_step(lambda m, b: m(b))
+    evaluate.init(eval_module)
+    x = torch.randn(8, 8)
+    out = evaluate(state, x)
+
+    ref = copy.deepcopy(original)
+    ref.load_state_dict({**state.params, **state.buffers})
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(x)
+        before = untrained.eval()(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not torch.allclose(out, before, atol=1e-3)  # the trained weights, not the untrained module's
+    assert torch.equal(evaluate(state, x), out)  # dropout off: deterministic
+
+
 def test_loaded_state_with_plain_tensors_binds_to_the_model():
     model = MLP()
     step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
@@ -326,3 +356,77 @@ def test_stale_gradients_left_by_another_backward_do_not_leak_into_the_update():
     ref(x).pow(2).mean().backward()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     assert max_param_diff(state.params, ref) <= 1e-7
+
+
+# ---- optim.identity ---------------------------------------------------------------------------------------------
+def _grads(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def test_optim_identity_passes_updates_through_unchanged():
+    tx = af.optim.identity()
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(4)}
+    state = tx.init(params)
+    assert state == af.optim.EmptyState()
+    updates = _grads(0)
+    expected = {k: v.clone() for k, v in updates.items()}
+    out, new_state = tx.update(updates, state, params)
+    assert new_state == af.optim.EmptyState()
+    assert out.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(out[k], expected[k]) and out[k].dtype == expected[k].dtype
+    out2, _ = tx.update(updates, state)  # params are optional
+    assert all(torch.equal(out2[k], expected[k]) for k in expected)
+    assert all(torch.equal(updates[k], expected[k]) for k in expected)  # the input is not modified
+
+
+@pytest.mark.parametrize("where", ["first", "last", "both"])
+@pytest.mark.parametrize(
+    "make_tx", [lambda: af.optim.sgd(0.1, momentum=0.9), lambda: af.optim.adamw(1e-2)], ids=["sgd", "adamw"]
+)
+def test_optim_identity_in_a_chain_equals_the_other_transform_alone(where, make_tx):
+    parts = {"first": lambda t: (af.optim.identity(), t), "last": lambda t: (t, af.optim.identity()),
+             "both": lambda t: (af.optim.identity(), t, af.optim.identity())}[where]
+    alone, chained = make_tx(), af.optim.chain(*parts(make_tx()))
+    inner = {"first": 1, "last": 0, "both": 1}[where]
+    p_alone = {"w": torch.ones(3, 4), "b": torch.zeros(4)}
+    p_chain = {k: v.clone() for k, v in p_alone.items()}
+    s_alone, s_chain = alone.init(p_alone), chained.init(p_chain)
+    p_pure_alone, p_pure_chain = dict(p_alone), dict(p_chain)
+    s_pure_alone, s_pure_chain = s_alone, s_chain
+    for i in range(3):
+        # the pure path: update + apply_updates
+        u_alone, s_pure_alone = alone.update(_grads(i), s_pure_alone, p_pure_alone)
+        u_chain, s_pure_chain = chained.update(_grads(i), s_pure_chain, p_pure_chain)
+        for k in u_alone:
+            assert torch.equal(u_chain[k], u_alone[k]), (i, k)
+        p_pure_alone = af.optim.apply_updates(p_pure_alone, u_alone)
+        p_pure_chain = af.optim.apply_updates(p_pure_chain, u_chain)
+        # the in-place path (fused `apply` when the chain's last part has one)
+        s_alone = af.optim.apply_gradients(alone, _grads(i), s_alone, p_alone)
+        s_chain = af.optim.apply_gradients(chained, _grads(i), s_chain, p_chain)
+        for k in p_alone:  # a chain ending in identity has no fused `apply`: the same update, other rounding
+            torch.testing.assert_close(p_chain[k], p_alone[k], rtol=0, atol=1e-6)
+    assert af.tree.structure(s_pure_chain[inner]) == af.tree.structure(s_pure_alone)
+    assert all(s == af.optim.EmptyState() for j, s in enumerate(s_chain) if j != inner)
+    assert not torch.equal(p_alone["w"], torch.ones(3, 4))  # it did train
+
+
+def test_optim_identity_in_a_chain_trains_like_the_optimizer_alone():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(3)]
+
+    def loss(m, b):
+        return af.losses.mse(m(b[0]), b[1])
+
+    chained = af.train_step(loss, af.optim.chain(af.optim.identity(), af.optim.adamw(1e-2)))
+    alone = af.train_step(loss, af.optim.adamw(1e-2))
+    s1, s2 = chained.init(model), alone.init(ref)
+    for b in batches:
+        s1, _ = chained(s1, b)
+        s2, _ = alone(s2, b)
+    for k in s2.params:
+        torch.testing.assert_close(s1.params[k], s2.params[k], rtol=0, atol=1e-7)

@@ -528,6 +528,50 @@ def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
     assert torch.isfinite(m["loss"])
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchao_fp8_recipes_equal_a_plain_torchao_loop(recipe):
+    # The recipe reaches torchao (each layer's config is the recipe's), and the step equals a hand-written
+    # loop over torchao's own conversion with torch.optim.SGD.
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def loss_fn(m, x):
+        return m(x).float().pow(2).mean()
+
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    every_linear = lambda mod, fqn: isinstance(mod, nn.Linear)  # noqa: E731
+    step = af.autocast_fp8(af.train_step(loss_fn, af.optim.sgd(0.1)), backend="torchao", recipe=recipe,
+                           emulate=True, module_filter=every_linear)  # fmt: skip
+    state, losses = run(step, net(), xs)
+    want = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    assert [m.config for m in step.model if type(m).__name__ == "Float8Linear"] == [want] * 3
+
+    ref = convert_to_float8_training(net(), config=want, module_filter_fn=every_linear)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x in xs:
+        loss = loss_fn(ref, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert max_diff(state.params, dict(ref.named_parameters())) <= 1e-6
+
+
+def test_unknown_fp8_recipes_are_clear_errors(fake_te):
+    with pytest.raises(ValueError, match=r"torchao recipe must be one of .*'rowwise'.*got 'columnwise'"):
+        af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="torchao", recipe="columnwise")
+    step = af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="te", recipe="rowwise")
+    with pytest.raises(ValueError, match=r"backend='te'\): recipe must be 'delayed' or 'current', got 'rowwise'"):
+        step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+
+
 def test_torchao_fp8_refuses_cpu_without_emulate():
     step = af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="torchao")
     with pytest.raises(RuntimeError, match="no FP8 matmul support.*emulate=True"):

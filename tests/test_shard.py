@@ -12,6 +12,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:mlp", "ddp:gpt2:sgd", "ddp:gpt2", "ddp:gpt2:accumulate",   # ddp: buckets + 1 all-reduces per call
         "ddp:mlp:overlap", "ddp:gpt2:accumulate:overlap",                # all-reduces started during backward
         "ddp:gpt2:smallbuckets", "ddp:gpt2:smallbuckets:overlap:accumulate",  # many ~2 KB buckets
+        "ddp:gpt2:local", "fsdp:mlp:local:accumulate",                  # each rank passes only its own rows
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy

@@ -145,6 +145,20 @@ def test_lowering_refuses_donate_false_and_eval_steps(mesh):
         af.shard(af.eval_step(lambda m, b: m(b)), mesh, backend="deepspeed").init(torch.nn.Linear(2, 2))
 
 
+def test_af_checkpoint_refuses_a_deepspeed_state_instead_of_losing_the_moments(tmp_path):
+    from accelfn.checkpoint import CheckpointError
+    from accelfn.transforms.shard.deepspeed import DeepSpeedState
+
+    state = af.train_step(_loss, af.optim.adamw(1e-3)).init(torch.nn.Linear(2, 2))
+    ds_state = state.replace(opt_state=DeepSpeedState(torch.tensor(3), torch.tensor(1e-3)))
+    with pytest.raises(CheckpointError, match=r"opt_state cannot be checkpointed.*engine_of\(step\).save_checkpoint"):
+        af.checkpoint.save(tmp_path / "c", ds_state)
+    assert not (tmp_path / "c").exists()
+    af.checkpoint.save(tmp_path / "c", state)
+    with pytest.raises(CheckpointError, match="opt_state cannot be checkpointed"):
+        af.checkpoint.load(tmp_path / "c", like=ds_state)
+
+
 def test_make_optimizer_matches_the_accelfn_hyperparameters():
     net = torch.nn.Linear(3, 2)
     named = dict(net.named_parameters())

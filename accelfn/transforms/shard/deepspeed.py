@@ -62,11 +62,15 @@ class DeepSpeedState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     lr: torch.Tensor
 
-    __accelfn_checkpoint_error__ = (
-        "the optimizer's moments (and, with ZeRO, the fp32 master params) live inside the DeepSpeed engine, "
-        "not in the state; save with engine_of(step).save_checkpoint(dir) and restore with "
-        "engine_of(step).load_checkpoint(dir)"
-    )
+
+# read by af.checkpoint, which refuses such a state rather than save it without the engine's moments
+setattr(  # noqa: B010 - a NamedTuple body may only hold fields
+    DeepSpeedState,
+    "__accelfn_checkpoint_error__",
+    "the optimizer's moments (and, with ZeRO, the fp32 master params) live inside the DeepSpeed engine, "
+    "not in the state; save with engine_of(step).save_checkpoint(dir) and restore with "
+    "engine_of(step).load_checkpoint(dir)",
+)
 
 
 @attrs.frozen

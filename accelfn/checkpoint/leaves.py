@@ -25,33 +25,8 @@ JSON_TYPES = (bool, int, float, str)
 
 
 def flatten(state: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """`([(path, leaf), ...], treespec)` of a state (None is not a leaf).
-
-    A node whose class sets `__accelfn_checkpoint_error__` (e.g. the optimizer state of a DeepSpeed step,
-    whose moments live outside the state) cannot be checkpointed: saving it would silently lose them.
-    """
-    _refuse_partial(state)
+    """`([(path, leaf), ...], treespec)` of a state (None is not a leaf)."""
     return _tree.flatten_with_path(state), _tree.structure(state)
-
-
-def _refuse_partial(x: Any, path: str = "") -> None:
-    from .format import CheckpointError
-
-    reason = getattr(type(x), "__accelfn_checkpoint_error__", None)
-    if isinstance(reason, str):
-        raise CheckpointError(f"{path or 'the state'} cannot be checkpointed by af.checkpoint: {reason}")
-    if isinstance(x, torch.Tensor):
-        return
-    if hasattr(type(x), "__attrs_attrs__"):
-        children: Any = ((a.name, getattr(x, a.name)) for a in type(x).__attrs_attrs__)
-    elif isinstance(x, dict):
-        children = x.items()
-    elif isinstance(x, tuple | list):
-        children = enumerate(x)
-    else:
-        return
-    for k, v in children:
-        _refuse_partial(v, f"{path}.{k}" if path else str(k))
 
 
 def split_path(path: str) -> tuple[str, str]:

@@ -28,7 +28,7 @@ import torch
 from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState
-from . import io
+from . import adapters, io
 from ._dist import is_dtensor, region
 from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, read_state_json
 from .leaves import alias_key, describe, dtype_name, dtype_of, flatten
@@ -131,6 +131,13 @@ def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) 
     Checks every file's size and CRC-32; raises `CheckpointMismatchError` naming the pytree path when the
     structure, a shape or a dtype differs. With `loader`, restores its position (`load_state_dict`).
     """
+    adapter = adapters.adapter_for(like)
+    if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
+        return adapter.restore(like, _load(path, adapter.template(like), loader))
+    return _load(path, like, loader)
+
+
+def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainState:
     folder = Path(path)
     meta = read_state_json(folder)
     where = f"checkpoint '{folder}'"

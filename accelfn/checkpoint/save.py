@@ -28,7 +28,7 @@ import torch
 
 from .._typecheck import checked
 from ..state import TrainState
-from . import async_, atomic, io
+from . import adapters, async_, atomic, io
 from ._dist import Comm, is_dtensor, is_sharded, region, writes_piece
 from .async_ import SaveHandle, wait
 from .format import (
@@ -231,6 +231,9 @@ def save(
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
     size = parse_size(max_shard_size)
     wait()
+    adapter = adapters.adapter_for(state)
+    if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): save its full values
+        state = adapter.export(state)
     loader_state = None
     if loader is not None:
         if not callable(getattr(loader, "state_dict", None)):

@@ -19,7 +19,8 @@ cost their activations, and ZeRO-3 does not support that order). Metrics are glo
 
 The state's params are the engine module's own parameters (under ZeRO-3 the partitioned ones, with their
 `ds_tensor`); `state.opt_state` is a `DeepSpeedState(count, lr)`: the optimizer's moments live inside the
-engine. Save and load those with `engine_of(step).save_checkpoint(...)` / `load_checkpoint(...)`.
+engine. `af.checkpoint.save`/`load` reach them through `deepspeed_state` (full fp32 params and moments in
+accelfn's own layout: the same checkpoint as the equivalent `backend="torch"` step's).
 """
 
 from __future__ import annotations
@@ -63,14 +64,6 @@ class DeepSpeedState(NamedTuple):
     lr: torch.Tensor
 
 
-# read by af.checkpoint, which refuses such a state rather than save it without the engine's moments
-setattr(  # noqa: B010 - a NamedTuple body may only hold fields
-    DeepSpeedState,
-    "__accelfn_checkpoint_error__",
-    "the optimizer's moments (and, with ZeRO, the fp32 master params) live inside the DeepSpeed engine, "
-    "not in the state; save with engine_of(step).save_checkpoint(dir) and restore with "
-    "engine_of(step).load_checkpoint(dir)",
-)
 
 
 @attrs.frozen
@@ -399,7 +392,7 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     if state.params.get(first_name) is not engine.module.get_parameter(first_name):
         raise ValueError(
             "a DeepSpeed step updates its engine's parameters in place: pass the state returned by step.init() "
-            "or by the previous call (load checkpoints with engine_of(step).load_checkpoint)"
+            "or by the previous call (or by af.checkpoint.load(path, like=that state))"
         )
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
@@ -491,6 +484,16 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
         rng=keys[0], extra=state.extra,
     )  # fmt: skip
     return new_state, metrics
+
+
+def _register_checkpoint_adapter() -> None:
+    from ...checkpoint import adapters
+    from .deepspeed_state import DeepSpeedStateAdapter
+
+    adapters.register(DeepSpeedState, DeepSpeedStateAdapter())
+
+
+_register_checkpoint_adapter()
 
 
 def _rows(batch: Any) -> int:

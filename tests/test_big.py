@@ -71,6 +71,106 @@ def test_init_empty_keeps_buffers_unless_asked():
     assert not nn.Linear(2, 2).weight.is_meta  # the patch is undone on exit
 
 
+class Odd(nn.Module):
+    """Parameters that are not plain trainable ones, and a non-persistent buffer."""
+
+    class Tagged(nn.Parameter):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Parameter(torch.full((3,), 2.0), requires_grad=False)
+        self.sub = Odd.Tagged(torch.ones(2, 2))
+        tagged = nn.Parameter(torch.ones(4))
+        tagged.no_weight_decay = True  # a Python attribute on a parameter (Megatron, mamba, ... do this)
+        self.register_parameter("tagged", tagged)
+        self.register_buffer("scale", torch.arange(3.0))
+        self.register_buffer("cache", torch.ones(2), persistent=False)
+        self.plain = torch.ones(2)  # neither a parameter nor a buffer: created as usual
+
+
+def test_init_on_device_puts_parameters_on_the_device_and_buffers_only_when_asked():
+    with af.init_on_device("meta"):
+        m = Odd()
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Embedding(5, 3))
+    params = dict(m.named_parameters()) | dict(net.named_parameters())
+    assert len(params) == 8 and all(p.is_meta and isinstance(p, nn.Parameter) for p in params.values()), {
+        k: (type(p).__name__, p.device) for k, p in params.items()
+    }
+    assert [(p.shape, p.dtype) for p in net.parameters()] == [
+        (p.shape, p.dtype)
+        for p in nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Embedding(5, 3)).parameters()
+    ]
+    assert not m.frozen.requires_grad and m.tagged.requires_grad, "requires_grad is kept"
+    assert type(m.sub) is Odd.Tagged and m.tagged.no_weight_decay is True, "the class and attributes are kept"
+    # buffers (include_buffers=False) and other tensors stay real, with their values
+    assert (
+        m.scale.tolist() == [0.0, 1.0, 2.0]
+        and m.cache.tolist() == [1.0, 1.0]
+        and m.plain.device.type == "cpu"
+    )
+    assert net[1].running_var.tolist() == [1.0] * 4 and net[1].num_batches_tracked.device.type == "cpu"
+
+    with af.init_on_device(torch.device("meta"), include_buffers=True):
+        m = Odd()
+        bn = nn.BatchNorm1d(4)
+    assert all(b.is_meta for b in [*m.buffers(), *bn.buffers()]) and len(list(bn.buffers())) == 3
+    assert m.frozen.is_meta and not m.plain.is_meta
+    assert "cache" not in m.state_dict() and "scale" in m.state_dict(), "persistence is kept"
+
+
+def test_init_on_device_undoes_its_patch_on_exit_even_after_an_error():
+    with pytest.raises(RuntimeError, match="boom"), af.init_on_device("meta", include_buffers=True):
+        nn.Linear(2, 2)
+        raise RuntimeError("boom")
+    bn = nn.BatchNorm1d(2)
+    assert not bn.weight.is_meta and not bn.running_mean.is_meta
+    with af.init_on_device("cpu"):  # the device it would be on anyway: nothing changes
+        lin = nn.Linear(2, 2)
+    assert lin.weight.device.type == "cpu" and type(lin.weight) is nn.Parameter
+
+
+# ---- sizes ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("0", 0),
+        ("100", 100),
+        ("100B", 100),
+        ("1KB", 1000),
+        ("1MB", 10**6),
+        ("1.5GB", 1_500_000_000),
+        ("2TB", 2 * 10**12),
+        ("1KiB", 1024),
+        ("2 MiB", 2 * 2**20),
+        (" 1GiB ", 2**30),
+        ("0.5GiB", 2**29),
+        ("1TiB", 2**40),
+        (".5KB", 500),
+    ],
+)
+def test_parse_size_decimal_units_are_powers_of_1000_and_binary_of_1024(text, n):
+    assert af.big.parse_size(text) == n
+
+
+def test_parse_size_takes_ints_as_bytes():
+    assert af.big.parse_size(0) == 0 and af.big.parse_size(12345) == 12345
+    with pytest.raises(ValueError, match="size = -1 is negative"):
+        af.big.parse_size(-1)
+    for bad in (True, 1.5, None, b"1GB"):
+        with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
+            af.big.parse_size(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "ten MB", "1.5.2GB", "-1GB", "1e3MB", "10 GiBs", "5 PB", "1 KB B"])
+def test_parse_size_of_a_bad_string_names_the_value_and_the_units(bad):
+    with pytest.raises(ValueError) as err:
+        af.big.parse_size(bad, "max_memory['cuda:0']")
+    msg = str(err.value)
+    assert f"max_memory['cuda:0'] = {bad!r} is not a size" in msg, msg
+    assert "KB, MB, GB, TB (powers of 1000)" in msg and "KiB, MiB, GiB, TiB (powers of 1024)" in msg, msg
+
+
 # ---- device maps ---------------------------------------------------------------------------------------------
 
 

@@ -379,6 +379,74 @@ def test_an_error_in_the_background_write_is_raised_by_wait(tmp_path, monkeypatc
     )  # the temporary folder is gone
 
 
+def _staged():
+    from accelfn.checkpoint import async_
+
+    return dict(async_._staging)  # the host copies async saves keep (what clear_staging frees)
+
+
+def _same_files(a, b):
+    ja, jb = (json.loads((p / "state.json").read_text()) for p in (a, b))
+    return ja["files"] == jb["files"] and ja["leaves"] == jb["leaves"]  # sizes + CRC-32 of every file
+
+
+def test_clear_staging_frees_the_async_buffers_and_a_later_async_save_equals_a_sync_save(tmp_path):
+    import gc
+    import weakref
+
+    step, state = gpt2_state()
+    af.checkpoint.clear_staging()  # whatever earlier tests staged
+    assert _staged() == {}
+    af.checkpoint.save(tmp_path / "a1", state, async_save=True).result()
+    first = _staged()
+    fields = ("params.", "buffers.", "opt_state.", "extra.")
+    tensors = {p: v for p, v in af.tree.flatten_with_path(state) if p.startswith(fields)}
+    tensors = {p: v for p, v in tensors.items() if isinstance(v, torch.Tensor)}
+    assert set(first) == set(tensors), set(first) ^ set(tensors)  # one host copy per tensor leaf
+    for p, buf in first.items():
+        assert torch.equal(buf, tensors[p]) and buf.data_ptr() != tensors[p].data_ptr(), p
+
+    state, _ = step(state, next(iter(lm_batches(1, seed=9))))
+    af.checkpoint.save(tmp_path / "a2", state, async_save=True).result()
+    assert all(_staged()[p] is buf for p, buf in first.items()), "kept and reused by the next async save"
+
+    refs = [weakref.ref(buf) for buf in first.values()]
+    del first, buf
+    af.checkpoint.clear_staging()
+    gc.collect()
+    assert _staged() == {} and not [r for r in refs if r() is not None], "the buffers are freed"
+
+    state, _ = step(state, next(iter(lm_batches(1, seed=10))))
+    expected = snapshot(state)
+    af.checkpoint.save(tmp_path / "sync", state)
+    af.checkpoint.save(tmp_path / "a3", state, async_save=True).result()  # new buffers, same checkpoint
+    assert _same_files(tmp_path / "sync", tmp_path / "a3")
+    assert_same(af.checkpoint.load(tmp_path / "a3", like=gpt2_state(seed=3, steps=0)[1]), expected)
+    af.checkpoint.clear_staging()
+
+
+def test_clear_staging_waits_for_the_save_in_flight_before_freeing_its_buffers(tmp_path, monkeypatch):
+    _, state = gpt2_state()
+    af.checkpoint.save(tmp_path / "sync", state)
+    gate = threading.Event()
+    write_file = af.checkpoint.io.write_file
+
+    def slow_write(*a, **k):
+        assert gate.wait(30)
+        return write_file(*a, **k)
+
+    monkeypatch.setattr(af.checkpoint.io, "write_file", slow_write)
+    handle = af.checkpoint.save(tmp_path / "async", state, async_save=True)
+    clearing = threading.Thread(target=af.checkpoint.clear_staging)
+    clearing.start()
+    clearing.join(0.5)
+    assert clearing.is_alive() and not handle.done() and _staged(), "clear_staging returned mid-write"
+    gate.set()
+    clearing.join(30)
+    assert not clearing.is_alive() and handle.done() and _staged() == {}
+    assert handle.result() == str(tmp_path / "async") and _same_files(tmp_path / "sync", tmp_path / "async")
+
+
 def test_mlp_with_batchnorm_buffers_round_trips(tmp_path):
     step = af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), af.optim.sgd(0.1, momentum=0.9))
     state = step.init(MLP(batchnorm=True))

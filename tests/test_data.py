@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,7 @@ import accelfn as af
 from accelfn.data.plan import batches_per_rank, global_batches, rank_slices
 
 DL = af.data.DataLoader
+BatchInfo = af.data.BatchInfo
 
 
 @pytest.fixture(autouse=True)
@@ -111,12 +114,21 @@ def test_shuffle_is_reproducible_and_set_epoch_changes_the_order() -> None:
     assert lists(a) == epoch0
 
 
+def randperm(n: int, seed: int) -> list[int]:
+    """The documented shuffle: `torch.randperm` drawn from `torch.Generator().manual_seed(seed + epoch)`."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def test_each_new_loop_advances_the_epoch() -> None:
     loader = DL(range(12), 4, shuffle=True, seed=0)
     epochs = []
     for _ in range(3):
         epochs.append(lists(loader))
-    assert loader.epoch == 2 and epochs[0] != epochs[1] != epochs[2]
+    assert loader.epoch == 2
+    assert len({json.dumps(e) for e in epochs}) == 3, f"every pair of epochs differs: {epochs}"
+    for e, batches in enumerate(epochs):  # epoch e is the permutation seeded with seed + e, cut in order
+        order = randperm(12, 0 + e)
+        assert batches == [order[k : k + 4] for k in range(0, 12, 4)], (e, batches, order)
     reference = DL(range(12), 4, shuffle=True, seed=0)
     reference.set_epoch(2)
     assert lists(reference) == epochs[2]
@@ -205,6 +217,132 @@ def test_dict_samples_and_dict_of_tensor_columns_collate_to_dicts_of_batches() -
 def test_collate_fn_and_pin_memory_on_a_cpu_only_machine() -> None:
     loader = DL(range(6), 3, collate_fn=lambda items: [i * 10 for i in items], pin_memory=True)
     assert list(loader) == [[0, 10, 20], [30, 40, 50]]
+
+
+def test_pin_memory_on_a_cpu_mesh_is_a_silent_no_op(recwarn: pytest.WarningsRecorder) -> None:
+    made: list[torch.Tensor] = []
+
+    def collate(items: list[int]) -> torch.Tensor:
+        made.append(torch.tensor(items))
+        return made[-1]
+
+    loader = DL(range(6), 3, collate_fn=collate, pin_memory=True)
+    assert loader.layout.device == torch.device("cpu")
+    got = list(loader)
+    # documented: pinning is skipped on CPU meshes: the collated tensors come out as they are (not copied,
+    # not pinned), with no warning
+    assert [b.tolist() for b in got] == [[0, 1, 2], [3, 4, 5]]
+    assert all(b is m for b, m in zip(got, made, strict=True)) and not any(b.is_pinned() for b in got)
+    assert not [w for w in recwarn if "pin" in str(w.message).lower()], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where pinned memory is impossible")
+def test_pin_memory_that_fails_is_skipped_and_the_batch_still_reaches_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(RuntimeError):  # the premise: this torch cannot pin host memory
+        torch.ones(1).pin_memory()
+    meta = af.data.DataLayout(1, 0, torch.device("meta"), (0,))  # a non-CPU device, so pinning is tried
+    monkeypatch.setattr(af.data.DataLayout, "resolve", staticmethod(lambda mesh: meta))
+    loader = DL({"x": torch.arange(8.0).reshape(4, 2)}, 2, pin_memory=True)
+    batches = list(loader)
+    assert len(batches) == 2 and all(b["x"].is_meta and b["x"].shape == (2, 2) for b in batches)
+
+
+def test_last_batch_is_the_batch_info_of_the_batch_just_yielded() -> None:
+    loader = DL(range(10), 4)
+    assert loader.last_batch is None  # nothing yielded yet
+    infos = []
+    for _ in loader:
+        infos.append(loader.last_batch)
+    # 10 samples in global batches of 4: steps 0, 1, 2; the last one has 2 real samples + 2 wrapped around
+    assert infos == [BatchInfo(0, 0, (4,)), BatchInfo(1, 0, (4,)), BatchInfo(2, 2, (4,))], infos
+    assert all(type(i) is BatchInfo for i in infos)
+    assert (infos[2].step, infos[2].padding, infos[2].sizes) == (2, 2, (4,))
+    it = iter(loader)  # a new epoch forgets the previous one's batch
+    assert loader.last_batch is None
+    next(it)
+    assert loader.last_batch == BatchInfo(0, 0, (4,))
+
+    short = DL(range(10), 4, even_batches=False)
+    assert [tuple(short.last_batch) for _ in short] == [(0, 0, (4,)), (1, 0, (4,)), (2, 0, (2,))]
+    workers = DL(range(10), 4, num_workers=2)  # the info comes back from the worker processes too
+    assert [workers.last_batch for _ in workers] == infos
+
+
+def test_last_batch_after_a_resume_counts_steps_from_the_start_of_the_epoch() -> None:
+    first = DL(range(10), 4)
+    next(iter(first))
+    resumed = DL(range(10), 4)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.last_batch is None
+    assert [resumed.last_batch for _ in resumed] == [BatchInfo(1, 0, (4,)), BatchInfo(2, 2, (4,))]
+
+
+@contextlib.contextmanager
+def pretend_rank(rank: int, world: int, shape: dict[str, int]) -> Iterator[af.Mesh]:
+    """An `af.Mesh` as global rank `rank` of `world` sees it, in this one process (torch's fake process group:
+    no peers, so only what needs no collective is checked)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
+    try:
+        yield af.Mesh(shape, device="cpu")
+    finally:
+        af.mesh.destroy_process_group()
+
+
+def shard_of(shape: dict[str, int], g: int) -> int:
+    """Independent reference: global rank `g`'s coordinates in a row-major mesh (outermost axis first), and
+    the shard they make from the data axes only (in mesh order)."""
+    coords, rest = {}, g
+    for name in reversed(list(shape)):
+        coords[name], rest = rest % shape[name], rest // shape[name]
+    shard = 0
+    for name in shape:
+        if name in ("dp", "fsdp", "dp_replicate", "dp_shard"):
+            shard = shard * shape[name] + coords[name]
+    return shard
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"dp": 2, "tp": 2, "fsdp": 2}, {"tp": 2, "dp": 4}, {"dp": 4, "tp": 2}, {"pp": 2, "tp": 2}],
+    ids=["dp-tp-fsdp", "tp-dp", "dp-tp", "no-data-axis"],
+)
+def test_data_layout_maps_every_global_rank_to_its_shard(shape: dict[str, int]) -> None:
+    world = math.prod(shape.values())
+    expected = tuple(shard_of(shape, g) for g in range(world))
+    size = max(expected) + 1
+    for g in range(world):
+        with pretend_rank(g, world, shape) as mesh:
+            lay = af.data.DataLayout.resolve(mesh)
+            assert lay.data_rank_of == expected, (shape, g, lay)
+            assert (lay.data_size, lay.data_rank, lay.world_size) == (size, expected[g], world)
+            assert lay.first_rank_of_each_shard() == [expected.index(d) for d in range(size)]
+            assert DL(range(4), 1, mesh=mesh).layout == lay
+
+
+def test_each_rank_reads_the_global_rows_of_its_shard_and_last_batch_says_how_many_are_real() -> None:
+    shape, world, n, per_rank = {"dp": 2, "tp": 2, "fsdp": 2}, 8, 37, 2  # 4 shards, global batch of 8
+    padded = list(range(n)) + list(range(-n % 8))  # the last global batch wraps around to the start
+    for g in range(world):
+        d = shard_of(shape, g)
+        with pretend_rank(g, world, shape) as mesh:
+            loader = DL(range(n), per_rank, mesh=mesh)
+            got = lists(loader)
+            assert got == [padded[k + 2 * d : k + 2 * d + 2] for k in range(0, len(padded), 8)], (g, d, got)
+            assert loader.last_batch == BatchInfo(4, 3, (2, 2, 2, 2)), loader.last_batch
+            real = n - 4 * 8  # 5 real samples in the last global batch: shards 0, 1 get 2, shard 2 gets 1
+            assert sum(i >= 32 for i in got[-1]) == min(max(real - 2 * d, 0), 2) == [2, 2, 1, 0][d]
+
+            short = DL(range(n), per_rank, mesh=mesh, even_batches=False)
+            got = lists(short)
+            assert got[:4] == [list(range(k + 2 * d, k + 2 * d + 2)) for k in range(0, 32, 8)], (g, got)
+            if d == 3:  # no share of the 5-sample last batch: 4 batches, the last info is batch 3's
+                assert len(got) == 4 and short.last_batch == BatchInfo(3, 0, (2, 2, 2, 2))
+            else:
+                assert got[4] == list(range(32 + 2 * d, min(34 + 2 * d, n)))
+                assert short.last_batch == BatchInfo(4, 0, (2, 2, 1, 0)), short.last_batch
 
 
 def test_split_batches_in_one_process_keeps_the_whole_batch() -> None:

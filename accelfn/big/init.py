@@ -35,9 +35,17 @@ def init_on_device(device: str | torch.device, include_buffers: bool = False) ->
         if param is not None and param.device != device:
             p = module._parameters[name]
             assert p is not None
-            kwargs: dict[str, Any] = dict(p.__dict__)
-            kwargs["requires_grad"] = p.requires_grad
-            module._parameters[name] = type(p)(p.to(device), **kwargs)
+            attrs: dict[str, Any] = dict(p.__dict__)
+            try:  # subclasses that take their attributes in the constructor (e.g. bitsandbytes' Params4bit)
+                moved = type(p)(p.to(device), requires_grad=p.requires_grad, **attrs)
+            except TypeError:
+                if not attrs:
+                    raise
+                # a plain nn.Parameter with Python attributes set on it (p.no_weight_decay = True): its
+                # constructor takes no such keywords, so the attributes are set afterwards
+                moved = type(p)(p.to(device), requires_grad=p.requires_grad)
+                moved.__dict__.update(attrs)
+            module._parameters[name] = moved
 
     def on_device_buffer(
         module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True

@@ -3,7 +3,6 @@
 import torch
 
 import accelfn as af
-from accelfn.data.plan import epoch_order
 
 mesh = af.Mesh.from_env()
 r, n = mesh.rank, mesh.world_size
@@ -13,6 +12,11 @@ DL = af.data.DataLoader
 
 def lists(loader):
     return [b.tolist() for b in loader]
+
+
+def documented_order(n, seed, epoch):
+    """docs/data.md: the permutation is drawn from `torch.Generator().manual_seed(seed + epoch)`."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -65,9 +69,28 @@ assert runs[0] == runs[1], runs
 both = af.dist.gather_object(runs[0])
 mine, theirs = [i for b in both[0] for i in b], [i for b in both[1] for i in b]
 assert not set(mine) & set(theirs) and sorted(mine + theirs) == list(range(24)), both
-order = epoch_order(24, shuffle=True, seed=7, epoch=0)
+order = documented_order(24, seed=7, epoch=0)
 assert [i for k in range(4) for rank in range(2) for i in both[rank][k]] == order, (both, order)
 assert order != list(range(24))
+
+# every epoch (each new loop): global batch k of the documented permutation, rank r its r-th slice of 3; with
+# 21 samples the last global batch is the permutation's last 3 samples + its first 3 (wrap-around padding)
+for n_samples in (24, 21):
+    loader = DL(range(n_samples), 3, shuffle=True, seed=7)
+    pad = -n_samples % 6  # 21 samples: the last global batch's 3 padded samples are rank 1's whole last batch
+    orders = []
+    for epoch in range(3):
+        got = lists(loader)
+        assert loader.epoch == epoch and loader.padding == pad, (loader.epoch, epoch, loader.padding)
+        order = documented_order(n_samples, seed=7, epoch=epoch)
+        padded = order + order[:pad]
+        want = [padded[k + 3 * r : k + 3 * r + 3] for k in range(0, len(padded), 6)]
+        assert got == want, (epoch, got, order)
+        both = af.dist.gather_object(got)
+        real = [[i for b in both[0] for i in b], [i for b in both[1][: len(both[1]) - pad // 3] for i in b]]
+        assert not set(real[0]) & set(real[1]) and sorted(real[0] + real[1]) == list(range(n_samples)), both
+        orders.append(order)
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2], orders
 
 # ---- mid-epoch state_dict -> a new loader yields exactly the unseen batches ---------------------------------
 full = DL(range(50), 4, shuffle=True, seed=3)

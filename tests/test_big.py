@@ -600,6 +600,7 @@ def test_pipeline_on_two_ranks_equals_one_process():
     proc = run_workers("pipeline_worker.py", 2, timeout=180)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("PIPELINE OK") == 2, output_of(proc)
+    assert proc.stdout.count("PIPELINE GPT-2 OK") == 2, output_of(proc)
 
 
 def test_pipeline_rejects_a_wrong_number_of_split_points():

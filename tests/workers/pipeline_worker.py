@@ -26,6 +26,19 @@ def main() -> None:
             assert out2 is None
         print(f"rank {mesh.rank}: PIPELINE OK max diff {(out - expected).abs().max().item():.2e}", flush=True)
 
+        # a Hugging Face GPT-2 (its KV cache is switched off for tracing): logits equal the plain forward
+        from tests.models import tiny_gpt2
+
+        torch.manual_seed(0)
+        lm = tiny_gpt2().eval()
+        ids = torch.randint(0, 64, (4, 12))
+        with torch.no_grad():
+            want = lm(input_ids=ids).logits
+        logits = af.pipeline(lm, ["transformer.h.1"], mesh, example_args=(ids,), microbatches=2)(ids)
+        assert torch.allclose(logits, want, atol=1e-5), (logits - want).abs().max()
+        assert lm.config.use_cache == tiny_gpt2().config.use_cache  # the user's model is left as it was
+        print(f"rank {mesh.rank}: PIPELINE GPT-2 OK max diff {(logits - want).abs().max().item():.2e}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,9 @@
 
 Reports the first-step (compile) time and the median steady-state step time of: eager `af.train_step`,
 `af.compile(step)`, `af.compile(step, regions="blocks")`, and — as the anchor from FINDINGS.md —
-`torch.compile(model)` by hand with a fused AdamW outside.
+`torch.compile(model)` by hand with a fused AdamW outside. It also prints the ceiling any compiler has
+here: the step's matmul FLOPs (counted with `torch.utils.flop_counter`) at this CPU's measured fp32 GEMM
+rate give the time the matmuls alone take, which compilation cannot shorten.
 """
 
 from __future__ import annotations
@@ -72,6 +74,27 @@ def time_hand_compiled(model, batches, steps):
     return first, statistics.median(times), loss.item()
 
 
+def matmul_floor(model, batches) -> tuple[float, float]:
+    """(matmul GFLOP per step, this CPU's fp32 GEMM rate in GFLOP/s on the step's shapes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = af.train_step(af_loss, af.optim.adamw(1e-3))
+    state = step.init(copy.deepcopy(model))
+    with FlopCounterMode(display=False) as counter:
+        step(state, batches[0])
+    gflop = counter.get_total_flops() / 1e9
+    rates = []
+    for n, k, m in [(1024, 256, 768), (1024, 256, 1024), (1024, 1024, 256), (256, 1024, 1024)]:
+        a, b = torch.randn(n, k), torch.randn(k, m)
+        for _ in range(3):
+            a @ b
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        rates.append(2 * n * k * m * 20 / (time.perf_counter() - t0) / 1e9)
+    return gflop, max(rates)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -90,6 +113,11 @@ def main() -> None:
     print("| runner | first step (compile) s | ms/step (median) | speed-up vs eager |\n|---|---:|---:|---:|")
     for k, (first, med, _) in rows.items():
         print(f"| {k} | {first:.1f} | {med * 1e3:.1f} | {base / med:.2f}x |")
+    gflop, rate = matmul_floor(model, batches)
+    floor = gflop / rate
+    print(f"\nmatmuls: {gflop:.2f} GFLOP per step (attention not counted); best fp32 GEMM rate here on these "
+          f"shapes {rate:.0f} GFLOP/s -> {floor * 1e3:.1f} ms of matmul per step, so no compiler can beat "
+          f"{base / floor:.2f}x eager on this machine (and only if everything else took no time)")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ def destroy_process_group() -> None:
     _current = None
     for mesh in list(_live):
         mesh._mesh = None
+        mesh._data_group = None
     _live.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
@@ -153,6 +154,7 @@ class Mesh:
         self._mesh: DeviceMesh | None = init_device_mesh(
             self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
         )
+        self._data_group: dist.ProcessGroup | None = None
         _live.add(self)
         _current = self
 
@@ -285,6 +287,18 @@ class Mesh:
         for n in self.data_axes:
             index = index * self._shape[n] + self.axis_rank(n)
         return index
+
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The process group over all data axes (the processes that hold replicas of one model shard and
+        read different data), or None when the mesh has no data axis. Collective on first use."""
+        axes = self.data_axes
+        if not axes:
+            return None
+        if len(axes) == 1:
+            return self.group(axes[0])
+        if self._data_group is None:
+            self._data_group = self.submesh(*axes)._flatten().get_group()
+        return self._data_group
 
     def _check_axis(self, name: str) -> str:
         if name not in self._shape:

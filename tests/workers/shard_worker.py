@@ -178,6 +178,12 @@ def check(strategy, extra, mesh):
 
 
 mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
+# the data-parallel group spans every data axis (hsdp: dp x fsdp = all 4 ranks); TE reduces fp8 amax over it
+group = mesh.data_group()
+ones = torch.ones(1)
+dist.all_reduce(ones, group=group)
+assert dist.get_world_size(group) == mesh.data_size and ones.item() == mesh.data_size, (ones, mesh.data_size)
+del group
 for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
     if kind == "fp16skip":

@@ -181,6 +181,19 @@ def test_deepspeed_checkpoints_resume_exactly_and_load_into_ddp(tmp_path):
         for rank in (0, 1):
             assert f"rank {rank}: OK {c}" in proc.stdout, out
 
+    # another world size: the 2-rank ZeRO-3 and scheduled ZeRO-1 checkpoints resume in this one process
+    from tests.workers import deepspeed_ckpt_worker as w
+
+    for name in ("zero3-adamw", "zero1-adamw-schedule"):
+        extra = name.split("-")[1:]
+        whole_step = w.make(extra)
+        whole = w.run(whole_step, whole_step.init(w.model()), w.batches())
+        step = w.make(extra)
+        state = af.checkpoint.load(tmp_path / name, like=step.init(w.model()))
+        assert int(state.step) == w.SPLIT
+        state = w.run(step, state, w.batches()[w.SPLIT :])
+        assert w.max_diff(state.params, whole.params) <= 1e-4, name
+
 
 def test_make_optimizer_matches_the_accelfn_hyperparameters():
     net = torch.nn.Linear(3, 2)

@@ -9,7 +9,6 @@ from torch import nn
 
 import accelfn as af
 
-ROOT, CONFIGS = sys.argv[1], sys.argv[2:]
 STEPS, SPLIT = 5, 3
 
 
@@ -32,7 +31,7 @@ def loss_fn(m, b):
     return af.losses.cross_entropy(m(b["x"]), b["y"])
 
 
-def make(extra, **shard_kw):
+def make(extra, mesh=None, **shard_kw):
     if "offload" in extra and shard_kw.get("backend") == "deepspeed":
         shard_kw["offload_optimizer"] = True
     if "sgd" in extra:
@@ -43,7 +42,7 @@ def make(extra, **shard_kw):
     step = af.train_step(loss_fn, tx, clip_grad_norm=1.0)
     if "bf16" in extra:
         step = af.autocast(step, torch.bfloat16)
-    return af.shard(step, mesh, inputs="global", **shard_kw)
+    return step if mesh is None else af.shard(step, mesh, inputs="global", **shard_kw)
 
 
 def run(step, state, data):
@@ -75,8 +74,8 @@ def update_error(a, ref):
 
 def check(name):
     stage, *extra = name.split(":")
-    ds = lambda: make(extra, backend="deepspeed", zero_stage=int(stage.removeprefix("zero")))  # noqa: E731
-    ddp = lambda: make(extra, strategy="ddp")  # noqa: E731
+    ds = lambda: make(extra, mesh, backend="deepspeed", zero_stage=int(stage.removeprefix("zero")))  # noqa: E731
+    ddp = lambda: make(extra, mesh, strategy="ddp")  # noqa: E731
     data = batches()
     folder = os.path.join(ROOT, name.replace(":", "-"))
 
@@ -114,8 +113,10 @@ def check(name):
           flush=True)  # fmt: skip
 
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-mesh = af.Mesh({"dp": -1}, device="cpu")
-for config in CONFIGS:
-    check(config)
-mesh.close()
+if __name__ == "__main__":
+    ROOT, CONFIGS = sys.argv[1], sys.argv[2:]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    mesh = af.Mesh({"dp": -1}, device="cpu")
+    for config in CONFIGS:
+        check(config)
+    mesh.close()

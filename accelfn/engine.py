@@ -4,8 +4,10 @@
     -> gradient sync (shard) -> normalise by the global count, unscale (fp16), skip on inf
     -> clip -> optimizer update (fused, in place; offloaded if asked) -> new state
 
-Combinators never run code of their own inside a step; they set fields of the `Plan` at lowering time
-(`accelfn.lowering`). Reading this file tells you everything a step does.
+Combinators set fields of the `Plan` at lowering time (`accelfn.lowering`); this file decides when each
+runs. What they plug in runs at fixed places of this pipeline: `grad_sync` (shard), `updater` (offload),
+`after_update` hooks (e.g. torchao's fp8 scale refresh under FSDP), forward contexts (autocast, fp8), and
+`train_override`, with which a backend that owns the whole step (DeepSpeed) replaces `_train`.
 """
 
 from __future__ import annotations
@@ -73,7 +75,15 @@ class Updater(Protocol):
 
 @attrs.frozen
 class LossScaleConfig:
-    """Dynamic loss scaling for fp16 (same defaults as `torch.amp.GradScaler`)."""
+    """Dynamic loss scaling for fp16 (same defaults as `torch.amp.GradScaler`).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> cfg = af.LossScaleConfig(init_scale=1024.0, growth_interval=100)
+        >>> base = af.train_step(lambda m, b: m(b).float().sum(), af.optim.sgd(0.1))
+        >>> af.autocast(base, "fp16", loss_scale=cfg).init(torch.nn.Linear(2, 1)).extra["loss_scale"]["scale"].item()
+        1024.0
+    """
 
     init_scale: float = 2.0**16
     growth_factor: float = 2.0

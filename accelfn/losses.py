@@ -23,7 +23,13 @@ __all__ = ["Loss", "cross_entropy", "mse"]
 
 
 class Loss(NamedTuple):
-    """A loss as `total` (sum over elements) and `count` (number of elements); `mean()` is their ratio."""
+    """A loss as `total` (sum over elements) and `count` (number of elements); `mean()` is their ratio.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> af.Loss(torch.tensor(6.0), torch.tensor(4)).mean().item()
+        1.5
+    """
 
     total: torch.Tensor
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count

@@ -8,6 +8,8 @@ The order of model rewrites is fixed, as in torchtitan's `parallelize`:
     fp8 layer swap (10) -> tensor parallel (20) -> activation checkpointing (30)
         -> compile regions (40) -> FSDP/DDP wrapping (50) -> offload (60)
 
+(20 and 30 are reserved places in the order: no combinator uses them yet.)
+
 Run-time settings (accumulate, autocast) have no model rewrite and come first (order < 10). Before
 anything runs, every transform checks the others and raises `CompositionError` naming both sides of an
 impossible combination (e.g. fp16 autocast with fp8).
@@ -37,7 +39,17 @@ ORDER = {
 
 
 class CompositionError(ValueError):
-    """Two combinators cannot be used together (the message names both)."""
+    """Two combinators cannot be used together (the message names both).
+
+    Example:
+        >>> import accelfn as af
+        >>> base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+        >>> try:
+        ...     af.autocast(af.autocast(base, "bf16"), "fp16")
+        ... except af.CompositionError as e:
+        ...     print(e)
+        autocast(float16) and autocast(bfloat16): each combinator may be applied once
+    """
 
 
 @runtime_checkable

@@ -56,7 +56,14 @@ def slots_of(module: nn.Module) -> Slots:
 
 
 def partition(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """`(params, buffers)`: the module's own tensors by dotted name (tied ones once)."""
+    """`(params, buffers)`: the module's own tensors by dotted name (tied ones once).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> params, buffers = af.partition(torch.nn.BatchNorm1d(4))
+        >>> sorted(params), sorted(buffers)
+        (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
+    """
     return dict(module.named_parameters()), dict(module.named_buffers())
 
 
@@ -94,6 +101,14 @@ def bind(
 
     Tensors that are not `nn.Parameter` are wrapped (sharing storage), so the returned dict may hold new
     objects; use it as the state's params. Cheap when the tensors are already bound.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> net = torch.nn.Linear(2, 2)
+        >>> params, buffers = af.partition(net)
+        >>> new = af.bind(net, {k: torch.zeros_like(v) for k, v in params.items()}, buffers)
+        >>> net.weight.abs().sum().item(), net.weight is new["weight"]
+        (0.0, True)
     """
     slots = slots or slots_of(module)
     if _is_bound(params, slots.params, "_parameters") and _is_bound(buffers, slots.buffers, "_buffers"):

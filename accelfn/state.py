@@ -30,6 +30,12 @@ _FIELDS = ("step", "params", "buffers", "opt_state", "rng", "extra")
 class TrainState:
     """The training state: step counter, params and buffers (dotted module names -> tensors, as
     `named_parameters()` / `named_buffers()`), optimizer state, RNG key and `extra` (loss scaler, fp8 state).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 1))
+        >>> int(state.step), sorted(state.params), state.replace(step=state.step + 1).step.item()
+        (0, ['bias', 'weight'], 1)
     """
 
     step: torch.Tensor

@@ -41,6 +41,14 @@ class Step:
 
     `init(model, seed=0)` lowers the step for `model` and returns the initial `TrainState`; calling the
     step runs it. Combinators return new `Step`s; the original is left unchanged.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> step = af.accumulate(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), 2)
+        >>> state = step.init(torch.nn.Linear(3, 1), seed=0)
+        >>> state, metrics = step(state, torch.randn(4, 3))
+        >>> int(state.step), sorted(metrics)
+        (1, ['loss', 'lr'])
     """
 
     def __init__(
@@ -164,6 +172,15 @@ def train_step(
     `loss_fn` returns a scalar tensor (mean over its batch), an `af.Loss(total, count)`, or
     `(loss, aux_dict)`; `aux` tensors are added to the metrics. With `donate=False` the input state stays
     valid after the call (at the cost of a copy).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> loss_fn = lambda m, b: af.losses.mse(m(b["x"]), b["y"])
+        >>> step = af.train_step(loss_fn, af.optim.adamw(1e-3), clip_grad_norm=1.0)
+        >>> state = step.init(torch.nn.Linear(3, 1))
+        >>> state, metrics = step(state, {"x": torch.randn(8, 3), "y": torch.randn(8, 1)})
+        >>> sorted(metrics)
+        ['grad_norm', 'loss', 'lr']
     """
     if clip_grad_norm is not None and clip_grad_norm <= 0:
         raise ValueError(f"train_step: clip_grad_norm must be > 0, got {clip_grad_norm}")
@@ -175,5 +192,14 @@ def eval_step(fn: Callable[..., Any]) -> Step:
     """An evaluation step: `fn(model, batch) -> outputs`, run in eval mode without gradients.
 
     Calling it returns `fn`'s outputs; the state is not changed.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> train = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+        >>> state = train.init(torch.nn.Linear(3, 2))
+        >>> evaluate = af.eval_step(lambda m, b: m(b).argmax(-1))
+        >>> _ = evaluate.init(train.model)
+        >>> evaluate(state, torch.randn(5, 3)).shape
+        torch.Size([5])
     """
     return Step("eval", fn)

@@ -3,7 +3,7 @@
     python benchmarks/compile_speedup.py [--steps 20]
 
 Reports the first-step (compile) time and the median steady-state step time of: eager `af.train_step`,
-`af.compile(step)`, `af.compile(step, regions="blocks")`, and — as the anchor from FINDINGS.md —
+`af.compile(step)`, `af.compile(step, regions="blocks")`, and — as the baseline the design measured —
 `torch.compile(model)` by hand with a fused AdamW outside. It also prints the ceiling any compiler has
 here: the step's matmul FLOPs (counted with `torch.utils.flop_counter`) at this CPU's measured fp32 GEMM
 rate give the time the matmuls alone take, which compilation cannot shorten.

@@ -66,7 +66,7 @@ def commands(script: str, count: str) -> dict[str, list[str]]:
     if accelerate:
         quiet = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         # accelerate 1.15 refuses --multi_gpu together with --cpu; without --cpu, on a machine with no GPU,
-        # --multi_gpu runs the processes on CPU; --cpu alone silently runs one process (see FINDINGS.md).
+        # --multi_gpu runs the processes on CPU; --cpu alone silently runs one process (accelerate 1.15).
         cmds["accelerate launch --multi_gpu --num_processes 2 --cpu"] = [
             accelerate,
             "launch",

@@ -7,7 +7,7 @@ a model into stages over processes.
 """
 
 from .device_map import infer_device_map
-from .dispatch import cpu_offload, dispatch, load_and_dispatch
+from .dispatch import MissingWeightsError, cpu_offload, dispatch, load_and_dispatch
 from .hooks import remove_hooks
 from .init import init_empty, init_on_device
 from .memory import format_size, parse_max_memory, parse_size
@@ -25,4 +25,5 @@ __all__ = [
     "parse_size",
     "parse_max_memory",
     "format_size",
+    "MissingWeightsError",
 ]

@@ -62,7 +62,7 @@ def pipeline(
     mb_args = tuple(x.chunk(microbatches)[0] if isinstance(x, torch.Tensor) else x for x in example_args)
     # tracing wraps the split modules' forward in place: trace a copy so the model can be traced again
     traced = copy.deepcopy(model)
-    config = getattr(traced, "config", None)
+    config: Any = getattr(traced, "config", None)
     if getattr(config, "use_cache", False):  # a Hugging Face KV cache does not trace (nor serve microbatches)
         config.use_cache = False
     pipe = trace(traced, mb_args=mb_args, split_spec={p: SplitPoint.BEGINNING for p in split_points})

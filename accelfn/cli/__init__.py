@@ -1,1 +1,2 @@
-"""The ``accelfn`` command line: ``config``, ``env``, ``test``, ``launch`` (one module per command)."""
+"""The ``accelfn`` command line: ``config``, ``env``, ``test``, ``launch``, ``estimate-memory`` (one module per
+command)."""

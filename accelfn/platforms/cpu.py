@@ -38,7 +38,7 @@ class CpuPlatform(Platform):
 
     def overlaps_communication(self) -> bool:
         # Measured (benchmarks/ddp_scaling.py, 2 processes on 2 cores): all-reducing after the backward pass
-        # is ~7% faster than overlapping, since gloo's threads compete with the backward for the cores.
+        # is 1-7% faster than overlapping (two runs), since gloo's threads compete with the backward for the cores.
         return False
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:

@@ -51,6 +51,13 @@ def accumulate(step: Step, microbatches: int, *, uneven: bool = False) -> Step:
 
     A batch whose size is not divisible by `microbatches` is an error, unless `uneven=True`, which splits
     it as evenly as possible and weights each part by its count (or its number of rows for mean losses).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> step = af.accumulate(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), 4)
+        >>> state, metrics = step(step.init(torch.nn.Linear(3, 1)), torch.randn(8, 3))  # 4 micro-batches of 2
+        >>> int(state.step)
+        1
     """
     if microbatches < 1:
         raise ValueError(f"accumulate: microbatches must be >= 1, got {microbatches}")

@@ -88,6 +88,11 @@ def autocast(step: Step, dtype: torch.dtype | str = "auto", *, loss_scale: LossS
     """Run the forward in `dtype` (torch.bfloat16 / torch.float16, or "bf16"/"fp16"/"no"/"auto").
 
     `"auto"` follows `accelfn launch --mixed-precision` (`fp8` there also adds `af.autocast_fp8`).
+
+    Example:
+        >>> import accelfn as af
+        >>> af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.adamw(1e-3)), "bf16")
+        Step(train_step(<lambda>) -> autocast(bfloat16))
     """
     resolved = _resolve(dtype)
     if dtype == "auto" and os.environ.get(MIXED_PRECISION_ENV) == "fp8":

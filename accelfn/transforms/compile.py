@@ -103,7 +103,13 @@ class Compile(TransformBase):
 
 @checked
 def compile(step: Step, *, regions: str | None = None, **torch_compile_kwargs: Any) -> Step:  # noqa: A001
-    """Compile the step with `torch.compile(**torch_compile_kwargs)`; `regions="blocks"` compiles per block."""
+    """Compile the step with `torch.compile(**torch_compile_kwargs)`; `regions="blocks"` compiles per block.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.compile(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), regions="blocks")
+        Step(train_step(<lambda>) -> compile(regions='blocks'))
+    """
     if regions not in (None, "blocks"):
         raise ValueError(f"compile: regions must be None or 'blocks', got {regions!r}")
     return step.with_transform(Compile(tuple(sorted(torch_compile_kwargs.items())), regions))

@@ -127,7 +127,14 @@ class Offload(TransformBase):
 
 @checked
 def offload(step: Step, *, optimizer_state: bool = True, params: bool = False) -> Step:
-    """Keep the optimizer state (and with `params=True` fp32 master params) in host memory between steps."""
+    """Keep the optimizer state (and with `params=True` fp32 master params) in host memory between steps.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> step = af.offload(af.train_step(lambda m, b: m(b).sum(), af.optim.adamw(1e-3)), params=True)
+        >>> sorted(step.init(torch.nn.Linear(2, 2)).extra["offload_master"])
+        ['bias', 'weight']
+    """
     if not optimizer_state:
         raise ValueError(
             "offload: optimizer_state=False is not supported: the update runs in host memory, so the optimizer "

@@ -2,10 +2,11 @@
 
 - `backend="torchao"`: eligible `nn.Linear` layers (both dims divisible by 16; the first and last Linear
   kept in high precision unless `module_filter` says otherwise) become torchao `Float8Linear`; recipes
-  `"tensorwise"` (default), `"rowwise"`, `"rowwise_with_gw_hp"`. Needs FP8 hardware (H100 class), or
-  `emulate=True` for CPU tests.
+  `"tensorwise"` (default), `"rowwise"`, `"rowwise_with_gw_hp"`. Needs FP8 hardware (an NVIDIA GPU of
+  compute capability 8.9+: Ada, Hopper, Blackwell), or `emulate=True` for CPU tests.
 - `backend="te"`: `nn.Linear` -> `transformer_engine.pytorch.Linear`, the forward under
-  `te.fp8_autocast` with a `DelayedScaling` recipe (amax reduced over the data-parallel group); TE's
+  `te.fp8_autocast` with a `DelayedScaling` recipe (default, `recipe="delayed"`) or current scaling
+  (`recipe="current"`), amax reduced over the mesh's data-parallel group under `af.shard`; TE's
   scaling state travels in `state.extra["te_fp8"]`. NVIDIA only; imported lazily.
 - `backend="auto"`: TE when installed on an FP8-capable GPU, else torchao; `repr(step)` says which.
 
@@ -138,7 +139,17 @@ def autocast_fp8(
     module_filter: Callable[..., Any] | None = None,
     emulate: bool = False,
 ) -> Step:
-    """Train eligible Linear layers in FP8 (see the module docs for backends and recipes)."""
+    """Train eligible Linear layers in FP8 (see the module docs for backends and recipes).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+        >>> base = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+        >>> step = af.autocast_fp8(base, backend="torchao", emulate=True)  # emulate: no FP8 hardware here
+        >>> _ = step.init(net)
+        >>> [type(m).__name__ for m in step.model]  # the first and last Linear stay in high precision
+        ['Linear', 'Float8Linear', 'Linear']
+    """
     if backend not in BACKENDS:
         raise ValueError(f"autocast_fp8: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torchao" and recipe is not None and recipe not in RECIPES:

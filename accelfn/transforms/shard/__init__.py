@@ -108,6 +108,14 @@ def shard(
     with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
     ("ddp" -> 1, "fsdp" -> 3); `offload_optimizer=True` keeps the optimizer state and update on the CPU
     (ZeRO-Offload, with DeepSpeedCPUAdam).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> with af.Mesh({"dp": -1}, device="cpu") as mesh:  # 1 process here; N under `accelfn launch`
+        ...     step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh)
+        ...     state, metrics = step(step.init(torch.nn.Linear(3, 1)), torch.randn(4, 3))
+        >>> int(state.step)
+        1
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {strategy!r}")

@@ -17,6 +17,8 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
+        "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
+        "ddp:bn",                                                       # BatchNorm buffers as torch DDP
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)
@@ -24,7 +26,8 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
     for c in configs:
         strategy, model, *extra = c.split(":")
         expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy",
-                    "fp8": "OK fsdp fp8"}.get(  # fmt: skip
+                    "fp8": "OK fsdp fp8", "moe": f"OK ddp moe overlap={'overlap' in extra}",
+                    "bn": "OK ddp bn-buffers"}.get(  # fmt: skip
             model, f"OK {strategy} {model} {sorted(extra)}"
         )
         for rank in (0, 1):

@@ -2,10 +2,14 @@
 
 Buckets of about `bucket_mb` are formed over the trainable parameters in reverse registration order (the
 order in which their gradients become ready, as in torch DDP). A post-accumulate-grad hook launches a
-bucket's asynchronous all-reduce as soon as its last gradient is ready — during the backward pass of the
-step's last micro-batch only, so `af.accumulate` still syncs once per call. The loss sum and the count
-meet in one more tiny all-reduce; buckets whose hooks did not fire (unused parameters, or params rebound
-after a checkpoint load) are reduced after the backward pass.
+bucket's asynchronous all-reduce once its last gradient is ready and all earlier buckets have been
+launched — during the backward pass of the step's last micro-batch only, so `af.accumulate` still syncs
+once per call. Buckets are always launched in index order on every rank, whatever gradients a rank's
+backward produced: buckets whose hooks did not fire (parameters this rank did not use, e.g. another
+expert of a mixture of experts, or params rebound after a checkpoint load) are launched after the backward
+pass, in order, and the loss sum and the count meet in one more tiny all-reduce after all buckets. As in
+torch DDP (`broadcast_buffers=True`), buffers (e.g. BatchNorm statistics) are broadcast from the group's
+first rank before each step's forward, so all replicas run and save the same ones.
 """
 
 from __future__ import annotations
@@ -47,11 +51,14 @@ class DDPSync:
     bucket_of: dict[int, _Bucket] = attrs.Factory(dict)
     hooked: dict[str, int] = attrs.Factory(dict)  # name -> id of the Parameter object carrying our hook
     armed: bool = False
+    next_launch: int = 0  # buckets launch strictly in index order (the same collective order on every rank)
+    module: nn.Module | None = None  # whose buffers are broadcast before each step
     overlapped: int = 0  # buckets launched during a backward pass so far (a statistic)
     params: dict[str, torch.Tensor] = attrs.Factory(dict)  # the bound params of the current step
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def build(self, module: nn.Module, trainable: tuple[str, ...]) -> None:
+        self.module = module
         params = dict(module.named_parameters())
         order = {n: i for i, n in enumerate(trainable)}
         current: list[str] = []
@@ -90,8 +97,12 @@ class DDPSync:
         if bucket is None:
             return
         bucket.ready += 1
-        if bucket.ready == len(bucket.names):
-            self._launch(bucket, None)
+        while self.next_launch < len(self.buckets):
+            head = self.buckets[self.next_launch]
+            if head.ready < len(head.names):
+                return
+            self._launch(head, None)
+            self.next_launch += 1
             self.overlapped += 1
 
     def _launch(self, bucket: _Bucket, grads: list[torch.Tensor] | None) -> None:
@@ -117,15 +128,26 @@ class DDPSync:
         self.hook(params)
         for b in self.buckets:
             b.ready, b.flat, b.work = 0, None, None
+        self.next_launch = 0
+        buffers = [b for b in self.module.buffers()] if self.module is not None else []
+        if buffers and dist.get_world_size(self.group) > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+            dist.broadcast(flat, src=src, group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for b in buffers:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        for bucket in self.buckets[self.next_launch :]:  # not launched during the backward, in index order
+            self._launch(bucket, grads)
+        self.next_launch = len(self.buckets)
         scalars = torch.stack([loss_sum.detach().float().reshape(()), count.detach().float().reshape(())])
         scalar_work = dist.all_reduce(scalars, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket, grads)
         for bucket in self.buckets:
             bucket.work.wait()
             offset = 0
@@ -146,20 +168,12 @@ class DDPSync:
         return mean_metrics(values, self.group)
 
 
-def _data_group(shard: Shard) -> dist.ProcessGroup | None:
-    mesh = shard.mesh
-    axes = mesh.data_axes
-    if len(axes) == 1:
-        return mesh.group(axes[0])
-    return mesh.submesh(*axes)._flatten().get_group()
-
-
 def lower_ddp(shard: Shard, plan: Plan) -> None:
     from ...module import slots_of
 
     mesh = shard.mesh
     plan.module.to(mesh.device)
-    group = _data_group(shard)
+    group = mesh.data_group()
     broadcast_from_first(plan.module, group)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)

@@ -53,6 +53,7 @@ class GradSync(Protocol):
         ...
 
     # Optional: `any_rank(flag) -> flag`, the maximum of a 0-d flag over the ranks (sharded gradients);
+    # `max_over_ranks(x) -> x`, the maximum of a 0-d tensor over the data-parallel ranks;
     # `microbatch(last) -> context manager`; `prepare(params)` before the backward passes.
 
 
@@ -202,6 +203,12 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     loss_sum: torch.Tensor | None = None
     count_sum: torch.Tensor | None = None
     aux_sum: dict[str, Any] = {}
+    # fp16 without a local count to divide by (sums of micro-batches / ranks): the backward runs on
+    # `total * scale / norm`, with `norm` the first micro-batch's count times the number of micro-batches,
+    # agreed over the ranks (the same constant everywhere): the effective scale of each micro-batch's mean is
+    # about `scale / n_micro`, as with torch's GradScaler and a loss divided by the accumulation steps, and
+    # unscaling stays exact
+    norm: torch.Tensor | None = None
     for i, mb in enumerate(micro):
         key = step_key if len(micro) == 1 else _random.fold_in(step_key, i)
         with _random.seeded(key, plan.devices), plan.forward_context():
@@ -223,7 +230,13 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             loss_sum = total.detach() if loss_sum is None else loss_sum + total.detach()
             count_sum = count.detach() if count_sum is None else count_sum + count.detach()
         if scaler is not None:
-            objective = objective * scaler["scale"].to(objective.device)
+            if not exact and norm is None:
+                assert count is not None
+                norm = count.detach().float().clamp_min(1).reshape(()) * len(micro)
+                agree = getattr(plan.grad_sync, "max_over_ranks", None)
+                norm = agree(norm) if agree is not None else norm
+            scale = scaler["scale"].to(objective.device)
+            objective = objective * (scale / norm.to(objective.device) if norm is not None else scale)
         microbatch = getattr(plan.grad_sync, "microbatch", None)
         with microbatch(i == len(micro) - 1) if microbatch is not None else contextlib.nullcontext():
             objective.backward()
@@ -255,7 +268,8 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     if scaler is not None:
         inv_scale = (1.0 / scaler["scale"]).to(g_leaves[0].device, torch.float32)
         if inv is not None:
-            inv_scale = inv_scale * inv.to(inv_scale)
+            assert norm is not None
+            inv_scale = inv_scale * (inv * norm.to(inv)).to(inv_scale)
         found_inf = torch.zeros((), device=g_leaves[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_([_local(g) for g in g_leaves], found_inf, inv_scale)
         any_rank = getattr(plan.grad_sync, "any_rank", None)

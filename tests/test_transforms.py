@@ -691,6 +691,45 @@ def test_pairs_and_triples_with_shard_give_the_same_result_in_both_orders_on_two
     assert proc.stdout.count("OK shard") == 2 * 10, out
 
 
+@pytest.mark.parametrize("wrap", ["accumulate", "shard"])
+def test_fp16_loss_scale_under_accumulate_and_shard_follows_grad_scaler(wrap):
+    # Without a local count to divide by before the backward (micro-batches, ranks), the scaled objective
+    # is a sum: it must still be normalised, or the effective scale is `scale * count` and fp16 gradients
+    # overflow step after step. Reference: torch's GradScaler with the loss divided by the accumulation steps.
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(512, 4, generator=g), torch.randn(512, 4, generator=g)) for _ in range(30)]
+    cfg = af.LossScaleConfig(growth_interval=5)
+    step = af.autocast(af.train_step(lambda m, b: af.losses.mse(m(b[0]).float(), b[1]), af.optim.adam(1e-3)),
+                       torch.float16, loss_scale=cfg)  # fmt: skip
+    mesh = af.Mesh({"dp": -1}, device="cpu") if wrap == "shard" else None
+    step = af.accumulate(step, 2) if wrap == "accumulate" else af.shard(step, mesh)
+    state, skipped = step.init(net()), 0
+    for b in data:
+        state, m = step(state, b)
+        skipped += int(m["skipped"])
+    if mesh is not None:
+        mesh.close()
+    ref, parts = net(), 2 if wrap == "accumulate" else 1
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    scaler, ref_skipped = torch.amp.GradScaler("cpu", growth_interval=5), 0
+    for x, y in data:
+        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(ref(xs).float(), ys) / parts
+            scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_skipped += scaler.get_scale() < before
+    assert (skipped, state.extra["loss_scale"]["scale"].item()) == (ref_skipped, scaler.get_scale())
+    assert max_diff(state.params, dict(ref.named_parameters())) <= 1e-3
+
+
 def test_fp16_loss_scale_is_checkpointed_with_the_state(tmp_path):
     cfg = af.LossScaleConfig(init_scale=8.0, growth_interval=2)
     make = lambda: af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)),  # noqa: E731

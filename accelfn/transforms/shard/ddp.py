@@ -129,16 +129,16 @@ class DDPSync:
         for b in self.buckets:
             b.ready, b.flat, b.work = 0, None, None
         self.next_launch = 0
-        buffers = [b for b in self.module.buffers()] if self.module is not None else []
+        buffers = list(self.module.buffers()) if self.module is not None else []
         if buffers and dist.get_world_size(self.group) > 1:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+            flat = torch.cat([buf.detach().reshape(-1).to(torch.float64) for buf in buffers])
             dist.broadcast(flat, src=src, group=self.group)
             offset = 0
             with torch.no_grad():
-                for b in buffers:
-                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+                for buf in buffers:
+                    buf.copy_(flat[offset : offset + buf.numel()].view_as(buf))
+                    offset += buf.numel()
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
@@ -163,6 +163,11 @@ class DDPSync:
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_norm(grads)  # gradients are identical on every rank after the sum
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.group)

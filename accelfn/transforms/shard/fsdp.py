@@ -60,9 +60,12 @@ class FSDPSync:
         return mean_metrics(values, self.data_group)
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
-        flag = flag.clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.data_group)
-        return flag
+        return self.max_over_ranks(flag)
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.data_group)
+        return x
 
 
 def lower_fsdp(shard: Shard, plan: Plan) -> None:

@@ -127,6 +127,9 @@ class Plan:
         self.slots = slots_of(self.module)
         tensors = [*self.module.parameters(), *self.module.buffers()]
         self.devices = sorted({t.device for t in tensors}, key=str)
+        if self.autocast_dtype is not None:  # autocast where the (lowered, possibly moved) model computes
+            kinds = {d.type for d in self.devices} - {"meta", "cpu"}
+            self.autocast_device_type = kinds.pop() if len(kinds) == 1 else "cpu"
         if self.loss_call is None:
             self.loss_call = self.fn
         if self.kind == "train":

@@ -111,3 +111,17 @@ def test_compile_on_cuda_matches_eager():
         s1, m1 = eager(s1, b)
         s2, m2 = compiled(s2, b)
         assert m1["loss"].item() == pytest.approx(m2["loss"].item(), abs=1e-4)
+
+
+def test_autocast_under_shard_autocasts_on_the_gpu_when_the_model_starts_on_the_cpu():
+    # autocast is lowered before shard moves the model to the GPU: the device type must be read afterwards
+    with af.Mesh({"dp": -1}, device="cuda") as mesh:
+        step = af.shard(af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.adamw(1e-3)),
+                                    torch.bfloat16), mesh)  # fmt: skip
+        seen = []
+        model = nn.Linear(64, 64)
+        model.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        state = step.init(model)  # on the CPU until shard moves it
+        assert step.plan.autocast_device_type == "cuda"
+        step(state, torch.randn(8, 64))
+        assert seen == [torch.bfloat16]

@@ -56,8 +56,7 @@ class Autocast(TransformBase):
             raise conflict(self, fp8, "FP8 training needs bf16 (or fp32) for the rest of the model, not fp16")
 
     def lower(self, plan: Plan) -> None:
-        device_types = {p.device.type for p in plan.module.parameters()} - {"meta"}
-        plan.autocast_device_type = device_types.pop() if len(device_types) == 1 else "cpu"
+        # the device type is read in `Plan.finalize`, after `shard` has moved the model to its device
         plan.autocast_dtype = self.dtype
         if self.dtype == torch.float16 and plan.kind == "train":
             plan.loss_scale = self.loss_scale or LossScaleConfig()

@@ -147,6 +147,27 @@ def test_save_pretrained_from_a_train_state_is_loadable_by_transformers(tmp_path
     assert again.lm_head.weight is again.transformer.wte.weight
 
 
+def test_save_pretrained_keeps_the_other_files_of_a_model_folder(tmp_path):
+    # Re-saving into a Hugging Face model folder replaces the weights, not the tokenizer or README beside them
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64)
+    folder = tmp_path / "model"
+    af.checkpoint.save_pretrained(folder, net, config={"model_type": "toy"}, max_shard_size="10KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "README.md").write_text("# my model")
+    (folder / "assets").mkdir()
+    (folder / "assets" / "vocab.txt").write_text("a b c")
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    af.checkpoint.save_pretrained(folder, net, config={"model_type": "toy"})  # one file now: old shards go
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md", "assets", "config.json", "model.safetensors", "tokenizer.json"]  # fmt: skip
+    assert (folder / "README.md").read_text() == "# my model" and (folder / "assets" / "vocab.txt").exists()
+    loaded = af.checkpoint.load_pretrained(folder, like=dict(torch.nn.Linear(64, 64).named_parameters()))
+    assert torch.equal(loaded["weight"], net.weight)
+
+
 def test_load_pretrained_reads_a_sharded_checkpoint_written_by_transformers(tmp_path):
     ref = tiny_llama()
     ref.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

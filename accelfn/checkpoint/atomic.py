@@ -21,6 +21,7 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .io import fsync_path
@@ -99,6 +100,29 @@ def check_replaceable(final: Path, markers: tuple[str, ...]) -> None:
             f"'{final}' exists and is not a checkpoint (it has none of {list(markers)}); "
             "refusing to replace it: choose another path or remove it"
         )
+
+
+def carry_over(final: Path, tmp: Path, replaced: Callable[[str], bool]) -> None:
+    """Before `commit(tmp, final)`: hard-link (or copy) into `tmp` every entry of an existing `final` that
+    the new save neither writes nor `replaced` names (e.g. a tokenizer beside model weights), so that
+    replacing the folder keeps them."""
+    if not final.is_dir():
+        return
+    for entry in final.iterdir():
+        dest = tmp / entry.name
+        if dest.exists() or replaced(entry.name) or is_hidden(entry.name):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, dest, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(dest))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def clean_stale(final: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ def save_pretrained(
 
     Takes a module (its `state_dict`), a `TrainState` (its params) or a dict. The `config` (default: the
     module's `.config`, as transformers models have) is written beside the weights. Call on every rank.
+    Saving into an existing model folder replaces the weights (and config) atomically and keeps the other
+    files there (tokenizer, README, ...).
     """
     size = parse_size(max_shard_size)
     named = _named_tensors(model_or_params)
@@ -98,8 +101,15 @@ def save_pretrained(
             else:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2))
             io.fsync_path(tmp / "config.json")
+        # the folder is replaced as a whole; what else it holds (tokenizer, README, ...) stays
+        atomic.carry_over(final, tmp, _is_weight_file)
         atomic.commit(tmp, final)
     comm.barrier()
+
+
+def _is_weight_file(name: str) -> bool:
+    """Files a previous `save_pretrained` wrote that the new one replaces (its weights and their index)."""
+    return name == HF_INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name) is not None
 
 
 def _weight_files(folder: Path) -> list[Path]:

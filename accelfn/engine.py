@@ -190,6 +190,7 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
     params = bind(module, state.params, state.buffers, slots)
+    _check_trainable(params, slots.trainable)
     prepare = getattr(plan.grad_sync, "prepare", None)
     if prepare is not None:
         prepare(params)
@@ -223,7 +224,7 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
                 "the module it receives (not another copy of the network)"
             )
         if exact:
-            objective = total / count if count is not None else total
+            objective = total / count.clamp_min(1) if count is not None else total  # no valid element: 0
             loss_sum, count_sum = objective.detach(), None
         else:
             if count is None:  # a mean over this micro-batch: weight it by its size
@@ -412,6 +413,7 @@ def loss_parts(out: Any) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, A
     aux: dict[str, Any] = {}
     if isinstance(out, tuple) and not isinstance(out, Loss) and len(out) == 2 and isinstance(out[1], dict):
         out, aux = out
+        aux = {k: _metric(k, v) for k, v in aux.items()}
     if isinstance(out, Loss):
         total, count = out.total, out.count
         if not isinstance(total, torch.Tensor) or total.numel() != 1:
@@ -430,6 +432,38 @@ def loss_parts(out: Any) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, A
     raise TypeError(
         f"loss_fn returned {_describe(out)}; expected a scalar tensor, an af.Loss(total, count), "
         "or (loss, aux_dict)"
+    )
+
+
+def _metric(key: str, value: Any) -> torch.Tensor:
+    """An aux value as a 0-d tensor (metrics are averaged over micro-batches and ranks, so scalars only)."""
+    if isinstance(value, bool | int | float):
+        return torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"aux[{key!r}] is a {type(value).__name__}; aux values must be scalar tensors or numbers")
+    if value.numel() != 1:
+        raise ValueError(
+            f"aux[{key!r}] has shape {tuple(value.shape)}; aux values are metrics, averaged over micro-batches "
+            "and ranks, so they must be scalars: reduce it (e.g. .mean()), or compute per-example outputs with "
+            "an af.eval_step"
+        )
+    return value.reshape(())
+
+
+def _check_trainable(params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
+    """The params that train are fixed at `step.init` (the optimizer state is built for them)."""
+    if all(params[n].requires_grad for n in trainable) and sum(p.requires_grad for p in params.values()) == len(
+        trainable
+    ):
+        return
+    frozen = [n for n in trainable if not params[n].requires_grad]
+    thawed = [n for n, p in params.items() if p.requires_grad and n not in set(trainable)]
+    what = f"frozen after step.init(): {frozen[:3]}" if frozen else f"unfrozen after step.init(): {thawed[:3]}"
+    raise ValueError(
+        f"params {what}. The trainable params (and the optimizer state built for them) are fixed when a step is "
+        "initialised: set requires_grad before step.init() (a new step.init(step.model) starts from the current "
+        "weights with a fresh optimizer state), or keep them trainable and leave them out of the update with "
+        "af.optim.masked"
     )
 
 

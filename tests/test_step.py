@@ -430,3 +430,53 @@ def test_optim_identity_in_a_chain_trains_like_the_optimizer_alone():
         s2, _ = alone(s2, b)
     for k in s2.params:
         torch.testing.assert_close(s1.params[k], s2.params[k], rtol=0, atol=1e-7)
+
+
+# ---- the trainable set, metrics, empty batches -------------------------------------------------------------
+def test_changing_requires_grad_after_init_is_a_clear_error():
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(0.1))
+    state = step.init(MLP())
+    step.model.fc1.weight.requires_grad_(False)  # frozen mid-training: Adam would move it by momentum
+    with pytest.raises(ValueError, match=r"frozen after step.init\(\): \['fc1.weight'\]"):
+        step(state, torch.randn(4, 8))
+    step.model.fc1.weight.requires_grad_(True)
+    frozen = MLP()
+    frozen.fc2.bias.requires_grad_(False)
+    step2 = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(0.1))
+    state2 = step2.init(frozen)
+    step2.model.fc2.bias.requires_grad_(True)  # unfrozen: it would get gradients but never an update
+    with pytest.raises(ValueError, match=r"unfrozen after step.init\(\): \['fc2.bias'\]"):
+        step2(state2, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_aux_metrics_are_scalars_and_numbers_are_accepted(micro):
+    def loss_fn(m, b):
+        out = m(b)
+        return out.pow(2).mean(), {"pred": out.detach(), "acc": 0.5}
+
+    step = af.train_step(loss_fn, af.optim.sgd(0.1))
+    step = af.accumulate(step, micro) if micro > 1 else step
+    state = step.init(MLP())
+    with pytest.raises(ValueError, match=r"aux\['pred'\] has shape \(\d+, 4\); aux values are metrics"):
+        step(state, torch.randn(4, 8))
+    scalar = af.train_step(lambda m, b: (m(b).pow(2).mean(), {"acc": 0.5, "n": torch.tensor([3.0])}),
+                           af.optim.sgd(0.1))  # fmt: skip
+    scalar = af.accumulate(scalar, micro) if micro > 1 else scalar
+    _, metrics = scalar(scalar.init(MLP()), torch.randn(4, 8))
+    assert metrics["acc"].item() == 0.5 and metrics["n"].item() == 3.0 and metrics["n"].dim() == 0
+    with pytest.raises(TypeError, match=r"aux\['name'\] is a str"):
+        bad = af.train_step(lambda m, b: (m(b).pow(2).mean(), {"name": "x"}), af.optim.sgd(0.1))
+        bad(bad.init(MLP()), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_batch_with_no_valid_label_gives_zero_loss_and_no_update(micro):
+    # all labels ignored: count 0. Was NaN (0/0) in the one-micro-batch path, poisoning the params.
+    step = af.train_step(lambda m, b: af.losses.cross_entropy(m(b["x"]), b["y"]), af.optim.sgd(0.1))
+    step = af.accumulate(step, micro) if micro > 1 else step
+    state = step.init(MLP())
+    before = {k: v.detach().clone() for k, v in state.params.items()}
+    state, metrics = step(state, {"x": torch.randn(4, 8), "y": torch.full((4,), -100)})
+    assert metrics["loss"].item() == 0.0
+    assert all(torch.equal(state.params[k], before[k]) for k in before)

@@ -121,6 +121,7 @@ class Plan:
     backend: Any = None  # the handle of a backend that owns the step (e.g. the DeepSpeed engine's run)
     slots: Slots | None = None
     devices: list[torch.device] = attrs.Factory(list)
+    opt_state_type: type | None = None  # what `init` built: a state from another step is refused
 
     def finalize(self) -> None:
         """Record where the (possibly rewritten) module's tensors live. Called after lowering."""
@@ -185,6 +186,12 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
 def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
     assert plan.optimizer is not None and plan.slots is not None and plan.loss_call is not None
     module, slots = plan.module, plan.slots
+    if plan.opt_state_type is not None and type(state.opt_state) is not plan.opt_state_type:
+        raise ValueError(
+            f"state.opt_state is a {type(state.opt_state).__name__}, but this step's optimizer keeps a "
+            f"{plan.opt_state_type.__name__}: pass the state returned by this step's init() or its last call "
+            "(not one from another step, e.g. an eval_step)"
+        )
     if not plan.donate:
         state = _tree.map(_clone, state)
     if plan.batch_transform is not None:

@@ -123,6 +123,7 @@ class Step:
                 n: params[n] for n in plan.slots.trainable
             }
             opt_state = (plan.opt_state_init or self.optimizer.init)(trainable)
+            plan.opt_state_type = type(opt_state)
         state = TrainState(
             step=torch.zeros((), dtype=torch.int64),
             params=params,

@@ -600,12 +600,16 @@ def test_clip_by_global_norm_with_non_positive_max_norm_raises_value_error(max_n
         af.optim.clip_by_global_norm(max_norm)
 
 
-@pytest.mark.parametrize("path", ["fused", "pure"])
+@pytest.mark.parametrize("path", ["init", "fused", "pure"])
 def test_adamw_mask_not_matching_params_raises_value_error(path: str) -> None:
     params = {"w": torch.ones(2), "b": torch.ones(2)}
     grads = {"w": torch.ones(2), "b": torch.ones(2)}
     tx = af.optim.adamw(1e-2, mask={"w": True})
-    state = tx.init(params)
+    with pytest.raises(ValueError, match="mask structure does not match params"):
+        state = tx.init(params)  # checked as early as possible
+    state = af.optim.adamw(1e-2, mask={"w": True, "b": False}).init(params)  # a state to update with
+    if path == "init":
+        return
     with pytest.raises(ValueError, match="mask structure does not match params"):
         if path == "fused":
             af.optim.apply_gradients(tx, grads, state, params)

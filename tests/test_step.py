@@ -480,3 +480,24 @@ def test_a_batch_with_no_valid_label_gives_zero_loss_and_no_update(micro):
     state, metrics = step(state, {"x": torch.randn(4, 8), "y": torch.full((4,), -100)})
     assert metrics["loss"].item() == 0.0
     assert all(torch.equal(state.params[k], before[k]) for k in before)
+
+
+def test_a_state_from_another_step_and_a_misfit_mask_fail_early_and_clearly():
+    net = MLP()
+    evaluate = af.eval_step(lambda m, b: m(b))
+    eval_state = evaluate.init(net)
+    train = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    train.init(net)
+    with pytest.raises(ValueError, match="state.opt_state is a tuple, but this step's optimizer keeps a SgdState"):
+        train(eval_state, torch.randn(4, 8))
+    frozen = MLP()
+    frozen.fc1.bias.requires_grad_(False)
+    mask = {n: n.endswith("weight") for n, _ in frozen.named_parameters()}  # built from all params
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-3, weight_decay=0.1, mask=mask))
+    with pytest.raises(ValueError, match="mask structure does not match params.*trainable params only"):
+        step.init(frozen)
+
+
+def test_a_dict_of_lists_is_a_clear_data_loader_error():
+    with pytest.raises(TypeError, match=r"only when every value is a tensor.*'x': 'list'"):
+        af.data.DataLoader({"x": [1, 2, 3], "y": torch.arange(3)}, batch_size=2)

@@ -351,6 +351,13 @@ def _as_dataset(dataset: Any) -> tuple[Any, bool]:
                 f"DataLoader: a dict-of-tensors dataset needs columns of one length, got {lengths}"
             )
         return _Columns(dataset), True
+    if isinstance(dataset, Mapping):  # e.g. a dict of lists, or a tokenizer's BatchEncoding of lists
+        kinds = {k: type(v).__name__ for k, v in dataset.items()}
+        raise TypeError(
+            f"DataLoader: a dict is read as columns only when every value is a tensor of one length; got {kinds}. "
+            "Convert the columns with torch.tensor(...) (a tokenizer: return_tensors='pt'), or pass a map-style "
+            "dataset of rows"
+        )
     if isinstance(dataset, tud.IterableDataset):
         return dataset, False
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):

@@ -22,7 +22,9 @@ def mask_leaves(mask: MaskLike, params: Any, who: str) -> list[bool]:
         m_leaves = _tree.leaves(_tree.map(lambda _p, b: bool(b), params, m))
     except (ValueError, TypeError) as e:
         raise ValueError(
-            f"{who}: mask structure does not match params: mask={_tree.structure(m)}, params={p_spec} ({e})"
+            f"{who}: mask structure does not match params: mask={_tree.structure(m)}, params={p_spec} ({e}). "
+            "The optimizer sees the trainable params only (requires_grad=True): build the mask from those, or "
+            "pass a callable params -> mask"
         ) from None
     assert len(m_leaves) == len(p_leaves)
     return m_leaves

@@ -47,6 +47,8 @@ def _adam(
         leaves = _tree.leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
         count = torch.zeros((), dtype=torch.int64, device=device)
+        if weight_decay and mask is not None:
+            mask_leaves(mask, params, name)  # a mask that does not fit fails here, not at the first step
         return AdamState(count, schedule(count), zeros_like_tree(params), zeros_like_tree(params))
 
     def decay_flags(params: Any, n: int) -> list[bool]:

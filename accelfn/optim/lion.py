@@ -40,6 +40,8 @@ def lion(
     def init(params: Any) -> LionState:
         leaves = _tree.leaves(params)
         count = torch.zeros((), dtype=torch.int64, device=leaves[0].device if leaves else "cpu")
+        if weight_decay and mask is not None:
+            mask_leaves(mask, params, "lion")  # a mask that does not fit fails here, not at the first step
         return LionState(count, schedule(count), zeros_like_tree(params))
 
     def update(grads: Any, state: LionState, params: Any = None) -> tuple[Any, LionState]:

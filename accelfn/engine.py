@@ -54,6 +54,7 @@ class GradSync(Protocol):
 
     # Optional: `any_rank(flag) -> flag`, the maximum of a 0-d flag over the ranks (sharded gradients);
     # `max_over_ranks(x) -> x`, the maximum of a 0-d tensor over the data-parallel ranks;
+    # `check_unused(names, missing)`, raise when ranks left different params without a gradient;
     # `microbatch(last) -> context manager`; `prepare(params)` before the backward passes.
 
 
@@ -255,6 +256,9 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             aux_sum[k] = v.detach() if k not in aux_sum else aux_sum[k] + v.detach()
 
     names = slots.trainable
+    check_unused = getattr(plan.grad_sync, "check_unused", None)
+    if check_unused is not None:  # sharded gradients: every rank must have produced the same ones
+        check_unused(names, {n for n in names if params[n].grad is None})
     grads: dict[str, torch.Tensor] = {}
     for n in names:
         p = params[n]
@@ -350,6 +354,15 @@ def run_eval(plan: Plan, state: TrainState, batch: Any) -> Any:
     module = plan.module
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
+    if getattr(module, "_accelfn_fsdp", False):  # FSDP2 computes with its own params: others would be ignored
+        own = dict(module.named_parameters())
+        foreign = [n for n, p in state.params.items() if own.get(n) is not p]
+        if foreign:
+            raise ValueError(
+                f"eval_step: params {foreign[:3]} are not the FSDP-sharded model's own parameters; FSDP2 would "
+                "silently evaluate its own instead. Evaluate the training state, or load the other weights into it "
+                "(af.checkpoint.load(path, like=state))"
+            )
     bind(module, state.params, state.buffers, plan.slots)
     was_training = module.training
     if was_training:

@@ -18,7 +18,8 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
         "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
-        "ddp:bn",                                                       # BatchNorm buffers as torch DDP
+        "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
+        "fsdp:guards",                                                  # what FSDP2 cannot do is refused
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)
@@ -27,7 +28,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         strategy, model, *extra = c.split(":")
         expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy",
                     "fp8": "OK fsdp fp8", "moe": f"OK ddp moe overlap={'overlap' in extra}",
-                    "bn": "OK ddp bn-buffers"}.get(  # fmt: skip
+                    "bn": f"OK {strategy} bn-buffers", "guards": "OK fsdp guards"}.get(  # fmt: skip
             model, f"OK {strategy} {model} {sorted(extra)}"
         )
         for rank in (0, 1):

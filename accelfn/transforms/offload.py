@@ -105,6 +105,11 @@ class Offload(TransformBase):
         shard = find(others, "shard")
         if shard is not None and getattr(shard, "backend", "torch") == "deepspeed":
             raise conflict(self, shard, "DeepSpeed offloads through its own config (zero_optimization.offload_*)")
+        if shard is not None and getattr(shard, "strategy", "ddp") in ("fsdp", "hsdp"):
+            raise conflict(
+                self, shard, "offloading FSDP-sharded state is not supported yet (use strategy='ddp', or "
+                "backend='deepspeed' with offload_optimizer=True)"
+            )
 
     def lower(self, plan: Plan) -> None:
         if plan.kind != "train":

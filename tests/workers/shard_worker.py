@@ -187,7 +187,7 @@ def check_moe(mesh, overlap):
     print(f"rank {mesh.rank}: OK ddp moe overlap={overlap} ({diff:.1e})", flush=True)
 
 
-def check_bn_buffers(mesh):
+def check_bn_buffers(mesh, strategy):
     """BatchNorm statistics follow torch DDP (broadcast from rank 0 before each forward), rank by rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -198,7 +198,7 @@ def check_bn_buffers(mesh):
     g = torch.Generator().manual_seed(6)
     data = [torch.randn(8, 4, generator=g) * (1 + i) for i in range(3)]
     local = [x[mesh.data_rank * 4 : (mesh.data_rank + 1) * 4] for x in data]
-    step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh)
+    step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy)
     state = step.init(net())
     for x in local:
         state, _ = step(state, x)
@@ -210,10 +210,66 @@ def check_bn_buffers(mesh):
         opt.zero_grad()
     want = dict(ref.module.named_buffers())
     diff = max((state.buffers[k].float() - want[k].float()).abs().max().item() for k in want)
-    pdiff = max((state.params[k] - p).abs().max().item() for k, p in ref.module.named_parameters())
+    params = full(state.params)
+    pdiff = max((params[k] - p).abs().max().item() for k, p in ref.module.named_parameters())
     assert diff <= 1e-6 and pdiff <= 1e-6, f"rank {mesh.rank}: buffers differ from torch DDP by {diff}, params {pdiff}"
     del ref
-    print(f"rank {mesh.rank}: OK ddp bn-buffers ({diff:.1e})", flush=True)
+    print(f"rank {mesh.rank}: OK {strategy} bn-buffers ({diff:.1e})", flush=True)
+
+
+def check_fsdp_guards(mesh):
+    """What FSDP2 cannot do is refused with a clear error instead of a silently wrong result."""
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def loss_fn(m, b):
+        return af.losses.mse(m(b["x"]) * b["temp"], b["y"])
+
+    g = torch.Generator().manual_seed(7)
+    data = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g), "temp": torch.tensor(2.0)}
+            for _ in range(3)]  # fmt: skip  # a 0-d leaf passes through inputs="global" unsplit
+
+    def expect(fn, text):
+        try:
+            fn()
+        except (ValueError, af.CompositionError) as e:
+            assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError(f"expected an error containing {text!r}")
+
+    kept = af.shard(af.train_step(loss_fn, af.optim.sgd(0.1), donate=False), mesh, strategy="fsdp", inputs="global")
+    state = kept.init(net())
+    expect(lambda: kept(state, data[0]), "are not the FSDP module's own parameters")
+
+    step = af.shard(af.train_step(loss_fn, af.optim.sgd(0.1)), mesh, strategy="fsdp", inputs="global")
+    state = step.init(net())
+    evaluate = af.eval_step(lambda m, b: m(b["x"]))
+    evaluate.init(step.model)
+    copy_ = state.replace(params={k: v.detach().clone() for k, v in state.params.items()})
+    expect(lambda: evaluate(copy_, data[0]), "not the FSDP-sharded model's own parameters")
+    state, _ = step(state, data[0])
+    state, _ = step(state, data[1])
+    state = step.init(step.model)  # again (e.g. after changing requires_grad): reuses the sharded module
+    state, _ = step(state, data[2])
+    ref_step = af.train_step(loss_fn, af.optim.sgd(0.1))
+    ref = ref_step.init(net())
+    for b in data[:2]:
+        ref, _ = ref_step(ref, b)
+    ref = ref_step.init(ref_step.model)
+    ref, _ = ref_step(ref, data[2])
+    diff = max((v.full_tensor() - ref.params[k]).abs().max().item() for k, v in state.params.items())
+    assert diff <= 1e-6, diff
+
+    moe = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b["x"], b["route"]), b["y"]), af.optim.sgd(0.1)),
+                   mesh, strategy="fsdp", inputs="global")  # fmt: skip
+    moe_state = moe.init(MoE())
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 4), "route": torch.arange(8) // 4}
+    expect(lambda: moe(moe_state, batch), "got a gradient on some ranks and none on others")
+
+    expect(lambda: af.offload(step).init(net()), "offloading FSDP-sharded state is not supported")
+    print(f"rank {mesh.rank}: OK fsdp guards (re-init vs one process {diff:.1e})", flush=True)
 
 
 def check(strategy, extra, mesh):
@@ -307,11 +363,14 @@ for strategy, kind, *rest in CONFIGS:
     if kind == "fp8":
         check_fp8_fsdp(mesh)
         continue
+    if kind == "guards":
+        check_fsdp_guards(mesh)
+        continue
     if kind == "moe":
         check_moe(mesh, overlap="overlap" in rest)
         continue
     if kind == "bn":
-        check_bn_buffers(mesh)
+        check_bn_buffers(mesh, strategy)
         continue
     check(strategy, set(rest), mesh)
 mesh.close()

@@ -20,8 +20,8 @@ def batch_transform(mesh: Mesh, inputs: str) -> Callable[[Any], Any]:
 
     def take(batch: Any) -> Any:
         def one(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-            if inputs == "global":
-                rows = t.shape[0] if t.dim() else 0
+            if inputs == "global" and t.dim():  # 0-d leaves (a temperature, a flag) go to every rank as they are
+                rows = t.shape[0]
                 if rows % n:
                     where = "batch" + "".join(f"[{p!r}]" for p in path)
                     raise ValueError(
@@ -52,6 +52,22 @@ def mean_metrics(values: dict[str, torch.Tensor], group: dist.ProcessGroup | Non
 
 
 @torch.no_grad()
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Give every rank of `group` its first rank's buffers (BatchNorm statistics), as torch DDP does before
+    each forward (`broadcast_buffers=True`): one broadcast of all of them."""
+    buffers = list(module.buffers())
+    if not buffers or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    flat = torch.cat([buf.detach().reshape(-1).to(torch.float64) for buf in buffers])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    with torch.no_grad():
+        for buf in buffers:
+            buf.copy_(flat[offset : offset + buf.numel()].view_as(buf))
+            offset += buf.numel()
+
+
 def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0

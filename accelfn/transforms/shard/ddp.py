@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.clip import global_norm
-from .common import batch_transform, broadcast_from_first, mean_metrics
+from .common import batch_transform, broadcast_buffers, broadcast_from_first, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -129,16 +129,8 @@ class DDPSync:
         for b in self.buckets:
             b.ready, b.flat, b.work = 0, None, None
         self.next_launch = 0
-        buffers = list(self.module.buffers()) if self.module is not None else []
-        if buffers and dist.get_world_size(self.group) > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            flat = torch.cat([buf.detach().reshape(-1).to(torch.float64) for buf in buffers])
-            dist.broadcast(flat, src=src, group=self.group)
-            offset = 0
-            with torch.no_grad():
-                for buf in buffers:
-                    buf.copy_(flat[offset : offset + buf.numel()].view_as(buf))
-                    offset += buf.numel()
+        if self.module is not None:
+            broadcast_buffers(self.module, self.group)
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor

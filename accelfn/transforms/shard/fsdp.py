@@ -1,7 +1,12 @@
 """FSDP / HSDP strategies of `af.shard`, on torch's FSDP2 (`fully_shard`).
 
 The state's params are the module's own DTensor parameters (measured while designing accelfn:
-passing other tensors through an FSDP2 module makes it compute and communicate twice), so binding is in place and free.
+passing other tensors through an FSDP2 module makes it compute and communicate twice), so binding is in
+place and free. FSDP2 reads a module's parameters once, so a state whose params are other tensors (a copy,
+another model's state, `donate=False`) is refused rather than silently ignored. FSDP2 reduce-scatters only
+the gradients a rank produced: a step in which ranks leave different parameters without a gradient (an
+expert only some ranks route to) is refused too, naming them; use `strategy="ddp"` for such models.
+Buffers are broadcast from the first rank before each step, as with ddp.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compile import find_blocks
-from .common import batch_transform, broadcast_from_first, mean_metrics, reduce_scalars
+from .common import batch_transform, broadcast_buffers, broadcast_from_first, mean_metrics, reduce_scalars
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -34,6 +39,34 @@ class FSDPSync:
     root: nn.Module
     data_group: dist.ProcessGroup | None
     shard_group: dist.ProcessGroup | None
+    own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
+
+    def __attrs_post_init__(self) -> None:
+        self.own = dict(self.root.named_parameters())
+
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        foreign = [n for n, p in params.items() if self.own.get(n) is not p]
+        if foreign:
+            raise ValueError(
+                f"shard(strategy='fsdp'): params {foreign[:3]} are not the FSDP module's own parameters. FSDP2 "
+                "gathers and updates its own sharded parameters, so a different state (a copy, donate=False, "
+                "another model's state, an EMA) would be silently ignored: pass the state returned by this step's "
+                "init() or its last call (af.checkpoint.load(path, like=that state) loads into it)"
+            )
+        broadcast_buffers(self.root, self.data_group)
+
+    def check_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+        """Refuse a step in which the ranks produced gradients for different params."""
+        flags = torch.tensor([n in missing for n in names], dtype=torch.float32)
+        both = torch.cat([flags, 1 - flags])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.data_group)
+        differ = [n for n, a, b in zip(names, both[: len(names)], both[len(names) :]) if a and b]
+        if differ:
+            raise ValueError(
+                f"shard(strategy='fsdp'): params {differ[:3]} got a gradient on some ranks and none on others "
+                "(e.g. an expert only some ranks route to). FSDP2 reduce-scatters only the gradients a rank "
+                "produced, so the sums would pair up wrongly: use strategy='ddp', or make every rank use them"
+            )
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
@@ -69,20 +102,25 @@ class FSDPSync:
 
 
 def lower_fsdp(shard: Shard, plan: Plan) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = shard.mesh
     axes = mesh.data_axes
-    plan.module.to(mesh.device)
     data_mesh = mesh.submesh(*axes)
     data_group = data_mesh.get_group() if len(axes) == 1 else data_mesh._flatten().get_group()
+    shard_group = mesh.group("fsdp") if shard.strategy == "hsdp" else data_group
+    if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
+        plan.batch_transform = batch_transform(mesh, shard.inputs)
+        plan.rank_key = mesh.data_rank
+        plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
+        plan.notes.append(f"{shard.strategy} over {mesh.data_size} ranks (already sharded)")
+        return
+    plan.module.to(mesh.device)
     broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")
-        shard_group = mesh.group("fsdp")
     else:
         fsdp_mesh = data_mesh if len(axes) == 1 else data_mesh._flatten()
-        shard_group = data_group
     mp = MixedPrecisionPolicy()
     if plan.autocast_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
@@ -93,6 +131,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     except ValueError:
         blocks = None
     fully_shard(plan.module, mesh=fsdp_mesh, mp_policy=mp)
+    plan.module._accelfn_fsdp = True  # type: ignore[assignment]  # eval steps on it check their state
     for m in plan.module.modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)  # type: ignore[operator]

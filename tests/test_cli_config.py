@@ -68,6 +68,7 @@ def test_unknown_nested_key_is_an_error_naming_it(tmp_path):
         ("num_machines: 3:1\n", "num_machines"),
         ("mesh: dp=2,tp=x\n", "config key 'mesh'"),
         ("fp8: {backend: cuda}\n", "'fp8.backend': 'cuda' is not one of auto, torchao, te"),
+        ("mesh: 2\n", "config key 'mesh': expected a string like 'dp=2,tp=4', got 2"),
     ],
 )
 def test_bad_value_names_the_key_and_the_allowed_values(tmp_path, text, message):
@@ -77,6 +78,13 @@ def test_bad_value_names_the_key_and_the_allowed_values(tmp_path, text, message)
         load(path)
     assert message in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_yaml_spellings_of_defaults_are_read_as_meant(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mixed_precision: no\nrdzv_id:\n")  # YAML 1.1 reads `no` as false, an empty value as null
+    cfg = load(path)
+    assert (cfg.mixed_precision, cfg.rdzv_id) == ("no", "")
 
 
 def test_node_range_is_not_read_as_a_base_60_number(tmp_path):

@@ -155,6 +155,55 @@ def test_failing_rank_stops_the_job_and_is_named():
 
 
 @pytest.mark.slow
+def test_exit_codes_signals_and_main_process_first_failures_are_reported(tmp_path):
+    # a rank that exits with a code (no Python exception) is reported by its code, not "<NONE>"; a main
+    # process whose main_process_first() block raises does not let the others in
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import sys, torch, accelfn as af\n"
+        "mesh = af.Mesh.from_env(device='cpu')\n"
+        "if sys.argv[1] == 'code':\n"
+        "    af.dist.barrier()\n"
+        "    sys.exit(3 if mesh.rank == 1 else 0)\n"
+        "with af.dist.main_process_first():\n"
+        "    if mesh.rank == 0:\n"
+        "        raise OSError('download failed')\n"
+        "    print('ENTERED after a failed main', flush=True)\n"
+    )
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "code", timeout=60)
+    assert r.returncode != 0 and "rank 1 failed: exited with code 3" in r.stderr, r.stderr
+    assert "<NONE>" not in r.stderr
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "first", timeout=60)
+    assert r.returncode != 0 and "rank 0 failed: OSError: download failed" in r.stderr, r.stderr
+    assert "ENTERED" not in r.stdout
+
+
+@pytest.mark.slow
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
+    import signal
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time, accelfn as af\nmesh = af.Mesh.from_env(device='cpu')\nprint('UP', flush=True)\n"
+                      "time.sleep(60)\n")  # fmt: skip
+    proc = subprocess.Popen([*CLI, "launch", "--nproc-per-node", "2", "--cpu", str(script)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def workers():
+        return [pid for pid in worker_processes(str(script)) if pid != proc.pid]
+
+    deadline = time.monotonic() + 60
+    while len(workers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(workers()) == 2
+    proc.send_signal(signal.SIGKILL)  # as the OOM killer or `timeout -s KILL` would
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert workers() == []
+
+
+@pytest.mark.slow
 def test_max_restarts_restarts_the_group(tmp_path):
     marker = tmp_path / "failed-once"
     r = accelfn(

@@ -26,11 +26,9 @@ def main_process_first(local: bool = False) -> Iterator[None]:
     first = is_local_main_process() if local else is_main_process()
     if not first:
         barrier()  # wait for the main process to finish the block
-    try:
-        yield
-    finally:
-        if first:
-            barrier()  # let the others in
+    yield  # if the main process's block raises, the others are not let in: the job fails on its error
+    if first:
+        barrier()  # let the others in
 
 
 def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001

@@ -42,7 +42,26 @@ def _record(exc: BaseException, text: str) -> None:
         pass
 
 
+def _die_with_the_launcher() -> None:
+    """Ask Linux to SIGTERM this worker if the launcher dies, even by SIGKILL (the OOM killer, `timeout -s
+    KILL`), so no worker is left running with nobody to collect it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() == 1:  # the launcher died before prctl: do not run orphaned
+            sys.exit("accelfn launch exited before this worker started")
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    _die_with_the_launcher()
     args = sys.argv[1:]
     if not args:
         sys.exit("usage: _bootstrap.py [-m] TARGET [ARGS...]")

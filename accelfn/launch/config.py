@@ -70,6 +70,8 @@ def _check_nnodes(_inst: Any, _attr: Any, value: Any) -> None:
 
 
 def _check_mesh(_inst: Any, _attr: Any, value: Any) -> None:
+    if value and not isinstance(value, str):
+        raise ConfigError(f"config key 'mesh': expected a string like 'dp=2,tp=4', got {value!r}")
     if value:
         try:
             parse_mesh(value, source="config key 'mesh'")
@@ -140,9 +142,11 @@ class Config:
     machine_rank: int = attrs.field(default=0, validator=_check_int("machine_rank", minimum=0))
     rdzv_endpoint: str = attrs.field(default="", validator=_check_str("rdzv_endpoint"))
     rdzv_backend: str = attrs.field(default="c10d", validator=_check_choice("rdzv_backend", RDZV_BACKENDS))
-    rdzv_id: str = attrs.field(default="", converter=str)
+    rdzv_id: str = attrs.field(default="", converter=lambda v: "" if v is None else str(v))
     mixed_precision: str = attrs.field(
-        default="no", validator=_check_choice("mixed_precision", MIXED_PRECISION)
+        default="no",
+        converter=lambda v: "no" if v is False else v,  # YAML 1.1 reads an unquoted `no` as false
+        validator=_check_choice("mixed_precision", MIXED_PRECISION),
     )
     mesh: str = attrs.field(default="", converter=_mesh_in, validator=_check_mesh)
     device: str = attrs.field(default="auto", validator=_check_choice("device", DEVICE_KINDS))

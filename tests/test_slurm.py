@@ -53,6 +53,14 @@ def test_launcher_uses_the_slurm_allocation():
     assert plan.nproc_per_node == 1 and plan.source["nnodes"] == "slurm"
 
 
+def test_a_one_node_job_gets_a_private_store_and_a_config_endpoint_wins(tmp_path):
+    one = {**JOB, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node07"}
+    plan = resolve(LaunchOptions(script="train.py", cpu=True), environ=one)
+    assert plan.rdzv_endpoint == "localhost:0"  # like torchrun --standalone: two jobs on a node never collide
+    with pytest.raises(ValueError, match="MASTER_PORT='abc' is not a port number"):
+        from_env({**JOB, "MASTER_PORT": "abc"})
+
+
 def test_master_port_and_gpus_on_node_are_honoured():
     s = from_env({**JOB, "MASTER_PORT": "6000", "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_NODELIST": "x[5-8]"})
     assert s is not None and (s.rdzv_endpoint, s.nproc_per_node) == ("x5:6000", 8)

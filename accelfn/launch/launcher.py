@@ -120,7 +120,9 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     backend = pick("rdzv_backend", opts.rdzv_backend, None, cfg.rdzv_backend, "c10d")
     if backend not in ("c10d", "static"):
         raise ConfigError(f"--rdzv-backend={backend!r} is not one of c10d, static")
-    endpoint = pick("rdzv_endpoint", opts.rdzv_endpoint, slurm and slurm.rdzv_endpoint, cfg.rdzv_endpoint, "")
+    # an endpoint written in the config beats the one SLURM implies (its host with a default port)
+    derived = None if cfg.rdzv_endpoint else slurm and slurm.rdzv_endpoint
+    endpoint = pick("rdzv_endpoint", opts.rdzv_endpoint, derived, cfg.rdzv_endpoint, "")
     rdzv_id = pick("rdzv_id", opts.rdzv_id, slurm and slurm.rdzv_id, cfg.rdzv_id, "")
     if max_nodes == 1 and not endpoint:
         # One node, no endpoint: a private c10d store on a free port (like `torchrun --standalone`).

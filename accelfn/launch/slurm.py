@@ -95,7 +95,8 @@ def from_env(environ: Mapping[str, str], *, port: int | None = None) -> SlurmInf
     """Derive `SlurmInfo` from ``SLURM_*`` variables, or None outside a SLURM job.
 
     The rendezvous host is the first node of the step's (else the job's) nodelist; the port is
-    ``port``, else ``MASTER_PORT``, else 29500.
+    ``port``, else ``MASTER_PORT``, else 29500. A one-node job gets no endpoint: the launcher then uses a
+    private store on a free port, so jobs sharing a node do not meet at one port.
     """
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
@@ -128,14 +129,17 @@ def from_env(environ: Mapping[str, str], *, port: int | None = None) -> SlurmInf
     if node_rank >= nnodes:
         raise ValueError(f"SLURM_NODEID={node_rank} is not below the node count {nnodes}")
     if port is None:
-        port = int(environ.get("MASTER_PORT") or DEFAULT_PORT)
+        raw_port = environ.get("MASTER_PORT") or str(DEFAULT_PORT)
+        if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+            raise ValueError(f"MASTER_PORT={raw_port!r} is not a port number")
+        port = int(raw_port)
     host = hosts[0] if hosts else "127.0.0.1"
     return SlurmInfo(
         job_id=job_id,
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_id=job_id,
-        rdzv_endpoint=f"{host}:{port}",
+        rdzv_endpoint=f"{host}:{port}" if nnodes > 1 else "",
         hosts=hosts,
         nproc_per_node=get_int("SLURM_GPUS_ON_NODE"),
     )

@@ -73,6 +73,24 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+_generation = 0  # process groups started in this process (a new af.Mesh after close() starts another)
+
+
+def _init_launched(platform: Platform) -> None:
+    """`init_process_group` from the launcher's variables. The first group uses them as torchrun would; a
+    later one (a new Mesh after `close()`) gets its own key prefix in the launcher's store, since the keys of
+    the destroyed group are still there and would be read as this one's (a hang or a refused connection)."""
+    global _generation
+    kwargs = platform.process_group_kwargs()
+    if _generation == 0:
+        dist.init_process_group(**kwargs)
+    else:
+        store, rank, world_size = next(dist.rendezvous(kwargs.pop("init_method")))
+        store = dist.PrefixStore(f"accelfn/generation-{_generation}", store)
+        dist.init_process_group(**kwargs, store=store, rank=rank, world_size=world_size)
+    _generation += 1
+
+
 def init_process_group(platform: Platform) -> bool:
     """Start the default process group for `platform` if none is running; return whether it started one.
 
@@ -94,7 +112,7 @@ def init_process_group(platform: Platform) -> bool:
                 "is not: start the script with `accelfn launch` (or torch.distributed.run)"
             )
         if not missing:
-            dist.init_process_group(**platform.process_group_kwargs())
+            _init_launched(platform)
     if not dist.is_initialized():
         dist.init_process_group(platform.backend, store=dist.HashStore(), rank=0, world_size=1)
     if not _atexit_registered:

@@ -134,10 +134,14 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         )
     if backend == "static" and min_nodes != max_nodes:
         raise ConfigError(f"--nnodes={nnodes}: the static rendezvous needs a fixed node count; use c10d")
-    if node_rank >= max_nodes:
-        raise ConfigError(f"--node-rank={node_rank} must be below --nnodes={max_nodes}")
+    if not 0 <= node_rank < max_nodes:
+        raise ConfigError(f"--node-rank={node_rank} must be in [0, --nnodes={max_nodes})")
     max_restarts = int(pick("max_restarts", opts.max_restarts, None, cfg.max_restarts, 0))
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts={max_restarts}: expected an integer >= 0")
     interval = float(pick("monitor_interval", opts.monitor_interval, None, cfg.monitor_interval, 0.1))
+    if not 0 < interval < float("inf"):
+        raise ConfigError(f"--monitor-interval={interval}: expected a positive number of seconds")
     mesh = pick("mesh", opts.mesh, None, cfg.mesh, "")
     if mesh:
         mesh = contract.format_mesh(contract.parse_mesh(mesh, source="--mesh"))
@@ -225,6 +229,9 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    for name in contract.ACCELFN_VARIABLES:  # a parent shell's old settings must not reach the workers
+        if name not in plan.env:
+            os.environ.pop(name, None)
     os.environ.update(plan.env)  # the agent passes its environment on to every worker
     tee = Std.from_str({"none": "0", "stdout": "1", "stderr": "2", "all": "3"}[plan.tee])
     config = LaunchConfig(

@@ -92,16 +92,6 @@ def test_bad_launch_flags_exit_2_naming_the_flag(flags, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-def test_old_accelfn_variables_of_the_shell_do_not_reach_the_workers(tmp_path):
-    script = tmp_path / "show.py"
-    script.write_text("import os\nprint('MESH=' + os.environ.get('ACCELFN_MESH', '-'), "
-                      "'RECIPE=' + os.environ.get('ACCELFN_FP8_RECIPE', '-'), flush=True)\n")  # fmt: skip
-    env = {**os.environ, "ACCELFN_MESH": "dp=3", "ACCELFN_FP8_RECIPE": "foo"}
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
-    r = subprocess.run([*CLI, "launch", "--cpu", str(script)], capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 0 and "MESH=- RECIPE=-" in r.stdout, (r.stdout, r.stderr)
-
-
 def test_several_nodes_need_an_endpoint():
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
         resolve(LaunchOptions(script="t.py", nnodes="2", cpu=True), environ={})

@@ -229,9 +229,6 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in contract.ACCELFN_VARIABLES:  # a parent shell's old settings must not reach the workers
-        if name not in plan.env:
-            os.environ.pop(name, None)
     os.environ.update(plan.env)  # the agent passes its environment on to every worker
     tee = Std.from_str({"none": "0", "stdout": "1", "stderr": "2", "all": "3"}[plan.tee])
     config = LaunchConfig(

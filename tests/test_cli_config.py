@@ -132,3 +132,21 @@ def test_env_prints_versions_platform_and_config(tmp_path, capsys):
     ):
         assert key in out
     assert "'num_processes': 2" in out
+
+
+def test_env_reports_an_unusable_device_setting_instead_of_crashing(monkeypatch, capsys):
+    monkeypatch.setenv("ACCELFN_DEVICE", "bogus")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "- platform: none (" in out and "bogus" in out and "- config:" in out
+
+
+def test_estimate_memory_bad_inputs_exit_2_naming_them(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    assert main(["estimate-memory", str(bad)]) == 2
+    assert f"{bad} is not a JSON config" in capsys.readouterr().err
+    assert main(["estimate-memory", "no_such_module_xyz:build"]) == 2
+    assert "cannot find the factory 'no_such_module_xyz:build'" in capsys.readouterr().err
+    assert main(["estimate-memory", "math:pi"]) == 2  # a float, not a factory
+    assert "math:pi" in capsys.readouterr().err

@@ -146,3 +146,11 @@ def test_print_and_progress_only_on_the_main_process(monkeypatch: pytest.MonkeyP
     bar = af.progress(range(3), desc="x")
     assert bar.disable and list(bar) == [0, 1, 2]
     assert capsys.readouterr().out == "hello\n"
+
+
+def test_split_between_processes_refuses_padding_it_cannot_do_on_every_rank():
+    # checked before splitting, so the error does not depend on the rank or on the length dividing evenly
+    with pytest.raises(TypeError, match="apply_padding=True supports lists, tuples and tensors, not range"):
+        af.dist.split_between_processes(range(4), apply_padding=True).__enter__()
+    with pytest.raises(TypeError, match=r"cannot split a int \(dict key 'b'\)"):
+        af.dist.split_between_processes({"a": [1, 2], "b": 3}).__enter__()

@@ -40,17 +40,21 @@ def report(config_file: str | None = None) -> dict[str, Any]:
         info[name] = _version(name)
     from .. import platforms
 
-    plat = platforms.detect()
-    info["platform"] = (
-        f"{plat.kind} (backend {plat.backend}; visible-devices variable: {plat.visible_devices_env})"
-    )
+    try:
+        plat = platforms.detect()
+    except (RuntimeError, ValueError) as e:  # e.g. ACCELFN_DEVICE=cuda on a machine without CUDA
+        info["platform"] = f"none ({e})"
+    else:
+        info["platform"] = (
+            f"{plat.kind} (backend {plat.backend}; visible-devices variable: {plat.visible_devices_env})"
+        )
+        info["devices"] = plat.device_count()
+        memory = []
+        for i in range(plat.device_count()):
+            total = plat.memory_stats(plat.device(i)).get("total")
+            memory.append(f"{plat.device(i)}: {total / 2**30:.1f} GiB" if total else f"{plat.device(i)}: unknown")
+        info["device memory"] = ", ".join(memory)
     info["available kinds"] = ", ".join(p.kind for p in platforms.available())
-    info["devices"] = plat.device_count()
-    memory = []
-    for i in range(plat.device_count()):
-        total = plat.memory_stats(plat.device(i)).get("total")
-        memory.append(f"{plat.device(i)}: {total / 2**30:.1f} GiB" if total else f"{plat.device(i)}: unknown")
-    info["device memory"] = ", ".join(memory)
     info["cpu cores"] = _cpu_count()
     path = config_file or default_config_path()
     try:

@@ -30,8 +30,11 @@ def build(spec: str) -> Any:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
         if path.is_file():
-            fields = json.loads(path.read_text())
-            if "model_type" not in fields:
+            try:
+                fields = json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is not a JSON config ({e})") from None
+            if not isinstance(fields, dict) or "model_type" not in fields:
                 raise ValueError(f"{path} has no 'model_type': is it a transformers config.json?")
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         else:
@@ -46,9 +49,17 @@ def build(spec: str) -> Any:
         raise ValueError(f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'")
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would: the current folder first
         sys.path.insert(0, os.getcwd())
-    factory = getattr(importlib.import_module(module_name), attr)
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot find the factory {spec!r}: {e}") from None
+    if not callable(factory):
+        raise ValueError(f"{spec!r} is a {type(factory).__name__}, not a function that builds the model")
     with af.init_empty():
-        return factory()
+        model = factory()
+    if not hasattr(model, "parameters"):
+        raise ValueError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def estimate(model: Any, dtypes: list[str]) -> list[dict[str, Any]]:
@@ -102,7 +113,11 @@ def add_parser(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from accelfn.big.memory import format_size
 
-    model = build(args.model)
+    try:
+        model = build(args.model)
+    except ValueError as e:
+        print(f"accelfn estimate-memory: {e}", file=sys.stderr)
+        return 2
     rows = estimate(model, args.dtypes)
     print(f"{args.model}: {type(model).__name__}, {rows[0]['params'] / 1e6:,.2f}M parameters")
     print("| dtype | total size | largest layer | training with AdamW |")

@@ -42,7 +42,7 @@ def split_between_processes(inputs: Any, apply_padding: bool = False) -> Iterato
     """
     n_ranks, r = world_size(), rank()
     if isinstance(inputs, Mapping):
-        lengths = {k: len(v) for k, v in inputs.items()}
+        lengths = {k: _length(v, str(k)) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(
                 f"af.dist.split_between_processes: the dict's values must all have the same length, got {lengths}"
@@ -52,15 +52,24 @@ def split_between_processes(inputs: Any, apply_padding: bool = False) -> Iterato
         yield _part(inputs, n_ranks, r, apply_padding, None)
 
 
-def _part(seq: Any, n_ranks: int, r: int, pad: bool, key: str | None) -> Any:
+def _length(seq: Any, key: str | None) -> int:
     try:
-        n = len(seq)
+        return len(seq)
     except TypeError:
         where = f" (dict key {key!r})" if key is not None else ""
         raise TypeError(
             f"af.dist.split_between_processes: cannot split a {type(seq).__name__}{where}; pass a list, tuple, "
             "tensor, sliceable sequence, or a dict of those"
         ) from None
+
+
+def _part(seq: Any, n_ranks: int, r: int, pad: bool, key: str | None) -> Any:
+    n = _length(seq, key)
+    if pad and not isinstance(seq, torch.Tensor | list | tuple):  # on every rank, whatever the length
+        raise TypeError(
+            f"af.dist.split_between_processes: apply_padding=True supports lists, tuples and tensors, "
+            f"not {type(seq).__name__}"
+        )
     start, stop = share(n, n_ranks, r)
     part = seq[start:stop]
     want = -(-n // n_ranks)
@@ -70,9 +79,4 @@ def _part(seq: Any, n_ranks: int, r: int, pad: bool, key: str | None) -> Any:
     last = seq[stop - 1 : stop] if stop > start else seq[n - 1 : n]
     if isinstance(seq, torch.Tensor):
         return torch.cat([part, last.expand(missing, *last.shape[1:])])
-    if isinstance(seq, (list, tuple)):
-        return part + type(seq)(last) * missing
-    raise TypeError(
-        f"af.dist.split_between_processes: apply_padding=True supports lists, tuples and tensors, "
-        f"not {type(seq).__name__}"
-    )
+    return part + type(seq)(last) * missing

@@ -54,7 +54,8 @@ class GradSync(Protocol):
 
     # Optional: `any_rank(flag) -> flag`, the maximum of a 0-d flag over the ranks (sharded gradients);
     # `max_over_ranks(x) -> x`, the maximum of a 0-d tensor over the data-parallel ranks;
-    # `check_unused(names, missing)`, raise when ranks left different params without a gradient;
+    # `record_unused(names, missing)` before `reduce`, which then raises when the ranks left different params
+    # without a gradient;
     # `microbatch(last) -> context manager`; `prepare(params)` before the backward passes.
 
 
@@ -256,9 +257,9 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             aux_sum[k] = v.detach() if k not in aux_sum else aux_sum[k] + v.detach()
 
     names = slots.trainable
-    check_unused = getattr(plan.grad_sync, "check_unused", None)
-    if check_unused is not None:  # sharded gradients: every rank must have produced the same ones
-        check_unused(names, {n for n in names if params[n].grad is None})
+    record_unused = getattr(plan.grad_sync, "record_unused", None)
+    if record_unused is not None:  # sharded gradients: every rank must have produced the same ones
+        record_unused(names, {n for n in names if params[n].grad is None})
     grads: dict[str, torch.Tensor] = {}
     for n in names:
         p = params[n]
@@ -477,7 +478,7 @@ def _check_trainable(params: dict[str, torch.Tensor], trainable: tuple[str, ...]
     ):
         return
     frozen = [n for n in trainable if not params[n].requires_grad]
-    thawed = [n for n, p in params.items() if p.requires_grad and n not in set(trainable)]
+    thawed = [n for n, p in params.items() if p.requires_grad and n not in trainable]
     what = f"frozen after step.init(): {frozen[:3]}" if frozen else f"unfrozen after step.init(): {thawed[:3]}"
     raise ValueError(
         f"params {what}. The trainable params (and the optimizer state built for them) are fixed when a step is "

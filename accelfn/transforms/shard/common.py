@@ -42,6 +42,13 @@ def reduce_scalars(values: list[torch.Tensor], group: dist.ProcessGroup | None) 
     return list(flat.unbind(0))
 
 
+def max_over(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The maximum of `x` over `group` (a copy; `x` is left as it is)."""
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
 def mean_metrics(values: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Average metric scalars over `group` in one collective."""
     if not values:

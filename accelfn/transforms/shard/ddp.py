@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.clip import global_norm
-from .common import batch_transform, broadcast_buffers, broadcast_from_first, mean_metrics
+from .common import batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -157,9 +157,7 @@ class DDPSync:
         return global_norm(grads)  # gradients are identical on every rank after the sum
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
-        return x
+        return max_over(x, self.group)
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.group)

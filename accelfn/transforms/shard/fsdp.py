@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compile import find_blocks
-from .common import batch_transform, broadcast_buffers, broadcast_from_first, mean_metrics, reduce_scalars
+from .common import batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -40,6 +40,7 @@ class FSDPSync:
     data_group: dist.ProcessGroup | None
     shard_group: dist.ProcessGroup | None
     own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
+    unused: list[tuple[str, bool]] = attrs.Factory(list)  # this step: which trainable params got no gradient
 
     def __attrs_post_init__(self) -> None:
         self.own = dict(self.root.named_parameters())
@@ -55,12 +56,14 @@ class FSDPSync:
             )
         broadcast_buffers(self.root, self.data_group)
 
-    def check_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+    def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+        """Note which params got no gradient; `reduce` compares the ranks in its one collective."""
+        self.unused = [(n, n in missing) for n in names]
+
+    def _check_unused(self, counts: torch.Tensor) -> None:
         """Refuse a step in which the ranks produced gradients for different params."""
-        flags = torch.tensor([n in missing for n in names], dtype=torch.float32)
-        both = torch.cat([flags, 1 - flags])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.data_group)
-        differ = [n for n, a, b in zip(names, both[: len(names)], both[len(names) :]) if a and b]
+        ranks = dist.get_world_size(self.data_group)
+        differ = [n for (n, _), c in zip(self.unused, counts.tolist()) if 0 < c < ranks]
         if differ:
             raise ValueError(
                 f"shard(strategy='fsdp'): params {differ[:3]} got a gradient on some ranks and none on others "
@@ -80,8 +83,12 @@ class FSDPSync:
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        total, n = reduce_scalars([loss_sum, count], self.data_group)
-        return total.to(loss_sum.dtype), n.to(loss_sum.dtype)
+        flags = torch.tensor([float(u) for _, u in self.unused])  # summed: how many ranks lack each gradient
+        flat = torch.cat([torch.stack([loss_sum.detach().float().reshape(()), count.detach().float().reshape(())]),
+                          flags.to(loss_sum.device)])  # fmt: skip
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
+        self._check_unused(flat[2:])
+        return flat[0].to(loss_sum.dtype), flat[1].to(loss_sum.dtype)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         local = [_local(g) for g in grads]
@@ -93,12 +100,10 @@ class FSDPSync:
         return mean_metrics(values, self.data_group)
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
-        return self.max_over_ranks(flag)
+        return max_over(flag, self.data_group)
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.data_group)
-        return x
+        return max_over(x, self.data_group)
 
 
 def lower_fsdp(shard: Shard, plan: Plan) -> None:
@@ -107,7 +112,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     mesh = shard.mesh
     axes = mesh.data_axes
     data_mesh = mesh.submesh(*axes)
-    data_group = data_mesh.get_group() if len(axes) == 1 else data_mesh._flatten().get_group()
+    data_group = mesh.data_group()
     shard_group = mesh.group("fsdp") if shard.strategy == "hsdp" else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.batch_transform = batch_transform(mesh, shard.inputs)

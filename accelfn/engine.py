@@ -30,7 +30,9 @@ from .optim import GradientTransformation, apply_gradients, learning_rate
 from .optim.clip import clip_, global_norm
 from .state import TrainState
 
-__all__ = ["Plan", "GradSync", "Updater", "LossScaleConfig", "run_train", "run_eval", "check_batch", "loss_parts"]
+__all__ = [
+    "Plan", "GradSync", "Updater", "LossScaleConfig", "run_train", "run_eval", "check_batch", "loss_parts", "place_batch",
+]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -124,15 +126,37 @@ class Plan:
     slots: Slots | None = None
     devices: list[torch.device] = attrs.Factory(list)
     opt_state_type: type | None = None  # what `init` built: a state from another step is refused
+    # Where the model computes once lowered: the mesh's device under `af.shard` (a model built on the host is
+    # moved there at lowering), else the model's own device. Known *before* the transforms lower, so that every
+    # device-dependent decision (fp8 support, TE, autocast's device type, pinning) sees the device the model will
+    # run on, not the host it was built on.
+    device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
+    input_device: torch.device | None = None  # where host batch tensors are moved (None: left where they are)
+
+    @property
+    def platform(self) -> Any:
+        """The `af.platforms.Platform` of `device`."""
+        from . import platforms
+
+        try:
+            return platforms.for_device(self.device)
+        except ValueError:
+            return platforms.get("cpu")
 
     def finalize(self) -> None:
         """Record where the (possibly rewritten) module's tensors live. Called after lowering."""
         self.slots = slots_of(self.module)
         tensors = [*self.module.parameters(), *self.module.buffers()]
         self.devices = sorted({t.device for t in tensors}, key=str)
+        computing = [d for d in self.devices if d.type != "meta"]
+        # one device holds the whole model: batches go there (a model spread over devices by a device map moves
+        # its inputs itself, through its hooks)
+        self.input_device = computing[0] if len(computing) == 1 else None
         if self.autocast_dtype is not None:  # autocast where the (lowered, possibly moved) model computes
-            kinds = {d.type for d in self.devices} - {"meta", "cpu"}
-            self.autocast_device_type = kinds.pop() if len(kinds) == 1 else "cpu"
+            kinds = {d.type for d in computing} - {"cpu"}
+            self.autocast_device_type = (
+                kinds.pop() if len(kinds) == 1 else self.platform.autocast_device_type if not kinds else "cpu"
+            )
         if self.loss_call is None:
             self.loss_call = self.fn
         if self.kind == "train":
@@ -198,6 +222,7 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
         state = _tree.map(_clone, state)
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
+    batch = place_batch(batch, plan.input_device)
     params = bind(module, state.params, state.buffers, slots)
     _check_trainable(params, slots.trainable)
     prepare = getattr(plan.grad_sync, "prepare", None)
@@ -205,7 +230,7 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
         prepare(params)
     if not module.training:
         module.train()
-    keys = _random.split(state.rng, 2)
+    keys = _random.split_list(state.rng, 2)
     step_key = keys[1] if plan.rank_key is None else _random.fold_in(keys[1], plan.rank_key)
     micro = [batch] if plan.microbatches == 1 else split_batch(batch, plan.microbatches, plan.uneven)
     for n in slots.trainable:  # drop gradients another step's backward may have left (e.g. a GAN's other half)
@@ -355,6 +380,7 @@ def run_eval(plan: Plan, state: TrainState, batch: Any) -> Any:
     module = plan.module
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
+    batch = place_batch(batch, plan.input_device)
     if getattr(module, "_accelfn_fsdp", False):  # FSDP2 computes with its own params: others would be ignored
         own = dict(module.named_parameters())
         foreign = [n for n, p in state.params.items() if own.get(n) is not p]
@@ -414,6 +440,31 @@ def split_batch(batch: Any, parts: int, uneven: bool = False) -> list[Any]:
             raise ValueError(f"accumulate({parts}): {where} has only {n} rows, fewer than {parts} micro-batches")
     chunks = [torch.tensor_split(leaf, parts, dim=0) for leaf in leaves]
     return [optree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(parts)]
+
+
+def place_batch(batch: Any, device: torch.device | None) -> Any:
+    """Move the host tensors of `batch` to `device` (asynchronously: from pinned memory the copy overlaps);
+    tensors already there stay. A tensor on another accelerator device is an error naming its path, as `jax.jit`
+    refuses arrays committed to another device: copying it silently would hide a wrong placement."""
+    if device is None:
+        return batch
+    leaves, spec = optree.tree_flatten(batch, namespace=_tree.NAMESPACE)
+    if all(isinstance(t, torch.Tensor) and t.device == device for t in leaves):
+        return batch
+    moved = []
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor) or t.device == device:
+            moved.append(t)
+        elif t.device.type == "cpu":
+            moved.append(t.to(device, non_blocking=True))
+        else:
+            paths = optree.tree_paths(batch, namespace=_tree.NAMESPACE)
+            where = "batch" + "".join(f"[{p!r}]" for p in paths[i])
+            raise ValueError(
+                f"{where} is on {t.device}, but the model computes on {device}: pass host tensors (they are moved "
+                f"to {device} for you, asynchronously when pinned) or tensors on {device}"
+            )
+    return optree.tree_unflatten(spec, moved)
 
 
 def check_batch(batch: Any) -> None:

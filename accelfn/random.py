@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["key", "split", "fold_in", "seed_of", "generator", "seeded"]
+__all__ = ["key", "split", "split_list", "fold_in", "seed_of", "generator", "seeded"]
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -62,8 +62,13 @@ def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
 
 def split(k: torch.Tensor, num: int = 2) -> torch.Tensor:
     """`num` independent keys derived from `k`, stacked: shape `(num, 2)`."""
+    return torch.stack(split_list(k, num))
+
+
+def split_list(k: torch.Tensor, num: int = 2) -> list[torch.Tensor]:
+    """The keys of `split(k, num)` as a list (no stacking or indexing: what a step uses each call)."""
     base = _words(k)
-    return torch.stack([_from_int(_mix64(base ^ _mix64((i + 1) * 0xD1B54A32D192ED03 & _MASK64))) for i in range(num)])
+    return [_from_int(_mix64(base ^ _mix64((i + 1) * 0xD1B54A32D192ED03 & _MASK64))) for i in range(num)]
 
 
 def seed_of(k: torch.Tensor) -> int:
@@ -91,7 +96,7 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     if accel:
         from . import platforms  # the only place that knows device kinds
 
-        platform = platforms.get(accel[0].type)
+        platform = platforms.for_device(accel[0])
     seed = seed_of(k)
     cpu_state = torch.random.default_generator.get_state()
     saved = [(d, platform.get_rng_state(d)) for d in accel] if platform is not None else []

@@ -36,6 +36,17 @@ __all__ = ["Step", "train_step", "eval_step", "check_batch", "loss_parts"]
 LossFn = Callable[[nn.Module, Any], Any]
 
 
+def target_device(model: nn.Module, transforms: Sequence[Transform]) -> torch.device:
+    """Where `model` will compute once lowered: the mesh's device under `af.shard` (which moves it there), else the
+    device holding its tensors (the host when they are spread out or still on the meta device)."""
+    shard = next((t for t in transforms if t.kind == "shard"), None)
+    mesh = getattr(shard, "mesh", None)
+    if mesh is not None:
+        return mesh.device
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]} - {torch.device("meta")}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
 class Step:
     """A step function with its configuration; build with `af.train_step` / `af.eval_step`.
 
@@ -110,6 +121,7 @@ class Step:
             module=model, kind=self.kind, fn=self.fn, optimizer=self.optimizer,
             clip_grad_norm=self.clip_grad_norm, donate=self.donate,
         )
+        plan.device = target_device(model, self.transforms)
         lower(plan, self.transforms)
         plan.finalize()
         self._plan = plan

@@ -72,11 +72,18 @@ def windows(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: str, n: int, seq_len: int) -> str:
-    ids = torch.tensor([list(prompt.encode())])
+def sample_tokens(model: nn.Module, ids: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    """Greedy continuation of `ids` (host tensor, shape 1 x t) by `n` tokens, computed where the model is."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
     for _ in range(n):
         logits = model(ids[:, -seq_len:])[:, -1]
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids.cpu()
+
+
+def generate(model: nn.Module, prompt: str, n: int, seq_len: int) -> str:
+    ids = sample_tokens(model, torch.tensor([list(prompt.encode())]), n, seq_len)
     return bytes(ids[0].tolist()).decode(errors="replace")
 
 

@@ -35,6 +35,10 @@ def _batches(n):
     return out
 
 
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
 def _loss(m, ids):
     return af.losses.cross_entropy(m(input_ids=ids).logits[:, :-1], ids[:, 1:])
 
@@ -89,6 +93,8 @@ def test_torchao_fp8_trains_on_fp8_hardware():
     for b in batches:
         state, m = bf16(state, b)
         ref_losses.append(m["loss"].item())
+    ref_drop = _mean(ref_losses[:10]) - _mean(ref_losses[-10:])
+    assert ref_drop > 2.0, ref_losses  # bf16 learns the sequences (ln 256 = 5.5 -> ~0.1 in 50 steps)
     for recipe in ("tensorwise", "rowwise"):
         fp8 = af.autocast_fp8(af.autocast(af.train_step(_loss, af.optim.adamw(3e-3)), torch.bfloat16),
                               backend="torchao", recipe=recipe)
@@ -98,7 +104,12 @@ def test_torchao_fp8_trains_on_fp8_hardware():
         for b in batches:
             state, m = fp8(state, b)
             losses.append(m["loss"].item())
-        assert abs(losses[-1] - ref_losses[-1]) / ref_losses[-1] < 0.05, (recipe, losses[-1], ref_losses[-1])
+        # The losses head towards zero (the sequences are deterministic), where a relative comparison of the
+        # last losses means nothing: compare in absolute terms, and compare how far each curve fell.
+        drop = _mean(losses[:10]) - _mean(losses[-10:])
+        assert abs(drop - ref_drop) < 0.1 * ref_drop, (recipe, drop, ref_drop)
+        assert abs(losses[-1] - ref_losses[-1]) < 0.05, (recipe, losses[-1], ref_losses[-1])
+        assert losses[-1] < losses[0] - 2.0, (recipe, losses[0], losses[-1])
 
 
 def test_compile_on_cuda_matches_eager():

@@ -250,7 +250,7 @@ class RecordingPlatform:
 def test_seeded_seeds_the_accelerators_among_devices_and_restores_them(monkeypatch, raises):
     fake = RecordingPlatform()
     kinds = []
-    monkeypatch.setattr(af.platforms, "get", lambda kind: kinds.append(kind) or fake)
+    monkeypatch.setattr(af.platforms, "for_device", lambda device: kinds.append(device.type) or fake)
     k = R.key(6)
     devs = [torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)]
     torch.manual_seed(5)
@@ -273,7 +273,7 @@ def test_seeded_seeds_the_accelerators_among_devices_and_restores_them(monkeypat
 
 
 def test_seeded_without_accelerators_does_not_touch_platforms(monkeypatch):
-    monkeypatch.setattr(af.platforms, "get", lambda kind: pytest.fail(f"platforms.get({kind!r}) called"))
+    monkeypatch.setattr(af.platforms, "for_device", lambda d: pytest.fail(f"platforms.for_device({d!r}) called"))
     with R.seeded(R.key(0), [torch.device("cpu"), torch.device("meta")]):
         torch.rand(1)
     with R.seeded(R.key(0)):

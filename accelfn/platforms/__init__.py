@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ..launch_env import ACCELFN_DEVICE
 from .base import Platform
 from .cpu import CpuPlatform
@@ -33,6 +35,9 @@ __all__ = [
     "detect",
     "available",
     "from_backend",
+    "register",
+    "unregister",
+    "for_device",
 ]
 
 ENV_VAR = ACCELFN_DEVICE
@@ -53,6 +58,45 @@ def get(kind: str) -> Platform:
         return _PLATFORMS[kind.strip().lower()]
     except KeyError:
         raise ValueError(f"unknown device kind {kind!r}; the kinds are: {', '.join(KINDS)}") from None
+
+
+def register(platform: Platform) -> None:
+    """Add a device kind (an out-of-tree accelerator, or a fake one for tests); `get`/`for_device` then know it.
+
+    Example:
+        >>> import accelfn as af
+        >>> class Mine(af.platforms.Platform):
+        ...     kind, device_type, backend = "mine", "mine", "gloo"
+        >>> af.platforms.register(Mine()); af.platforms.get("mine").kind
+        'mine'
+        >>> af.platforms.unregister("mine")
+    """
+    if not isinstance(platform, Platform):
+        raise TypeError(f"af.platforms.register(): expected a Platform, got {type(platform).__name__}")
+    if platform.kind in KINDS:
+        raise ValueError(f"af.platforms.register(): {platform.kind!r} is a built-in device kind")
+    _PLATFORMS[platform.kind] = platform
+
+
+def unregister(kind: str) -> None:
+    """Remove a kind added with `register` (built-in kinds stay)."""
+    if kind not in KINDS:
+        _PLATFORMS.pop(kind, None)
+
+
+def for_device(device: torch.device | str) -> Platform:
+    """The platform whose tensors live on `device` (e.g. `torch.device("cuda", 0)` -> the cuda platform).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> af.platforms.for_device(torch.device("cuda", 1)).kind, af.platforms.for_device("cpu").kind
+        ('cuda', 'cpu')
+    """
+    kind = torch.device(device).type
+    for platform in _PLATFORMS.values():
+        if platform.device_type == kind:
+            return platform
+    raise ValueError(f"no accelfn platform for device type {kind!r}; the kinds are: {', '.join(_PLATFORMS)}")
 
 
 def available() -> list[Platform]:

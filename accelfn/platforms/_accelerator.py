@@ -45,6 +45,9 @@ class TorchAccelerator(Platform):
     def set_device(self, device: torch.device) -> None:
         self._mod().set_device(device)
 
+    def supports_pinned_memory(self) -> bool:
+        return True
+
     def supports_bf16(self) -> bool:
         fn = getattr(self._mod(), "is_bf16_supported", None)
         return bool(fn()) if fn is not None else True

@@ -90,6 +90,10 @@ class Platform:
         """Whether FP8 matmuls run natively (otherwise FP8 training works only emulated, for tests)."""
         return False
 
+    def supports_pinned_memory(self) -> bool:
+        """Whether host memory can be pinned for fast, asynchronous copies to and from this kind's devices."""
+        return False
+
     def overlaps_communication(self) -> bool:
         """Whether starting gradient all-reduces during the backward pass pays off (it does when the
         collectives run on their own engine, as NCCL's do; on CPUs compute and gloo share the cores)."""

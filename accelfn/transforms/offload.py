@@ -34,22 +34,11 @@ if TYPE_CHECKING:
 
 __all__ = ["offload", "to_host"]
 
-_PIN_OK: list[bool] = []
-
-
-def to_host(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """A host copy of `t`, in pinned memory where the platform supports pinning (`copy`: even on the host)."""
-    host = t.detach().to("cpu", copy=copy or t.device.type != "cpu")
-    if _PIN_OK == [False]:
-        return host
-    try:
-        pinned = host.pin_memory()
-        if not _PIN_OK:
-            _PIN_OK.append(True)
-        return pinned
-    except RuntimeError:  # no accelerator: pinning is not possible (nor needed)
-        _PIN_OK.append(False)
-        return host
+def to_host(t: torch.Tensor, *, copy: bool = False, pin: bool = False) -> torch.Tensor:
+    """A host copy of `t` (`copy`: even when it is on the host already), in pinned memory with `pin`."""
+    if pin:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t.detach())
+    return t.detach().to("cpu", copy=copy or t.device.type != "cpu")
 
 
 MASTER_KEY = "offload_master"
@@ -59,15 +48,33 @@ MASTER_KEY = "offload_master"
 class HostUpdater:
     """Runs the optimizer update in host memory and writes the result back into the device params.
 
-    With `keep_master`, fp32 master params live on the host in `state.extra["offload_master"]` (so they are
-    checkpointed, and a loaded or replaced state brings its own): the update runs on them and only the new
-    params travel to the device. Without it, the params are copied to the host for each update. On a host
-    whose params are already in host memory and without master params, the update runs in place as usual;
-    `always_stream` forces the copying path there too (tests).
+    ZeRO-Offload's data path, with buffers allocated once: each step, the gradients are copied (asynchronously)
+    into persistent host buffers — pinned where the platform pins (`pin`), so the copies run on the copy engine —
+    one synchronisation, the update by torch's fused multi-threaded CPU kernel on fp32 host params and state, and
+    the new params copied back asynchronously (ordered before the next forward on the device's stream).
+
+    The host params are either fp32 master params kept in `state.extra["offload_master"]` (`keep_master`: they
+    are checkpointed, and a loaded or replaced state brings its own), or a host mirror of the device params,
+    refreshed only when a device param changed outside the update (tracked by tensor version counters, e.g. a
+    checkpoint loaded into the state): no parameter copy to the host per step. The mirror holds exactly what the
+    device holds (low-precision params are rounded on the host), so results do not depend on its lifetime. On a host whose params are
+    already in host memory and without master params, the update runs in place as usual; `always_stream`
+    forces the copying path there too (tests).
     """
 
     keep_master: bool
+    pin: bool = False
     always_stream: bool = False
+    grad_buffers: dict[str, torch.Tensor] = attrs.Factory(dict)
+    mirror: dict[str, torch.Tensor] = attrs.Factory(dict)
+    synced: dict[str, tuple[int, int]] = attrs.Factory(dict)  # name -> (id, version) of the device param mirrored
+
+    def _buffer(self, store: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = store.get(name)
+        if buf is None or buf.shape != like.shape:
+            buf = torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+            store[name] = buf
+        return buf
 
     def __call__(
         self,
@@ -81,15 +88,44 @@ class HostUpdater:
         on_host = first.device.type == "cpu" and not self.always_stream
         if on_host and not self.keep_master:
             return apply_gradients(tx, grads, opt_state, params), extra
-        host_grads = {k: to_host(g, copy=self.always_stream).float() for k, g in grads.items()}
-        if self.keep_master:
-            host_params = extra[MASTER_KEY]
-        else:
-            host_params = {k: to_host(p, copy=True).float() for k, p in params.items()}
-        new_state = apply_gradients(tx, host_grads, opt_state, host_params)
         with torch.no_grad():
-            torch._foreach_copy_(list(params.values()), list(host_params.values()), non_blocking=True)
+            host_grads = {}
+            for k, g in grads.items():
+                buf = self._buffer(self.grad_buffers, k, g)
+                buf.copy_(g.detach(), non_blocking=True)
+                host_grads[k] = buf
+            if self.keep_master:
+                host_params = extra[MASTER_KEY]
+            else:
+                host_params = {}
+                for k, p in params.items():
+                    buf = self._buffer(self.mirror, k, p)
+                    if self.synced.get(k) != (id(p), p._version):  # changed outside the update: read it again
+                        buf.copy_(p.detach(), non_blocking=True)
+                    host_params[k] = buf
+            if first.device.type != "cpu":  # the copies into host memory must have landed before the update
+                _synchronize(first.device)
+            new_state = apply_gradients(tx, host_grads, opt_state, host_params)
+            if not self.keep_master:  # the mirror holds what the device holds: low-precision params rounded
+                for k, p in params.items():
+                    if p.dtype != torch.float32:
+                        host_params[k].copy_(host_params[k].to(p.dtype))
+            device_params = list(params.values())
+            torch._foreach_copy_(device_params, list(host_params.values()), non_blocking=True)
+            if not self.keep_master:
+                self.synced = {k: (id(p), p._version) for k, p in params.items()}
         return new_state, extra
+
+
+def _synchronize(device: torch.device) -> None:
+    from .. import platforms
+
+    try:
+        platform = platforms.for_device(device)
+    except ValueError:  # a kind accelfn has no adapter for: torch's generic accelerator API
+        torch.accelerator.synchronize(device)
+        return
+    platform.synchronize(device)
 
 
 @attrs.frozen
@@ -114,20 +150,31 @@ class Offload(TransformBase):
     def lower(self, plan: Plan) -> None:
         if plan.kind != "train":
             raise ValueError("offload() applies to training steps only")
-        plan.updater = HostUpdater(keep_master=self.params)
+        # pinned host buffers when the model computes on a device that pins (decided for plan.device, the device
+        # the model runs on, also when it was built on the host)
+        plan.updater = HostUpdater(keep_master=self.params, pin=_pins(plan))
 
     def init_state(self, plan: Plan, state: TrainState) -> TrainState:
         # the host update runs in fp32 (like ZeRO-Offload), so the host state is fp32 whatever the params are
+        pin = _pins(plan)
+
         def host(t: torch.Tensor) -> torch.Tensor:
-            t = to_host(t)
-            return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+            t = t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+            return to_host(t, pin=pin and t.dim() > 0)  # 0-d leaves (count, lr) are read by the host, never copied
 
         state = state.replace(opt_state=_tree.map(host, state.opt_state))
         if self.params:
             assert plan.slots is not None
-            master = {n: to_host(state.params[n], copy=True).float() for n in plan.slots.trainable}
+            master = {n: to_host(state.params[n].float(), copy=True, pin=pin) for n in plan.slots.trainable}
             state = state.replace(extra={**state.extra, MASTER_KEY: master})
         return state
+
+
+def _pins(plan: Plan) -> bool:
+    try:
+        return bool(plan.platform.supports_pinned_memory())
+    except (RuntimeError, ValueError):
+        return False
 
 
 @checked

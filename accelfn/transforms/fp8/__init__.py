@@ -62,16 +62,11 @@ def default_filter(model: nn.Module) -> ModuleFilter:
     return keep
 
 
-def _device_supports_fp8(model: nn.Module) -> bool:
-    from ... import platforms
-
-    kinds = {p.device.type for p in model.parameters()} - {"meta"}
-    if len(kinds) != 1:
-        return False
-    kind = kinds.pop()
+def _device_supports_fp8(plan: Plan) -> bool:
+    """Whether the device the model will compute on (`plan.device`, not where it was built) has FP8 matmuls."""
     try:
-        return platforms.get(kind).supports_fp8()
-    except (KeyError, ValueError):
+        return bool(plan.platform.supports_fp8())
+    except (RuntimeError, ValueError):
         return False
 
 
@@ -100,15 +95,15 @@ class AutocastFP8(TransformBase):
         if ac is not None and getattr(ac, "dtype", None) == torch.float16:
             raise conflict(self, ac, "FP8 training needs bf16 (or fp32) for the rest of the model, not fp16")
 
-    def choose(self, model: nn.Module) -> str:
+    def choose(self, plan: Plan) -> str:
         if self.backend != "auto":
             return self.backend
-        if _te_available() and _device_supports_fp8(model) and not self.emulate:
+        if _te_available() and _device_supports_fp8(plan) and not self.emulate:
             return "te"
         return "torchao"
 
     def lower(self, plan: Plan) -> None:
-        backend = self.choose(plan.module)
+        backend = self.choose(plan)
         if self.backend == "auto":
             plan.notes.append(f"autocast_fp8: chose {backend}")
         keep = self.module_filter or default_filter(plan.module)

@@ -47,8 +47,10 @@ def convert(plan: Plan, keep: ModuleFilter, recipe_name: str | None) -> int:
         for child_name, child in list(module.named_children()):
             full = f"{fqn}.{child_name}" if fqn else child_name
             if isinstance(child, nn.Linear) and keep(child, full):
+                # TE layers live where the model will compute (a host-built model moves there under af.shard)
+                device = plan.device if child.weight.device.type in ("cpu", "meta") else child.weight.device
                 new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                params_dtype=child.weight.dtype, device=child.weight.device)
+                                params_dtype=child.weight.dtype, device=device)
                 with torch.no_grad():
                     new.weight.copy_(child.weight)
                     if child.bias is not None:

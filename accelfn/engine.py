@@ -132,6 +132,7 @@ class Plan:
     # run on, not the host it was built on.
     device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
     input_device: torch.device | None = None  # where host batch tensors are moved (None: left where they are)
+    fp8_skipped: dict[str, str] = attrs.Factory(dict)  # Linear layers autocast_fp8 kept in high precision, and why
 
     @property
     def platform(self) -> Any:

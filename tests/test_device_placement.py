@@ -111,6 +111,36 @@ def test_fp8_under_shard_accepts_a_host_built_model_on_an_fp8_device():
         assert all(p.device == GPU for p in step.model.parameters())
 
 
+def test_fp8_on_fp8_hardware_converts_only_layers_whose_shapes_gain_and_says_why():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    class Wide(nn.Module):  # hidden 1024 (fp8 measured 19% slower on an H100) next to hidden 2048 (14% faster)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(16, 1024)
+            self.small = nn.Linear(1024, 1024)
+            self.up = nn.Linear(1024, 2048)
+            self.big = nn.Linear(2048, 2048)
+            self.out = nn.Linear(2048, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.big(self.up(self.small(self.inp(x)))))
+
+    with fake_gpu() as gpu, gpu.mesh() as mesh:
+        base = af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.1)), "bf16")
+        step = af.shard(af.autocast_fp8(base, backend="torchao"), mesh)
+        step.init(gpu.module(Wide))
+        assert [n for n, m in step.model.named_modules() if isinstance(m, Float8Linear)] == ["up", "big"]
+        assert step.plan.fp8_skipped == {
+            "inp": "first/last Linear", "out": "first/last Linear", "small": "too small to gain (1024x1024, tensorwise)"
+        }
+        assert "2 Linear layers in fp8 (torchao); kept in high precision: 2 first/last Linear" in repr(step)
+        forced = af.shard(af.autocast_fp8(base, backend="torchao", module_filter=lambda m, fqn: fqn == "small"), mesh)
+        forced.init(gpu.module(Wide))  # module_filter still overrides
+        assert [n for n, m in forced.model.named_modules() if isinstance(m, Float8Linear)] == ["small"]
+
+
 def test_fp8_without_fp8_hardware_names_the_device_it_would_compute_on():
     pytest.importorskip("torchao")
     with af.Mesh({"dp": -1}, device="cpu") as mesh:

@@ -20,6 +20,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
         "fsdp:guards",                                                  # what FSDP2 cannot do is refused
+        "fsdp:gpt2:compile",                                            # compile per block, in place, then FSDP2
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)

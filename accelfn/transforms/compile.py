@@ -6,6 +6,11 @@ update is one fused kernel already. Learning rate and step count are tensors, so
 own instead: identical blocks share one compiled graph, which cuts compile time on deep models.
 Modules that Dynamo cannot trace (Transformer Engine layers) stay eager, with a note in `repr(step)`.
 
+Under `af.shard(strategy="fsdp"|"hsdp")` the step is always compiled per block, as torchtitan does: each block
+is compiled in place (`block.compile()`, so FSDP2's hooks, added afterwards, still run around it: a block
+wrapped as `torch.compile(block)` would hide them) before FSDP2 shards the blocks and the root. A whole-step
+graph would trace through FSDP2's all-gathers and measured 2.1x the unsharded compiled step on an H100.
+
 Example:
     >>> import torch, accelfn as af
     >>> step = af.compile(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), regions="blocks")
@@ -53,6 +58,15 @@ def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
+def _dynamo_settings_for_blocks() -> None:
+    """torchtitan's and Accelerate's settings for per-block compile: `.item()` calls stay in the graph, and
+    activation checkpointing's recomputation does not replay the forward's side effects."""
+    config = torch._dynamo.config
+    config.capture_scalar_outputs = True
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 @attrs.frozen
 class Compile(TransformBase):
     options: tuple[tuple[str, Any], ...] = ()
@@ -68,7 +82,14 @@ class Compile(TransformBase):
     def lower(self, plan: Plan) -> None:
         kwargs = dict(self.options)
         eager = _untraceable(plan.module)
+        shard = next((t for t in plan.transforms if t.kind == "shard"), None)
+        fsdp = getattr(shard, "strategy", None) in ("fsdp", "hsdp") and getattr(shard, "backend", "torch") == "torch"
+        if fsdp and self.regions is None:
+            plan.notes.append("compile per block under fsdp")
+            Compile(self.options, "blocks").lower(plan)
+            return
         if self.regions == "blocks":
+            _dynamo_settings_for_blocks()
             name, blocks = find_blocks(plan.module)
             compiled = 0
             for block in blocks:

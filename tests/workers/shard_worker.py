@@ -295,6 +295,8 @@ def check(strategy, extra, mesh):
     if "smallbuckets" in extra:  # ~2 KB buckets: many buckets, several in flight at once with overlap
         kw["bucket_mb"] = 0.002
     step = af.shard(step, mesh, strategy=strategy, **kw)
+    if "compile" in extra:  # under fsdp: each block compiled in place before FSDP2 shards it (aot_eager: no C++ build)
+        step = af.compile(step, backend="aot_eager")
 
     def local_part(b):  # inputs="local": each rank passes only its own rows (what a sharded loader yields)
         if "local" not in extra:
@@ -310,6 +312,14 @@ def check(strategy, extra, mesh):
         return real_all_reduce(*a, **k)
 
     state = step.init(make_model())
+    if "compile" in extra:
+        from accelfn.transforms.compile import find_blocks
+
+        assert "compile per block under fsdp" in repr(step), repr(step)
+        _, blocks = find_blocks(step.model)
+        # compiled in place (FSDP2's hooks still run around each block), and sharded by FSDP2
+        assert all(b._compiled_call_impl is not None for b in blocks), repr(step)
+        assert all(type(b).__name__.startswith("FSDP") for b in blocks), [type(b).__name__ for b in blocks]
     dist.all_reduce = counting_all_reduce
     losses = []
     per_step_calls = []

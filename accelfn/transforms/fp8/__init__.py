@@ -1,7 +1,9 @@
 """`af.autocast_fp8`: FP8 Linear layers for training, on torchao or Transformer Engine.
 
 - `backend="torchao"`: eligible `nn.Linear` layers (both dims divisible by 16; the first and last Linear
-  kept in high precision unless `module_filter` says otherwise) become torchao `Float8Linear`; recipes
+  kept in high precision; on FP8 hardware only shapes that train faster in FP8, `gains_from_fp8`, so FP8 never
+  makes a model slower by default; `module_filter` overrides all of it) become torchao `Float8Linear`; which
+  layers stayed in high precision, and why, is in `repr(step)` and `step.plan.fp8_skipped`; recipes
   `"tensorwise"` (default), `"rowwise"`, `"rowwise_with_gw_hp"`. Needs FP8 hardware (an NVIDIA GPU of
   compute capability 8.9+: Ada, Hopper, Blackwell), or `emulate=True` for CPU tests.
 - `backend="te"`: `nn.Linear` -> `transformer_engine.pytorch.Linear`, the forward under
@@ -39,25 +41,53 @@ if TYPE_CHECKING:
     from ...lowering import Transform
     from ...state import TrainState
 
-__all__ = ["autocast_fp8", "default_filter", "RECIPES"]
+__all__ = ["autocast_fp8", "default_filter", "gains_from_fp8", "RECIPES"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BACKENDS = ("auto", "torchao", "te")
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def default_filter(model: nn.Module) -> ModuleFilter:
-    """Linear layers whose dims are divisible by 16, except the first and the last Linear of the model."""
+def gains_from_fp8(in_features: int, out_features: int, recipe: str = "tensorwise") -> bool:
+    """Whether a Linear of this shape trains faster in FP8 than in bf16 on an H100 (torchao's measured rule).
+
+    FP8 adds casts and scale computations around each matmul; below these sizes they cost more than the faster
+    matmul saves (torchao's per-shape benchmarks; its `_auto_filter_for_recipe`). K = in_features,
+    N = out_features.
+
+    Example:
+        >>> from accelfn.transforms.fp8 import gains_from_fp8
+        >>> gains_from_fp8(1024, 1024), gains_from_fp8(2048, 2048), gains_from_fp8(1024, 2816, "rowwise")
+        (False, True, False)
+    """
+    k, n = in_features, out_features
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    # rowwise recipes: the per-row scales cost more
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def default_filter(model: nn.Module, recipe: str = "tensorwise", *, speed: bool = False,
+                   skipped: dict[str, str] | None = None) -> ModuleFilter:
+    """Linear layers whose dims are divisible by 16, except the first and the last Linear of the model; with
+    `speed`, only those whose shape gains from FP8 (`gains_from_fp8`). Why a layer stays in high precision is
+    recorded in `skipped` (name -> reason)."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     edges = {linears[0], linears[-1]} if linears else set()
+    why = skipped if skipped is not None else {}
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        return (
-            isinstance(module, nn.Linear)
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
-            and fqn not in edges
-        )
+        if not isinstance(module, nn.Linear):
+            return False
+        if fqn in edges:
+            why[fqn] = "first/last Linear"
+        elif module.in_features % 16 or module.out_features % 16:
+            why[fqn] = "dims not divisible by 16"
+        elif speed and not gains_from_fp8(module.in_features, module.out_features, recipe):
+            why[fqn] = f"too small to gain ({module.in_features}x{module.out_features}, {recipe})"
+        else:
+            return True
+        return False
 
     return keep
 
@@ -68,6 +98,16 @@ def _device_supports_fp8(plan: Plan) -> bool:
         return bool(plan.platform.supports_fp8())
     except (RuntimeError, ValueError):
         return False
+
+
+def _skipped_note(skipped: dict[str, str]) -> str:
+    if not skipped:
+        return ""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason.split(" (")[0], []).append(name)
+    parts = [f"{len(names)} {reason} (e.g. {names[0]})" for reason, names in by_reason.items()]
+    return "; kept in high precision: " + ", ".join(parts)
 
 
 def _te_available() -> bool:
@@ -106,7 +146,13 @@ class AutocastFP8(TransformBase):
         backend = self.choose(plan)
         if self.backend == "auto":
             plan.notes.append(f"autocast_fp8: chose {backend}")
-        keep = self.module_filter or default_filter(plan.module)
+        skipped: dict[str, str] = {}
+        # on FP8 hardware, only layers whose shapes gain (FP8 never makes a model slower by default); emulated,
+        # only the numerics matter
+        speed = not self.emulate and backend == "torchao"
+        keep = self.module_filter or default_filter(
+            plan.module, self.recipe or "tensorwise", speed=speed, skipped=skipped
+        )
         if backend == "torchao":
             from .torchao import convert
 
@@ -115,7 +161,8 @@ class AutocastFP8(TransformBase):
             from .te import convert as te_convert
 
             n = te_convert(plan, keep, self.recipe)
-        plan.notes.append(f"{n} Linear layers in fp8 ({backend})")
+        plan.notes.append(f"{n} Linear layers in fp8 ({backend})" + _skipped_note(skipped))
+        plan.fp8_skipped = skipped
 
     def init_state(self, plan: Plan, state: TrainState) -> TrainState:
         if not any(type(m).__module__.startswith("transformer_engine") for m in plan.module.modules()):

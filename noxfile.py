@@ -49,3 +49,12 @@ def demo(session: nox.Session) -> None:
     """The README demo: a small byte-level GPT on the text shipped in examples/data."""
     _install(session)
     session.run("python", "examples/train_lm.py")
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Verify a GPU machine (GPU tests, the demo on the GPU, throughput): `bash benchmarks/verify_gpu.sh`.
+
+    Runs with the machine's own python and torch (no venv); under 9 minutes on one H100.
+    """
+    session.run("bash", "benchmarks/verify_gpu.sh", external=True)

@@ -122,6 +122,10 @@ class Step:
             clip_grad_norm=self.clip_grad_norm, donate=self.donate,
         )
         plan.device = target_device(model, self.transforms)
+        if self.kind == "train" and plan.device.type == "cpu":
+            from .platforms.cpu import tune_host_allocator
+
+            tune_host_allocator()  # training-size tensors stay in the heap between steps (see its docs)
         lower(plan, self.transforms)
         plan.finalize()
         self._plan = plan

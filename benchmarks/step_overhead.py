@@ -4,8 +4,15 @@
 
 Workloads: (a) a 4x1024 MLP, batch 64; (b) a tiny GPT-2 (2 layers, d=256, seq 128, batch 8).
 All runners train copies of the same model on the same batches with AdamW (lr 1e-3, wd 0.01); rounds are
-interleaved so that machine noise hits every runner alike. Prints median ms/step and the ratio to the
-plain loop with `torch.optim.AdamW(foreach=True)`.
+interleaved, in a rotating order, so that machine noise hits every runner alike. accelfn runs with several
+batch forms (tuple, dict, list) and loss forms (a mean tensor, `af.Loss(total, count)`, `(loss, aux)`), and
+every table is measured twice: rounds of 1 step (median step time) and rounds of `--round` steps (median
+round time / steps), so no harness choice favours a runner. Prints ms/step and the ratio to the plain loop
+with `torch.optim.AdamW(fused=True)`.
+
+The first accelfn `init` on a CPU tunes glibc's malloc for the whole process (`tune_host_allocator`): the
+plain loops below run with it too. `ACCELFN_HOST_ALLOCATOR=system` leaves glibc as it is (all runners are
+then slower and the ratios depend on their interleaving: see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,6 +40,17 @@ def mlp_workload() -> tuple[nn.Module, list, Callable, Callable]:
     return model, batches, plain_loss, plain_loss
 
 
+def batch_forms(batches: list) -> dict[str, tuple[Callable, Callable]]:
+    """accelfn variants for the MLP: (loss_fn, batch converter) per batch form and loss form."""
+    mse = nn.functional.mse_loss
+    return {
+        "tuple, mean loss": (lambda m, b: mse(m(b[0]), b[1]), lambda b: b),
+        "dict, af.Loss": (lambda m, b: af.Loss(mse(m(b["x"]), b["y"], reduction="sum"), b["x"].numel()),
+                          lambda b: {"x": b[0], "y": b[1]}),
+        "list, (loss, aux)": (lambda m, b: (mse(m(b[0]), b[1]), {"x_mean": b[0].mean()}), lambda b: list(b)),
+    }
+
+
 def gpt2_workload() -> tuple[nn.Module, list, Callable, Callable]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -51,7 +69,9 @@ def gpt2_workload() -> tuple[nn.Module, list, Callable, Callable]:
     return model, batches, plain_loss, af_loss
 
 
-def make_runners(model: nn.Module, plain_loss: Callable, af_loss: Callable) -> dict[str, Callable]:
+def make_runners(
+    model: nn.Module, plain_loss: Callable, af_loss: Callable, forms: dict[str, tuple[Callable, Callable]] | None = None
+) -> dict[str, Callable]:
     runners: dict[str, Callable] = {}
 
     def plain(fused: bool) -> Callable:
@@ -66,16 +86,23 @@ def make_runners(model: nn.Module, plain_loss: Callable, af_loss: Callable) -> d
 
         return run
 
-    runners["plain (AdamW foreach)"] = plain(False)
     runners["plain (AdamW fused)"] = plain(True)
+    runners["plain (AdamW foreach)"] = plain(False)
 
-    step = af.train_step(af_loss, af.optim.adamw(1e-3, weight_decay=0.01))
-    holder = {"state": step.init(copy.deepcopy(model))}
+    def accelfn(loss: Callable, convert: Callable) -> Callable:
+        step = af.train_step(loss, af.optim.adamw(1e-3, weight_decay=0.01))
+        holder = {"state": step.init(copy.deepcopy(model))}
 
-    def run_af(batch):
-        holder["state"], _ = step(holder["state"], batch)
+        def run_af(batch):
+            holder["state"], _ = step(holder["state"], convert(batch))
 
-    runners["accelfn train_step"] = run_af
+        return run_af
+
+    if forms:
+        for name, (loss, convert) in forms.items():
+            runners[f"accelfn train_step ({name})"] = accelfn(loss, convert)
+    else:
+        runners["accelfn train_step"] = accelfn(af_loss, lambda b: b)
 
     try:
         from accelerate import Accelerator
@@ -97,39 +124,51 @@ def make_runners(model: nn.Module, plain_loss: Callable, af_loss: Callable) -> d
     return runners
 
 
-def measure(runners: dict[str, Callable], batches: list, rounds: int, steps: int) -> dict[str, float]:
+def measure(runners: dict[str, Callable], batches: list, rounds: int, steps: int, round_len: int) -> dict[str, float]:
+    """Median ms/step; `round_len` 1: each step timed alone, else rounds of `round_len` steps timed whole."""
     times: dict[str, list[float]] = {k: [] for k in runners}
+    names = list(runners)
     for run in runners.values():  # warm-up
-        for b in batches[:2]:
+        for b in batches:
             run(b)
-    for _ in range(rounds):
-        for name, run in runners.items():
-            for i in range(steps):
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+            run = runners[name]
+            for i in range(max(steps // round_len, 1)):
                 t0 = time.perf_counter()
-                run(batches[i % len(batches)])
-                times[name].append(time.perf_counter() - t0)
+                for j in range(round_len):
+                    run(batches[(i * round_len + j) % len(batches)])
+                times[name].append((time.perf_counter() - t0) / round_len)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--round", type=int, default=20, help="steps per timed round in the second table")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    from accelfn.platforms.cpu import tune_host_allocator
+
+    tuned = tune_host_allocator()  # what accelfn's first CPU step.init does; set now so every runner has it
     print(f"# step_overhead: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, accelfn {af.__version__}")
+          f"torch {torch.__version__}, accelfn {af.__version__}, glibc malloc tuned: {tuned}")
     for name, make in [("MLP 4x1024, batch 64", mlp_workload), ("tiny GPT-2 (2L, d256, seq128, b8)", gpt2_workload)]:
         model, batches, plain_loss, af_loss = make()
-        res = measure(make_runners(model, plain_loss, af_loss), batches, args.rounds, args.steps)
-        base = res["plain (AdamW foreach)"]
+        forms = batch_forms(batches) if make is mlp_workload else None
+        runners = make_runners(model, plain_loss, af_loss, forms)
+        single = measure(runners, batches, args.rounds, args.steps, 1)
+        rounds = measure(runners, batches, args.rounds, args.steps, args.round)
         print(f"\n{name}")
-        print("| runner | ms/step (median) | ratio to plain foreach |\n|---|---:|---:|")
-        for k, v in res.items():
-            print(f"| {k} | {v:.2f} | {v / base:.3f} |")
+        print(f"| runner | ms/step, steps timed alone | ratio | ms/step, rounds of {args.round} | ratio |")
+        print("|---|---:|---:|---:|---:|")
+        b1, b2 = single["plain (AdamW fused)"], rounds["plain (AdamW fused)"]
+        for k in runners:
+            print(f"| {k} | {single[k]:.2f} | {single[k] / b1:.3f} | {rounds[k]:.2f} | {rounds[k] / b2:.3f} |")
 
 
 if __name__ == "__main__":

@@ -275,3 +275,19 @@ def test_mesh_and_dist_code_names_no_device_kind() -> None:
                 assert node.value not in kinds, f"{path.name}:{node.lineno} branches on {node.value!r}"
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
                 assert node.attr not in kinds, f"{path.name}:{node.lineno} uses torch.{node.attr}"
+
+
+def test_tune_host_allocator_sets_glibc_thresholds_once_and_can_be_turned_off():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import accelfn as af, torch; from accelfn.platforms import cpu; "
+            "af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2)); "
+            "print(cpu._TUNED)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ACCELFN_HOST_ALLOCATOR"}
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "ACCELFN_HOST_ALLOCATOR": "system"})  # fmt: skip
+    assert on.stdout.strip() == "[True]", on.stderr  # glibc (the CI machines): set by the first CPU train step
+    assert off.stdout.strip() == "[False]", off.stderr

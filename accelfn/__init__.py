@@ -8,6 +8,7 @@ Example:
 """
 
 from . import big, checkpoint, data, dist, losses, optim, platforms, random, tree
+from ._rich import install_if_requested as _install_rich_tracebacks
 from .big import (
     cpu_offload,
     dispatch,
@@ -27,6 +28,7 @@ from .step import Step, eval_step, train_step
 from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload, shard
 
 __version__ = "0.1.0"
+_install_rich_tracebacks()  # only with ACCELFN_RICH=1
 
 __all__ = [
     "__version__",

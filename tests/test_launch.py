@@ -286,3 +286,21 @@ def test_an_accelfn_script_runs_unchanged_under_the_deepspeed_launcher():
                        text=True, timeout=180, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "OK under the deepspeed launcher: world 2" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_rich_tracebacks_on_request_stay_the_last_thing_the_launcher_prints(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text('def f(x):\n    y = x * 2\n    raise ValueError(f"bad {y}")\n\n\nf(3)\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELFN_"))}
+    plain = subprocess.run([*CLI, "launch", "--nproc-per-node", "1", "--cpu", str(script)], capture_output=True,
+                           text=True, timeout=90, env=env)  # fmt: skip
+    rich = subprocess.run([*CLI, "launch", "--nproc-per-node", "1", "--cpu", str(script)], capture_output=True,
+                          text=True, timeout=90, env={**env, "ACCELFN_RICH": "1"})  # fmt: skip
+    assert plain.returncode != 0 and rich.returncode != 0
+    assert "Traceback (most recent call last)" in plain.stderr and "╭" not in plain.stderr
+    tail = rich.stderr.rstrip().splitlines()
+    assert tail[-1].strip() == "ValueError: bad 6", rich.stderr[-2000:]  # the failing rank's traceback comes last
+    report = rich.stderr[rich.stderr.index("accelfn launch: rank 0 failed"):]
+    assert "Traceback (most recent call last)" in report and "╭" in report  # rich's boxed rendering
+    assert '❱ 3 │   raise ValueError(f"bad {y}")' in report  # with the source line of each frame

@@ -25,6 +25,28 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _rich_traceback(exc: BaseException, plain: str) -> str:
+    """With ``ACCELFN_RICH=1``: the traceback rendered by rich (source lines around each frame, locals with
+    ``ACCELFN_RICH=locals``), as plain text so that logs and the launcher's report stay readable. Falls back to
+    the plain traceback, saying why, when rich is not installed."""
+    mode = os.environ.get("ACCELFN_RICH", "").strip().lower()
+    if mode in ("", "0", "false", "no"):
+        return plain
+    try:
+        import io
+
+        from rich.console import Console
+        from rich.traceback import Traceback
+    except ImportError:
+        return plain + "(ACCELFN_RICH is set but rich is not installed: pip install 'accelfn[rich]')\n"
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    console = Console(file=io.StringIO(), width=110, color_system=None, record=True)
+    console.print(Traceback.from_exception(type(exc), exc, tb, show_locals=mode == "locals", width=110))
+    return console.export_text()
+
+
 def _record(exc: BaseException, text: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):  # a script using torch's @record wrote it already
@@ -77,7 +99,7 @@ def main() -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:
-        text = _user_traceback(exc)
+        text = _rich_traceback(exc, _user_traceback(exc))
         _record(exc, text)
         sys.stderr.write(text)
         sys.stderr.flush()

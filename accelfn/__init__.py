@@ -7,7 +7,7 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import big, checkpoint, data, dist, losses, optim, platforms, random, tree
+from . import big, checkpoint, data, dist, losses, optim, platforms, random, trackers, tree
 from ._rich import install_if_requested as _install_rich_tracebacks
 from .big import (
     cpu_offload,
@@ -22,7 +22,9 @@ from .dist import progress
 from .losses import Loss
 from .lowering import CompositionError
 from .mesh import Mesh
+from .meter import Meter
 from .module import bind, partition
+from .profile import profile
 from .state import TrainState
 from .step import Step, eval_step, train_step
 from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload, shard
@@ -65,4 +67,7 @@ __all__ = [
     "dispatch",
     "cpu_offload",
     "pipeline",
+    "Meter",
+    "profile",
+    "trackers",
 ]

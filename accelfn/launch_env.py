@@ -25,6 +25,7 @@ ACCELFN_MIXED_PRECISION = "ACCELFN_MIXED_PRECISION"  # no|bf16|fp16|fp8
 ACCELFN_FP8_BACKEND = "ACCELFN_FP8_BACKEND"  # auto|torchao|te (only with mixed precision fp8)
 ACCELFN_FP8_RECIPE = "ACCELFN_FP8_RECIPE"  # backend-specific recipe name, e.g. "tensorwise"
 ACCELFN_CONFIG_FILE = "ACCELFN_CONFIG_FILE"  # the YAML config the launcher used, if any
+ACCELFN_LOG_WITH = "ACCELFN_LOG_WITH"  # experiment trackers "tensorboard,jsonl" or "none" (accelfn.trackers)
 
 # Set by torch's elastic agent (torch.distributed.run semantics), read here for convenience.
 RANK = "RANK"
@@ -44,11 +45,13 @@ ACCELFN_VARIABLES = (
     ACCELFN_FP8_BACKEND,
     ACCELFN_FP8_RECIPE,
     ACCELFN_CONFIG_FILE,
+    ACCELFN_LOG_WITH,
 )
 
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
 MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("auto", "torchao", "te")
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")  # accelfn.trackers.BACKENDS
 # The usual axis names, for messages (any identifier is accepted).
 MESH_AXES = ("dp", "dp_replicate", "dp_shard", "fsdp", "tp", "pp", "cp", "ep")
 
@@ -93,6 +96,27 @@ def format_mesh(axes: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
+def parse_log_with(spec: str, *, source: str = ACCELFN_LOG_WITH) -> tuple[str, ...]:
+    """Parse ``"tensorboard, jsonl"`` into tracker names (``"none"``: no tracker); ``source`` names the culprit.
+
+    Example:
+        >>> parse_log_with("TensorBoard,jsonl"), parse_log_with("none")
+        (('tensorboard', 'jsonl'), ())
+    """
+    names: list[str] = []
+    for name in (p.strip().lower() for p in spec.split(",")):
+        if name and name not in names:
+            names.append(name)
+    for name in names:
+        if name not in (*TRACKERS, "none"):
+            raise ValueError(f"{source}={spec!r}: unknown tracker {name!r}; known: {', '.join(TRACKERS)}, none")
+    if "none" in names:
+        if len(names) > 1:
+            raise ValueError(f"{source}={spec!r}: 'none' cannot be combined with other trackers")
+        return ()
+    return tuple(names)
+
+
 def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
     value = env.get(name, "").strip().lower() or default
     if value not in allowed:
@@ -127,6 +151,7 @@ class LaunchEnv:
     local_world_size: int
     node_rank: int
     restart_count: int
+    log_with: tuple[str, ...] | None = None  # None: not set (the script's own choice applies)
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -138,6 +163,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """
     env = os.environ if environ is None else environ
     mesh_spec = env.get(ACCELFN_MESH, "").strip()
+    log_with = env.get(ACCELFN_LOG_WITH, "").strip()
     return LaunchEnv(
         launched=env.get(ACCELFN_LAUNCHED, "") == "1",
         device=_choice(env, ACCELFN_DEVICE, DEVICE_KINDS, "auto"),
@@ -152,4 +178,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         local_world_size=_int(env, LOCAL_WORLD_SIZE, 1),
         node_rank=_int(env, GROUP_RANK, 0),
         restart_count=_int(env, RESTART_COUNT, 0),
+        log_with=parse_log_with(log_with) if log_with else None,
     )

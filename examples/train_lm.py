@@ -5,7 +5,9 @@
 
 The loss goes from ~5.5 (uniform over 256 bytes) to ~2.0 in a few hundred steps on 2 CPU cores. Each
 process draws its own windows of text (its shard of the global batch of `--batch-size` x processes);
-`af.shard` averages the gradients over the processes, so every process holds the same model.
+`af.shard` averages the gradients over the processes, so every process holds the same model. Metrics (loss,
+learning rate, tokens/s, step time, memory) go to `--run-dir`/metrics.jsonl through `af.trackers` (add
+`accelfn launch --log-with jsonl,tensorboard` for more), measured by `af.Meter`; `accelfn plot RUN_DIR` draws them.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default="runs/train_lm", help="where metrics.jsonl (and other trackers) write")
+    p.add_argument("--log-every", type=int, default=20)
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
@@ -116,15 +120,23 @@ def main() -> None:
     af.dist.print(f"model: {n_params:,} parameters; data: {len(train):,} training bytes; {step}")
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + mesh.data_rank)  # each rank its own windows
+    meter = af.Meter(step)  # tokens/s, step time, data wait, TFLOP/s (and MFU on known GPUs), memory
+    run = af.trackers.open(args.run_dir, "auto", config=vars(args), mesh=mesh)  # jsonl unless --log-with says
     t0 = time.perf_counter()
     first = None
     bar = af.progress(range(args.steps), desc="train", dynamic_ncols=True, mininterval=1.0)
     for i in bar:
-        state, metrics = step(state, windows(train, args.batch_size, args.seq_len, gen))
-        if i % 10 == 0 or i == args.steps - 1:
+        state, metrics = meter(state, windows(train, args.batch_size, args.seq_len, gen))
+        logged = {"loss": metrics["loss"], "lr": metrics["lr"]}  # tensors: buffered, no device sync per step
+        if (i + 1) % args.log_every == 0 or i == args.steps - 1:
+            figures = meter.figures()  # global over the ranks (a collective: every rank calls it)
+            logged.update({k: v for k, v in figures.items() if k != "steps"})
+        run.log(logged, step=i + 1)
+        if i == 0 or (i + 1) % args.log_every == 0 or i == args.steps - 1:
             loss = metrics["loss"].item()
             first = loss if first is None else first
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics['lr'].item():.2e}")
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics['lr'].item():.2e}", **meter.postfix())
+    run.close()
     elapsed = time.perf_counter() - t0
 
     val_gen = torch.Generator().manual_seed(1234)
@@ -134,6 +146,7 @@ def main() -> None:
                   f"{mesh.world_size} process(es), global batch {args.batch_size * mesh.data_size})")
     af.dist.print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
     af.dist.print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
+    af.dist.print(f"metrics: {args.run_dir}/metrics.jsonl; plot them with: accelfn plot {args.run_dir}")
     mesh.close()
 
 

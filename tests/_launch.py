@@ -18,17 +18,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_command(script: Path, nproc: int, args: tuple[str, ...]) -> list[str]:
-    """The command line that starts `nproc` CPU processes running `script` (the one place to change it)."""
+def launch_command(script: Path, nproc: int, args: tuple[str, ...], launch_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts `nproc` CPU processes running `script` (the one place to change it).
+
+    `launch_args` are extra `accelfn launch` options (not available under ACCELFN_TEST_TORCHRUN=1)."""
     if (ROOT / "accelfn" / "cli" / "main.py").exists() and os.environ.get("ACCELFN_TEST_TORCHRUN") != "1":
-        return [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", str(nproc), "--cpu",
+        return [sys.executable, "-m", "accelfn.cli.main", "launch", *launch_args, "--nproc-per-node", str(nproc), "--cpu",
                 "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]  # fmt: skip
 
 
 def run_workers(
-    script: str, nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    script: str,
+    nproc: int,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    launch_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run `tests/workers/<script>` on `nproc` processes; return the finished process (output as text)."""
     path = WORKERS / script
@@ -36,7 +43,7 @@ def run_workers(
     full_env.pop("WORLD_SIZE", None)
     full_env.update(env or {})
     proc = subprocess.run(
-        launch_command(path, nproc, args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
+        launch_command(path, nproc, args, launch_args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
     )
     return proc
 

@@ -30,7 +30,9 @@ def test_every_field_round_trips(tmp_path):
         max_restarts=2,
         monitor_interval=1,
         fp8={"backend": "torchao", "recipe": "rowwise"},
+        log_with=["tensorboard", "jsonl"],
     )
+    assert cfg.log_with == "tensorboard,jsonl"
     assert cfg.mesh == "dp=-1,tp=2" and cfg.fp8 == Fp8Config("torchao", "rowwise")
     assert load(save(cfg, tmp_path / "c.yaml")) == cfg
 
@@ -108,11 +110,13 @@ def test_bad_config_makes_launch_exit_2_with_the_key(tmp_path, capsys):
 
 
 def test_questionnaire_asks_again_after_a_bad_answer():
-    answers = iter(["cpu", "2", "", "", "", "", "fp32", "bf16", "dp=2", "1"])
+    answers = iter(["cpu", "2", "", "", "", "", "fp32", "bf16", "dp=2", "1", "tb", "tensorboard,jsonl"])
     said: list[str] = []
     cfg = ask(input_fn=lambda _q: next(answers), print_fn=said.append)
-    assert cfg == Config(device="cpu", num_processes=2, mixed_precision="bf16", mesh="dp=2", max_restarts=1)
+    assert cfg == Config(device="cpu", num_processes=2, mixed_precision="bf16", mesh="dp=2", max_restarts=1,
+                         log_with="tensorboard,jsonl")  # fmt: skip
     assert any("'fp32' is not one of no, bf16, fp16, fp8" in s for s in said)
+    assert any("unknown tracker 'tb'" in s for s in said)
 
 
 def test_env_prints_versions_platform_and_config(tmp_path, capsys):

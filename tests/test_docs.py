@@ -49,7 +49,7 @@ def test_python_blocks_run_and_print_what_they_say(path, tmp_path, monkeypatch):
 
 
 # Public subpackages whose `__all__` the API reference must cover (every module `accelfn/__init__.py` exports).
-SUBPACKAGES = ["optim", "checkpoint", "data", "dist", "big", "losses", "random", "tree", "platforms"]
+SUBPACKAGES = ["optim", "checkpoint", "data", "dist", "big", "losses", "random", "tree", "platforms", "trackers"]
 
 
 def test_every_public_subpackage_is_checked():

@@ -20,6 +20,7 @@ QUESTIONS = (
     ("mixed_precision", "Mixed precision (no, bf16, fp16, fp8)", str),
     ("mesh", "Mesh axes, e.g. dp=-1,tp=2 (empty: data parallel over all)", str),
     ("max_restarts", "Restarts of the process group on failure", int),
+    ("log_with", "Experiment trackers, e.g. tensorboard,jsonl (empty: the script's choice)", str),
 )
 
 

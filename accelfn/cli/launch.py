@@ -48,6 +48,12 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=1 (-1: the rest of the world)")
     s.add_argument("--mixed-precision", choices=MIXED_PRECISION)
     s.add_argument("--cpu", action="store_true", help="run on CPU (ACCELFN_DEVICE=cpu, gloo)")
+    s.add_argument(
+        "--log-with",
+        metavar="TRACKERS",
+        help="experiment trackers for accelfn.trackers.open(log_with='auto'): a comma list of jsonl, "
+        "tensorboard, wandb, mlflow, trackio, or none (ACCELFN_LOG_WITH)",
+    )
     s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
     o = p.add_argument_group("output")
     o.add_argument("--log-dir", help="folder for per-rank logs and error files (default: a temp folder)")
@@ -78,6 +84,7 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         mesh=args.mesh,
         mixed_precision=args.mixed_precision,
         config_file=args.config_file,
+        log_with=args.log_with,
         cpu=args.cpu,
         log_dir=args.log_dir,
         tee=args.tee,

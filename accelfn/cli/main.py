@@ -12,15 +12,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import config, env, estimate_memory, launch, test
+from . import config, env, estimate_memory, launch, plot, test
 
-COMMANDS = (config, env, test, launch, estimate_memory)
+COMMANDS = (config, env, test, launch, estimate_memory, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (every command registers its own subparser)."""
     parser = argparse.ArgumentParser(prog="accelfn", description="Functional training for PyTorch.")
-    sub = parser.add_subparsers(dest="command", metavar="{config,env,test,launch,estimate-memory}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{config,env,test,launch,estimate-memory,plot}", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

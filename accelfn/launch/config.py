@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ..launch_env import DEVICE_KINDS, FP8_BACKENDS, MIXED_PRECISION, format_mesh, parse_mesh
+from ..launch_env import DEVICE_KINDS, FP8_BACKENDS, MIXED_PRECISION, format_mesh, parse_log_with, parse_mesh
 
 RDZV_BACKENDS = ("c10d", "static")
 
@@ -81,6 +81,25 @@ def _check_mesh(_inst: Any, _attr: Any, value: Any) -> None:
 
 def _mesh_in(value: Any) -> Any:
     return format_mesh(value) if isinstance(value, Mapping) else value
+
+
+def _log_with_in(value: Any) -> Any:
+    """A YAML list ``[tensorboard, jsonl]`` is the comma list ``"tensorboard,jsonl"``; None is unset."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return ",".join(value) or "none"
+    return value
+
+
+def _check_log_with(_inst: Any, _attr: Any, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"config key 'log_with': expected a list or comma list of trackers, got {value!r}")
+    if value:
+        try:
+            parse_log_with(value, source="config key 'log_with'")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _to_float(value: Any) -> Any:
@@ -155,6 +174,7 @@ class Config:
         default=0.1, converter=_to_float, validator=_check_positive_float("monitor_interval")
     )
     fp8: Fp8Config = attrs.field(factory=Fp8Config, converter=_fp8_in)
+    log_with: str = attrs.field(default="", converter=_log_with_in, validator=_check_log_with)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:

@@ -43,6 +43,7 @@ class LaunchOptions:
     mesh: str | None = None
     mixed_precision: str | None = None
     config_file: str | None = None
+    log_with: str | None = None
     cpu: bool = False
     log_dir: str | None = None
     tee: str = "none"
@@ -150,6 +151,9 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         raise ConfigError(
             f"--mixed-precision={precision!r} is not one of {', '.join(contract.MIXED_PRECISION)}"
         )
+    log_with = pick("log_with", opts.log_with, None, cfg.log_with, "")
+    if log_with:
+        log_with = ",".join(contract.parse_log_with(log_with, source="--log-with")) or "none"
     if opts.tee not in TEE_CHOICES:
         raise ConfigError(f"--tee={opts.tee!r} is not one of {', '.join(TEE_CHOICES)}")
 
@@ -164,6 +168,8 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         env[contract.ACCELFN_FP8_BACKEND] = cfg.fp8.backend
         if cfg.fp8.recipe:
             env[contract.ACCELFN_FP8_RECIPE] = cfg.fp8.recipe
+    if log_with:
+        env[contract.ACCELFN_LOG_WITH] = log_with
     if cfg_path:
         env[contract.ACCELFN_CONFIG_FILE] = cfg_path
     if max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:

@@ -99,6 +99,11 @@ class Platform:
         collectives run on their own engine, as NCCL's do; on CPUs compute and gloo share the cores)."""
         return True
 
+    def peak_tflops(self, dtype: torch.dtype, device: torch.device | None = None) -> float | None:
+        """The dense peak TFLOP/s of one device for matmuls in `dtype` (None when not known: `af.Meter` then
+        reports no MFU rather than a wrong one)."""
+        return None
+
     def has_fused_optimizer(self) -> bool:
         """Whether torch's fused optimizer kernels (`torch._fused_adamw_`) run on this kind."""
         try:
@@ -128,6 +133,15 @@ class Platform:
     def manual_seed(self, seed: int) -> None:
         """Seed this kind's generators on every visible device."""
         raise NotImplementedError
+
+    def record_memory_history(self, enabled: bool) -> bool:
+        """Start (or stop) recording every allocation with its stack, for a memory snapshot; returns whether
+        this kind can (see `dump_memory_history`)."""
+        return False
+
+    def dump_memory_history(self, path: str) -> None:
+        """Write the recorded allocation history to `path`, in the format of the kind's own memory viewer."""
+        raise NotImplementedError(f"the {self.kind} platform records no memory history")
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait until queued work on `device` has finished."""

@@ -1,0 +1,105 @@
+"""The default tracker, with no dependency: ``metrics.jsonl`` (one JSON object per line) and ``config.json``.
+
+Example:
+    >>> import json, pathlib, tempfile
+    >>> run = pathlib.Path(tempfile.mkdtemp())
+    >>> t = JSONLTracker(run)
+    >>> t.log({"loss": 0.5}, step=1, wall_time=0.0)
+    >>> t.close()
+    >>> json.loads((run / "metrics.jsonl").read_text())
+    {'step': 1, 'time': 0.0, 'loss': 0.5}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from .base import TrackerError, to_plain
+
+__all__ = ["JSONLTracker", "truncate_after"]
+
+
+def _number(value: float) -> Any:
+    """JSON has no NaN/inf: write them as the strings "nan", "inf", "-inf"."""
+    return value if not isinstance(value, float) or math.isfinite(value) else str(value)
+
+
+def truncate_after(path: str | os.PathLike[str], step: int) -> int:
+    """Drop the lines of ``path`` whose ``step`` is > ``step`` (and a torn last line), atomically.
+
+    Returns the number of lines kept. Written to a temporary file then ``os.replace``d, so a crash leaves
+    either the old file or the new one.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "m.jsonl"
+        >>> _ = p.write_text('{"step": 1}\\n{"step": 2}\\n{"step": 3')
+        >>> truncate_after(p, 1), p.read_text()
+        (1, '{"step": 1}\\n')
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept: list[str] = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class JSONLTracker:
+    """Append ``{"step": N, "time": t, **metrics}`` lines to ``<run_dir>/metrics.jsonl``.
+
+    The file is line-buffered: each line reaches the OS as it is written, so a crashed process loses no
+    line it logged (a power loss may lose the last ones). ``resume_step=K`` first drops lines with step > K.
+    Non-finite values are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no NaN).
+    """
+
+    name = "jsonl"
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.config_path = Path(run_dir) / "config.json"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                truncate_after(self.path, resume_step)
+            self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - open until close()
+        except OSError as e:
+            raise TrackerError(self.name, f"cannot write {str(self.path)!r}: {e}") from e
+
+    def log(self, metrics: dict[str, float], step: int, *, wall_time: float | None = None) -> None:
+        if self._file is None:
+            raise TrackerError(self.name, f"{str(self.path)!r} is closed")
+        record = {"step": step, "time": time.time() if wall_time is None else wall_time}
+        record.update((k, _number(v)) for k, v in metrics.items())
+        self._file.write(json.dumps(record) + "\n")
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        tmp = self.config_path.with_name(self.config_path.name + ".tmp")
+        tmp.write_text(json.dumps(to_plain(config), indent=2) + "\n")
+        os.replace(tmp, self.config_path)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -304,3 +304,28 @@ def test_rich_tracebacks_on_request_stay_the_last_thing_the_launcher_prints(tmp_
     report = rich.stderr[rich.stderr.index("accelfn launch: rank 0 failed"):]
     assert "Traceback (most recent call last)" in report and "╭" in report  # rich's boxed rendering
     assert '❱ 3 │   raise ValueError(f"bad {y}")' in report  # with the source line of each frame
+
+
+@pytest.mark.slow
+def test_the_failing_ranks_traceback_stays_last_with_trackers_running(tmp_path):
+    script = tmp_path / "fails_while_logging.py"
+    script.write_text(
+        "import torch, accelfn as af\n"
+        "mesh = af.Mesh.from_env()\n"
+        f"run = af.trackers.open({str(tmp_path / 'run')!r}, 'auto', mesh=mesh)\n"
+        "for i in range(5):\n"
+        "    run.log({'loss': torch.tensor(1.0 / (i + 1))}, step=i + 1)\n"
+        "run.flush()\n"
+        "if mesh.rank == 1:\n"
+        "    raise ValueError('rank one fails')\n"
+        "mesh.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELFN_"))}
+    r = subprocess.run([*CLI, "launch", "--nproc-per-node", "2", "--cpu", "--log-with", "jsonl,tensorboard",
+                        str(script)], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert r.returncode != 0
+    assert "accelfn launch: rank 1 failed: ValueError: rank one fails" in r.stderr, r.stderr[-3000:]
+    last = [line for line in r.stderr.rstrip().splitlines() if line.strip()][-1]
+    assert last.strip() == "ValueError: rank one fails", r.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()  # written by rank 0 only
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]

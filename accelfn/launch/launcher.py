@@ -200,10 +200,11 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
 
 
 def _failure_report(err: Any) -> str:
-    """The first failed rank: a summary line and its traceback; a short line for each later failure."""
+    """A short line for each later failure, then the first failed rank's summary line and its traceback: the
+    root cause is the last thing printed, where the terminal shows it."""
     lines = []
     first = err.get_first_failure()[0]
-    for rank, failure in sorted(err.failures.items(), key=lambda kv: (kv[0] != first, kv[0])):
+    for rank, failure in sorted(err.failures.items(), key=lambda kv: (kv[0] == first, kv[0])):
         data = failure.error_file_data or {}
         message = data.get("message") if isinstance(data, dict) else None
         callstack = ""
@@ -218,7 +219,7 @@ def _failure_report(err: Any) -> str:
             summary = f"exited with code {failure.exitcode}"
         if rank != first:
             summary = summary if len(summary) < 160 else summary[:157] + "..."
-            lines.append(f"accelfn launch: rank {rank} also failed (after rank {first}): {summary}")
+            lines.append(f"accelfn launch: rank {rank} also failed (after rank {first}, below): {summary}")
             continue
         lines.append(
             f"accelfn launch: rank {rank} failed: {summary} "

@@ -1,0 +1,95 @@
+"""Every example in examples/ runs on CPU and passes its own check (each prints `CHECK ...: OK` and exits 0).
+
+Distributed examples run the way users run them, `accelfn launch --nproc-per-node 2 --cpu` (tests/_launch.py
+launch_command); single-process ones in a plain subprocess. The DeepSpeed FP8 settings compile DeepSpeed's
+shm op on first use (point TORCH_EXTENSIONS_DIR at a cached folder, as CI does) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._launch import ROOT, launch_command, output_of
+
+EXAMPLES = ROOT / "examples"
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELFN_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_example(script: str, *args: str, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run examples/<script>: on `nproc` launched CPU processes, or (nproc=0) as a plain `python` process."""
+    path = EXAMPLES / script
+    cmd = launch_command(path, nproc, args) if nproc else [sys.executable, str(path), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def _passes(proc: subprocess.CompletedProcess[str], check: str) -> None:
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert f"CHECK {check}: OK" in proc.stdout, out
+
+
+def test_seq_classification_bert_accuracy_rises_on_two_processes():
+    proc = run_example("seq_classification.py", nproc=2)
+    _passes(proc, "accuracy rises")
+    assert "gathered from 2 process(es)" in proc.stdout, output_of(proc)
+
+
+@needs_torchao
+@pytest.mark.parametrize("setting,nproc", [("single", 0), ("ddp", 2), ("fsdp", 2)])
+def test_fp8_training_loss_falls(setting, nproc):
+    proc = run_example("fp8_training.py", "--setting", setting, nproc=nproc)
+    _passes(proc, f"fp8 {setting} loss falls")
+    assert "fp8 emulated" in proc.stdout, output_of(proc)  # CPU: no FP8 matmul, emulated automatically
+
+
+@pytest.mark.slow
+@needs_torchao
+@needs_deepspeed
+def test_fp8_training_deepspeed_zero_1_2_3_loss_falls():
+    for stage in (1, 2, 3):  # one test: the first compiles DeepSpeed's shm op unless TORCH_EXTENSIONS_DIR is cached
+        _passes(run_example("fp8_training.py", "--setting", f"deepspeed-zero{stage}", nproc=2, timeout=400),
+                f"fp8 deepspeed-zero{stage} loss falls")
+
+
+@needs_torchao
+def test_bf16_vs_fp8_prints_both_trends_and_fp8_tracks_bf16():
+    proc = run_example("bf16_vs_fp8.py")
+    _passes(proc, "fp8 tracks bf16")
+    assert "bf16       fp8   fp8-bf16" in proc.stdout and "final loss: bf16" in proc.stdout, output_of(proc)
+
+
+def test_gan_generator_moves_toward_the_data_on_two_processes():
+    _passes(run_example("gan.py", nproc=2), "generated distribution moves toward the data")
+
+
+def test_checkpoint_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
+    run_dir = str(tmp_path / "run")
+    crashed = run_example("checkpoint_resume.py", "--run-dir", run_dir, "--stop-at", "7", nproc=2)
+    assert crashed.returncode == 0 and "simulated crash" in crashed.stdout, output_of(crashed)
+    resumed = run_example("checkpoint_resume.py", "--run-dir", run_dir, nproc=2)
+    _passes(resumed, "resumed run equals the uninterrupted run bit for bit")
+    assert "resumed from" in resumed.stdout and "(step 5," in resumed.stdout, output_of(resumed)
+
+
+def test_big_model_inference_offloaded_to_cpu_and_disk_matches_the_reference():
+    proc = run_example("big_model_inference.py")
+    _passes(proc, "offloaded model matches the reference")
+    assert "'disk'" in proc.stdout and "'cpu'" in proc.stdout, output_of(proc)
+
+
+def test_distributed_inference_gathers_what_one_process_computes():
+    proc = run_example("distributed_inference.py", nproc=2)
+    _passes(proc, "gathered answers equal a single-process run")
+    assert "9 completions from 2 process(es)" in proc.stdout, output_of(proc)

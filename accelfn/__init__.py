@@ -18,7 +18,9 @@ from .big import (
     load_and_dispatch,
     pipeline,
 )
+from .batch_size import find_executable_batch_size
 from .dist import progress
+from .launch.notebook import notebook_launch
 from .losses import Loss
 from .lowering import CompositionError
 from .mesh import Mesh
@@ -70,4 +72,6 @@ __all__ = [
     "Meter",
     "profile",
     "trackers",
+    "find_executable_batch_size",
+    "notebook_launch",
 ]

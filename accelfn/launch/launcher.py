@@ -45,6 +45,7 @@ class LaunchOptions:
     config_file: str | None = None
     log_with: str | None = None
     cpu: bool = False
+    device: str | None = None  # a device kind (auto, cpu, cuda, ...); `cpu=True` wins
     log_dir: str | None = None
     tee: str = "none"
     use_slurm: bool = True
@@ -103,7 +104,9 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         source[name] = "config" if cfg_path and cfg_value != default else "default"
         return cfg_value
 
-    device = "cpu" if opts.cpu else cfg.device
+    device = "cpu" if opts.cpu else opts.device or cfg.device
+    if device not in contract.DEVICE_KINDS:
+        raise ConfigError(f"device={device!r} is not one of {', '.join(contract.DEVICE_KINDS)}")
     nproc = pick(
         "nproc_per_node", opts.nproc_per_node, slurm and slurm.nproc_per_node, cfg.num_processes, "auto"
     )
@@ -199,7 +202,7 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     )
 
 
-def _failure_report(err: Any) -> str:
+def _failure_report(err: Any, prog: str = "accelfn launch") -> str:
     """A short line for each later failure, then the first failed rank's summary line and its traceback: the
     root cause is the last thing printed, where the terminal shows it."""
     lines = []
@@ -219,10 +222,10 @@ def _failure_report(err: Any) -> str:
             summary = f"exited with code {failure.exitcode}"
         if rank != first:
             summary = summary if len(summary) < 160 else summary[:157] + "..."
-            lines.append(f"accelfn launch: rank {rank} also failed (after rank {first}, below): {summary}")
+            lines.append(f"{prog}: rank {rank} also failed (after rank {first}, below): {summary}")
             continue
         lines.append(
-            f"accelfn launch: rank {rank} failed: {summary} "
+            f"{prog}: rank {rank} failed: {summary} "
             f"(local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode})"
         )
         if callstack:
@@ -230,15 +233,15 @@ def _failure_report(err: Any) -> str:
     return "\n".join(lines)
 
 
-def run(plan: LaunchPlan) -> int:
-    """Run the plan on torch's elastic agent in this process; return the exit code (0: all ranks ok)."""
+def launch_config(plan: LaunchPlan, *, start_method: str = "spawn") -> Any:
+    """The `torch.distributed.launcher.api.LaunchConfig` of `plan` (shared by `run` and `notebook_launch`).
+    The workers' ``ACCELFN_*`` variables (``plan.env``) are not in it: the agent passes its own process's
+    environment on, so the caller puts them there while the agent runs."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    os.environ.update(plan.env)  # the agent passes its environment on to every worker
     tee = Std.from_str({"none": "0", "stdout": "1", "stderr": "2", "all": "3"}[plan.tee])
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=plan.min_nodes,
         max_nodes=plan.max_nodes,
         nproc_per_node=plan.nproc_per_node,
@@ -249,10 +252,19 @@ def run(plan: LaunchPlan) -> int:
         rdzv_configs={"rank": plan.node_rank} if plan.rdzv_backend == "static" else {},
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=plan.log_dir, tee=tee),
         log_line_prefix_template="[rank${rank}]: " if plan.tee != "none" else None,
     )
+
+
+def run(plan: LaunchPlan) -> int:
+    """Run the plan on torch's elastic agent in this process; return the exit code (0: all ranks ok)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    os.environ.update(plan.env)  # the agent passes its environment on to every worker
+    config = launch_config(plan)
     try:
         elastic_launch(config=config, entrypoint=plan.entrypoint)(*plan.args)
     except ChildFailedError as err:

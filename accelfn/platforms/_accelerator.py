@@ -74,5 +74,10 @@ class TorchAccelerator(Platform):
     def manual_seed(self, seed: int) -> None:
         self._mod().manual_seed_all(seed)
 
+    def empty_cache(self) -> None:
+        mod = self.module()
+        if mod is not None and mod.is_available():
+            mod.empty_cache()
+
     def synchronize(self, device: torch.device | None = None) -> None:
         self._mod().synchronize(device)

@@ -45,6 +45,9 @@ class Platform:
     """Environment variable that restricts the devices a process sees (None: no such variable)."""
     package: ClassVar[str | None] = None
     """The extension package that registers this kind with torch (None: built into torch)."""
+    oom_messages: ClassVar[tuple[str, ...]] = ("out of memory",)
+    """Lower-case pieces of a `RuntimeError`'s message by which this kind reports an allocation failure
+    (for backends that raise a plain `RuntimeError` rather than `torch.OutOfMemoryError`)."""
 
     def __repr__(self) -> str:
         return f"<accelfn platform {self.kind!r}: backend={self.backend}>"
@@ -142,6 +145,28 @@ class Platform:
     def dump_memory_history(self, path: str) -> None:
         """Write the recorded allocation history to `path`, in the format of the kind's own memory viewer."""
         raise NotImplementedError(f"the {self.kind} platform records no memory history")
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        """Whether `exc` says that a device of this kind ran out of memory (`af.find_executable_batch_size`
+        retries with a smaller batch on these): `torch.OutOfMemoryError` (and `torch.cuda.OutOfMemoryError`,
+        the same class), or a `RuntimeError` whose message holds one of `oom_messages`.
+
+        Example:
+            >>> import accelfn as af, torch
+            >>> cuda = af.platforms.get("cuda")
+            >>> cuda.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory.")), cuda.is_out_of_memory(ValueError())
+            (True, False)
+        """
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        if not isinstance(exc, RuntimeError) or not exc.args:
+            return False
+        message = str(exc.args[0]).lower()
+        return any(piece in message for piece in self.oom_messages)
+
+    def empty_cache(self) -> None:
+        """Give the memory that torch's caching allocator holds but does not use back to the device (no-op
+        where there is no such cache)."""
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait until queued work on `device` has finished."""

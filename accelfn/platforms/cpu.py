@@ -66,6 +66,11 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     backend = "gloo"
     visible_devices_env = None
+    oom_messages = ("defaultcpuallocator: can't allocate memory", "defaultcpuallocator: not enough memory", "out of memory")
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        """Also Python's own `MemoryError` (a host allocation outside torch)."""
+        return isinstance(exc, MemoryError) or super().is_out_of_memory(exc)
 
     def is_available(self) -> bool:
         return True

@@ -68,6 +68,8 @@ class CudaPlatform(TorchAccelerator):
     device_type = "cuda"
     backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    # "CUDA out of memory" / "HIP out of memory"; cuDNN and cuBLAS word a failed workspace allocation this way
+    oom_messages = ("out of memory", "cudnn_status_not_supported", "cublas_status_alloc_failed")
 
     def supports_fp8(self) -> bool:
         if not self.is_available() or torch.version.cuda is None:

@@ -22,3 +22,5 @@ class MluPlatform(TorchAccelerator):
     backend = "cncl"
     visible_devices_env = "MLU_VISIBLE_DEVICES"
     package = "torch_mlu"
+    # torch_mlu: "MLU out of memory. Tried to allocate ..."; CNRT: "cnrtErrorNoMem"
+    oom_messages = ("out of memory", "cnrterrornomem")

@@ -22,3 +22,5 @@ class NpuPlatform(TorchAccelerator):
     backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     package = "torch_npu"
+    # torch_npu: "NPU out of memory. Tried to allocate ..."; CANN's allocator: error code 207018 / "EL0004"
+    oom_messages = ("out of memory", "el0004", "207018")

@@ -29,6 +29,8 @@ class XlaPlatform(Platform):
     backend = "xla"
     visible_devices_env = "TPU_VISIBLE_CHIPS"
     package = "torch_xla"
+    # PJRT: "RESOURCE_EXHAUSTED: Out of memory while trying to allocate ..." / "... Attempting to reserve ..."
+    oom_messages = ("out of memory", "resource_exhausted")
 
     def _runtime(self) -> Any:
         if import_optional("torch_xla") is None:

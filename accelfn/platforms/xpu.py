@@ -20,3 +20,5 @@ class XpuPlatform(TorchAccelerator):
     device_type = "xpu"
     backend = "xccl"
     visible_devices_env = "ZE_AFFINITY_MASK"
+    # "XPU out of memory. Tried to allocate ..."; Level Zero: "UR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY"
+    oom_messages = ("out of memory", "out_of_device_memory", "out_of_host_memory")

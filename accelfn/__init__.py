@@ -9,6 +9,7 @@ Example:
 
 from . import big, checkpoint, data, dist, losses, optim, platforms, random, trackers, tree
 from ._rich import install_if_requested as _install_rich_tracebacks
+from .batch_size import find_executable_batch_size
 from .big import (
     cpu_offload,
     dispatch,
@@ -18,7 +19,6 @@ from .big import (
     load_and_dispatch,
     pipeline,
 )
-from .batch_size import find_executable_batch_size
 from .dist import progress
 from .launch.notebook import notebook_launch
 from .losses import Loss

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 import accelfn as af
 
@@ -46,6 +47,11 @@ def test_python_blocks_run_and_print_what_they_say(path, tmp_path, monkeypatch):
             assert expected_output(comment).search(printed), (
                 f"{path.name}: a block says it prints {comment!r} but printed:\n{printed}"
             )
+    # a page's examples leave no process group behind (the next test file starts unlaunched)
+    leaked = torch.distributed.is_initialized()
+    if leaked:
+        torch.distributed.destroy_process_group()
+    assert not leaked, f"{path.name}: its examples leave a process group open (close the mesh)"
 
 
 # Public subpackages whose `__all__` the API reference must cover (every module `accelfn/__init__.py` exports).

@@ -17,6 +17,7 @@ Example:
 from .async_ import SaveHandle, clear_staging, wait
 from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .load import load
+from .peft_adapters import load_adapter, save_adapter
 from .pretrained import load_pretrained, save_pretrained
 from .save import checkpoints, latest, save
 
@@ -30,6 +31,8 @@ __all__ = [
     "clear_staging",
     "save_pretrained",
     "load_pretrained",
+    "save_adapter",
+    "load_adapter",
     "CheckpointError",
     "CorruptCheckpointError",
     "CheckpointMismatchError",

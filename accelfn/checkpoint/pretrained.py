@@ -18,6 +18,7 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,35 +77,52 @@ def save_pretrained(
         config = getattr(model_or_params, "config", None)
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"))
-    comm = Comm()
+    full = gather_full(named)
+    if full is not None:
+        write_folder(final, lambda tmp: write_weights(tmp, full, size, config), _is_weight_file)
+    Comm().barrier()
+
+
+def gather_full(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Full (detached) tensors on rank 0, None elsewhere; sharded (DTensor) ones are gathered, a collective
+    every rank joins (with the same names, in the same order)."""
+    rank0 = Comm().rank == 0
     full: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         if is_dtensor(t):
             t = t.full_tensor()  # type: ignore[attr-defined]  # collective: every rank takes part
-        if comm.rank == 0:
+        if rank0:
             full[name] = t.detach()
-    if comm.rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        atomic.clean_stale(final)
-        tmp = atomic.temp_sibling(final, uuid.uuid4().hex[:12])
-        tmp.mkdir()
-        files = _split(full, size, "model", None)
-        for name, tensors in files:
-            io.write_file(tmp / name, tensors, {"format": "pt"})
-        if len(files) > 1:
-            total = sum(t.numel() * t.element_size() for t in full.values())
-            (tmp / HF_INDEX).write_text(hf_index({k: n for n, ts in files for k in ts}, total))
-            io.fsync_path(tmp / HF_INDEX)
-        if config is not None:
-            if hasattr(config, "save_pretrained"):
-                config.save_pretrained(tmp)
-            else:
-                (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            io.fsync_path(tmp / "config.json")
-        # the folder is replaced as a whole; what else it holds (tokenizer, README, ...) stays
-        atomic.carry_over(final, tmp, _is_weight_file)
-        atomic.commit(tmp, final)
-    comm.barrier()
+    return full if rank0 else None
+
+
+def write_folder(final: Path, write: Callable[[Path], None], replaced: Callable[[str], bool]) -> None:
+    """Rank 0: `write(tmp)` into a fresh hidden sibling, then swap it in for `final` atomically; the files
+    of an existing `final` that `replaced` does not claim (tokenizer, README, ...) are kept."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    atomic.clean_stale(final)
+    tmp = atomic.temp_sibling(final, uuid.uuid4().hex[:12])
+    tmp.mkdir()
+    write(tmp)
+    atomic.carry_over(final, tmp, replaced)
+    atomic.commit(tmp, final)
+
+
+def write_weights(folder: Path, full: dict[str, torch.Tensor], size: int, config: Any) -> None:
+    """`model.safetensors` (or shards + index) and `config.json` into `folder`, each fsynced."""
+    files = _split(full, size, "model", None)
+    for name, tensors in files:
+        io.write_file(folder / name, tensors, {"format": "pt"})
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in full.values())
+        (folder / HF_INDEX).write_text(hf_index({k: n for n, ts in files for k in ts}, total))
+        io.fsync_path(folder / HF_INDEX)
+    if config is not None:
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(folder)
+        else:
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
+        io.fsync_path(folder / "config.json")
 
 
 def _is_weight_file(name: str) -> bool:

@@ -106,6 +106,50 @@ class FSDPSync:
         return max_over(x, self.data_group)
 
 
+def _unit_params(unit: nn.Module) -> Iterator[tuple[nn.Module, nn.Parameter]]:
+    """(owner, param) for the params one `fully_shard(unit)` would manage (not those of sharded submodules)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stack = [unit]
+    while stack:
+        m = stack.pop()
+        yield from ((m, p) for p in m._parameters.values() if p is not None)
+        stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+
+
+def uniform_dtype_parts(unit: nn.Module) -> list[nn.Module]:
+    """Submodules of `unit` to shard as units of their own so that each unit's trainable params share a dtype.
+
+    FSDP2 all-gathers params of any dtypes together, frozen ones included, but reduce-scatters the gradients
+    of one unit in one dtype and refuses a unit whose trainable params differ ("FSDP expects uniform
+    original parameter dtype"): e.g. a bf16 base whose PEFT adapter has fp32 LoRA weights and trainable bf16
+    copies of its norms (`modules_to_save`) in the same block. The frozen base keeps its dtype (we never
+    upcast it, unlike Accelerate's FSDP2 path, its issue #3844). The trainable params of the dtype holding the
+    most elements stay in `unit`; the smallest modules owning the others (the LoRA `Linear`s) become units
+    of their own, as torchtitan shards per module. The common case (one trainable dtype) changes nothing.
+    """
+    trainable = [(m, p) for m, p in _unit_params(unit) if p.requires_grad]
+    sizes: dict[torch.dtype, int] = {}
+    for _, p in trainable:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=lambda d: sizes[d])
+    parts: list[nn.Module] = []
+    for owner, p in trainable:
+        if p.dtype == main or any(owner is q for q in parts):
+            continue
+        mixed = {q.dtype for _, q in _unit_params(owner) if q.requires_grad}
+        if len(mixed) > 1:
+            name = next((n for n, m in unit.named_modules() if m is owner), type(owner).__name__)
+            raise ValueError(
+                f"shard(strategy='fsdp'): module {name!r} has trainable params of dtypes {sorted(map(str, mixed))}; "
+                "FSDP2 reduces one unit's gradients in one dtype: give its trainable params one dtype"
+            )
+        parts.append(owner)
+    return parts
+
+
 def lower_fsdp(shard: Shard, plan: Plan) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -129,13 +173,18 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     mp = MixedPrecisionPolicy()
     if plan.autocast_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
+    def shard_unit(module: nn.Module) -> None:
+        for part in uniform_dtype_parts(module):
+            fully_shard(part, mesh=fsdp_mesh, mp_policy=mp)
+        fully_shard(module, mesh=fsdp_mesh, mp_policy=mp)
+
     try:
         _, blocks = find_blocks(plan.module)
         for block in blocks:
-            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp)
+            shard_unit(block)
     except ValueError:
         blocks = None
-    fully_shard(plan.module, mesh=fsdp_mesh, mp_policy=mp)
+    shard_unit(plan.module)
     plan.module._accelfn_fsdp = True  # type: ignore[assignment]  # eval steps on it check their state
     for m in plan.module.modules():
         if hasattr(m, "set_gradient_divide_factor"):

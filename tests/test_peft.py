@@ -1,0 +1,152 @@
+"""PEFT (LoRA) adapters: training under accelfn, saving in PEFT's layout, merging, loading back."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import accelfn as af
+from tests._launch import output_of, run_workers
+from tests.models import lm_batches, tiny_llama
+
+peft = pytest.importorskip("peft")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TARGETS = ["q_proj", "v_proj"]
+
+
+def lora_model(r: int = 4, dtype: torch.dtype = torch.float32, **extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = tiny_llama().to(dtype)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **extra))
+    with torch.no_grad():  # PEFT starts lora_B at 0: give it values, so an adapter changes the logits
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def loss_fn(model, b):
+    return af.losses.cross_entropy(model(input_ids=b["input_ids"]).logits[:, :-1].float(), b["labels"][:, 1:])
+
+
+def trained(model, steps: int = 3):
+    step = af.train_step(loss_fn, af.optim.adamw(1e-2))
+    state = step.init(model)
+    for b in lm_batches(1) * steps:
+        state, _ = step(state, b)
+    return step, state
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=lm_batches(1, seed=5)[0]["input_ids"]).logits
+
+
+def test_only_the_lora_params_train_and_have_optimizer_state():
+    model = lora_model()
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    step, state = trained(model)
+    lora = sorted(n for n in state.params if "lora_" in n)
+    assert len(lora) == 2 * 2 * len(TARGETS)  # 2 layers x targets x (A, B)
+    moments = sorted(p for p, _ in af.tree.flatten_with_path(state.opt_state) if p.startswith(("mu.", "nu.")))
+    assert moments == sorted(f"{m}.{n}" for m in ("mu", "nu") for n in lora)
+    for n, before in base_before.items():
+        assert torch.equal(state.params[n], before), n
+
+
+def test_saved_adapter_is_in_peft_layout_and_peft_loads_it_with_identical_logits(tmp_path):
+    model = lora_model()
+    _, state = trained(model)
+    af.checkpoint.save_adapter(tmp_path / "adapter", state, model)
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    keys = set(af.checkpoint.load_pretrained(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert keys == set(peft.get_peft_model_state_dict(model))  # PEFT's own keys, no adapter name
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["inference_mode"] is True
+    torch.manual_seed(0)
+    reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
+    assert torch.equal(logits(reloaded), logits(model))
+
+
+def test_merged_export_loads_in_transformers_with_the_same_logits_and_leaves_the_model_unmerged(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model()
+    _, state = trained(model)
+    before = logits(model)
+    params_before = {n: p.detach().clone() for n, p in state.params.items()}
+    af.checkpoint.save_adapter(tmp_path / "merged", state, model, merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in n for n in merged.state_dict())
+    torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
+    assert torch.equal(logits(model), before)  # the training model is not merged
+    assert all(torch.equal(state.params[n], v) for n, v in params_before.items())
+
+
+def test_load_adapter_reads_a_peft_folder_into_a_state(tmp_path):
+    source = lora_model()
+    _, trained_state = trained(source)
+    source.save_pretrained(tmp_path / "peft")  # written by PEFT itself
+    model = lora_model()
+    state = af.train_step(loss_fn, af.optim.adamw(1e-2)).init(model)
+    assert not torch.equal(logits(model), logits(source))
+    loaded = af.checkpoint.load_adapter(tmp_path / "peft", like=state, model=model)
+    for n in (n for n in state.params if "lora_" in n):
+        assert loaded.params[n] is state.params[n]  # in place: the model sees the values
+        assert torch.equal(loaded.params[n], trained_state.params[n]), n
+    assert torch.equal(logits(model), logits(source))
+
+
+def test_load_adapter_with_another_rank_names_the_mismatch(tmp_path):
+    model = lora_model(r=4)
+    af.checkpoint.save_adapter(tmp_path / "r4", dict(model.named_parameters()), model)
+    other = lora_model(r=8)
+    with pytest.raises(af.checkpoint.CheckpointMismatchError, match="lora_A"):
+        af.checkpoint.load_adapter(tmp_path / "r4", like=dict(other.named_parameters()), model=other)
+
+
+def test_save_adapter_refuses_a_model_that_is_not_a_peft_model(tmp_path):
+    with pytest.raises(TypeError, match="must be the PeftModel"):
+        af.checkpoint.save_adapter(tmp_path / "x", {}, tiny_llama())
+
+
+def test_fsdp_keeps_a_bf16_base_and_shards_mixed_dtype_trainables_apart():
+    # bf16 base, fp32 LoRA and trainable bf16 norm copies in one block: FSDP2 wants one trainable dtype per unit
+    model = lora_model(dtype=torch.bfloat16, modules_to_save=["input_layernorm"])
+    with af.Mesh({"dp": -1}, device="cpu") as mesh:
+        step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-2)), mesh, strategy="fsdp")
+        state = step.init(model)
+        losses = []
+        for b in lm_batches(1) * 4:
+            state, metrics = step(state, b)
+            losses.append(metrics["loss"].item())
+    assert losses[-1] < losses[0]
+    for n, p in state.params.items():
+        assert p.to_local().dtype == (torch.float32 if "lora_" in n else torch.bfloat16), n
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_equals_one_process_and_saves_a_peft_adapter(tmp_path):
+    configs = ["ddp:fp32", "fsdp:fp32", "fsdp:bf16", "fsdp:bf16:norms", "fsdp:fp32:autocast", "fsdp:bf16:autocast",
+               "ddp:fp32:compile", "fsdp:bf16:autocast:compile"]  # compile: per block, before FSDP2
+    proc = run_workers("peft_worker.py", 2, str(tmp_path), *configs, timeout=400, env={"HF_HUB_OFFLINE": "1"})
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        strategy, dtype, *extra = c.split(":")
+        for rank in (0, 1):
+            assert f"rank {rank}: OK {'-'.join([strategy, dtype, *sorted(extra)])} " in proc.stdout, out
+
+
+@pytest.mark.slow
+def test_lora_finetune_example_runs(tmp_path):
+    from tests.test_examples import _passes, run_example
+
+    proc = run_example("lora_finetune.py", "--out", str(tmp_path / "run"))
+    _passes(proc, "LoRA loss falls and the saved adapter reloads")

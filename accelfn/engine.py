@@ -290,6 +290,10 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     for n in names:
         p = params[n]
         g = p.grad
+        if g is not None and getattr(g, "placements", None) != getattr(p, "placements", None):
+            # DTensor autograd may leave a gradient laid out otherwise than its param (a tensor-parallel
+            # embedding's is replicated): lay it out like the param, as the optimizer works shard by shard
+            g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
         grads[n] = torch.zeros_like(p) if g is None else g
         p.grad = None
     g_leaves = list(grads.values())

@@ -8,7 +8,7 @@ The order of model rewrites is fixed, as in torchtitan's `parallelize`:
     fp8 layer swap (10) -> tensor parallel (20) -> activation checkpointing (30)
         -> compile regions (40) -> FSDP/DDP wrapping (50) -> offload (60)
 
-(20 and 30 are reserved places in the order: no combinator uses them yet.)
+(20 is `af.shard`'s tensor parallel over a `tp` mesh axis, 30 is `af.remat`.)
 
 Run-time settings (accumulate, autocast) have no model rewrite and come first (order < 10). Before
 anything runs, every transform checks the others and raises `CompositionError` naming both sides of an

@@ -21,6 +21,8 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
         "fsdp:guards",                                                  # what FSDP2 cannot do is refused
         "fsdp:gpt2:compile",                                            # compile per block, in place, then FSDP2
+        "fsdp:gpt2:remat", "ddp:gpt2:remat:overlap",                    # activation checkpointing per block
+        "fsdp:gpt2:remat:compile",                                      # remat, then compile, then FSDP2
     ]  # fmt: skip
     proc = run_workers("shard_worker.py", 2, *configs, timeout=400)
     out = output_of(proc)

@@ -115,12 +115,49 @@ def apply_gradients(tx: GradientTransformation, grads: Updates, state: OptState,
     Uses the transformation's fused `apply` when it has one, else `update` plus a multi-tensor add.
     `params` and `grads` are donated: their storage is reused.
     """
+    p_leaves = _tree.leaves(params)
+    if len({_is_dtensor(t) for t in p_leaves}) == 2:  # tensor parallel: split and whole params side by side
+        return _apply_on_local_shards(tx, grads, state, params)
     if tx.apply is not None:
         return tx.apply(grads, state, params)
     updates, state = tx.update(grads, state, params)
-    p_leaves, u_leaves = _tree.leaves(params), _tree.leaves(updates)
+    u_leaves = _tree.leaves(updates)
     torch._foreach_add_(p_leaves, u_leaves)
     return state
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _names(hyperparams: Any) -> list[str]:
+    parts = (hyperparams or {}).get("parts")
+    if parts:
+        return [n for h in parts for n in _names(h)]
+    return [str((hyperparams or {}).get("name"))]
+
+
+def _apply_on_local_shards(tx: GradientTransformation, grads: Updates, state: OptState, params: Params) -> OptState:
+    """The element-wise update on each rank's shards (multi-tensor kernels refuse lists that mix DTensors with
+    plain tensors); the state keeps its DTensors. A transformation that reduces over all elements would see
+    only this rank's shards, so it is refused."""
+    reducing = [n for n in _names(tx.hyperparams) if n == "clip_by_global_norm"]
+    if reducing:
+        raise ValueError(
+            "the optimizer's clip_by_global_norm would see only this rank's tensor-parallel shards: clip with "
+            "af.train_step(..., clip_grad_norm=max_norm), whose norm counts every element once"
+        )
+    originals: dict[int, Any] = {}
+
+    def local(t: Any) -> Any:
+        if not _is_dtensor(t):
+            return t
+        view = t.to_local()
+        originals[id(view)] = t
+        return view
+
+    new_state = apply_gradients(tx, _tree.map(local, grads), _tree.map(local, state), _tree.map(local, params))
+    return _tree.map(lambda x: originals.get(id(x), x), new_state)
 
 
 def learning_rate(state: OptState) -> torch.Tensor | None:

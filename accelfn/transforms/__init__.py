@@ -5,6 +5,7 @@ from .autocast import LossScaleConfig, autocast
 from .compile import compile
 from .fp8 import autocast_fp8
 from .offload import offload
+from .remat import remat
 from .shard import shard
 
-__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "shard", "LossScaleConfig"]
+__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "remat", "shard", "LossScaleConfig"]

@@ -294,6 +294,8 @@ def check(strategy, extra, mesh):
     kw["inputs"] = "local" if "local" in extra else "global"
     if "smallbuckets" in extra:  # ~2 KB buckets: many buckets, several in flight at once with overlap
         kw["bucket_mb"] = 0.002
+    if "remat" in extra:  # activation checkpointing per block changes memory, never results
+        step = af.remat(step, "selective" if "compile" in extra else "full")
     step = af.shard(step, mesh, strategy=strategy, **kw)
     if "compile" in extra:  # under fsdp: each block compiled in place before FSDP2 shards it (aot_eager: no C++ build)
         step = af.compile(step, backend="aot_eager")

@@ -41,6 +41,7 @@ from ..._typecheck import checked
 from ...mesh import Mesh
 from ...step import Step
 from .._base import TransformBase
+from .common import batch_transform
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -74,7 +75,12 @@ class Shard(TransformBase):
         return f"shard({self.strategy}, {axes}{extra})"
 
     def lower(self, plan: Plan) -> None:
-        if self.backend == "deepspeed":
+        tensor_parallel = any(t.kind == "tensor_parallel" for t in plan.transforms)
+        if not self.mesh.data_axes:  # tensor parallel alone (af.Mesh({"tp": 2})): every rank reads the batch
+            plan.module.to(self.mesh.device)
+            plan.batch_transform = batch_transform(self.mesh, self.inputs)
+            plan.rank_key = 0
+        elif self.backend == "deepspeed":
             from .deepspeed import lower_deepspeed
 
             lower_deepspeed(self, plan)
@@ -86,6 +92,10 @@ class Shard(TransformBase):
             from .fsdp import lower_fsdp
 
             lower_fsdp(self, plan)
+        if tensor_parallel:
+            from .tensor_parallel import TensorParallelSync
+
+            plan.grad_sync = TensorParallelSync(plan.grad_sync)
 
 
 @checked
@@ -101,13 +111,18 @@ def shard(
     zero_stage: int | None = None,
     offload_optimizer: bool | None = None,
     overlap: bool | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> Step:
-    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`); see the module docs.
+    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), and tensor-parallel over its `tp` axis;
+    see the module docs.
 
     DeepSpeed only: `ds_config` (a dict or a JSON path) is merged into the generated config and must agree
     with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
     ("ddp" -> 1, "fsdp" -> 3); `offload_optimizer=True` keeps the optimizer state and update on the CPU
     (ZeRO-Offload, with DeepSpeedCPUAdam).
+
+    Tensor parallel (a `tp` axis of size > 1): a Hugging Face model uses its own plan; `tp_plan` (module-name
+    patterns -> style names or torch `ParallelStyle`s) overrides it; see `accelfn.transforms.shard.tensor_parallel`.
 
     Example:
         >>> import torch, accelfn as af
@@ -130,10 +145,20 @@ def shard(
         raise ValueError("shard: ds_config, zero_stage and offload_optimizer apply to backend='deepspeed' only")
     if inputs not in ("local", "global"):
         raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
-    if not mesh.data_axes:
-        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp); its axes are {mesh.axis_names}")
+    tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
+    if not mesh.data_axes and tp == 1:
+        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp) and no tp axis; its axes are {mesh.axis_names}")
+    if tp_plan is not None and tp == 1:
+        raise ValueError(f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})")
+    if tp > 1 and backend == "deepspeed":
+        raise ValueError("shard(backend='deepspeed') does not combine with tensor parallel (tp axis): use backend='torch'")
     if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
         raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
-    return step.with_transform(
+    step = step.with_transform(
         Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
     )
+    if tp > 1:
+        from .tensor_parallel import TensorParallel
+
+        step = step.with_transform(TensorParallel(mesh, tuple(tp_plan.items()) if tp_plan is not None else None))
+    return step

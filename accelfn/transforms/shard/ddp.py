@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.clip import global_norm
-from .common import batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
+from .common import _local, batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -64,7 +64,7 @@ class DDPSync:
         current: list[str] = []
         size, key = 0, None
         for name in reversed(trainable):
-            p = params[name]
+            p = _local(params[name])  # under tensor parallel: this rank's shard
             k = (p.device, p.dtype)
             nbytes = p.numel() * p.element_size()
             if current and (k != key or size + nbytes > self.bucket_bytes):
@@ -107,9 +107,9 @@ class DDPSync:
 
     def _launch(self, bucket: _Bucket, grads: list[torch.Tensor] | None) -> None:
         if grads is None:  # from the hook: read the params' .grad
-            parts = [self.params[n].grad.reshape(-1) for n in bucket.names]  # type: ignore[union-attr]
+            parts = [_local(self.params[n].grad).reshape(-1) for n in bucket.names]  # type: ignore[arg-type]
         else:
-            parts = [grads[i].reshape(-1) for i in bucket.index]
+            parts = [_local(grads[i]).reshape(-1) for i in bucket.index]
         bucket.flat = torch.cat(parts)
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
@@ -145,7 +145,7 @@ class DDPSync:
             offset = 0
             assert bucket.flat is not None
             for i in bucket.index:
-                g = grads[i]
+                g = _local(grads[i])
                 n = g.numel()
                 g.copy_(bucket.flat[offset : offset + n].view_as(g))
                 offset += n

@@ -1,0 +1,277 @@
+"""`af.remat`: activation checkpointing per block — keep less of the forward, recompute it in the backward.
+
+Each checkpointed block (a decoder layer) keeps only its inputs during the forward; its backward runs
+the block's forward again (`torch.utils.checkpoint`, non-reentrant). Policies, as in torchtitan:
+
+- `"full"`: recompute everything inside the block;
+- `"selective"`: save the outputs of the expensive ops (matmuls, attention, collectives) and recompute the
+  cheap ones (norms, activations, element-wise);
+- a callable `policy(op) -> bool` (save this op's output?) or returning a `torch.utils.checkpoint.CheckpointPolicy`;
+- `every=n`: only every n-th block (blocks n, 2n, ...), trading memory for speed;
+- `memory_budget=f` (0 < f <= 1) under `af.compile`: torch's partitioner chooses what to recompute so that
+  at most that fraction of the activations is kept (`torch._functorch.config.activation_memory_budget`).
+
+Blocks are whole decoder layers, never children of a layer (wrapping the children keeps every layer's
+inputs alive *and* the children's, which used more memory than no checkpointing in Accelerate's FSDP2 path):
+for a Hugging Face model, its `_no_split_modules` classes (`LlamaDecoderLayer`); otherwise the modules whose
+class is named in `blocks`, or the items of the largest `nn.ModuleList` / `nn.Sequential`. The block is
+changed in place (its `forward`), so parameter names, checkpoints and FSDP's per-block units stay as they
+were. Dropout inside a recomputed block draws the same numbers again (the step's RNG state is replayed), so
+remat changes memory and time, never results.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(4)])
+    >>> step = af.remat(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), "selective", every=2)
+    >>> state = step.init(net)
+    >>> step
+    Step(train_step(<lambda>) -> remat('selective', every=2)  [remat('selective') on 2 of 4 blocks (Sequential)])
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from .._typecheck import checked
+from ..step import Step
+from ._base import TransformBase, conflict, find
+
+if TYPE_CHECKING:
+    from ..engine import Plan
+    from ..lowering import Transform
+
+__all__ = ["remat", "find_remat_blocks", "SELECTIVE_SAVE"]
+
+POLICIES = ("full", "selective")
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    """The aten / collective overloads that exist in this torch build, by name."""
+    found = []
+    for name in names:
+        ns, _, op = name.partition(".")
+        packet = getattr(getattr(torch.ops, ns, None), op, None)
+        if packet is not None:
+            found.append(packet.default)
+    return frozenset(found)
+
+
+# torchtitan's selective activation checkpointing: keep what is expensive to recompute
+SELECTIVE_SAVE = _ops(
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten._scaled_mm",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+    "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_reduce",
+    "_c10d_functional.all_gather_into_tensor",
+)
+
+
+def find_remat_blocks(module: nn.Module, classes: Sequence[str] | None = None) -> tuple[str, list[nn.Module]]:
+    """The blocks to checkpoint: `(what they are, [blocks in forward order])`; outermost matches only.
+
+    Example:
+        >>> from torch import nn
+        >>> what, blocks = find_remat_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+        >>> what, len(blocks)
+        ('Sequential', 3)
+    """
+    wanted = list(classes) if classes else list(getattr(module, "_no_split_modules", None) or [])
+    if wanted:
+        found = _outermost(module, lambda m: type(m).__name__ in wanted)
+        if found:
+            return "/".join(sorted({type(b).__name__ for b in found})), found
+        if classes:
+            names = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(f"remat: no module of class {list(classes)} in the model; its classes are {names}")
+    from .compile import find_blocks
+
+    try:
+        name, blocks = find_blocks(module)
+    except ValueError:
+        raise ValueError(
+            "remat: the model has no repeated blocks (no nn.ModuleList/nn.Sequential of layers, and no "
+            "Hugging Face `_no_split_modules`): name the block class with remat(..., blocks=['MyLayer'])"
+        ) from None
+    return name if name else type(blocks).__name__, list(blocks)
+
+
+def _outermost(module: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if m is not module and match(m):
+            out.append(m)
+            continue
+        stack.extend(reversed(list(m.children())))
+    return out
+
+
+def _policy_fn(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if policy == "full":
+        return None
+    if policy == "selective":
+        chooser: Callable[[Any], Any] = lambda op: op in SELECTIVE_SAVE  # noqa: E731
+    else:
+        assert callable(policy)
+        chooser = policy
+
+    def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        choice = chooser(op)
+        if isinstance(choice, CheckpointPolicy):
+            return choice
+        return CheckpointPolicy.MUST_SAVE if choice else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _cache_dropper(forward: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """For a Hugging Face layer: a function that removes its key/value cache from a call's arguments (passed
+    by name or by position). The recomputation would append the keys and values to the cache a second time and
+    attend over both (transformers turns `use_cache` off under gradient checkpointing for the same reason); in
+    a training forward the cache starts empty, so results are unchanged. None for layers without a cache."""
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+    names = [n for n in sig.parameters if n in _CACHE_ARGS or n == "use_cache"]
+    if not names:
+        return None
+
+    def drop(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        bound = sig.bind_partial(*args, **kwargs)
+        for n in names:
+            if n in bound.arguments and bound.arguments[n] is not None:
+                bound.arguments[n] = False if n == "use_cache" else None
+        return bound.args, bound.kwargs
+
+    return drop
+
+
+def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> None:
+    """Make `block`'s forward checkpointed (only while gradients are recorded), keeping the module as it is."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if getattr(block, "_accelfn_remat", None) is not None:
+        return  # lowered again (a second init): already checkpointed
+    original = block.forward
+    drop_cache = _cache_dropper(original)
+    decide = _policy_fn(policy)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
+        if drop_cache is not None:
+            args, kwargs = drop_cache(args, kwargs)
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    object.__setattr__(block, "forward", forward)
+    object.__setattr__(block, "_accelfn_remat", policy)
+
+
+@attrs.frozen(eq=False)
+class Remat(TransformBase):
+    policy: str | Callable[..., Any] = "full"
+    every: int = 1
+    blocks: tuple[str, ...] | None = None
+    memory_budget: float | None = None
+    kind: str = "activation_checkpointing"
+
+    def _policy_name(self) -> str:
+        return repr(self.policy) if isinstance(self.policy, str) else getattr(self.policy, "__name__", "callable")
+
+    def describe(self) -> str:
+        if self.memory_budget is not None:
+            return f"remat(memory_budget={self.memory_budget})"
+        args = [self._policy_name()]
+        if self.every != 1:
+            args.append(f"every={self.every}")
+        if self.blocks:
+            args.append(f"blocks={list(self.blocks)}")
+        return f"remat({', '.join(args)})"
+
+    def check(self, others: Sequence[Transform]) -> None:
+        if self.memory_budget is not None and find(others, "compile") is None:
+            raise conflict_without_compile(self)
+        shard = find(others, "shard")
+        if shard is not None and getattr(shard, "backend", "torch") == "deepspeed" and self.memory_budget is not None:
+            raise conflict(self, shard, "DeepSpeed runs the step eagerly; a memory budget needs af.compile")
+
+    def lower(self, plan: Plan) -> None:
+        if plan.kind != "train":
+            return
+        if self.memory_budget is not None:
+            import torch._functorch.config as functorch_config
+
+            functorch_config.activation_memory_budget = self.memory_budget
+            plan.notes.append(f"activation memory budget {self.memory_budget} (the compiler chooses what to save)")
+            return
+        what, blocks = find_remat_blocks(plan.module, self.blocks)
+        chosen = [b for i, b in enumerate(blocks) if (i + 1) % self.every == 0]
+        for block in chosen:
+            checkpoint_in_place(block, self.policy)
+        plan.notes.append(f"remat({self._policy_name()}) on {len(chosen)} of {len(blocks)} blocks ({what})")
+
+
+def conflict_without_compile(r: Remat) -> ValueError:
+    from ..lowering import CompositionError
+
+    return CompositionError(
+        f"{r.describe()} needs af.compile: the memory budget is applied by torch.compile's partitioner "
+        "(use policy='full'/'selective' to checkpoint an eager step)"
+    )
+
+
+@checked
+def remat(
+    step: Step,
+    policy: str | Callable[..., Any] = "full",
+    *,
+    every: int = 1,
+    blocks: Sequence[str] | None = None,
+    memory_budget: float | None = None,
+) -> Step:
+    """Activation checkpointing per block: `policy` "full", "selective" or `callable(op) -> bool`; see the
+    module docs.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.remat(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), "full")
+        Step(train_step(<lambda>) -> remat('full'))
+    """
+    if isinstance(policy, str) and policy not in POLICIES:
+        raise ValueError(f"remat: policy must be one of {POLICIES} or a callable(op) -> bool, got {policy!r}")
+    if every < 1:
+        raise ValueError(f"remat: every must be >= 1 (checkpoint every n-th block), got {every}")
+    if memory_budget is not None:
+        if not 0 < memory_budget <= 1:
+            raise ValueError(f"remat: memory_budget must be in (0, 1] (a fraction of the activations), got {memory_budget}")
+        if policy != "full" or every != 1 or blocks:
+            raise ValueError("remat: memory_budget lets the compiler choose what to save; do not also pass policy, every or blocks")
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    return step.with_transform(Remat(policy, every, tuple(blocks) if blocks else None, memory_budget))

@@ -1,0 +1,294 @@
+"""Tensor parallel over the mesh's `tp` axis — lowered in its place, after the fp8 swap and before remat,
+compile and FSDP/DDP (torchtitan's order), with torch's `parallelize_module`.
+
+The plan maps module-name patterns (`*` = one name part) to styles. A Hugging Face model brings its own
+(`model._tp_plan`: the config's `base_model_tp_plan` under the base model's prefix, plus the head's, e.g.
+`{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}`); any model takes a
+user plan, `af.shard(step, mesh, tp_plan={...})`, whose values are style names or torch `ParallelStyle`s.
+
+Style names (Hugging Face's, and torchtitan's meaning):
+  colwise                 ColwiseParallel(): weight rows split, output stays split over the last dim
+  rowwise                 RowwiseParallel(): weight columns split, input split, output summed (replicated)
+  colwise_rep, colwise_gather_output
+                          ColwiseParallel(output_layouts=Replicate()): output gathered
+  rowwise_rep, rowwise_split_input
+                          RowwiseParallel(input_layouts=Replicate()): a replicated input is split first
+  embedding_rowwise       RowwiseParallel(input_layouts=Replicate()) on an nn.Embedding (vocabulary split)
+  sequence_parallel       SequenceParallel(): norms/dropout on sequence shards
+  replicate, gather, local_colwise, local_rowwise, ...: not supported (a clear error)
+
+Parameters become DTensors in place (their names do not change: checkpoints and the state keep the Hugging
+Face layout); each rank of a `tp` group reads the same batch (the data axes split it). The global gradient
+norm counts every element once (`tensor_parallel_norm`), and an fp16 overflow on any shard skips the step
+on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...mesh import Mesh
+from .._base import TransformBase
+from .common import max_over
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+
+__all__ = ["TensorParallel", "model_tp_plan", "expand_plan", "tensor_parallel_norm"]
+
+SUPPORTED = (
+    "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+    "embedding_rowwise", "sequence_parallel",
+)  # fmt: skip
+# heads are split between the ranks by colwise q/k/v: the config's counts must divide
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+
+def _style(name: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel()
+    raise ValueError(name)
+
+
+def model_tp_plan(module: nn.Module) -> dict[str, str] | None:
+    """A Hugging Face model's own tensor-parallel plan (full module names), or None.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=2)
+        >>> model_tp_plan(LlamaForCausalLM(cfg))["model.layers.*.self_attn.o_proj"]
+        'rowwise'
+    """
+    plan = getattr(module, "_tp_plan", None)
+    if plan:
+        return dict(plan)
+    config = getattr(module, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        return None
+    prefix = getattr(module, "base_model_prefix", "")
+    nested = prefix and hasattr(module, prefix)
+    return {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
+
+
+def expand_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """`{module name: ParallelStyle}` for every module a plan entry matches; checks what `tp` must divide.
+
+    Raises ValueError naming the entry that matches no module, the style that is unknown, or the size `tp`
+    does not divide.
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    names = [n for n, _ in module.named_modules() if n]
+    out: dict[str, Any] = {}
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle) and style not in SUPPORTED:
+            raise ValueError(
+                f"tp_plan[{key!r}] = {style!r} is not a style accelfn knows; use one of {list(SUPPORTED)} or a "
+                "torch.distributed.tensor.parallel.ParallelStyle"
+            )
+        regex = _pattern(key)
+        matched = [n for n in names if regex.match(n)]
+        if not matched:
+            near = [n for n in names if n.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:3]
+            hint = f"; modules with that last name: {near}" if near else f"; some module names: {names[:6]}"
+            raise ValueError(f"tp_plan entry {key!r} matches no module of the model{hint}")
+        for n in matched:
+            sub = module.get_submodule(n)
+            if not isinstance(style, ParallelStyle):
+                _check_divisible(n, sub, style, tp)
+                out[n] = _style(style)
+            else:
+                out[n] = style
+    _check_heads(module, tp)
+    return out
+
+
+def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
+    if style == "sequence_parallel":
+        return
+    if isinstance(sub, nn.Embedding):
+        size, what = sub.num_embeddings, "num_embeddings"
+        if style.startswith("colwise"):
+            size, what = sub.embedding_dim, "embedding_dim"
+    elif isinstance(sub, nn.Linear):
+        size, what = (sub.out_features, "out_features") if style.startswith("colwise") else (sub.in_features, "in_features")
+    else:
+        raise ValueError(
+            f"tp_plan: module {name!r} is a {type(sub).__name__}; the style {style!r} splits nn.Linear and "
+            "nn.Embedding only (pass a torch ParallelStyle for other modules)"
+        )
+    if size % tp:
+        raise ValueError(f"tp={tp} does not divide {name}.{what} = {size} (style {style!r})")
+
+
+def _check_heads(module: nn.Module, tp: int) -> None:
+    config = getattr(module, "config", None)
+    for field in _HEAD_FIELDS:
+        n = getattr(config, field, None)
+        if isinstance(n, int) and n % tp:
+            raise ValueError(f"tp={tp} does not divide the model's {field} = {n} (config): each rank takes whole heads")
+
+
+def _tied_groups(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters shared by several modules (tied embeddings): [(owner, attribute name), ...] per shared one."""
+    seen: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                seen.setdefault(id(p), []).append((m, attr))
+    return [owners for owners in seen.values() if len(owners) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """`parallelize_module` replaces each module's parameters: share them again where they were shared."""
+    for owners in groups:
+        first_m, first_a = owners[0]
+        p = first_m._parameters[first_a]
+        for m, a in owners[1:]:
+            q = m._parameters[a]
+            if q is p:
+                continue
+            if getattr(q, "placements", None) != getattr(p, "placements", None):
+                raise ValueError(
+                    f"tp_plan splits the tied parameters {type(first_m).__name__}.{first_a} and "
+                    f"{type(m).__name__}.{a} differently ({getattr(p, 'placements', 'not split')} vs "
+                    f"{getattr(q, 'placements', 'not split')}): untie them or give them the same style"
+                )
+            m._parameters[a] = p
+
+
+@attrs.frozen(eq=False)
+class TensorParallel(TransformBase):
+    mesh: Mesh
+    plan: tuple[tuple[str, Any], ...] | None = None
+    kind: str = "tensor_parallel"
+
+    @property
+    def size(self) -> int:
+        return self.mesh.axis_size("tp")
+
+    def describe(self) -> str:
+        return f"tensor_parallel(tp={self.size}{', user plan' if self.plan is not None else ''})"
+
+    def lower(self, plan: Plan) -> None:
+        module = plan.module
+        if any(getattr(p, "placements", None) is not None for p in module.parameters()):
+            plan.notes.append(f"tp={self.size} (already parallelized)")
+            return  # initialised again, or an eval step on the training step's module
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        source = "user plan"
+        raw: Mapping[str, Any] | None = dict(self.plan) if self.plan is not None else None
+        if raw is None:
+            raw = model_tp_plan(module)
+            source = "the model's own plan"
+            if raw is None:
+                raise ValueError(
+                    f"shard: the mesh has a tp axis (tp={self.size}) but {type(module).__name__} brings no tensor-"
+                    "parallel plan (Hugging Face models do: config.base_model_tp_plan); pass tp_plan={'layers.*.attn."
+                    "q': 'colwise', ...}"
+                )
+        styles = expand_plan(module, raw, self.size)
+        module.to(self.mesh.device)
+        tied = _tied_groups(module)
+        parallelize_module(module, self.mesh.submesh("tp"), styles)
+        _retie(tied)
+        plan.notes.append(f"tensor parallel tp={self.size} on {len(styles)} modules ({source})")
+
+
+def _shards(t: torch.Tensor) -> int:
+    """Into how many distinct pieces a tensor is split over the ranks (1: every rank holds all of it)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return 1
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if _splits(p))
+
+
+def _splits(placement: Any) -> bool:
+    """Shard, or FSDP-over-TP's `_StridedShard` (which is not a `Shard` subclass in recent torch)."""
+    return bool(placement.is_shard()) or type(placement).__name__ == "_StridedShard"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
+def tensor_parallel_norm(grads: list[torch.Tensor], world: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm of tensors split any way over the ranks (TP, FSDP, both, or replicated): each rank's
+    local squares weighted by (pieces / ranks), summed over the world in one all-reduce."""
+    if not grads:
+        return torch.zeros(())
+    ranks = dist.get_world_size(world)
+    local = [_local(g) for g in grads]
+    norms = torch._foreach_norm(local)
+    weights = torch.tensor([_shards(g) / ranks for g in grads], dtype=torch.float32, device=local[0].device)
+    sq = (torch.stack([n.float() for n in norms]) ** 2 * weights).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=world)
+    return sq.sqrt()
+
+
+@attrs.define
+class TensorParallelSync:
+    """The gradient sync under tensor parallel: the data-parallel one (`inner`, or none when the mesh has no
+    data axis) for the sums; the norm and the overflow check over every rank, since each holds other shards."""
+
+    inner: Any = None
+
+    def __getattr__(self, name: str) -> Any:  # prepare, microbatch, record_unused: the inner sync's
+        if name == "inner":
+            raise AttributeError(name)
+        if self.inner is None:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inner is None:  # tp ranks read the same batch: their loss sums are already equal
+            return loss_sum, count
+        return self.inner.reduce(grads, loss_sum, count)  # type: ignore[no-any-return]
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return tensor_parallel_norm(grads)
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return values if self.inner is None else self.inner.reduce_metrics(values)  # type: ignore[no-any-return]
+
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        return max_over(flag, None)
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return max_over(x, None)
+
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        inner = getattr(self.inner, "microbatch", None)
+        with inner(last) if inner is not None else contextlib.nullcontext():
+            yield

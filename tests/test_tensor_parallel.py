@@ -1,0 +1,130 @@
+"""Tensor parallel over a `tp` mesh axis, alone and with ddp / fsdp over the data axes, on real processes
+(gloo, through `accelfn launch`) vs one process on the global batch; plans, errors and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn.transforms.shard.tensor_parallel import expand_plan, model_tp_plan
+from tests._launch import output_of, run_workers
+
+
+def _expect_ok(proc, configs, ranks):
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        kind, *options = c.split(":")
+        options = sorted(o for o in options if not o.startswith("save="))
+        for r in range(ranks):
+            assert f"rank {r}: OK {kind} {options}" in proc.stdout, out
+
+
+@pytest.mark.slow
+def test_tp2_alone_equals_one_process():
+    configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat"]
+    _expect_ok(run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400), configs, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
+    configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate",
+               f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
+    proc = run_workers("tp_worker.py", 4, "dp=2,tp=2", *configs, timeout=600)
+    _expect_ok(proc, configs, 4)
+    # the dp2 x tp2 state loads on one process, in the Hugging Face layout transformers reads
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-hf")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-ref")
+    for (n, p), (_, q) in zip(hf.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=n)
+    step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
+    like = step.init(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-ref"))
+    state = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    assert int(state.step) == 4
+    for n, p in hf.named_parameters():
+        assert torch.equal(state.params[n], p), n
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_tp_fsdp_and_one_process(tmp_path):
+    proc = run_workers("tp_ckpt_worker.py", 4, str(tmp_path), timeout=600)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert proc.stdout.count("TP CKPT OK") == 4, out
+    # and on one process: the FSDP x TP checkpoint (with _StridedShard pieces) loads whole
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-tp-hf")
+    step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
+    state = af.checkpoint.load(tmp_path / "fsdp-tp", like=step.init(AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-tp-hf")))
+    assert int(state.step) == 2
+    for n, p in hf.named_parameters():
+        assert torch.equal(state.params[n], p), n
+
+
+# ---- plans and errors (one process) -----------------------------------------------------------------------------
+def llama(heads=4, kv=2, tie=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def test_hugging_face_models_bring_their_plan():
+    plan = model_tp_plan(llama())
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["lm_head"] == "colwise_gather_output"
+    styles = expand_plan(llama(), plan, 2)
+    assert "model.layers.1.mlp.down_proj" in styles and "model.embed_tokens" in styles
+    from tests.models import tiny_gpt2
+
+    assert model_tp_plan(tiny_gpt2()) is None  # GPT-2 (Conv1D layers) has none: a user plan is needed
+
+
+def test_plan_errors_name_the_entry_the_size_and_the_module():
+    with pytest.raises(ValueError, match=r"tp_plan entry 'layers\.\*\.attn\.q' matches no module"):
+        expand_plan(llama(), {"layers.*.attn.q": "colwise"}, 2)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the model's num_key_value_heads = 2"):
+        expand_plan(llama(), {"model.layers.*.self_attn.q_proj": "colwise"}, 4)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide fc\.out_features = 4"):
+        expand_plan(_Net(), {"fc": "colwise"}, 3)
+    with pytest.raises(ValueError, match=r"tp_plan\['fc'\] = 'diagonal' is not a style"):
+        expand_plan(_Net(), {"fc": "diagonal"}, 2)
+    from tests.models import tiny_gpt2
+
+    with pytest.raises(ValueError, match=r"module 'transformer\.h\.0\.mlp\.c_fc' is a Conv1D"):
+        expand_plan(tiny_gpt2(), {"transformer.h.*.mlp.c_fc": "colwise"}, 2)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_shard_arguments_are_checked_before_anything_runs():
+    base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    with af.Mesh({"dp": -1}, device="cpu") as mesh, pytest.raises(ValueError, match="tp_plan given, but the mesh"):
+        af.shard(base, mesh, tp_plan={"fc": "colwise"})
+    with af.Mesh({"dp": -1, "tp": 1}, device="cpu") as mesh:  # tp=1: nothing to split, plain data parallel
+        step = af.shard(base, mesh)
+        step.init(_Net())
+        assert "tensor parallel" not in repr(step)
+    with pytest.raises(ValueError, match=r"product of the sizes|world"):
+        af.Mesh({"dp": 2, "tp": 2}, device="cpu")  # one process here, not 4
+
+
+def test_optimizer_clip_inside_the_chain_is_refused_under_tensor_parallel():
+    from accelfn.optim.base import _apply_on_local_shards
+
+    tx = af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="clip_grad_norm=max_norm"):
+        _apply_on_local_shards(tx, {}, (), {})

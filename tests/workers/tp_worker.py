@@ -1,0 +1,144 @@
+"""Worker: tensor parallel (alone, or with ddp / fsdp over the data axes) == one process on the global batch.
+
+    accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
+
+Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, compile,
+remat, userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accelfn as af
+from accelfn.launch_env import parse_mesh
+
+CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
+VOCAB = 64
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(8, 32), nn.Linear(32, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def make_model(kind):
+    torch.manual_seed(0)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                          tie_word_embeddings=False)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+    if kind == "starcoder2":
+        from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+        cfg = Starcoder2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                               residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
+                               tie_word_embeddings=True)  # fmt: skip
+        return Starcoder2ForCausalLM(cfg)
+    return MLP()
+
+
+def batches(kind, n=4, rows=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        if kind == "mlp":
+            out.append({"x": torch.randn(rows, 8, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)})
+        else:
+            ids = torch.randint(0, VOCAB, (rows, 12), generator=g)
+            labels = ids.clone()
+            for r in range(rows):  # uneven valid-token counts per row, so per data rank
+                labels[r, (r * 3) % 11 + 1 :] = -100
+            out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def loss_for(kind):
+    if kind == "mlp":
+        return lambda model, b: af.losses.cross_entropy(model(b["x"]), b["y"])
+
+    def lm_loss(model, b):
+        logits = model(input_ids=b["input_ids"]).logits
+        return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
+
+    return lm_loss
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def check(mesh, kind, options):
+    data = batches(kind)
+    loss_fn = loss_for(kind)
+    opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
+    ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
+    ref = ref_step.init(make_model(kind), seed=3)
+    ref_losses, ref_norms = [], []
+    for b in data:
+        ref, m = ref_step(ref, b)
+        ref_losses.append(m["loss"].item())
+        ref_norms.append(m["grad_norm"].item())
+
+    step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
+    if "accumulate" in options:
+        step = af.accumulate(step, 2)
+    if "remat" in options:
+        step = af.remat(step, "full")
+    plan = None
+    if kind == "mlp":
+        plan = {"fc1": "colwise", "fc2": "rowwise"}
+        if "userstyles" in options:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+            plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    strategy = "fsdp" if "fsdp" in options else "ddp"
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", tp_plan=plan)
+    if "compile" in options:
+        step = af.compile(step, backend="aot_eager")
+    state = step.init(make_model(kind), seed=3)
+    assert "tensor parallel tp=" in repr(step), repr(step)
+    split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
+        q.is_shard() for q in p.placements)]  # fmt: skip
+    assert split, f"no parameter is split: {repr(step)}"
+    losses, norms = [], []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    diff = max((full(v) - ref.params[k]).abs().max().item() for k, v in state.params.items())
+    assert sorted(state.params) == sorted(ref.params), (sorted(state.params), sorted(ref.params))
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    tol = 2e-5
+    assert loss_diff <= tol, f"rank {mesh.rank}: losses {losses} vs one process {ref_losses}"
+    assert norm_diff <= 1e-5, f"rank {mesh.rank}: grad norms {norms} vs one process {ref_norms}"
+    assert diff <= tol, f"rank {mesh.rank}: params differ from one process by {diff}"
+    if kind == "starcoder2":  # tied embeddings stay one parameter
+        model = step.model
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    for opt_ in options:
+        if opt_.startswith("save="):
+            af.checkpoint.save(opt_[5:], state)
+            af.checkpoint.save_pretrained(opt_[5:] + "-hf", state, config=step.model.config)
+            af.checkpoint.save_pretrained(opt_[5:] + "-ref", ref, config=ref_step.model.config)  # every rank joins
+    print(f"rank {mesh.rank}: OK {kind} {sorted(o for o in options if not o.startswith('save='))} "
+          f"param diff {diff:.1e} loss diff {loss_diff:.1e} {split[:1]}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    with af.Mesh(parse_mesh(sys.argv[1]), device="cpu") as mesh:
+        for kind, *options in CONFIGS:
+            check(mesh, kind, options)
+        dist.barrier()

@@ -24,16 +24,19 @@ def _expect_ok(proc, configs, ranks):
 
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
-    configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat"]
+    configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
+               "llama:compile"]  # fmt: skip
     _expect_ok(run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400), configs, 2)
 
 
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
-    configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate",
+    configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
                f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
-    proc = run_workers("tp_worker.py", 4, "dp=2,tp=2", *configs, timeout=600)
+    # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
+    proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
     _expect_ok(proc, configs, 4)
+    assert proc.stdout.count("OK cp refused") == 4, output_of(proc)
     # the dp2 x tp2 state loads on one process, in the Hugging Face layout transformers reads
     from transformers import AutoModelForCausalLM
 

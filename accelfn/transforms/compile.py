@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,10 +30,11 @@ from torch import nn
 
 from .._typecheck import checked
 from ..step import Step
-from ._base import TransformBase
+from ._base import TransformBase, conflict, find
 
 if TYPE_CHECKING:
     from ..engine import Plan
+    from ..lowering import Transform
 
 __all__ = ["compile", "find_blocks"]
 
@@ -78,6 +80,17 @@ class Compile(TransformBase):
         if self.regions:
             args.append(f"regions={self.regions!r}")
         return f"compile({', '.join(args)})"
+
+    def check(self, others: Sequence[Transform]) -> None:
+        shard, tp = find(others, "shard"), find(others, "tensor_parallel")
+        if tp is not None and getattr(shard, "strategy", None) in ("fsdp", "hsdp"):
+            raise conflict(
+                self,
+                shard,
+                "compiling tensor-parallel blocks that FSDP2 then shards again gives results that differ from one "
+                "process (measured on torch 2.13, CPU); use shard(strategy='ddp') with a tp axis when compiling, "
+                "or fsdp x tp without compile",
+            )
 
     def lower(self, plan: Plan) -> None:
         kwargs = dict(self.options)

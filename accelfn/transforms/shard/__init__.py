@@ -50,6 +50,7 @@ __all__ = ["shard", "STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 BACKENDS = ("torch", "deepspeed")
+NOT_SPLIT = {"cp": "context parallel", "pp": "pipeline parallel under shard (see af.pipeline)", "ep": "expert parallel"}
 
 
 @attrs.frozen(eq=False)
@@ -146,6 +147,12 @@ def shard(
     if inputs not in ("local", "global"):
         raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
     tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
+    for axis, what in NOT_SPLIT.items():
+        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+            raise ValueError(
+                f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
+                f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
+            )
     if not mesh.data_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp) and no tp axis; its axes are {mesh.axis_names}")
     if tp_plan is not None and tp == 1:

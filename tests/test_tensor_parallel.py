@@ -26,7 +26,9 @@ def _expect_ok(proc, configs, ranks):
 def test_tp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
                "llama:compile"]  # fmt: skip
-    _expect_ok(run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400), configs, 2)
+    proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
+    _expect_ok(proc, configs, 2)
+    assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
 
 
 @pytest.mark.slow

@@ -149,6 +149,12 @@ if __name__ == "__main__":
     with af.Mesh.from_env() if shape is None else af.Mesh(shape, device="cpu") as mesh:
         for kind, *options in CONFIGS:
             check(mesh, kind, options)
+        if not mesh.data_axes:  # tensor parallel alone: fsdp has no data axis to shard over
+            try:
+                af.shard(af.train_step(loss_for("mlp"), af.optim.sgd(0.1)), mesh, strategy="fsdp")
+            except ValueError as e:
+                assert "shards over a data axis (dp or fsdp), but the mesh has only ('tp',)" in str(e), e
+                print(f"rank {mesh.rank}: OK fsdp without a data axis refused", flush=True)
         dist.barrier()
         world = mesh.world_size
     if world == 4:

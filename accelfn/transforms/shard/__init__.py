@@ -158,7 +158,16 @@ def shard(
     if tp_plan is not None and tp == 1:
         raise ValueError(f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})")
     if tp > 1 and backend == "deepspeed":
-        raise ValueError("shard(backend='deepspeed') does not combine with tensor parallel (tp axis): use backend='torch'")
+        raise ValueError(
+            f"af.shard(backend='deepspeed') runs data-parallel over all {mesh.world_size} processes and does not "
+            f"combine with tensor parallel (tp={tp}): use a mesh like af.Mesh({{'dp': -1}}), or backend='torch' "
+            "for tensor parallel"
+        )
+    if not mesh.data_axes and strategy != "ddp":
+        raise ValueError(
+            f"shard(strategy={strategy!r}) shards over a data axis (dp or fsdp), but the mesh has only {mesh.axis_names}: "
+            "with tensor parallel alone, leave strategy as it is"
+        )
     if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
         raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
     step = step.with_transform(

@@ -161,7 +161,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print(f"| config | mesh | accelfn ms/step | plain torch ms/step | accelfn tokens/s | ratio (plain/accelfn time) |")
+    print("| config | mesh | accelfn ms/step | plain torch ms/step | accelfn tokens/s | ratio (plain/accelfn time) |")
     print("|---|---|---:|---:|---:|---:|")
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "rounds", "hidden", "layers", "seq", "batch")]
     for config in args.configs.split(","):

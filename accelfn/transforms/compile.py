@@ -83,13 +83,14 @@ class Compile(TransformBase):
 
     def check(self, others: Sequence[Transform]) -> None:
         shard, tp = find(others, "shard"), find(others, "tensor_parallel")
-        if tp is not None and getattr(shard, "strategy", None) in ("fsdp", "hsdp"):
+        if tp is not None and (self.regions == "blocks" or getattr(shard, "strategy", None) in ("fsdp", "hsdp")):
             raise conflict(
                 self,
                 shard,
-                "compiling tensor-parallel blocks that FSDP2 then shards again gives results that differ from one "
-                "process (measured on torch 2.13, CPU); use shard(strategy='ddp') with a tp axis when compiling, "
-                "or fsdp x tp without compile",
+                "compiling tensor-parallel blocks one by one (as under fsdp) is not reliable on this torch: "
+                "AOTAutograd's per-block backward hands plain tensors to DTensor's redistribution (a crash with tp "
+                "alone, results that drift from one process under fsdp; measured on torch 2.13). Compile the whole "
+                "step with shard(strategy='ddp') and a tp axis, or use fsdp x tp without compile",
             )
 
     def lower(self, plan: Plan) -> None:

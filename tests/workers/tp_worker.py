@@ -163,7 +163,7 @@ if __name__ == "__main__":
             try:
                 step.init(make_model("llama"))
             except af.CompositionError as e:
-                assert "use shard(strategy='ddp') with a tp axis when compiling" in str(e), e
+                assert "Compile the whole step with shard(strategy='ddp') and a tp axis" in str(e), e
             else:
                 raise AssertionError("compile with fsdp x tp was accepted")
         # a context-parallel axis is refused by name, before anything runs

@@ -55,6 +55,12 @@ def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_hsdp_x_tp_on_eight_processes_equals_one_process():
+    configs = ["llama:hsdp", "mlp:hsdp:accumulate"]  # dp=2 replicas x fsdp=2 shards x tp=2 splits
+    _expect_ok(run_workers("tp_worker.py", 8, "dp=2,fsdp=2,tp=2", *configs, timeout=600), configs, 8)
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_tp_fsdp_and_one_process(tmp_path):
     proc = run_workers("tp_ckpt_worker.py", 4, str(tmp_path), timeout=600)
     out = output_of(proc)

@@ -3,7 +3,7 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -107,7 +107,7 @@ def check(mesh, kind, options):
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
             plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-    strategy = "fsdp" if "fsdp" in options else "ddp"
+    strategy = "hsdp" if "hsdp" in options else "fsdp" if "fsdp" in options else "ddp"
     step = af.shard(step, mesh, strategy=strategy, inputs="global", tp_plan=plan)
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")

@@ -112,6 +112,8 @@ class Plan:
     autocast_device_type: str = "cpu"
     loss_scale: LossScaleConfig | None = None
     forward_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = attrs.Factory(list)
+    # entered around each backward too (tensor parallel's loss_parallel: the loss's backward on vocabulary shards)
+    backward_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = attrs.Factory(list)
     grad_sync: GradSync | None = None
     loss_call: LossFn | None = None
     updater: Updater | None = None
@@ -260,13 +262,14 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             )
         if exact:
             objective = total / count.clamp_min(1) if count is not None else total  # no valid element: 0
-            loss_sum, count_sum = objective.detach(), None
+            loss_sum, count_sum = _local(objective.detach()), None  # a loss-parallel loss: replicated
         else:
             if count is None:  # a mean over this micro-batch: weight it by its size
                 count = torch.tensor(float(_rows(mb)), device=total.device)
                 total = total * count
             objective = total
-            loss_sum = total.detach() if loss_sum is None else loss_sum + total.detach()
+            value = _local(total.detach())  # a loss-parallel loss is a replicated DTensor: its value
+            loss_sum = value if loss_sum is None else loss_sum + value
             count_sum = count.detach() if count_sum is None else count_sum + count.detach()
         if scaler is not None:
             if not exact and norm is None:
@@ -277,7 +280,11 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             scale = scaler["scale"].to(objective.device)
             objective = objective * (scale / norm.to(objective.device) if norm is not None else scale)
         microbatch = getattr(plan.grad_sync, "microbatch", None)
-        with microbatch(i == len(micro) - 1) if microbatch is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if microbatch is not None:
+                stack.enter_context(microbatch(i == len(micro) - 1))
+            for make in plan.backward_contexts:
+                stack.enter_context(make())
             objective.backward()
         for k, v in aux.items():
             aux_sum[k] = v.detach() if k not in aux_sum else aux_sum[k] + v.detach()

@@ -25,7 +25,7 @@ def _expect_ok(proc, configs, ranks):
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
-               "llama:compile"]  # fmt: skip
+               "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
     _expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
@@ -34,6 +34,7 @@ def test_tp2_alone_equals_one_process():
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
+               "llama:fsdp:lossparallel",
                f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
@@ -123,6 +124,8 @@ class _Net(nn.Module):
 
 def test_shard_arguments_are_checked_before_anything_runs():
     base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    with af.Mesh({"dp": -1}, device="cpu") as mesh, pytest.raises(ValueError, match="loss_parallel=True needs a tp"):
+        af.shard(base, mesh, loss_parallel=True)
     with af.Mesh({"dp": -1}, device="cpu") as mesh, pytest.raises(ValueError, match="tp_plan given, but the mesh"):
         af.shard(base, mesh, tp_plan={"fc": "colwise"})
     with af.Mesh({"dp": -1, "tp": 1}, device="cpu") as mesh:  # tp=1: nothing to split, plain data parallel

@@ -3,7 +3,7 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -108,11 +108,13 @@ def check(mesh, kind, options):
 
             plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     strategy = "hsdp" if "hsdp" in options else "fsdp" if "fsdp" in options else "ddp"
-    step = af.shard(step, mesh, strategy=strategy, inputs="global", tp_plan=plan)
+    lp = "lossparallel" in options  # logits split over the vocabulary, the loss on the shards
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", tp_plan=plan, loss_parallel=lp)
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind), seed=3)
     assert "tensor parallel tp=" in repr(step), repr(step)
+    assert ("loss on vocabulary shards (lm_head)" in repr(step)) == lp, repr(step)
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip
     assert split, f"no parameter is split: {repr(step)}"

@@ -113,6 +113,7 @@ def shard(
     offload_optimizer: bool | None = None,
     overlap: bool | None = None,
     tp_plan: Mapping[str, Any] | None = None,
+    loss_parallel: bool = False,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), and tensor-parallel over its `tp` axis;
     see the module docs.
@@ -124,6 +125,8 @@ def shard(
 
     Tensor parallel (a `tp` axis of size > 1): a Hugging Face model uses its own plan; `tp_plan` (module-name
     patterns -> style names or torch `ParallelStyle`s) overrides it; see `accelfn.transforms.shard.tensor_parallel`.
+    `loss_parallel=True` leaves the logits split over the vocabulary and runs the loss on the shards (torch's
+    `loss_parallel`): no rank holds the whole logits (the loss function then receives a DTensor).
 
     Example:
         >>> import torch, accelfn as af
@@ -155,6 +158,8 @@ def shard(
             )
     if not mesh.data_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp) and no tp axis; its axes are {mesh.axis_names}")
+    if loss_parallel and tp == 1:
+        raise ValueError(f"shard: loss_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if tp_plan is not None and tp == 1:
         raise ValueError(f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})")
     if tp > 1 and backend == "deepspeed":
@@ -176,5 +181,6 @@ def shard(
     if tp > 1:
         from .tensor_parallel import TensorParallel
 
-        step = step.with_transform(TensorParallel(mesh, tuple(tp_plan.items()) if tp_plan is not None else None))
+        plan_items = tuple(tp_plan.items()) if tp_plan is not None else None
+        step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel))
     return step

@@ -187,6 +187,7 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 class TensorParallel(TransformBase):
     mesh: Mesh
     plan: tuple[tuple[str, Any], ...] | None = None
+    loss_parallel: bool = False
     kind: str = "tensor_parallel"
 
     @property
@@ -194,7 +195,8 @@ class TensorParallel(TransformBase):
         return self.mesh.axis_size("tp")
 
     def describe(self) -> str:
-        return f"tensor_parallel(tp={self.size}{', user plan' if self.plan is not None else ''})"
+        extra = (", user plan" if self.plan is not None else "") + (", loss_parallel" if self.loss_parallel else "")
+        return f"tensor_parallel(tp={self.size}{extra})"
 
     def lower(self, plan: Plan) -> None:
         module = plan.module
@@ -215,11 +217,38 @@ class TensorParallel(TransformBase):
                     "q': 'colwise', ...}"
                 )
         styles = expand_plan(module, raw, self.size)
+        if self.loss_parallel:
+            head = self._vocabulary_parallel_head(module, styles)
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            plan.forward_contexts.append(loss_parallel)
+            plan.backward_contexts.append(loss_parallel)
+            plan.notes.append(f"loss on vocabulary shards ({head})")
         module.to(self.mesh.device)
         tied = _tied_groups(module)
         parallelize_module(module, self.mesh.submesh("tp"), styles)
         _retie(tied)
         plan.notes.append(f"tensor parallel tp={self.size} on {len(styles)} modules ({source})")
+
+
+    @staticmethod
+    def _vocabulary_parallel_head(module: nn.Module, styles: dict[str, Any]) -> str:
+        """Make the output layer leave its logits split over the vocabulary (a DTensor `Shard(-1)`), for the
+        loss to run on the shards (torch's `loss_parallel`); its name."""
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        get = getattr(module, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if head is None:  # not a Hugging Face model: the user's plan leaves the logits split itself
+            return "the user plan's output layer"
+        name = next(n for n, m in module.named_modules() if m is head)
+        if name not in styles or not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"shard(loss_parallel=True): the output layer {name!r} must be split by the tensor-parallel plan "
+                f"(an nn.Linear with a colwise style); the plan splits {sorted(styles)[:4]}..."
+            )
+        styles[name] = ColwiseParallel(use_local_output=False)  # logits stay split: Shard(-1)
+        return name
 
 
 def _shards(t: torch.Tensor) -> int:

@@ -3,7 +3,7 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, loader (inputs from af.data.DataLoader), compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -109,7 +109,8 @@ def check(mesh, kind, options):
             plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     strategy = "hsdp" if "hsdp" in options else "fsdp" if "fsdp" in options else "ddp"
     lp = "lossparallel" in options  # logits split over the vocabulary, the loss on the shards
-    step = af.shard(step, mesh, strategy=strategy, inputs="global", tp_plan=plan, loss_parallel=lp)
+    inputs = "local" if "loader" in options else "global"
+    step = af.shard(step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp)
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind), seed=3)
@@ -118,6 +119,19 @@ def check(mesh, kind, options):
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip
     assert split, f"no parameter is split: {repr(step)}"
+    if "loader" in options:  # each data rank reads its rows from the loader; the ranks of a tp group the same
+        columns = {k: torch.cat([b[k] for b in data]) for k in data[0]}
+        rows = len(next(iter(data[0].values())))
+        loader = af.data.DataLoader(columns, batch_size=rows // mesh.data_size, mesh=mesh)
+        local = list(loader)
+        assert len(local) == len(data)
+        mine = [v for b in local for v in b.values()]
+        everyone = [torch.empty_like(mine[0]) for _ in range(mesh.world_size)]
+        dist.all_gather(everyone, mine[0].contiguous())  # same rows within a tp group, others across dp
+        tp = mesh.axis_size("tp")
+        for r in range(mesh.world_size):
+            assert torch.equal(everyone[r], everyone[r - r % tp]), "tp ranks of one data rank read other rows"
+        data = local
     losses, norms = [], []
     for b in data:
         state, m = step(state, b)
@@ -133,6 +147,16 @@ def check(mesh, kind, options):
     assert loss_diff <= tol, f"rank {mesh.rank}: losses {losses} vs one process {ref_losses}"
     assert norm_diff <= 1e-5, f"rank {mesh.rank}: grad norms {norms} vs one process {ref_norms}"
     assert diff <= tol, f"rank {mesh.rank}: params differ from one process by {diff}"
+    if kind != "mlp":  # an eval step on the tensor-parallel module gives the one-process logits
+        evaluate = af.eval_step(lambda model, b: model(input_ids=b["input_ids"]).logits)
+        evaluate.init(step.model)
+        got = evaluate(state, batches(kind)[0])
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        want = af.eval_step(lambda model, b: model(input_ids=b["input_ids"]).logits)
+        want.init(ref_step.model)
+        ref_logits = want(ref, batches(kind)[0])
+        eval_diff = (got.float() - ref_logits.float()).abs().max().item()
+        assert eval_diff <= (5e-2 if "bf16" in options else 1e-4), f"rank {mesh.rank}: eval logits differ by {eval_diff}"
     if kind == "starcoder2":  # tied embeddings stay one parameter
         model = step.model
         assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -25,7 +25,8 @@ def _expect_ok(proc, configs, ranks):
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
-               "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate"]  # fmt: skip
+               "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate", "llama:seqparallel",
+               "starcoder2:seqparallel:lossparallel:accumulate"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
     _expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
@@ -34,7 +35,7 @@ def test_tp2_alone_equals_one_process():
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
-               "llama:fsdp:lossparallel:loader", "llama:loader",
+               "llama:fsdp:lossparallel:loader", "llama:loader", "llama:fsdp:seqparallel",
                f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
@@ -134,6 +135,16 @@ def test_shard_arguments_are_checked_before_anything_runs():
         assert "tensor parallel" not in repr(step)
     with pytest.raises(ValueError, match=r"product of the sizes|world"):
         af.Mesh({"dp": 2, "tp": 2}, device="cpu")  # one process here, not 4
+
+
+def test_sequence_parallel_needs_a_decoder_it_knows():
+    from accelfn.transforms.shard.tensor_parallel import match_plan, sequence_parallel_styles
+
+    styles = sequence_parallel_styles(llama(), match_plan(llama(), model_tp_plan(llama()), 2), loss_parallel=False)
+    assert type(styles["model.layers.0.input_layernorm"]).__name__ == "SequenceParallel"
+    assert type(styles["model.layers.1.mlp"]).__name__ == "PrepareModuleInput"
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) knows Hugging Face decoders"):
+        sequence_parallel_styles(nn.Sequential(_Net(), _Net()), {}, loss_parallel=False)
 
 
 def test_optimizer_clip_inside_the_chain_is_refused_under_tensor_parallel():

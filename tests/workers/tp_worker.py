@@ -3,7 +3,7 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, loader (inputs from af.data.DataLoader), compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, seqparallel, loader (inputs from af.data.DataLoader), compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -110,7 +110,8 @@ def check(mesh, kind, options):
     strategy = "hsdp" if "hsdp" in options else "fsdp" if "fsdp" in options else "ddp"
     lp = "lossparallel" in options  # logits split over the vocabulary, the loss on the shards
     inputs = "local" if "loader" in options else "global"
-    step = af.shard(step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp)
+    sp = "seqparallel" in options  # the residual stream split over the sequence between the TP regions
+    step = af.shard(step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp, sequence_parallel=sp)
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind), seed=3)
@@ -132,11 +133,20 @@ def check(mesh, kind, options):
         for r in range(mesh.world_size):
             assert torch.equal(everyone[r], everyone[r - r % tp]), "tp ranks of one data rank read other rows"
         data = local
+    seen = []
+    if sp:  # the residual stream between the layers really is split over the sequence
+        step.model.model.layers[0].register_forward_hook(
+            lambda mod, args, out: seen.append(getattr(out[0] if isinstance(out, tuple) else out, "placements", None))
+        )
     losses, norms = [], []
     for b in data:
         state, m = step(state, b)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
+    if sp:
+        from torch.distributed.tensor import Shard
+
+        assert seen and all(p == (Shard(1),) for p in seen), seen
     diff = max((full(v) - ref.params[k]).abs().max().item() for k, v in state.params.items())
     assert sorted(state.params) == sorted(ref.params), (sorted(state.params), sorted(ref.params))
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))

@@ -114,6 +114,7 @@ def shard(
     overlap: bool | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), and tensor-parallel over its `tp` axis;
     see the module docs.
@@ -127,6 +128,8 @@ def shard(
     patterns -> style names or torch `ParallelStyle`s) overrides it; see `accelfn.transforms.shard.tensor_parallel`.
     `loss_parallel=True` leaves the logits split over the vocabulary and runs the loss on the shards (torch's
     `loss_parallel`): no rank holds the whole logits (the loss function then receives a DTensor).
+    `sequence_parallel=True` (Hugging Face decoders) keeps the residual stream split over the sequence between
+    the tensor-parallel regions, so norms and dropout run on `seq / tp` tokens per rank.
 
     Example:
         >>> import torch, accelfn as af
@@ -158,6 +161,8 @@ def shard(
             )
     if not mesh.data_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp) and no tp axis; its axes are {mesh.axis_names}")
+    if sequence_parallel and tp == 1:
+        raise ValueError(f"shard: sequence_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if loss_parallel and tp == 1:
         raise ValueError(f"shard: loss_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if tp_plan is not None and tp == 1:
@@ -182,5 +187,5 @@ def shard(
         from .tensor_parallel import TensorParallel
 
         plan_items = tuple(tp_plan.items()) if tp_plan is not None else None
-        step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel))
+        step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel, sequence_parallel))
     return step

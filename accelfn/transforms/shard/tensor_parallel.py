@@ -43,7 +43,7 @@ from .common import max_over
 if TYPE_CHECKING:
     from ...engine import Plan
 
-__all__ = ["TensorParallel", "model_tp_plan", "expand_plan", "tensor_parallel_norm"]
+__all__ = ["TensorParallel", "model_tp_plan", "expand_plan", "match_plan", "sequence_parallel_styles", "tensor_parallel_norm"]
 
 SUPPORTED = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
@@ -102,6 +102,13 @@ def expand_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str
     Raises ValueError naming the entry that matches no module, the style that is unknown, or the size `tp`
     does not divide.
     """
+
+    return {n: _style(style) if isinstance(style, str) else style for n, style in match_plan(module, plan, tp).items()}
+
+
+def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """`{module name: style name or ParallelStyle}` for every module a plan entry matches (checked as in
+    `expand_plan`)."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     names = [n for n, _ in module.named_modules() if n]
@@ -122,11 +129,68 @@ def expand_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str
             sub = module.get_submodule(n)
             if not isinstance(style, ParallelStyle):
                 _check_divisible(n, sub, style, tp)
-                out[n] = _style(style)
-            else:
-                out[n] = style
+            out[n] = style
     _check_heads(module, tp)
     return out
+
+
+SP_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+
+
+def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_parallel: bool) -> dict[str, Any]:
+    """torchtitan's sequence parallel for a Hugging Face decoder (Llama, Mistral, Qwen2, Starcoder2, ...): the
+    residual stream between the tensor-parallel regions stays split over the sequence (a DTensor `Shard(1)`),
+    so norms (and dropout) run on `seq / tp` tokens per rank and activations take `1 / tp` of the memory; the
+    attention and the MLP gather the sequence at their input, their row-wise output layers scatter it again.
+    `named` is `match_plan`'s result (style names); returns `{module name: ParallelStyle}`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from ..remat import find_remat_blocks
+
+    def name_of(target: nn.Module | None) -> str | None:
+        return next((n for n, m in module.named_modules() if m is target), None) if target is not None else None
+
+    get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
+    embed = name_of(get_in()) if callable(get_in) else None
+    head = name_of(get_out()) if callable(get_out) else None
+    base = getattr(module, getattr(module, "base_model_prefix", ""), module)
+    norm = name_of(getattr(base, "norm", None))
+    _, layers = find_remat_blocks(module)
+    layer_names = [name_of(layer) for layer in layers]
+    missing = [p for p in SP_LAYER_PARTS if not all(hasattr(layer, p) for layer in layers)]
+    if embed is None or head is None or norm is None or missing or None in layer_names:
+        raise ValueError(
+            "shard(sequence_parallel=True) knows Hugging Face decoders whose layers have "
+            f"{list(SP_LAYER_PARTS)} and whose base model has `norm` ({type(module).__name__}: missing "
+            f"{missing or 'the embeddings, head or final norm'}); pass a user tp_plan with 'sequence_parallel' "
+            "entries and torch styles instead"
+        )
+    styles = {n: _style(st) if isinstance(st, str) else st for n, st in named.items()}
+    styles[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    styles[norm] = SequenceParallel()
+    styles[head] = ColwiseParallel(
+        input_layouts=Shard(1),
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
+    for layer in layer_names:
+        assert layer is not None
+        styles[f"{layer}.input_layernorm"] = SequenceParallel()
+        styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
+        styles[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        )
+        styles[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
+            if n.startswith(f"{layer}.") and st in ("rowwise", "rowwise_rep", "rowwise_split_input"):
+                styles[n] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return styles
 
 
 def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
@@ -188,6 +252,7 @@ class TensorParallel(TransformBase):
     mesh: Mesh
     plan: tuple[tuple[str, Any], ...] | None = None
     loss_parallel: bool = False
+    sequence_parallel: bool = False
     kind: str = "tensor_parallel"
 
     @property
@@ -196,6 +261,7 @@ class TensorParallel(TransformBase):
 
     def describe(self) -> str:
         extra = (", user plan" if self.plan is not None else "") + (", loss_parallel" if self.loss_parallel else "")
+        extra += ", sequence_parallel" if self.sequence_parallel else ""
         return f"tensor_parallel(tp={self.size}{extra})"
 
     def lower(self, plan: Plan) -> None:
@@ -216,9 +282,13 @@ class TensorParallel(TransformBase):
                     "parallel plan (Hugging Face models do: config.base_model_tp_plan); pass tp_plan={'layers.*.attn."
                     "q': 'colwise', ...}"
                 )
-        styles = expand_plan(module, raw, self.size)
+        if self.sequence_parallel:
+            styles = sequence_parallel_styles(module, match_plan(module, raw, self.size), self.loss_parallel)
+            plan.notes.append("sequence parallel between the tensor-parallel regions")
+        else:
+            styles = expand_plan(module, raw, self.size)
         if self.loss_parallel:
-            head = self._vocabulary_parallel_head(module, styles)
+            head = self._vocabulary_parallel_head(module, styles, keep=self.sequence_parallel)
             from torch.distributed.tensor.parallel import loss_parallel
 
             plan.forward_contexts.append(loss_parallel)
@@ -232,7 +302,7 @@ class TensorParallel(TransformBase):
 
 
     @staticmethod
-    def _vocabulary_parallel_head(module: nn.Module, styles: dict[str, Any]) -> str:
+    def _vocabulary_parallel_head(module: nn.Module, styles: dict[str, Any], keep: bool = False) -> str:
         """Make the output layer leave its logits split over the vocabulary (a DTensor `Shard(-1)`), for the
         loss to run on the shards (torch's `loss_parallel`); its name."""
         from torch.distributed.tensor.parallel import ColwiseParallel
@@ -247,7 +317,8 @@ class TensorParallel(TransformBase):
                 f"shard(loss_parallel=True): the output layer {name!r} must be split by the tensor-parallel plan "
                 f"(an nn.Linear with a colwise style); the plan splits {sorted(styles)[:4]}..."
             )
-        styles[name] = ColwiseParallel(use_local_output=False)  # logits stay split: Shard(-1)
+        if not keep:  # (sequence parallel has set the head's style already)
+            styles[name] = ColwiseParallel(use_local_output=False)  # logits stay split: Shard(-1)
         return name
 
 

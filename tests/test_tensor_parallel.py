@@ -26,7 +26,7 @@ def _expect_ok(proc, configs, ranks):
 def test_tp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
                "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate", "llama:seqparallel",
-               "starcoder2:seqparallel:lossparallel:accumulate"]  # fmt: skip
+               "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
     _expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
@@ -35,7 +35,7 @@ def test_tp2_alone_equals_one_process():
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
-               "llama:fsdp:lossparallel:loader", "llama:loader", "llama:fsdp:seqparallel",
+               "llama:fsdp:lossparallel:loader", "llama:loader", "llama:fsdp:seqparallel", "llama:fsdp:fp8",
                f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))

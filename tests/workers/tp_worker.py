@@ -3,7 +3,7 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, seqparallel, loader (inputs from af.data.DataLoader), compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, seqparallel, fp8, loader (inputs from af.data.DataLoader), compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -83,7 +83,13 @@ def check(mesh, kind, options):
     data = batches(kind)
     loss_fn = loss_for(kind)
     opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
-    ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
+    fp8 = "fp8" in options  # torchao float8 (emulated on CPU), torchao's float8 TP styles: vs fp8 in one process
+
+    def maybe_fp8(s):
+        return af.autocast_fp8(s, backend="torchao", recipe="tensorwise", emulate=True,
+                               module_filter=lambda m, fqn: "lm_head" not in fqn) if fp8 else s  # fmt: skip
+
+    ref_step = maybe_fp8(af.train_step(loss_fn, opt(), clip_grad_norm=0.5))
     if "bf16" in options:
         ref_step = af.autocast(ref_step, "bf16")
     ref = ref_step.init(make_model(kind), seed=3)
@@ -93,7 +99,7 @@ def check(mesh, kind, options):
         ref_losses.append(m["loss"].item())
         ref_norms.append(m["grad_norm"].item())
 
-    step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
+    step = maybe_fp8(af.train_step(loss_fn, opt(), clip_grad_norm=0.5))
     if "accumulate" in options:
         step = af.accumulate(step, 2)
     if "remat" in options:
@@ -117,6 +123,7 @@ def check(mesh, kind, options):
     state = step.init(make_model(kind), seed=3)
     assert "tensor parallel tp=" in repr(step), repr(step)
     assert ("loss on vocabulary shards (lm_head)" in repr(step)) == lp, repr(step)
+    assert ("float8 tensor-parallel styles (torchao) on 14 modules" in repr(step)) == (fp8 and not sp), repr(step)
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip
     assert split, f"no parameter is split: {repr(step)}"
@@ -154,9 +161,14 @@ def check(mesh, kind, options):
     tol = 2e-5
     if "bf16" in options:  # bf16 matmuls summed in another order: close, not equal
         tol, norm_diff = 1e-2, norm_diff / 100
+    ptol = None
+    if fp8 and (mesh.data_size > 1 or "accumulate" in options):  # fp8 scales follow each rank's own rows, so
+        # the run tracks the one-process fp8 run (losses within 2e-3, norms within 1%) rather than equals it;
+        # AdamW's first steps move tiny-gradient weights by ~lr either way, so params get 10 x lr
+        tol, norm_diff, ptol = 2e-3, norm_diff / 1000, 1e-2
     assert loss_diff <= tol, f"rank {mesh.rank}: losses {losses} vs one process {ref_losses}"
     assert norm_diff <= 1e-5, f"rank {mesh.rank}: grad norms {norms} vs one process {ref_norms}"
-    assert diff <= tol, f"rank {mesh.rank}: params differ from one process by {diff}"
+    assert diff <= (ptol or tol), f"rank {mesh.rank}: params differ from one process by {diff}"
     if kind != "mlp":  # an eval step on the tensor-parallel module gives the one-process logits
         evaluate = af.eval_step(lambda model, b: model(input_ids=b["input_ids"]).logits)
         evaluate.init(step.model)
@@ -166,7 +178,8 @@ def check(mesh, kind, options):
         want.init(ref_step.model)
         ref_logits = want(ref, batches(kind)[0])
         eval_diff = (got.float() - ref_logits.float()).abs().max().item()
-        assert eval_diff <= (5e-2 if "bf16" in options else 1e-4), f"rank {mesh.rank}: eval logits differ by {eval_diff}"
+        limit = 1e-1 if ptol else 5e-2 if "bf16" in options else 1e-4  # fp8 x dp: params track, not equal
+        assert eval_diff <= limit, f"rank {mesh.rank}: eval logits differ by {eval_diff}"
     if kind == "starcoder2":  # tied embeddings stay one parameter
         model = step.model
         assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -53,9 +53,26 @@ SUPPORTED = (
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
 
 
-def _style(name: str) -> Any:
+def _is_float8(module: nn.Module) -> bool:
+    """A torchao Float8Linear (what `af.autocast_fp8(backend="torchao")` swapped in, lowered before TP)."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao")
+
+
+def _style(name: str, fp8: bool = False) -> Any:
+    """torch's style for a style name; for a torchao Float8Linear, torchao's float8 versions of the same styles
+    (the input is cast to float8 before its all-gather, halving that communication)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if fp8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel as ColwiseParallel,
+        )
+        from torchao.float8.float8_tensor_parallel import (
+            Float8RowwiseParallel as RowwiseParallel,
+        )
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # type: ignore[assignment]
 
     if name == "colwise":
         return ColwiseParallel()
@@ -103,7 +120,10 @@ def expand_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str
     does not divide.
     """
 
-    return {n: _style(style) if isinstance(style, str) else style for n, style in match_plan(module, plan, tp).items()}
+    return {
+        n: _style(style, fp8=_is_float8(module.get_submodule(n))) if isinstance(style, str) else style
+        for n, style in match_plan(module, plan, tp).items()
+    }
 
 
 def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Any]:
@@ -295,6 +315,9 @@ class TensorParallel(TransformBase):
             plan.backward_contexts.append(loss_parallel)
             plan.notes.append(f"loss on vocabulary shards ({head})")
         module.to(self.mesh.device)
+        fp8 = [n for n, st in styles.items() if type(st).__name__.startswith("Float8")]
+        if fp8:
+            plan.notes.append(f"float8 tensor-parallel styles (torchao) on {len(fp8)} modules")
         tied = _tied_groups(module)
         parallelize_module(module, self.mesh.submesh("tp"), styles)
         _retie(tied)

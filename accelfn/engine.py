@@ -27,6 +27,7 @@ from . import tree as _tree
 from .losses import Loss
 from .module import Slots, bind, read_buffers, slots_of
 from .optim import GradientTransformation, apply_gradients, learning_rate
+from .optim.base import apply_gradients_on_shards, is_dtensor
 from .optim.clip import clip_, global_norm
 from .state import TrainState
 
@@ -135,6 +136,8 @@ class Plan:
     device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
     input_device: torch.device | None = None  # where host batch tensors are moved (None: left where they are)
     fp8_skipped: dict[str, str] = attrs.Factory(dict)  # Linear layers autocast_fp8 kept in high precision, and why
+    # trainable params mixing DTensors with plain tensors (tensor parallel): the update runs on local shards
+    update_on_shards: bool = False
 
     @property
     def platform(self) -> Any:
@@ -149,6 +152,8 @@ class Plan:
     def finalize(self) -> None:
         """Record where the (possibly rewritten) module's tensors live. Called after lowering."""
         self.slots = slots_of(self.module)
+        named = dict(self.module.named_parameters())
+        self.update_on_shards = len({is_dtensor(named[n]) for n in self.slots.trainable if n in named}) == 2
         tensors = [*self.module.parameters(), *self.module.buffers()]
         self.devices = sorted({t.device for t in tensors}, key=str)
         computing = [d for d in self.devices if d.type != "meta"]
@@ -344,7 +349,8 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
     trainable = params if len(names) == len(params) else {n: params[n] for n in names}
     if not skipped:
         if plan.updater is None:
-            opt_state = apply_gradients(plan.optimizer, grads, opt_state, trainable)
+            update = apply_gradients_on_shards if plan.update_on_shards else apply_gradients
+            opt_state = update(plan.optimizer, grads, opt_state, trainable)
         else:
             opt_state, extra = plan.updater(plan.optimizer, grads, opt_state, trainable, extra)
         for hook in plan.after_update:

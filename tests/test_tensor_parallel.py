@@ -148,8 +148,8 @@ def test_sequence_parallel_needs_a_decoder_it_knows():
 
 
 def test_optimizer_clip_inside_the_chain_is_refused_under_tensor_parallel():
-    from accelfn.optim.base import _apply_on_local_shards
+    from accelfn.optim.base import apply_gradients_on_shards
 
     tx = af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.sgd(0.1))
     with pytest.raises(ValueError, match="clip_grad_norm=max_norm"):
-        _apply_on_local_shards(tx, {}, (), {})
+        apply_gradients_on_shards(tx, {}, (), {})

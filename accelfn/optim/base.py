@@ -115,18 +115,16 @@ def apply_gradients(tx: GradientTransformation, grads: Updates, state: OptState,
     Uses the transformation's fused `apply` when it has one, else `update` plus a multi-tensor add.
     `params` and `grads` are donated: their storage is reused.
     """
-    p_leaves = _tree.leaves(params)
-    if len({_is_dtensor(t) for t in p_leaves}) == 2:  # tensor parallel: split and whole params side by side
-        return _apply_on_local_shards(tx, grads, state, params)
     if tx.apply is not None:
         return tx.apply(grads, state, params)
     updates, state = tx.update(grads, state, params)
-    u_leaves = _tree.leaves(updates)
+    p_leaves, u_leaves = _tree.leaves(params), _tree.leaves(updates)
     torch._foreach_add_(p_leaves, u_leaves)
     return state
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (a tensor-parallel or FSDP-sharded parameter)."""
     return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
@@ -137,9 +135,10 @@ def _names(hyperparams: Any) -> list[str]:
     return [str((hyperparams or {}).get("name"))]
 
 
-def _apply_on_local_shards(tx: GradientTransformation, grads: Updates, state: OptState, params: Params) -> OptState:
-    """The element-wise update on each rank's shards (multi-tensor kernels refuse lists that mix DTensors with
-    plain tensors); the state keeps its DTensors. A transformation that reduces over all elements would see
+@torch.no_grad()
+def apply_gradients_on_shards(tx: GradientTransformation, grads: Updates, state: OptState, params: Params) -> OptState:
+    """`apply_gradients` on each rank's local shards, for params that mix DTensors with plain tensors (tensor
+    parallel: multi-tensor kernels refuse such lists); the state keeps its DTensors. A transformation that reduces over all elements would see
     only this rank's shards, so it is refused."""
     reducing = [n for n in _names(tx.hyperparams) if n == "clip_by_global_norm"]
     if reducing:
@@ -150,7 +149,7 @@ def _apply_on_local_shards(tx: GradientTransformation, grads: Updates, state: Op
     originals: dict[int, Any] = {}
 
     def local(t: Any) -> Any:
-        if not _is_dtensor(t):
+        if not is_dtensor(t):
             return t
         view = t.to_local()
         originals[id(view)] = t

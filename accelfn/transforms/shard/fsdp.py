@@ -21,15 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compile import find_blocks
-from .common import batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
+from .common import _local, batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
 
 if TYPE_CHECKING:
     from ...engine import Plan
     from . import Shard
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @attrs.define

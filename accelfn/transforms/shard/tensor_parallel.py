@@ -38,7 +38,7 @@ from torch import nn
 
 from ...mesh import Mesh
 from .._base import TransformBase
-from .common import max_over
+from .common import _local, max_over
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -358,9 +358,6 @@ def _splits(placement: Any) -> bool:
     """Shard, or FSDP-over-TP's `_StridedShard` (which is not a `Shard` subclass in recent torch)."""
     return bool(placement.is_shard()) or type(placement).__name__ == "_StridedShard"
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
 
 
 def tensor_parallel_norm(grads: list[torch.Tensor], world: dist.ProcessGroup | None = None) -> torch.Tensor:

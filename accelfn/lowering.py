@@ -6,9 +6,10 @@ Users write combinators in any order — `shard(accumulate(step, 4), mesh)` and
 The order of model rewrites is fixed, as in torchtitan's `parallelize`:
 
     fp8 layer swap (10) -> tensor parallel (20) -> activation checkpointing (30)
-        -> compile regions (40) -> FSDP/DDP wrapping (50) -> offload (60)
+        -> compile regions (40) -> FSDP/DDP wrapping (50) -> context parallel (55) -> offload (60)
 
-(20 is `af.shard`'s tensor parallel over a `tp` mesh axis, 30 is `af.remat`.)
+(20 is `af.shard`'s tensor parallel over a `tp` mesh axis, 30 is `af.remat`, 55 `af.shard`'s sequence split
+over a `cp` axis: it wraps the batch transform FSDP/DDP set, and the attention.)
 
 Run-time settings (accumulate, autocast) have no model rewrite and come first (order < 10). Before
 anything runs, every transform checks the others and raises `CompositionError` naming both sides of an
@@ -34,6 +35,7 @@ ORDER = {
     "activation_checkpointing": 30,
     "compile": 40,
     "shard": 50,
+    "context_parallel": 55,
     "offload": 60,
 }
 

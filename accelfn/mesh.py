@@ -30,13 +30,17 @@ from ._typecheck import checked
 from .launch_env import ACCELFN_MESH, parse_mesh
 from .platforms import Platform
 
-__all__ = ["Mesh", "MeshAxisError", "MESH_ENV", "DATA_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
+__all__ = ["Mesh", "MeshAxisError", "MESH_ENV", "DATA_AXES", "GRAD_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
 
 MESH_ENV = ACCELFN_MESH
 """Environment variable with the mesh shape set by `accelfn launch --mesh`, e.g. `dp=2,tp=1`."""
 
 DATA_AXES: tuple[str, ...] = ("dp", "dp_replicate", "dp_shard", "fsdp")
 """Axis names over which the batch is split (data-parallel axes), in mesh order."""
+
+GRAD_AXES: tuple[str, ...] = (*DATA_AXES, "cp")
+"""Axis names over which gradients are summed: the data axes and `cp` (context-parallel ranks read the same
+rows but hold different tokens of them, so each has a part of every gradient)."""
 
 _current: Mesh | None = None
 _live: weakref.WeakSet[Mesh] = weakref.WeakSet()
@@ -132,6 +136,8 @@ def destroy_process_group() -> None:
     for mesh in list(_live):
         mesh._mesh = None
         mesh._data_group = None
+        mesh._grad_group = None
+        mesh._grad_mesh = None
     _live.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
@@ -173,6 +179,8 @@ class Mesh:
             self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
         )
         self._data_group: dist.ProcessGroup | None = None
+        self._grad_group: dist.ProcessGroup | None = None
+        self._grad_mesh: DeviceMesh | None = None
         _live.add(self)
         _current = self
 
@@ -317,6 +325,46 @@ class Mesh:
         if self._data_group is None:
             self._data_group = self.submesh(*axes)._flatten().get_group()
         return self._data_group
+
+    # ---- gradient reduction (data axes + context parallel) -----------------------------------------------------
+    @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """The axes over which gradients are summed (those named in `GRAD_AXES`: the data axes and `cp`)."""
+        return tuple(n for n in self._shape if n in GRAD_AXES)
+
+    @property
+    def grad_size(self) -> int:
+        """How many processes hold a part of each gradient (product of the gradient axes)."""
+        return math.prod(self._shape[n] for n in self.grad_axes)
+
+    @property
+    def grad_rank(self) -> int:
+        """This process's index among the `grad_size` processes (its random stream differs from theirs)."""
+        index = 0
+        for n in self.grad_axes:
+            index = index * self._shape[n] + self.axis_rank(n)
+        return index
+
+    def grad_mesh(self) -> DeviceMesh | None:
+        """The 1-D `DeviceMesh` over the gradient axes (flattened when there are several; FSDP shards over it),
+        or None when the mesh has none. Collective on first use."""
+        axes = self.grad_axes
+        if not axes:
+            return None
+        if len(axes) == 1:
+            return self.submesh(axes[0])
+        if self._grad_mesh is None:
+            self._grad_mesh = self.submesh(*axes)._flatten("_".join(axes))
+        return self._grad_mesh
+
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The process group over the gradient axes: the data group, with the `cp` axis when there is one."""
+        if "cp" not in self._shape or self._shape["cp"] == 1:
+            return self.data_group()
+        if self._grad_group is None:
+            mesh = self.grad_mesh()
+            self._grad_group = mesh.get_group() if mesh is not None else None
+        return self._grad_group
 
     def _check_axis(self, name: str) -> str:
         if name not in self._shape:

@@ -173,3 +173,25 @@ def test_remat_lowers_peak_cuda_memory_and_keeps_results():
     assert peaks["full"] < 0.6 * peaks[None], peaks
     # the CUDA attention kernels may differ between a forward and its recomputation: close, not bitwise
     assert abs(losses["full"] - losses[None]) < 1e-4 and abs(losses["selective"] - losses[None]) < 1e-4, losses
+
+
+def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
+    """Context parallel's attention on CUDA's SDPA kernels (a boolean mask: the efficient/math kernels), bf16 and
+    fp32: each rank's queries over the gathered keys equal its part of whole-sequence causal attention (the
+    multi-process runs are tested over gloo on CPUs: one GPU cannot hold two NCCL ranks)."""
+    from accelfn.transforms.shard.context_parallel import chunk_positions, gathered_attention, split_sequence
+
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=dtype, generator=g)
+        k = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g)
+        whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        size = 4
+        gk = torch.cat([split_sequence(k, r, size, dim=2) for r in range(size)], dim=2)
+        gv = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
+        kv_pos = torch.cat([chunk_positions(1024 // size, r, size, q.device) for r in range(size)])
+        for r in range(size):
+            got = gathered_attention(split_sequence(q, r, size, dim=2), gk, gv,
+                                     chunk_positions(1024 // size, r, size, q.device), kv_pos, enable_gqa=True)  # fmt: skip
+            torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=tol, atol=tol)

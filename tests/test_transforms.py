@@ -651,14 +651,14 @@ def test_te_backend_swaps_linears_runs_under_fp8_autocast_and_keeps_scaling_stat
     assert fake_te["kwargs"]["fp8_recipe"].kw["fp8_format"] == "hybrid"
 
 
-def test_te_reduces_amax_over_the_data_parallel_group(fake_te, monkeypatch):
+def test_te_reduces_amax_over_the_data_and_context_parallel_group(fake_te, monkeypatch):
     with af.Mesh({"dp": -1}, device="cpu") as mesh:
         base = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te")
         alone = af.shard(base, mesh)  # one process: no group to reduce over
         alone.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
         with alone.plan.forward_context():
             assert fake_te["kwargs"]["fp8_group"] is None
-        monkeypatch.setattr(af.Mesh, "data_size", property(lambda self: 2))  # as if 2 processes read data
+        monkeypatch.setattr(af.Mesh, "grad_size", property(lambda self: 2))  # as if 2 processes saw other tokens
         step = af.shard(base, mesh)
         step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
         with step.plan.forward_context():

@@ -30,9 +30,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -169,6 +170,31 @@ def _cache_dropper(forward: Callable[..., Any]) -> Callable[[tuple[Any, ...], di
     return drop
 
 
+def _function_modes() -> list[Any]:
+    """The torch function modes active now (context parallel's attention), but torch's DeviceContext, which
+    torch's checkpoint already re-enters."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
+
+
+def _recompute_under(modes: list[Any], inner: Callable[[], Any] | None) -> tuple[Any, Any]:
+    """Checkpoint contexts that run the recomputation under the function modes of the original forward: torch
+    recomputes in the backward, where they are no longer active, and the recomputation must do what the forward
+    did (context parallel's attention over all-gathered keys, not this rank's alone)."""
+    fwd, rec = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        with rec, contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            yield
+
+    return fwd, recompute()
+
+
 def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> None:
     """Make `block`'s forward checkpointed (only while gradients are recorded), keeping the module as it is."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -184,7 +210,9 @@ def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> N
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
+        modes = _function_modes()
+        fn = functools.partial(_recompute_under, modes, context_fn) if modes else context_fn
+        extra: dict[str, Any] = {"context_fn": fn} if fn is not None else {}
         if drop_cache is not None:
             args, kwargs = drop_cache(args, kwargs)
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)

@@ -215,12 +215,12 @@ if __name__ == "__main__":
                 assert "Compile the whole step with shard(strategy='ddp') and a tp axis" in str(e), e
             else:
                 raise AssertionError("compile with fsdp x tp was accepted")
-        # a context-parallel axis is refused by name, before anything runs
-        with af.Mesh({"dp": 2, "cp": 2}, device="cpu") as mesh:
+        # context parallel with tensor parallel is refused by name, before anything runs
+        with af.Mesh({"cp": 2, "tp": 2}, device="cpu") as mesh:
             try:
                 af.shard(af.train_step(loss_for("mlp"), af.optim.sgd(0.1)), mesh)
             except ValueError as e:
-                assert "'cp' axis of size 2" in str(e) and "context parallel" in str(e), e
+                assert "context parallel (cp=2" in str(e) and "tensor parallel (tp=2)" in str(e), e
             else:
                 raise AssertionError("a cp axis was accepted")
             print(f"rank {mesh.rank}: OK cp refused", flush=True)

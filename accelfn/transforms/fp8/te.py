@@ -57,9 +57,9 @@ def convert(plan: Plan, keep: ModuleFilter, recipe_name: str | None) -> int:
                         new.bias.copy_(child.bias)
                 setattr(module, child_name, new)
                 swapped += 1
-    # amax is reduced over the processes that read different data (TE's fp8_group); None: this process
+    # amax is reduced over the processes that see different tokens (TE's fp8_group); None: this process
     shard = next((t for t in plan.transforms if t.kind == "shard"), None)
-    group = shard.mesh.data_group() if shard is not None and shard.mesh.data_size > 1 else None
+    group = shard.mesh.grad_group() if shard is not None and shard.mesh.grad_size > 1 else None
     plan.forward_contexts.append(
         lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
         if hasattr(te, "fp8_autocast") else contextlib.nullcontext()

@@ -50,7 +50,7 @@ __all__ = ["shard", "STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 BACKENDS = ("torch", "deepspeed")
-NOT_SPLIT = {"cp": "context parallel", "pp": "pipeline parallel under shard (see af.pipeline)", "ep": "expert parallel"}
+NOT_SPLIT = {"pp": "pipeline parallel under shard (see af.pipeline)", "ep": "expert parallel"}
 
 
 @attrs.frozen(eq=False)
@@ -77,7 +77,7 @@ class Shard(TransformBase):
 
     def lower(self, plan: Plan) -> None:
         tensor_parallel = any(t.kind == "tensor_parallel" for t in plan.transforms)
-        if not self.mesh.data_axes:  # tensor parallel alone (af.Mesh({"tp": 2})): every rank reads the batch
+        if not self.mesh.grad_axes:  # tensor parallel alone (af.Mesh({"tp": 2})): every rank reads the batch
             plan.module.to(self.mesh.device)
             plan.batch_transform = batch_transform(self.mesh, self.inputs)
             plan.rank_key = 0
@@ -116,8 +116,8 @@ def shard(
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
 ) -> Step:
-    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), and tensor-parallel over its `tp` axis;
-    see the module docs.
+    """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), context-parallel over its `cp` axis and
+    tensor-parallel over its `tp` axis; see the module docs.
 
     DeepSpeed only: `ds_config` (a dict or a JSON path) is merged into the generated config and must agree
     with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
@@ -130,6 +130,10 @@ def shard(
     `loss_parallel`): no rank holds the whole logits (the loss function then receives a DTensor).
     `sequence_parallel=True` (Hugging Face decoders) keeps the residual stream split over the sequence between
     the tensor-parallel regions, so norms and dropout run on `seq / tp` tokens per rank.
+
+    Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
+    every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned
+    with the inputs (not shifted inside the loss). See `accelfn.transforms.shard.context_parallel`.
 
     Example:
         >>> import torch, accelfn as af
@@ -153,14 +157,24 @@ def shard(
     if inputs not in ("local", "global"):
         raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
     tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
+    cp = mesh.axis_size("cp") if "cp" in mesh.axis_names else 1
     for axis, what in NOT_SPLIT.items():
         if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
             raise ValueError(
                 f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
                 f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
             )
-    if not mesh.data_axes and tp == 1:
-        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp) and no tp axis; its axes are {mesh.axis_names}")
+    if not mesh.grad_axes and tp == 1:
+        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}")
+    if cp > 1:
+        why = (
+            "tensor parallel (tp={tp}) is not combined with it in this version" if tp > 1
+            else "DeepSpeed splits no sequence" if backend == "deepspeed"
+            else "HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)"
+            if strategy == "hsdp" else ""
+        ).format(tp=tp)
+        if why:
+            raise ValueError(f"shard: context parallel (cp={cp} in mesh {mesh.shape}): {why}")
     if sequence_parallel and tp == 1:
         raise ValueError(f"shard: sequence_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if loss_parallel and tp == 1:
@@ -173,7 +187,7 @@ def shard(
             f"combine with tensor parallel (tp={tp}): use a mesh like af.Mesh({{'dp': -1}}), or backend='torch' "
             "for tensor parallel"
         )
-    if not mesh.data_axes and strategy != "ddp":
+    if not mesh.grad_axes and strategy != "ddp":
         raise ValueError(
             f"shard(strategy={strategy!r}) shards over a data axis (dp or fsdp), but the mesh has only {mesh.axis_names}: "
             "with tensor parallel alone, leave strategy as it is"
@@ -183,6 +197,10 @@ def shard(
     step = step.with_transform(
         Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
     )
+    if cp > 1:
+        from .context_parallel import ContextParallel
+
+        step = step.with_transform(ContextParallel(mesh))
     if tp > 1:
         from .tensor_parallel import TensorParallel
 

@@ -168,13 +168,13 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
 
     mesh = shard.mesh
     plan.module.to(mesh.device)
-    group = mesh.data_group()
+    group = mesh.grad_group()  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
     broadcast_from_first(plan.module, group)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)
     sync.build(plan.module, slots_of(plan.module).trainable)
     plan.batch_transform = batch_transform(mesh, shard.inputs)
-    plan.rank_key = mesh.data_rank
+    plan.rank_key = mesh.grad_rank
     plan.grad_sync = sync
-    plan.notes.append(f"ddp over {mesh.data_size} ranks, {len(sync.buckets)} bucket(s)"
+    plan.notes.append(f"ddp over {mesh.grad_size} ranks, {len(sync.buckets)} bucket(s)"
                       + (", overlapped with backward" if overlap else ""))

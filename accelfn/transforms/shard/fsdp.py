@@ -151,22 +151,23 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = shard.mesh
-    axes = mesh.data_axes
-    data_mesh = mesh.submesh(*axes)
-    data_group = mesh.data_group()
+    # the gradient group: the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
+    data_group = mesh.grad_group()
     shard_group = mesh.group("fsdp") if shard.strategy == "hsdp" else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.batch_transform = batch_transform(mesh, shard.inputs)
-        plan.rank_key = mesh.data_rank
+        plan.rank_key = mesh.grad_rank
         plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
-        plan.notes.append(f"{shard.strategy} over {mesh.data_size} ranks (already sharded)")
+        plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
         return
     plan.module.to(mesh.device)
     broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")
     else:
-        fsdp_mesh = data_mesh if len(axes) == 1 else data_mesh._flatten()
+        grad_mesh = mesh.grad_mesh()
+        assert grad_mesh is not None  # a mesh without data or cp axes is tensor parallel alone: not lowered here
+        fsdp_mesh = grad_mesh
     mp = MixedPrecisionPolicy()
     if plan.autocast_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
@@ -189,7 +190,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     plan.batch_transform = batch_transform(mesh, shard.inputs)
-    plan.rank_key = mesh.data_rank
+    plan.rank_key = mesh.grad_rank
     plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
     n_blocks = len(blocks) if blocks is not None else 0
-    plan.notes.append(f"{shard.strategy} over {mesh.data_size} ranks ({n_blocks} blocks + root sharded)")
+    plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")

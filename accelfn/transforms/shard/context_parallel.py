@@ -1,0 +1,310 @@
+"""Context parallel over the mesh's `cp` axis: each rank of a `cp` group computes on a part of every sequence.
+
+Long sequences do not fit one device's activation memory; context parallel splits the sequence dimension
+(dim 1 of every batch tensor with two or more dims) over the `cp` ranks, which read the same rows. Attention
+is the one place where tokens meet: every call of `torch.nn.functional.scaled_dot_product_attention` during
+the training step all-gathers the keys and values over the `cp` group (autograd: a reduce-scatter of their
+gradients in the backward) and attends this rank's queries to all of them, causal by global position — the
+all-gather form of context parallelism used to train Llama 3, and the one torch's own flex-attention context
+parallel uses. It runs wherever SDPA runs (CPU, CUDA, XPU, ...), with any of SDPA's kernels.
+
+Load balance: the sequence is cut into `2 * cp` chunks and rank `r` takes chunks `r` and `2*cp - 1 - r` (as
+torch's and torchtitan's head-tail balancer), so every rank attends to as many keys under a causal mask.
+
+Gradients are summed over the data axes and `cp` (each cp rank holds a part of every gradient), and the loss
+is `Loss(total, count)` summed over all of them, so a step equals one process on the global batch.
+
+What the model and the data must do (checked where it can be):
+- labels aligned with the inputs position by position (`labels[:, i]` is the target of `input_ids[:, i]`; -100
+  for none), as torchtitan's and Accelerate's context parallel require: a loss that slices the sequence
+  (`logits[:, :-1]` against `ids[:, 1:]`) would pair tokens across the cut. A model input shorter than the
+  split batch (e.g. `ids[:, :-1]`) is refused at the first attention call.
+- positions: a Hugging Face model gets `position_ids` (the global positions of this rank's tokens) when none
+  are passed; a model with its own position embedding must take `position_ids` from the batch (split like the
+  tokens).
+- attention through SDPA: a Hugging Face model is switched to `attn_implementation="sdpa"`; a step whose
+  forward calls no SDPA is refused (its attention would see only this rank's tokens). Causal or full
+  self-attention without `attn_mask` (padding masks are refused: pack sequences instead).
+
+Training steps only: an `eval_step` on a `cp` mesh runs each rank on whole sequences (the same result on every
+cp rank). Not combined with tensor parallel, DeepSpeed or HSDP in this version (clear errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ... import tree as _tree
+from ...mesh import Mesh
+from .._base import TransformBase
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+
+__all__ = ["ContextParallel", "chunk_positions", "split_sequence", "gathered_attention"]
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def chunk_positions(local_len: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of the `local_len` tokens rank `rank` of `size` holds (head-tail chunks).
+
+    Example:
+        >>> chunk_positions(4, 0, 2).tolist(), chunk_positions(4, 1, 2).tolist()
+        ([0, 1, 6, 7], [2, 3, 4, 5])
+    """
+    half = local_len // 2
+    head = torch.arange(rank * half, (rank + 1) * half, device=device)
+    tail = torch.arange((2 * size - 1 - rank) * half, (2 * size - rank) * half, device=device)
+    return torch.cat([head, tail])
+
+
+def split_sequence(t: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `t` along `dim`: chunks `rank` and `2*size - 1 - rank` of `2*size`.
+
+    Example:
+        >>> split_sequence(torch.arange(8).reshape(1, 8), 1, 2).tolist()
+        [[2, 3, 4, 5]]
+    """
+    chunks = t.chunk(2 * size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+
+
+@attrs.define(eq=False)
+class _Runtime:
+    """What the batch split tells the attention: this step's local sequence length and positions."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+    local_len: int | None = None
+    calls: int = 0
+    _kv_positions: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        assert self.local_len is not None
+        return chunk_positions(self.local_len, self.rank, self.size, device)
+
+    def kv_positions(self, device: torch.device) -> torch.Tensor:
+        """Global positions of the all-gathered keys (rank 0's tokens, then rank 1's, ...)."""
+        assert self.local_len is not None
+        key = (self.local_len, str(device))
+        if key not in self._kv_positions:
+            self._kv_positions[key] = torch.cat(
+                [chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)]
+            )
+        return self._kv_positions[key]
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Routes `scaled_dot_product_attention` through the all-gather of keys and values over the cp group."""
+
+    def __init__(self, runtime: _Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        return self.attention(*args, **kwargs)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        rt = self.runtime
+        rt.calls += 1
+        if attn_mask is not None:
+            raise ValueError(
+                "context parallel: scaled_dot_product_attention was called with an attn_mask "
+                f"(shape {tuple(attn_mask.shape)}); masks over a split sequence are not supported. Pass no "
+                "attention_mask (causal attention is kept by position), and pack sequences instead of padding"
+            )
+        n = query.shape[-2]
+        if rt.local_len is not None and (n != rt.local_len or key.shape[-2] != rt.local_len):
+            raise ValueError(
+                f"context parallel: attention over {n} queries and {key.shape[-2]} keys, but this rank's part of "
+                f"the batch has {rt.local_len} positions. The model must see whole sequence parts: give labels "
+                "aligned with the inputs in the batch (labels[:, i] is the target of input_ids[:, i]) instead of "
+                "slicing the sequence (ids[:, :-1]) in the loss, and no cross-attention"
+            )
+        k = _gather(key.contiguous(), key.dim() - 2, rt.group)
+        v = _gather(value.contiguous(), value.dim() - 2, rt.group)
+        q_pos = rt.positions(query.device) if is_causal else None
+        kv_pos = rt.kv_positions(query.device) if is_causal else None
+        return gathered_attention(
+            query, k, v, q_pos, kv_pos, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+        )
+
+
+def gathered_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    kv_positions: torch.Tensor | None,
+    *,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA of this rank's queries over every rank's keys and values (gathered); causal by global position when
+    positions are given (a key is seen by the queries at or after its position), else full attention.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 16, 4)
+        >>> out = gathered_attention(q, k, k, chunk_positions(8, 0, 2), torch.cat([chunk_positions(8, r, 2) for r in (0, 1)]))
+        >>> out.shape
+        torch.Size([1, 2, 8, 4])
+    """
+    mask = None
+    if q_positions is not None and kv_positions is not None:
+        mask = kv_positions[None, :] <= q_positions[:, None]
+    kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
+    return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
+
+
+def _batch_split(runtime: _Runtime, inner: Any) -> Any:
+    """Compose the shard's batch transform with the sequence split."""
+
+    def split(batch: Any) -> Any:
+        if inner is not None:
+            batch = inner(batch)
+        lengths: dict[str, int] = {}
+
+        def one(path: tuple[Any, ...], t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                return t
+            where = "batch" + "".join(f"[{p!r}]" for p in path)
+            n = t.shape[1]
+            if n % (2 * runtime.size):
+                raise ValueError(
+                    f"context parallel: {where} has {n} positions along dim 1, not divisible by 2 x cp = "
+                    f"{2 * runtime.size} (each rank takes two of {2 * runtime.size} chunks, to balance causal "
+                    "attention); pad or cut the sequences to a multiple"
+                )
+            lengths[where] = n
+            return split_sequence(t, runtime.rank, runtime.size)
+
+        out = optree.tree_map_with_path(one, batch, namespace=_tree.NAMESPACE)
+        if not lengths:
+            raise ValueError("context parallel: the batch has no tensor with a sequence dimension (dim 1) to split")
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"context parallel: the batch's sequences differ in length ({lengths}); every tensor with two or "
+                "more dims is split along dim 1, so they must have one length"
+            )
+        runtime.local_len = next(iter(lengths.values())) // runtime.size
+        return out
+
+    return split
+
+
+def _hf_position_hook(runtime: _Runtime, module: nn.Module) -> Any:
+    """A Hugging Face model called without `position_ids` gets this rank's global positions."""
+    sig = inspect.signature(module.forward)
+    names = list(sig.parameters)
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        mask = kwargs.get("attention_mask")
+        if mask is None and "attention_mask" in names and len(args) > names.index("attention_mask"):
+            mask = args[names.index("attention_mask")]
+        if mask is not None:  # refused on every rank alike (its zeros may lie in another rank's part)
+            raise ValueError(
+                "context parallel: the model was called with an attention_mask; padding masks over a split "
+                "sequence are not supported. Pass no attention_mask (causal attention is kept by position), "
+                "and pack sequences instead of padding"
+            )
+        if kwargs.get("position_ids") is not None or len(args) > names.index("position_ids"):
+            return args, kwargs
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None or runtime.local_len is None:
+            return args, kwargs
+        if ids.shape[1] != runtime.local_len:
+            raise ValueError(
+                f"context parallel: the model was called on {ids.shape[1]} positions, but this rank's part of the "
+                f"batch has {runtime.local_len}. Give labels aligned with the inputs in the batch (labels[:, i] is "
+                "the target of input_ids[:, i]) instead of slicing the sequence (ids[:, :-1]) in the loss"
+            )
+        kwargs = {**kwargs, "position_ids": runtime.positions(ids.device)[None, :]}
+        return args, kwargs
+
+    return hook
+
+
+def _hf_config(module: nn.Module) -> Any:
+    """A Hugging Face model's config (None for other modules)."""
+    cfg = getattr(module, "config", None)
+    return cfg if cfg is not None and hasattr(cfg, "_attn_implementation") else None
+
+
+@attrs.frozen(eq=False)
+class ContextParallel(TransformBase):
+    mesh: Mesh
+    kind: str = "context_parallel"
+
+    def describe(self) -> str:
+        return f"context_parallel(cp={self.mesh.axis_size('cp')})"
+
+    def lower(self, plan: Plan) -> None:
+        if plan.kind != "train":
+            plan.notes.append("context parallel: eval steps run whole sequences on every cp rank")
+            return
+        mesh = self.mesh
+        runtime = _Runtime(mesh.axis_rank("cp"), mesh.axis_size("cp"), mesh.group("cp"))
+        plan.batch_transform = _batch_split(runtime, plan.batch_transform)
+        model, config = plan.module, _hf_config(plan.module)
+        if config is not None:
+            if getattr(model, "is_gradient_checkpointing", False):
+                raise ValueError(
+                    "context parallel: the model has Hugging Face gradient checkpointing enabled, whose "
+                    "recomputation would attend to this rank's tokens only; use af.remat(step) instead "
+                    "(model.gradient_checkpointing_disable())"
+                )
+            impl = config._attn_implementation
+            if impl != "sdpa":
+                switch = getattr(model, "set_attn_implementation", None)
+                if switch is not None:
+                    switch("sdpa")
+                else:  # pragma: no cover - older transformers
+                    config._attn_implementation = "sdpa"
+                plan.notes.append(f"context parallel: attention switched from {impl!r} to 'sdpa'")
+            if "position_ids" in inspect.signature(model.forward).parameters:
+                model.register_forward_pre_hook(_hf_position_hook(runtime, model), with_kwargs=True)
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            before = runtime.calls
+            with _AttentionMode(runtime):
+                yield
+            if runtime.calls == before:
+                raise ValueError(
+                    "context parallel: the forward pass called no torch.nn.functional.scaled_dot_product_attention; "
+                    "a model computing attention otherwise would attend only to this rank's part of each sequence "
+                    "(for a Hugging Face model use attn_implementation='sdpa')"
+                )
+
+        plan.forward_contexts.append(forward)  # af.remat re-enters the mode for its recomputation
+        plan.notes.append(f"context parallel over cp={runtime.size} (all-gathered keys and values, head-tail chunks)")

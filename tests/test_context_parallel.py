@@ -1,0 +1,95 @@
+"""Context parallel over a `cp` mesh axis, alone and with ddp / fsdp over `dp`, on real processes (gloo, through
+`accelfn launch`) vs one process on the global batch; the attention pieces vs whole-sequence attention; errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accelfn as af
+from accelfn.transforms.shard.context_parallel import chunk_positions, gathered_attention, split_sequence
+from tests._launch import output_of, run_workers
+
+
+def _expect_ok(proc, configs, ranks):
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        kind, *options = c.split(":")
+        if kind == "errors":
+            assert proc.stdout.count("OK errors") == ranks, out
+            continue
+        options = sorted(o for o in options if not o.startswith("save="))
+        for r in range(ranks):
+            assert f"rank {r}: OK {kind} {options}" in proc.stdout, out
+
+
+@pytest.mark.slow
+def test_cp2_alone_equals_one_process():
+    configs = ["llama", "starcoder2", "own", "bidir", "llama:eager", "llama:accumulate", "llama:remat",
+               "llama:compile", "errors"]  # fmt: skip
+    _expect_ok(run_workers("cp_worker.py", 2, "cp=2", *configs, timeout=600), configs, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_cp2_on_four_processes_equals_one_process(tmp_path):
+    configs = ["llama", "llama:fsdp", "starcoder2:fsdp:accumulate", "llama:loader", "llama:fsdp:remat", "errors",
+               f"llama:fsdp:save={tmp_path / 'ckpt'}"]  # fmt: skip
+    # the mesh from the launcher: accelfn launch --mesh dp=2,cp=2
+    proc = run_workers("cp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,cp=2"))
+    _expect_ok(proc, configs, 4)
+    # the fsdp-over-dp x cp state loads on one process, equal to the one-process run's
+    from tests.workers.cp_worker import make_model
+
+    step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
+    like = step.init(make_model("llama"))
+    state = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    ref = af.checkpoint.load(tmp_path / "ckpt-ref", like=like)
+    assert int(state.step) == 4
+    for n, p in ref.params.items():
+        torch.testing.assert_close(state.params[n], p, rtol=0, atol=2e-5, msg=n)
+
+
+@pytest.mark.slow
+def test_cp4_on_four_processes_equals_one_process():
+    configs = ["llama", "llama:fsdp:accumulate", "own", "errors"]
+    _expect_ok(run_workers("cp_worker.py", 4, "cp=4", *configs, timeout=600), configs, 4)
+
+
+# ---- the pieces (one process) -----------------------------------------------------------------------------------
+def test_chunks_cover_the_sequence_once_and_balance_causal_work():
+    for size in (1, 2, 3, 4):
+        seq = torch.arange(8 * size).reshape(1, -1)
+        parts = [split_sequence(seq, r, size) for r in range(size)]
+        positions = [chunk_positions(8, r, size) for r in range(size)]
+        for part, pos in zip(parts, positions):
+            assert torch.equal(part[0], pos)  # the split takes the tokens at those global positions
+        assert sorted(torch.cat(positions).tolist()) == list(range(8 * size))
+        work = {int((pos + 1).sum()) for pos in positions}  # keys each rank's queries see under a causal mask
+        assert len(work) == 1, work
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_ranks_attention_over_gathered_keys_is_its_part_of_whole_attention(causal, size):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g)
+    k, v = torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)  # GQA: 2 kv heads
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    gathered_k = torch.cat([split_sequence(k, r, size, dim=2) for r in range(size)], dim=2)
+    gathered_v = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
+    kv_pos = torch.cat([chunk_positions(16 // size, r, size) for r in range(size)])
+    for r in range(size):
+        q_pos = chunk_positions(16 // size, r, size) if causal else None
+        got = gathered_attention(split_sequence(q, r, size, dim=2), gathered_k, gathered_v, q_pos,
+                                 kv_pos if causal else None, enable_gqa=True)  # fmt: skip
+        torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_cp_axis_of_size_one_splits_nothing():
+    with af.Mesh({"cp": 1}, device="cpu") as mesh:  # size 1: no split, plain data parallel over nothing
+        step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh)
+        assert "context_parallel" not in repr(step)
+        state, _ = step(step.init(torch.nn.Linear(3, 1)), torch.randn(4, 3))
+        assert int(state.step) == 1

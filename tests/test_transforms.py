@@ -3,6 +3,7 @@
 import copy
 import importlib
 import itertools
+import os
 import sys
 import types
 
@@ -368,6 +369,30 @@ def test_offload_keeps_optimizer_state_in_host_memory_with_identical_results():
     assert off_losses == plain_losses
     assert max_diff(off.params, plain.params) == 0.0
     assert all(t.device.type == "cpu" for t in af.tree.leaves(off.opt_state))
+
+
+def test_offload_host_update_uses_this_processs_share_of_the_cores(monkeypatch):
+    # `accelfn launch` sets OMP_NUM_THREADS=1 for N processes per node; the host update (memory-bound CPU Adam)
+    # runs on cores / LOCAL_WORLD_SIZE threads, and the process's own setting is restored after it
+    off = importlib.import_module("accelfn.transforms.offload")
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert off.share_of_cores() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    assert off.share_of_cores() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    step = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)))
+    state = _streaming(step, token_model())
+    during = []
+    real = off.apply_gradients
+    monkeypatch.setattr(off, "apply_gradients", lambda *a: during.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step(state, token_batch(seed=0))
+        assert during == [cores] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def _streaming(step, model):

@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from ..lowering import Transform
     from ..state import TrainState
 
-__all__ = ["offload", "to_host"]
+__all__ = ["offload", "to_host", "share_of_cores", "host_threads"]
 
 def to_host(t: torch.Tensor, *, copy: bool = False, pin: bool = False) -> torch.Tensor:
     """A host copy of `t` (`copy`: even when it is on the host already), in pinned memory with `pin`."""
@@ -51,7 +53,9 @@ class HostUpdater:
     ZeRO-Offload's data path, with buffers allocated once: each step, the gradients are copied (asynchronously)
     into persistent host buffers — pinned where the platform pins (`pin`), so the copies run on the copy engine —
     one synchronisation, the update by torch's fused multi-threaded CPU kernel on fp32 host params and state, and
-    the new params copied back asynchronously (ordered before the next forward on the device's stream).
+    the new params copied back asynchronously (ordered before the next forward on the device's stream). The update
+    uses this process's share of the host cores (`share_of_cores`), also when the launcher set
+    `OMP_NUM_THREADS=1` for several processes per node.
 
     The host params are either fp32 master params kept in `state.extra["offload_master"]` (`keep_master`: they
     are checkpointed, and a loaded or replaced state brings its own), or a host mirror of the device params,
@@ -65,6 +69,7 @@ class HostUpdater:
     keep_master: bool
     pin: bool = False
     always_stream: bool = False
+    threads: int | None = None  # host threads for the update (None: this process's share of the cores)
     grad_buffers: dict[str, torch.Tensor] = attrs.Factory(dict)
     mirror: dict[str, torch.Tensor] = attrs.Factory(dict)
     synced: dict[str, tuple[int, int]] = attrs.Factory(dict)  # name -> (id, version) of the device param mirrored
@@ -105,7 +110,8 @@ class HostUpdater:
                     host_params[k] = buf
             if first.device.type != "cpu":  # the copies into host memory must have landed before the update
                 _synchronize(first.device)
-            new_state = apply_gradients(tx, host_grads, opt_state, host_params)
+            with host_threads(self.threads or share_of_cores()):
+                new_state = apply_gradients(tx, host_grads, opt_state, host_params)
             if not self.keep_master:  # the mirror holds what the device holds: low-precision params rounded
                 for k, p in params.items():
                     if p.dtype != torch.float32:
@@ -115,6 +121,36 @@ class HostUpdater:
             if not self.keep_master:
                 self.synced = {k: (id(p), p._version) for k, p in params.items()}
         return new_state, extra
+
+
+def share_of_cores() -> int:
+    """This process's share of the host cores it may run on: the cores over the processes of this node
+    (`LOCAL_WORLD_SIZE`, set by `accelfn launch`). The launcher sets `OMP_NUM_THREADS=1` for N processes per
+    node; the host update, ZeRO-Offload's CPU Adam, is memory-bound work that needs more than one core.
+
+    Example:
+        >>> share_of_cores() >= 1
+        True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, cores // max(1, int(local) if local.isdigit() else 1))
+
+
+@contextlib.contextmanager
+def host_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to at least `n` inside the block (restored after)."""
+    before = torch.get_num_threads()
+    if n > before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -28,7 +28,7 @@ def _expect_ok(proc, configs, ranks):
 @pytest.mark.slow
 def test_cp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "own", "bidir", "llama:eager", "llama:accumulate", "llama:remat",
-               "llama:compile", "errors"]  # fmt: skip
+               "llama:compile", "llama:lora", "errors"]  # fmt: skip
     _expect_ok(run_workers("cp_worker.py", 2, "cp=2", *configs, timeout=600), configs, 2)
 
 

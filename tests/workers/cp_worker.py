@@ -6,7 +6,8 @@ Each config is `model[:option...]`: model in llama (Hugging Face, GQA, RoPE from
 (LayerNorm, biases, tied embeddings), own (a plain model calling SDPA, positions from the batch), bidir (full
 attention: not causal); options: accumulate, fsdp, remat, compile (aot_eager), loader (inputs from
 af.data.DataLoader: the cp ranks of a data rank read the same rows), eager (the HF model built with
-attn_implementation="eager": switched to SDPA), save=<folder>.
+attn_implementation="eager": switched to SDPA), lora (wrapped by PEFT: the positions reach the model inside),
+save=<folder>.
 """
 
 import sys
@@ -46,6 +47,13 @@ class Own(nn.Module):
 
 
 def make_model(kind, options=()):
+    if "lora" in options:  # PEFT's wrapper: its forward takes **kwargs; the positions go to the model inside
+        from peft import LoraConfig, get_peft_model
+
+        model = make_model(kind, [o for o in options if o != "lora"])
+        torch.manual_seed(1)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return get_peft_model(model, lora)
     torch.manual_seed(0)
     attn = "eager" if "eager" in options else "sdpa"
     if kind == "llama":
@@ -98,7 +106,7 @@ def check(mesh, kind, options):
     loss_fn = loss_for(kind)
     opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
     ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
-    ref = ref_step.init(make_model(kind), seed=3)
+    ref = ref_step.init(make_model(kind, [o for o in options if o == "lora"]), seed=3)
     ref_losses, ref_norms = [], []
     for b in data:
         ref, m = ref_step(ref, b)

@@ -19,8 +19,8 @@ What the model and the data must do (checked where it can be):
   for none), as torchtitan's and Accelerate's context parallel require: a loss that slices the sequence
   (`logits[:, :-1]` against `ids[:, 1:]`) would pair tokens across the cut. A model input shorter than the
   split batch (e.g. `ids[:, :-1]`) is refused at the first attention call.
-- positions: a Hugging Face model gets `position_ids` (the global positions of this rank's tokens) when none
-  are passed; a model with its own position embedding must take `position_ids` from the batch (split like the
+- positions: a Hugging Face model (also inside a wrapper such as PEFT's) gets `position_ids` (the global
+  positions of this rank's tokens) when none are passed; a model with its own position embedding must take `position_ids` from the batch (split like the
   tokens).
 - attention through SDPA: a Hugging Face model is switched to `attn_implementation="sdpa"`; a step whose
   forward calls no SDPA is refused (its attention would see only this rank's tokens). Causal or full
@@ -254,6 +254,20 @@ def _hf_position_hook(runtime: _Runtime, module: nn.Module) -> Any:
     return hook
 
 
+def _position_taker(module: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face model inside `module` (itself included) whose forward takes `position_ids`:
+    the model itself, or the one a wrapper (PEFT's PeftModel, whose forward takes **kwargs) calls."""
+    for m in module.modules():
+        if _hf_config(m) is None:
+            continue
+        try:
+            if "position_ids" in inspect.signature(m.forward).parameters:
+                return m
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            continue
+    return None
+
+
 def _hf_config(module: nn.Module) -> Any:
     """A Hugging Face model's config (None for other modules)."""
     cfg = getattr(module, "config", None)
@@ -291,8 +305,11 @@ class ContextParallel(TransformBase):
                 else:  # pragma: no cover - older transformers
                     config._attn_implementation = "sdpa"
                 plan.notes.append(f"context parallel: attention switched from {impl!r} to 'sdpa'")
-            if "position_ids" in inspect.signature(model.forward).parameters:
-                model.register_forward_pre_hook(_hf_position_hook(runtime, model), with_kwargs=True)
+            taker = _position_taker(model)
+            if taker is not None:
+                taker.register_forward_pre_hook(_hf_position_hook(runtime, taker), with_kwargs=True)
+            else:
+                plan.notes.append("context parallel: no module takes position_ids: positions must come from the batch")
 
         @contextlib.contextmanager
         def forward() -> Iterator[None]:

@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import accelfn as af
-from accelfn.transforms.shard.context_parallel import chunk_positions, gathered_attention, split_sequence
+from accelfn.transforms.shard.context_parallel import (
+    causal_mask,
+    chunk_positions,
+    gathered_attention,
+    split_sequence,
+)
 from tests._launch import output_of, run_workers
 
 
@@ -81,9 +86,8 @@ def test_each_ranks_attention_over_gathered_keys_is_its_part_of_whole_attention(
     gathered_v = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
     kv_pos = torch.cat([chunk_positions(16 // size, r, size) for r in range(size)])
     for r in range(size):
-        q_pos = chunk_positions(16 // size, r, size) if causal else None
-        got = gathered_attention(split_sequence(q, r, size, dim=2), gathered_k, gathered_v, q_pos,
-                                 kv_pos if causal else None, enable_gqa=True)  # fmt: skip
+        mask = causal_mask(chunk_positions(16 // size, r, size), kv_pos) if causal else None
+        got = gathered_attention(split_sequence(q, r, size, dim=2), gathered_k, gathered_v, mask, enable_gqa=True)
         torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=1e-5, atol=1e-6)
 
 

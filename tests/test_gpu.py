@@ -179,7 +179,12 @@ def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
     """Context parallel's attention on CUDA's SDPA kernels (a boolean mask: the efficient/math kernels), bf16 and
     fp32: each rank's queries over the gathered keys equal its part of whole-sequence causal attention (the
     multi-process runs are tested over gloo on CPUs: one GPU cannot hold two NCCL ranks)."""
-    from accelfn.transforms.shard.context_parallel import chunk_positions, gathered_attention, split_sequence
+    from accelfn.transforms.shard.context_parallel import (
+        causal_mask,
+        chunk_positions,
+        gathered_attention,
+        split_sequence,
+    )
 
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -192,6 +197,6 @@ def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
         gv = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
         kv_pos = torch.cat([chunk_positions(1024 // size, r, size, q.device) for r in range(size)])
         for r in range(size):
-            got = gathered_attention(split_sequence(q, r, size, dim=2), gk, gv,
-                                     chunk_positions(1024 // size, r, size, q.device), kv_pos, enable_gqa=True)  # fmt: skip
+            mask = causal_mask(chunk_positions(1024 // size, r, size, q.device), kv_pos)
+            got = gathered_attention(split_sequence(q, r, size, dim=2), gk, gv, mask, enable_gqa=True)
             torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=tol, atol=tol)

@@ -52,7 +52,7 @@ from .._base import TransformBase
 if TYPE_CHECKING:
     from ...engine import Plan
 
-__all__ = ["ContextParallel", "chunk_positions", "split_sequence", "gathered_attention"]
+__all__ = ["ContextParallel", "chunk_positions", "split_sequence", "causal_mask", "gathered_attention"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -92,10 +92,21 @@ class _Runtime:
     local_len: int | None = None
     calls: int = 0
     _kv_positions: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
+    _masks: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         assert self.local_len is not None
         return chunk_positions(self.local_len, self.rank, self.size, device)
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """`[local_len, local_len * size]` booleans: which gathered keys each local query sees. Built once per
+        sequence length and device (every layer of every step reuses it): `local_len * seq` bytes."""
+        assert self.local_len is not None
+        key = (self.local_len, str(device))
+        if key not in self._masks:
+            self._masks.clear()  # one length at a time: a new length replaces the old mask
+            self._masks[key] = causal_mask(self.positions(device), self.kv_positions(device))
+        return self._masks[key]
 
     def kv_positions(self, device: torch.device) -> torch.Tensor:
         """Global positions of the all-gathered keys (rank 0's tokens, then rank 1's, ...)."""
@@ -150,36 +161,39 @@ class _AttentionMode(TorchFunctionMode):
             )
         k = _gather(key.contiguous(), key.dim() - 2, rt.group)
         v = _gather(value.contiguous(), value.dim() - 2, rt.group)
-        q_pos = rt.positions(query.device) if is_causal else None
-        kv_pos = rt.kv_positions(query.device) if is_causal else None
-        return gathered_attention(
-            query, k, v, q_pos, kv_pos, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
-        )
+        mask = rt.causal_mask(query.device) if is_causal else None
+        return gathered_attention(query, k, v, mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+    """Which keys each query sees under a causal mask by global position: `[queries, keys]` booleans.
+
+    Example:
+        >>> causal_mask(torch.tensor([1, 2]), torch.tensor([0, 1, 2, 3])).int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 0]]
+    """
+    return kv_positions[None, :] <= q_positions[:, None]
 
 
 def gathered_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    q_positions: torch.Tensor | None,
-    kv_positions: torch.Tensor | None,
+    mask: torch.Tensor | None,
     *,
     dropout_p: float = 0.0,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """SDPA of this rank's queries over every rank's keys and values (gathered); causal by global position when
-    positions are given (a key is seen by the queries at or after its position), else full attention.
+    """SDPA of this rank's queries over every rank's keys and values (gathered), with `causal_mask(...)` (or None:
+    full attention).
 
     Example:
         >>> q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 16, 4)
-        >>> out = gathered_attention(q, k, k, chunk_positions(8, 0, 2), torch.cat([chunk_positions(8, r, 2) for r in (0, 1)]))
-        >>> out.shape
+        >>> kv = torch.cat([chunk_positions(8, r, 2) for r in (0, 1)])
+        >>> gathered_attention(q, k, k, causal_mask(chunk_positions(8, 0, 2), kv)).shape
         torch.Size([1, 2, 8, 4])
     """
-    mask = None
-    if q_positions is not None and kv_positions is not None:
-        mask = kv_positions[None, :] <= q_positions[:, None]
     kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
     return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
 

@@ -135,9 +135,7 @@ def destroy_process_group() -> None:
     _current = None
     for mesh in list(_live):
         mesh._mesh = None
-        mesh._data_group = None
-        mesh._grad_group = None
-        mesh._grad_mesh = None
+        mesh._flat.clear()
     _live.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
@@ -178,9 +176,7 @@ class Mesh:
         self._mesh: DeviceMesh | None = init_device_mesh(
             self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
         )
-        self._data_group: dist.ProcessGroup | None = None
-        self._grad_group: dist.ProcessGroup | None = None
-        self._grad_mesh: DeviceMesh | None = None
+        self._flat: dict[tuple[str, ...], DeviceMesh] = {}  # flattened sub-meshes over several axes
         _live.add(self)
         _current = self
 
@@ -309,22 +305,13 @@ class Mesh:
     @property
     def data_rank(self) -> int:
         """Which shard of the global batch this process reads (0 <= data_rank < data_size)."""
-        index = 0
-        for n in self.data_axes:
-            index = index * self._shape[n] + self.axis_rank(n)
-        return index
+        return self._index(self.data_axes)
 
     def data_group(self) -> dist.ProcessGroup | None:
         """The process group over all data axes (the processes that hold replicas of one model shard and
         read different data), or None when the mesh has no data axis. Collective on first use."""
         axes = self.data_axes
-        if not axes:
-            return None
-        if len(axes) == 1:
-            return self.group(axes[0])
-        if self._data_group is None:
-            self._data_group = self.submesh(*axes)._flatten().get_group()
-        return self._data_group
+        return self._flattened(axes).get_group() if axes else None
 
     # ---- gradient reduction (data axes + context parallel) -----------------------------------------------------
     @property
@@ -340,31 +327,33 @@ class Mesh:
     @property
     def grad_rank(self) -> int:
         """This process's index among the `grad_size` processes (its random stream differs from theirs)."""
-        index = 0
-        for n in self.grad_axes:
-            index = index * self._shape[n] + self.axis_rank(n)
-        return index
+        return self._index(self.grad_axes)
 
     def grad_mesh(self) -> DeviceMesh | None:
         """The 1-D `DeviceMesh` over the gradient axes (flattened when there are several; FSDP shards over it),
         or None when the mesh has none. Collective on first use."""
         axes = self.grad_axes
-        if not axes:
-            return None
-        if len(axes) == 1:
-            return self.submesh(axes[0])
-        if self._grad_mesh is None:
-            self._grad_mesh = self.submesh(*axes)._flatten("_".join(axes))
-        return self._grad_mesh
+        return self._flattened(axes) if axes else None
 
     def grad_group(self) -> dist.ProcessGroup | None:
-        """The process group over the gradient axes: the data group, with the `cp` axis when there is one."""
-        if "cp" not in self._shape or self._shape["cp"] == 1:
-            return self.data_group()
-        if self._grad_group is None:
-            mesh = self.grad_mesh()
-            self._grad_group = mesh.get_group() if mesh is not None else None
-        return self._grad_group
+        """The process group over the gradient axes: the data axes and `cp`. Collective on first use."""
+        mesh = self.grad_mesh()
+        return mesh.get_group() if mesh is not None else None
+
+    def _index(self, axes: tuple[str, ...]) -> int:
+        """This process's coordinate over `axes`, as one index (the first axis outermost)."""
+        index = 0
+        for n in axes:
+            index = index * self._shape[n] + self.axis_rank(n)
+        return index
+
+    def _flattened(self, axes: tuple[str, ...]) -> DeviceMesh:
+        """The 1-D `DeviceMesh` over `axes` (one axis: its own; several: flattened once, then kept)."""
+        if len(axes) == 1:
+            return self.submesh(axes[0])
+        if axes not in self._flat:
+            self._flat[axes] = self.submesh(*axes)._flatten("_".join(axes))
+        return self._flat[axes]
 
     def _check_axis(self, name: str) -> str:
         if name not in self._shape:

@@ -50,3 +50,18 @@ def run_workers(
 
 def output_of(proc: subprocess.CompletedProcess[str]) -> str:
     return f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def expect_ok(proc: subprocess.CompletedProcess[str], configs: list[str], ranks: int) -> None:
+    """A worker run of `model[:option...]` configs succeeded: every rank printed `rank R: OK model [options]`
+    for each (`save=...` options left out), and `OK errors` for an `errors` config."""
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for c in configs:
+        kind, *options = c.split(":")
+        if kind == "errors":
+            assert proc.stdout.count("OK errors") == ranks, out
+            continue
+        options = sorted(o for o in options if not o.startswith("save="))
+        for r in range(ranks):
+            assert f"rank {r}: OK {kind} {options}" in proc.stdout, out

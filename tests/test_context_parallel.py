@@ -14,27 +14,14 @@ from accelfn.transforms.shard.context_parallel import (
     gathered_attention,
     split_sequence,
 )
-from tests._launch import output_of, run_workers
-
-
-def _expect_ok(proc, configs, ranks):
-    out = output_of(proc)
-    assert proc.returncode == 0, out
-    for c in configs:
-        kind, *options = c.split(":")
-        if kind == "errors":
-            assert proc.stdout.count("OK errors") == ranks, out
-            continue
-        options = sorted(o for o in options if not o.startswith("save="))
-        for r in range(ranks):
-            assert f"rank {r}: OK {kind} {options}" in proc.stdout, out
+from tests._launch import expect_ok, run_workers
 
 
 @pytest.mark.slow
 def test_cp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "own", "bidir", "llama:eager", "llama:accumulate", "llama:remat",
                "llama:compile", "llama:lora", "errors"]  # fmt: skip
-    _expect_ok(run_workers("cp_worker.py", 2, "cp=2", *configs, timeout=600), configs, 2)
+    expect_ok(run_workers("cp_worker.py", 2, "cp=2", *configs, timeout=600), configs, 2)
 
 
 @pytest.mark.slow
@@ -43,7 +30,7 @@ def test_dp2_x_cp2_on_four_processes_equals_one_process(tmp_path):
                f"llama:fsdp:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,cp=2
     proc = run_workers("cp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,cp=2"))
-    _expect_ok(proc, configs, 4)
+    expect_ok(proc, configs, 4)
     # the fsdp-over-dp x cp state loads on one process, equal to the one-process run's
     from tests.workers.cp_worker import make_model
 
@@ -59,7 +46,7 @@ def test_dp2_x_cp2_on_four_processes_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_cp4_on_four_processes_equals_one_process():
     configs = ["llama", "llama:fsdp:accumulate", "own", "errors"]
-    _expect_ok(run_workers("cp_worker.py", 4, "cp=4", *configs, timeout=600), configs, 4)
+    expect_ok(run_workers("cp_worker.py", 4, "cp=4", *configs, timeout=600), configs, 4)
 
 
 # ---- the pieces (one process) -----------------------------------------------------------------------------------

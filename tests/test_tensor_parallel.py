@@ -9,17 +9,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn.transforms.shard.tensor_parallel import expand_plan, model_tp_plan
-from tests._launch import output_of, run_workers
-
-
-def _expect_ok(proc, configs, ranks):
-    out = output_of(proc)
-    assert proc.returncode == 0, out
-    for c in configs:
-        kind, *options = c.split(":")
-        options = sorted(o for o in options if not o.startswith("save="))
-        for r in range(ranks):
-            assert f"rank {r}: OK {kind} {options}" in proc.stdout, out
+from tests._launch import expect_ok, output_of, run_workers
 
 
 @pytest.mark.slow
@@ -28,7 +18,7 @@ def test_tp2_alone_equals_one_process():
                "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate", "llama:seqparallel",
                "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
-    _expect_ok(proc, configs, 2)
+    expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
 
 
@@ -39,7 +29,7 @@ def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
                f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
-    _expect_ok(proc, configs, 4)
+    expect_ok(proc, configs, 4)
     assert proc.stdout.count("OK cp refused") == 4, output_of(proc)
     # the dp2 x tp2 state loads on one process, in the Hugging Face layout transformers reads
     from transformers import AutoModelForCausalLM
@@ -59,7 +49,7 @@ def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_hsdp_x_tp_on_eight_processes_equals_one_process():
     configs = ["llama:hsdp", "mlp:hsdp:accumulate"]  # dp=2 replicas x fsdp=2 shards x tp=2 splits
-    _expect_ok(run_workers("tp_worker.py", 8, "dp=2,fsdp=2,tp=2", *configs, timeout=600), configs, 8)
+    expect_ok(run_workers("tp_worker.py", 8, "dp=2,fsdp=2,tp=2", *configs, timeout=600), configs, 8)
 
 
 @pytest.mark.slow

@@ -167,12 +167,13 @@ def shard(
     if not mesh.grad_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}")
     if cp > 1:
-        why = (
-            "tensor parallel (tp={tp}) is not combined with it in this version" if tp > 1
-            else "DeepSpeed splits no sequence" if backend == "deepspeed"
-            else "HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)"
-            if strategy == "hsdp" else ""
-        ).format(tp=tp)
+        why = ""
+        if tp > 1:
+            why = f"tensor parallel (tp={tp}) is not combined with it in this version"
+        elif backend == "deepspeed":
+            why = "DeepSpeed splits no sequence"
+        elif strategy == "hsdp":
+            why = "HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)"
         if why:
             raise ValueError(f"shard: context parallel (cp={cp} in mesh {mesh.shape}): {why}")
     if sequence_parallel and tp == 1:

@@ -91,7 +91,6 @@ class _Runtime:
     group: dist.ProcessGroup
     local_len: int | None = None
     calls: int = 0
-    _kv_positions: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
     _masks: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
 
     def positions(self, device: torch.device) -> torch.Tensor:
@@ -105,18 +104,10 @@ class _Runtime:
         key = (self.local_len, str(device))
         if key not in self._masks:
             self._masks.clear()  # one length at a time: a new length replaces the old mask
-            self._masks[key] = causal_mask(self.positions(device), self.kv_positions(device))
+            # the gathered keys: rank 0's tokens, then rank 1's, ...
+            keys = torch.cat([chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)])
+            self._masks[key] = causal_mask(self.positions(device), keys)
         return self._masks[key]
-
-    def kv_positions(self, device: torch.device) -> torch.Tensor:
-        """Global positions of the all-gathered keys (rank 0's tokens, then rank 1's, ...)."""
-        assert self.local_len is not None
-        key = (self.local_len, str(device))
-        if key not in self._kv_positions:
-            self._kv_positions[key] = torch.cat(
-                [chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)]
-            )
-        return self._kv_positions[key]
 
 
 class _AttentionMode(TorchFunctionMode):

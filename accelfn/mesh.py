@@ -169,8 +169,13 @@ class Mesh:
             self._platform = platforms.detect()
         else:
             self._platform = platforms.get(device)
-        init_process_group(self._platform)
-        self._shape = _resolve(dict(shape), dist.get_world_size())
+        started = init_process_group(self._platform)
+        try:
+            self._shape = _resolve(dict(shape), dist.get_world_size())
+        except ValueError:
+            if started:  # a refused shape leaves no process group behind (a later Mesh would find it running)
+                destroy_process_group()
+            raise
         self._local_rank = _env_int("LOCAL_RANK", 0)
         self._device = self._platform.device(self._local_rank)
         self._mesh: DeviceMesh | None = init_device_mesh(

@@ -105,3 +105,9 @@ def test_four_processes_with_a_2x2_mesh_from_accelfn_mesh() -> None:
         assert f"rank {r}: mesh checks passed" in proc.stdout, out
         assert f"rank {r} shape error: mesh shape {{'dp': 3, 'tp': 3}} multiplies to 9 but the world has 4" in proc.stdout
         assert f"rank {r} axis error: this mesh has no axis 'fsdp'; its axes are ('dp', 'tp')" in proc.stdout
+
+
+def test_a_refused_shape_leaves_no_process_group_running() -> None:
+    with pytest.raises(ValueError, match="multiplies to 4 but the world has 1"):
+        af.Mesh({"dp": 2, "tp": 2}, device="cpu")
+    assert not dist.is_initialized()

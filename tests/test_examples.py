@@ -27,10 +27,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_example(script: str, *args: str, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run examples/<script>: on `nproc` launched CPU processes, or (nproc=0) as a plain `python` process."""
+def run_example(
+    script: str, *args: str, nproc: int = 0, timeout: float = 240, launch_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run examples/<script>: on `nproc` launched CPU processes (with `accelfn launch` options `launch_args`),
+    or (nproc=0) as a plain `python` process."""
     path = EXAMPLES / script
-    cmd = launch_command(path, nproc, args) if nproc else [sys.executable, str(path), *args]
+    cmd = launch_command(path, nproc, args, launch_args) if nproc else [sys.executable, str(path), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
 
 
@@ -93,3 +96,11 @@ def test_distributed_inference_gathers_what_one_process_computes():
     proc = run_example("distributed_inference.py", nproc=2)
     _passes(proc, "gathered answers equal a single-process run")
     assert "9 completions from 2 process(es)" in proc.stdout, output_of(proc)
+
+
+@pytest.mark.parametrize("mesh", ["cp=2", "tp=2"])
+def test_long_context_loss_falls_with_the_sequence_or_the_layers_split(mesh):
+    proc = run_example("long_context.py", nproc=2, launch_args=("--mesh", mesh))
+    _passes(proc, "loss falls")
+    kind = "context parallel over cp=2" if mesh == "cp=2" else "tensor parallel tp=2"
+    assert kind in proc.stdout, output_of(proc)

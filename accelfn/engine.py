@@ -78,6 +78,9 @@ class Updater(Protocol):
         extra: dict[str, Any],
     ) -> tuple[Any, dict[str, Any]]: ...
 
+    # Optional: `overlapped(tx, state) -> context manager`, entered around the whole step (the delayed update of
+    # `af.offload` runs during the forward and backward; it completes into `state` if the step fails or skips).
+
 
 @attrs.frozen
 class LossScaleConfig:
@@ -214,7 +217,14 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
     with exclusive(plan):
         if plan.train_override is not None:  # a backend that owns the whole step (DeepSpeed)
             return plan.train_override(plan, state, batch)
-        return _train(plan, state, batch)
+        if not plan.donate:
+            state = _tree.map(_clone, state)
+        overlapped = getattr(plan.updater, "overlapped", None)
+        if overlapped is None:
+            return _train(plan, state, batch)
+        assert plan.optimizer is not None
+        with overlapped(plan.optimizer, state):  # an update running during this step's forward and backward
+            return _train(plan, state, batch)
 
 
 def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
@@ -226,8 +236,6 @@ def _train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[
             f"{plan.opt_state_type.__name__}: pass the state returned by this step's init() or its last call "
             "(not one from another step, e.g. an eval_step)"
         )
-    if not plan.donate:
-        state = _tree.map(_clone, state)
     if plan.batch_transform is not None:
         batch = plan.batch_transform(batch)
     batch = place_batch(batch, plan.input_device)

@@ -200,3 +200,25 @@ def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
             mask = causal_mask(chunk_positions(1024 // size, r, size, q.device), kv_pos)
             got = gathered_attention(split_sequence(q, r, size, dim=2), gk, gv, mask, enable_gqa=True)
             torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("keep_master", [False, True], ids=["mirror", "host-master"])
+def test_delayed_offload_on_cuda_equals_the_plain_delayed_loop(keep_master):
+    # The delayed host update on a GPU: pinned pending gradients, the host thread waiting on a CUDA event for
+    # the copies it reads; against torch.optim.AdamW on the CPU applying the gradients one step late.
+    from tests.test_offload_delayed import BATCHES, delayed_reference
+    from tests.test_transforms import token_loss, token_model
+
+    ref_params, ref_losses = delayed_reference(BATCHES, start=1, clip=0.5)
+    base = af.train_step(token_loss, af.optim.adamw(1e-2), clip_grad_norm=0.5)
+    step = af.offload(base, params=keep_master, delayed_update_from=1)
+    state = step.init(token_model().cuda())
+    losses = []
+    for b in BATCHES:
+        state, m = step(state, af.tree.map(lambda t: t.cuda(), b))
+        losses.append(m["loss"].item())
+    pending = state.extra["offload_pending"]["grads"]
+    assert all(g.device.type == "cpu" and g.is_pinned() for g in pending.values())
+    assert all(p.device.type == "cuda" for p in state.params.values())
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert max((state.params[k].cpu() - ref_params[k]).abs().max().item() for k in ref_params) <= 1e-5

@@ -374,7 +374,7 @@ def test_offload_keeps_optimizer_state_in_host_memory_with_identical_results():
 def test_offload_host_update_uses_this_processs_share_of_the_cores(monkeypatch):
     # `accelfn launch` sets OMP_NUM_THREADS=1 for N processes per node; the host update (memory-bound CPU Adam)
     # runs on cores / LOCAL_WORLD_SIZE threads, and the process's own setting is restored after it
-    off = importlib.import_module("accelfn.transforms.offload")
+    off = importlib.import_module("accelfn.transforms.host_update")
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert off.share_of_cores() == cores
@@ -406,7 +406,7 @@ def _streaming(step, model):
 def test_offload_streaming_update_equals_the_plain_step(keep_master, monkeypatch):
     # On a GPU the update runs on host copies and the new params are copied back; force that path on the
     # CPU and check it against the plain step, and that it really updated copies, not the params in place.
-    off = importlib.import_module("accelfn.transforms.offload")  # the module (its package re-exports `offload`)
+    off = importlib.import_module("accelfn.transforms.host_update")
     batches = [token_batch(seed=s) for s in range(4)]
     plain, plain_losses = run(af.train_step(token_loss, af.optim.adamw(1e-2)), token_model(), batches)
     step = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)), params=keep_master)

@@ -29,7 +29,17 @@ from .module import bind, partition
 from .profile import profile
 from .state import TrainState
 from .step import Step, eval_step, train_step
-from .transforms import LossScaleConfig, accumulate, autocast, autocast_fp8, compile, offload, remat, shard
+from .transforms import (
+    LossScaleConfig,
+    accumulate,
+    apply_pending_update,
+    autocast,
+    autocast_fp8,
+    compile,
+    offload,
+    remat,
+    shard,
+)
 
 __version__ = "0.1.0"
 _install_rich_tracebacks()  # only with ACCELFN_RICH=1
@@ -58,6 +68,7 @@ __all__ = [
     "autocast_fp8",
     "compile",
     "offload",
+    "apply_pending_update",
     "remat",
     "shard",
     "LossScaleConfig",

@@ -214,11 +214,31 @@ def test_delayed_offload_on_cuda_equals_the_plain_delayed_loop(keep_master):
     step = af.offload(base, params=keep_master, delayed_update_from=1)
     state = step.init(token_model().cuda())
     losses = []
-    for b in BATCHES:
-        state, m = step(state, af.tree.map(lambda t: t.cuda(), b))
-        losses.append(m["loss"].item())
+    for b in BATCHES:  # no .item() per step: the host must not wait for the device between steps
+        state, m = step(state, af.tree.map(lambda t: t.cuda(non_blocking=True), b))
+        losses.append(m["loss"])
+    losses = [x.item() for x in losses]
     pending = state.extra["offload_pending"]["grads"]
     assert all(g.device.type == "cpu" and g.is_pinned() for g in pending.values())
     assert all(p.device.type == "cuda" for p in state.params.values())
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     assert max((state.params[k].cpu() - ref_params[k]).abs().max().item() for k in ref_params) <= 1e-5
+
+
+
+def test_a_checkpoint_of_a_delayed_offload_state_waits_for_the_pending_gradient_copies(tmp_path):
+    # The last step's gradients are still being copied into pinned host buffers when the step returns; a save
+    # (also an async one, which stages host tensors at once) must wait for the device before reading them.
+    from tests.test_offload_delayed import BATCHES
+    from tests.test_transforms import token_loss, token_model
+
+    step = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)), delayed_update_from=0)
+    state = step.init(token_model().cuda())
+    for b in BATCHES[:3]:
+        state, _ = step(state, af.tree.map(lambda t: t.cuda(non_blocking=True), b))
+    af.checkpoint.save(tmp_path / "async", state, async_save=True)
+    af.checkpoint.wait()
+    torch.cuda.synchronize()
+    expected = {k: g.clone() for k, g in state.extra["offload_pending"]["grads"].items()}
+    loaded = af.checkpoint.load(tmp_path / "async", like=af.tree.map(torch.zeros_like, state))
+    assert all(torch.equal(loaded.extra["offload_pending"]["grads"][k], g) for k, g in expected.items())

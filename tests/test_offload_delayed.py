@@ -22,17 +22,18 @@ def delayed_reference(batches, start, clip=None):
     params = list(model.parameters())
     pending, losses = None, []
     for t, b in enumerate(batches):
-        loss = nn.functional.cross_entropy(
-            model(b["x"]).reshape(-1, 5), b["y"].reshape(-1), ignore_index=-100
-        )
-        loss.backward()
-        losses.append(loss.item())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        grads = [p.grad.clone() for p in params]
-        apply = grads if t < start else pending
-        if t >= start:
-            pending = grads
+        if b is None:  # no new step: apply what is pending (af.apply_pending_update)
+            apply, pending = pending, None
+        else:
+            loss = nn.functional.cross_entropy(model(b["x"]).reshape(-1, 5), b["y"].reshape(-1), ignore_index=-100)
+            loss.backward()
+            losses.append(loss.item())
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            grads = [p.grad.clone() for p in params]
+            apply = grads if t < start else pending
+            if t >= start:
+                pending = grads
         if apply is not None:
             for p, g in zip(params, apply):
                 p.grad = g
@@ -194,3 +195,99 @@ def test_delayed_update_under_ddp_on_two_ranks_equals_the_plain_loop_on_the_glob
     proc = run_workers("offload_delayed_worker.py", 2, timeout=300)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("OK delayed offload under ddp") == 2, output_of(proc)
+
+
+def test_without_donation_a_state_replays_to_the_same_result():
+    # donate=False: each call works on a copy, so a later step must not overwrite the pending gradients of a
+    # state still held (they were the updater's own buffers once)
+    base = af.train_step(token_loss, af.optim.adamw(1e-2), donate=False)
+    step = af.offload(base, delayed_update_from=0)
+    s1, _ = step(step.init(token_model()), BATCHES[0])
+    held = af.tree.map(torch.clone, s1.extra["offload_pending"])
+    s2, _ = step(s1, BATCHES[1])
+    step(s2, BATCHES[2])
+    assert max_diff(s1.extra["offload_pending"]["grads"], held["grads"]) == 0.0
+    again, _ = step(s1, BATCHES[1])
+    assert max_diff(again.params, s2.params) == 0.0
+
+
+def test_a_step_failing_after_its_update_leaves_a_state_that_retries_exactly():
+    # An error after the pending update was joined (here an after-update hook; also Ctrl-C, a metrics
+    # reduction): the state given holds that update committed (moments, count, params) and nothing pending.
+    step = delayed_step(start=0)
+    state = step.init(token_model())
+    for b in BATCHES[:3]:
+        state, _ = step(state, b)
+
+    def interrupted(module):
+        raise KeyboardInterrupt
+
+    step.plan.after_update.append(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(state, BATCHES[3])
+    step.plan.after_update.remove(interrupted)
+    assert int(state.opt_state.count) == 3 and int(state.extra["offload_pending"]["full"]) == 0
+    state, _ = step(state, BATCHES[3])
+    uninterrupted = delayed_step(start=0)
+    other = uninterrupted.init(token_model())
+    for b in BATCHES[:4]:
+        other, _ = uninterrupted(other, b)
+    assert max_diff(state.params, other.params) == 0.0 and int(state.opt_state.count) == 3
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_a_checkpoint_loaded_into_the_live_state_replaces_the_host_mirror(tmp_path, delayed):
+    # Rolling back with load(path, like=state) writes the files straight into the params' memory; the host
+    # mirror of the params must notice (version counters) or the next update would run on the newer params.
+    def make():
+        return af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)), delayed_update_from=1 if delayed else None)
+
+    step = make()
+    state = step.init(token_model())
+    step.plan.updater.always_stream = True  # the GPU's data path (the delayed update always takes it)
+    for b in BATCHES[:4]:
+        state, _ = step(state, b)
+    af.checkpoint.save(tmp_path / "c", state)
+    for b in BATCHES[4:]:
+        state, _ = step(state, b)
+    reference = af.tree.map(torch.clone, state.params)
+    state = af.checkpoint.load(tmp_path / "c", like=state)
+    for b in BATCHES[4:]:
+        state, _ = step(state, b)
+    assert max_diff(state.params, reference) == 0.0
+
+
+def test_bf16_params_on_the_host_take_the_fp32_host_update():
+    # bf16 params with the (fp32) offloaded state on a CPU-only machine: the update runs on an fp32 copy, as on a
+    # GPU, not in place on the bf16 params (which failed: "expected scalar type BFloat16 but found Float")
+    def loss_fn(model, batch):
+        return af.losses.cross_entropy(model(batch["x"].bfloat16()).float(), batch["y"])
+
+    results = []
+    for stream in (False, True):
+        for start in (None, 1):
+            step = af.offload(af.train_step(loss_fn, af.optim.adamw(1e-2)), delayed_update_from=start)
+            state = step.init(token_model().bfloat16())
+            step.plan.updater.always_stream = stream
+            for b in BATCHES[:3]:
+                state, _ = step(state, b)
+            results.append(state.params)
+    exact, delayed, exact_streamed, delayed_streamed = results
+    assert max_diff(exact, exact_streamed) == 0.0 and max_diff(delayed, delayed_streamed) == 0.0
+    assert max_diff(exact, delayed) > 0
+
+
+def test_apply_pending_update_applies_the_last_steps_gradients():
+    ref_params, _ = delayed_reference([*BATCHES, None], start=1)  # None: one more step that only applies
+    step = delayed_step(start=1)
+    state = step.init(token_model())
+    for b in BATCHES:
+        state, _ = step(state, b)
+    state = af.apply_pending_update(step, state)
+    assert int(state.extra["offload_pending"]["full"]) == 0
+    assert max_diff(state.params, ref_params) <= 1e-6
+    again = af.apply_pending_update(step, state)  # nothing pending: unchanged
+    assert max_diff(again.params, ref_params) <= 1e-6
+    exact = af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)))
+    exact_state = exact.init(token_model())
+    assert af.apply_pending_update(exact, exact_state) is exact_state

@@ -207,6 +207,10 @@ def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainS
         del tensors
     for t in targets.values():
         t.check_complete(folder)
+    # files read straight into a tensor's memory bypass torch: count it as an in-place change, so that what
+    # watches version counters (af.offload's host mirror of the params) sees the loaded values
+    with torch.inference_mode(False):
+        torch.autograd.graph.increment_version([t.local for t in targets.values() if not t.local.is_inference()])
 
     for p, v in leaves:
         e = saved[p]

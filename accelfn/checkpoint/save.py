@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState
 from . import adapters, async_, atomic, io
@@ -245,6 +246,7 @@ def save(
             raise TypeError(f"save(): loader.state_dict() must return JSON-able data ({e})") from None
     final = Path(path).absolute()
     atomic.check_replaceable(final, (STATE_FILE,))
+    _finish_device_work(state)
     comm = Comm()
     plan = _Plan(state, comm, size, snapshot=async_save)
     token = comm.broadcast_str(uuid.uuid4().hex[:12])
@@ -258,6 +260,22 @@ def save(
         _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
         return SaveHandle(str(final))
     return async_.start(lambda: _write_or_clean(plan, comm, tmp, final, loader_state, keep_last), str(final))
+
+
+def _finish_device_work(state: TrainState) -> None:
+    """Let the devices finish their queued work before the state is read: host tensors may still be the target
+    of asynchronous device-to-host copies (pinned buffers, e.g. af.offload's pending gradients)."""
+    from .. import platforms
+
+    tensors = [t for t in _tree.leaves(state) if isinstance(t, torch.Tensor)]
+    devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
+    for device in devices:
+        try:
+            platforms.for_device(device).synchronize(device)
+        except ValueError:  # a kind accelfn has no adapter for
+            torch.accelerator.synchronize(device)
+    if not devices and any(t.device.type == "cpu" and not is_dtensor(t) and t.is_pinned() for t in tensors):
+        torch.accelerator.synchronize()  # pinned host tensors only: the copies come from the current accelerator
 
 
 def checkpoints(root: str | os.PathLike[str]) -> list[Path]:

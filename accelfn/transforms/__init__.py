@@ -4,8 +4,8 @@ from .accumulate import accumulate
 from .autocast import LossScaleConfig, autocast
 from .compile import compile
 from .fp8 import autocast_fp8
-from .offload import offload
+from .offload import apply_pending_update, offload
 from .remat import remat
 from .shard import shard
 
-__all__ = ["accumulate", "autocast", "autocast_fp8", "compile", "offload", "remat", "shard", "LossScaleConfig"]
+__all__ = ["apply_pending_update", "accumulate", "autocast", "autocast_fp8", "compile", "offload", "remat", "shard", "LossScaleConfig"]

@@ -88,7 +88,8 @@ class HostUpdater:
         extra: dict[str, Any],
     ) -> tuple[Any, dict[str, Any]]:
         device = next(iter(params.values())).device
-        if device.type == "cpu" and not self.always_stream and not self.keep_master:
+        fp32 = all(p.dtype == torch.float32 for p in params.values())  # the host state is fp32
+        if device.type == "cpu" and fp32 and not self.always_stream and not self.keep_master:
             return apply_gradients(tx, grads, opt_state, params), extra
         with torch.no_grad():
             host_grads = self._grads_to_host(grads)
@@ -170,11 +171,14 @@ class DelayedHostUpdater(HostUpdater):
     gradients of step t-1 (kept in `state.extra["offload_pending"]`, so that a checkpoint resumes exactly); after
     the backward the thread is joined, its params are copied to the device and step t's gradients become the
     pending ones. The gradients are one step stale; steps before `start` update exactly as `HostUpdater`. The host
-    thread waits only for the device work it reads (an event recorded after the copies), not for the whole stream.
+    thread does not synchronise the device: it waits on an event recorded after the previous step's copies
+    (the gradients it reads, the params it overwrites), while the device runs the new step's forward.
 
     `overlapped(tx, state)` is entered around the whole step by the engine: it starts the pending update, and if
     the step fails or skips its update (fp16 overflow) it completes that update into `state` in place, so the
-    state stays valid: the params, optimizer state and (now empty) pending gradients agree.
+    state stays valid: the params, optimizer state and (now empty) pending gradients agree. The joined update is
+    committed into the state passed in as soon as it is joined, and the new pending gradients are written into
+    that state's buffers (a state cloned by `donate=False` keeps its own).
     """
 
     start: int = 0
@@ -219,7 +223,7 @@ class DelayedHostUpdater(HostUpdater):
         with torch.no_grad():
             host_params, refreshed = self._host_params(params, state.extra)
         device = next(iter(params.values())).device
-        if refreshed and device.type != "cpu":  # rare (a first step, a loaded state): wait for the mirror
+        if refreshed and device.type != "cpu":  # a first step, a loaded state, donate=False: wait for the mirror
             _synchronize(device)
         copied, grads, opt_state = self._copied, pending["grads"], state.opt_state
 
@@ -245,16 +249,26 @@ class DelayedHostUpdater(HostUpdater):
         self._upload(job.params, job.host_params)
         return new_state
 
+    def _commit(self, opt_state: Any, extra: dict[str, Any]) -> None:
+        """Join the pending update and commit it into the state it started from, in place: the optimizer state's
+        leaves take the new values and nothing is pending any more, so that state is valid whatever happens next."""
+        new_state = self._join()
+        with torch.no_grad():
+            for old, new in zip(_tree.leaves(opt_state), _tree.leaves(new_state), strict=True):
+                if old is not new:
+                    old.copy_(new)
+            extra[PENDING_KEY]["full"].zero_()
+
     def _settle(self, state: TrainState) -> None:
         if self._job is None:  # the step joined it
             return
-        new_state = self._join()  # the step failed or skipped its update: complete the pending one in place
-        with torch.no_grad():
-            for old, new in zip(_tree.leaves(state.opt_state), _tree.leaves(new_state), strict=True):
-                if old is not new:
-                    old.copy_(new)
-            state.extra[PENDING_KEY]["full"].zero_()
+        self._commit(state.opt_state, state.extra)  # the step failed or skipped its update
         self._copied = _record(next(iter(state.params.values())).device)
+
+    def flush(self, tx: GradientTransformation, state: TrainState) -> None:
+        """Apply the pending gradients of `state` now, in place (nothing is pending after)."""
+        self._begin(tx, state)
+        self._settle(state)
 
     def __call__(
         self,
@@ -265,14 +279,17 @@ class DelayedHostUpdater(HostUpdater):
         extra: dict[str, Any],
     ) -> tuple[Any, dict[str, Any]]:
         if self._job is not None:
-            opt_state = self._join()
+            self._commit(opt_state, extra)
         device = next(iter(params.values())).device
+        buffers = extra[PENDING_KEY]["grads"]
         if not self._delaying:
             opt_state, extra = super().__call__(tx, grads, opt_state, params, extra)
-            pending = {"full": torch.zeros((), dtype=torch.int64), "grads": extra[PENDING_KEY]["grads"]}
+            pending = {"full": torch.zeros((), dtype=torch.int64), "grads": buffers}
         else:
             with torch.no_grad():
-                pending = {"full": torch.ones((), dtype=torch.int64), "grads": self._grads_to_host(grads)}
+                for k, g in grads.items():
+                    buffers[k].copy_(g.detach(), non_blocking=True)
+            pending = {"full": torch.ones((), dtype=torch.int64), "grads": buffers}
         self._copied = _record(device)
         return opt_state, {**extra, PENDING_KEY: pending}
 

@@ -25,6 +25,7 @@ import torch
 
 from .. import tree as _tree
 from .._typecheck import checked
+from ..state import TrainState
 from ..step import Step
 from ._base import TransformBase, conflict, find
 from .host_update import (
@@ -40,9 +41,8 @@ from .host_update import (
 if TYPE_CHECKING:
     from ..engine import Plan
     from ..lowering import Transform
-    from ..state import TrainState
 
-__all__ = ["offload", "to_host", "share_of_cores", "host_threads"]
+__all__ = ["offload", "apply_pending_update", "to_host", "share_of_cores", "host_threads"]
 
 
 @attrs.frozen
@@ -144,3 +144,30 @@ def offload(
             f"offload: delayed_update_from must be a step number >= 0, got {delayed_update_from}"
         )
     return step.with_transform(Offload(optimizer_state, params, delayed_update_from))
+
+
+@checked
+def apply_pending_update(step: Step, state: TrainState) -> TrainState:
+    """Apply the gradients a delayed `af.offload(..., delayed_update_from=N)` step left pending in `state`.
+
+    The last step of a run with a delayed update leaves its gradients pending (the next step would apply them):
+    call this before evaluating, exporting or publishing the final weights. The state is updated in place and
+    returned; a state with nothing pending, or a step without a delayed update, is returned unchanged. A
+    checkpoint does not need it: the pending gradients are saved with the state and applied after resuming.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> step = af.offload(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), delayed_update_from=0)
+        >>> state, _ = step(step.init(torch.nn.Linear(2, 1)), torch.ones(1, 2))
+        >>> before = state.params["bias"].item()
+        >>> state = af.apply_pending_update(step, state)
+        >>> round(before - state.params["bias"].item(), 6), int(state.extra["offload_pending"]["full"])
+        (0.1, 0)
+    """
+    updater = step.plan.updater
+    if not isinstance(updater, DelayedHostUpdater):
+        return state
+    assert step.plan.optimizer is not None
+    with torch.no_grad():
+        updater.flush(step.plan.optimizer, state)
+    return state

@@ -52,6 +52,7 @@ class MeshAxisError(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 _atexit_registered = False
+_control: Any = None  # the gloo group of `control_group()`
 
 
 def parse_axes(text: str) -> dict[str, int]:
@@ -125,14 +126,25 @@ def init_process_group(platform: Platform) -> bool:
     return True
 
 
+def control_group() -> Any:
+    """A gloo group over every rank for host-side coordination (checkpoint saves: they may run in a background
+    thread, apart from the training's collectives). Made with the first `Mesh` of a launched job, because making a
+    group needs every rank: a save called on one rank only then fails with a clear error instead of hanging."""
+    global _control
+    if _control is None:
+        _control = dist.new_group(backend="gloo")
+    return _control
+
+
 def destroy_process_group() -> None:
     """Tear down the default process group if one is running (a process that exits without it may abort).
 
     Every open `Mesh` is closed too: a `DeviceMesh` still referring to the group after it is destroyed keeps
     gloo's threads alive until interpreter exit, where they abort the process (seen in 3 of 6 runs).
     """
-    global _current
+    global _current, _control
     _current = None
+    _control = None
     for mesh in list(_live):
         mesh._mesh = None
         mesh._flat.clear()
@@ -182,6 +194,8 @@ class Mesh:
             self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
         )
         self._flat: dict[tuple[str, ...], DeviceMesh] = {}  # flattened sub-meshes over several axes
+        if dist.get_world_size() > 1:
+            control_group()
         _live.add(self)
         _current = self
 

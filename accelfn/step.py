@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,6 +129,8 @@ class Step:
             tune_host_allocator()  # training-size tensors stay in the heap between steps (see its docs)
         lower(plan, self.transforms)
         plan.finalize()
+        if self.kind == "train":
+            _warn_unused_precision_flag(self.transforms)
         self._plan = plan
         assert plan.slots is not None
         params, buffers = partition(plan.module)
@@ -156,10 +159,14 @@ class Step:
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes (state: af.TrainState, batch), got state of type {type(state).__name__}")
         plan = self.plan
-        check_batch(batch)
+        batch = check_batch(batch)  # a Mapping (BatchEncoding) becomes a dict
         if self.kind == "eval":
             return run_eval(plan, state, batch)
-        return run_train(plan, state, batch)
+        _check_not_donated(state)
+        out = run_train(plan, state, batch)
+        if plan.donate and out[0] is not state:
+            _mark_donated(state)
+        return out
 
     def __repr__(self) -> str:
         fn = getattr(self.fn, "__qualname__", repr(self.fn))
@@ -174,6 +181,44 @@ class Step:
         if self._plan is not None and self._plan.notes:
             text += "  [" + "; ".join(self._plan.notes) + "]"
         return f"Step({text})"
+
+
+def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
+    """`accelfn launch --mixed-precision X` reaches a step through `af.autocast(step)` (dtype "auto") or
+    `af.autocast_fp8`; say so when a step has neither (Accelerate applies its flag to every forward)."""
+    import os
+    import warnings
+
+    wanted = os.environ.get("ACCELFN_MIXED_PRECISION", "no")
+    if wanted in ("", "no") or any(t.kind in ("autocast", "fp8") for t in transforms):
+        return
+    how = "af.autocast_fp8(step)" if wanted == "fp8" else "af.autocast(step) (its dtype 'auto' reads the flag)"
+    warnings.warn(
+        f"ACCELFN_MIXED_PRECISION={wanted} (accelfn launch --mixed-precision) has no effect on this step: it has no "
+        f"autocast combinator, so it computes in its params' dtype. Wrap it: {how}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
+_donated: dict[int, weakref.ref[TrainState]] = {}
+
+
+def _mark_donated(state: TrainState) -> None:
+    key = id(state)
+    _donated[key] = weakref.ref(state, lambda _: _donated.pop(key, None))
+
+
+def _check_not_donated(state: TrainState) -> None:
+    ref = _donated.get(id(state))
+    if ref is not None and ref() is state:
+        raise ValueError(
+            f"this state ({state!r}) was already passed to a training step, which donated it: the step updated "
+            "its tensors in place, so they hold the newer state, not this one. Pass the state that call returned; "
+            "to keep an earlier state (a retry, a best-so-far copy), clone it (`af.tree.map(torch.clone, state)`) "
+            "or use af.train_step(..., donate=False)"
+        )
 
 
 @checked

@@ -379,3 +379,12 @@ def test_a_world_of_one_mesh_is_one_shard_on_its_device() -> None:
         loader = DL(range(4), 2)
         assert loader.layout.data_size == 1 and loader.layout.device == mesh.device
         assert lists(loader) == [[0, 1], [2, 3]]
+
+
+def test_a_loader_made_before_the_mesh_of_a_launched_job_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a launched job the mesh (or a process group) tells the loader its shard; built before it, the loader
+    # used to read the whole dataset on every rank (2 ranks: each sample twice, metrics counted twice).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match="rank 1 of a launched job of 2 processes, but no af.Mesh exists yet"):
+        DL(torch.arange(16), batch_size=4)

@@ -104,3 +104,19 @@ def test_two_models_in_alternation_gan_equal_one_process(strategy):
     out = output_of(proc)
     assert proc.returncode == 0, out
     assert proc.stdout.count(f"OK gan {strategy}") == 2, out
+
+
+@pytest.mark.parametrize(
+    "axes,hint",
+    [({"dp": 1, "tpp": 2}, "Did you mean 'tp'?"), ({"dp": 1, "sp": 2}, "sequence_parallel=True"), ({"dpp": 2}, "'dp'")],
+)
+def test_an_axis_shard_does_not_split_over_is_refused(axes, hint):
+    # `--mesh dp=1,tpp=2` (a typo) or torchtitan's `sp`: the two ranks would train on the same data, doing the
+    # same work twice. The checks read only the mesh's shape: a mesh object with that shape stands in for the
+    # two-process job.
+    mesh = af.Mesh.__new__(af.Mesh)
+    mesh._shape = dict(axes)
+    step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="is not one af.shard splits over") as e:
+        af.shard(step, mesh)
+    assert hint in str(e.value) and repr(next(a for a in axes if axes[a] == 2)) in str(e.value)

@@ -501,3 +501,35 @@ def test_a_state_from_another_step_and_a_misfit_mask_fail_early_and_clearly():
 def test_a_dict_of_lists_is_a_clear_data_loader_error():
     with pytest.raises(TypeError, match=r"only when every value is a tensor.*'x': 'list'"):
         af.data.DataLoader({"x": [1, 2, 3], "y": torch.arange(3)}, batch_size=2)
+
+
+def test_a_donated_state_passed_again_is_an_error_naming_the_fix():
+    # The step updates the state it is given in place (donation, as jax.jit's donate_argnums): a second call with
+    # that state would apply a second update on top of the first and report a wrong step count (JAX raises too).
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2))
+    old = step.init(torch.nn.Linear(4, 2))
+    new, _ = step(old, torch.randn(8, 4))
+    with pytest.raises(ValueError, match="was already passed to a training step, which donated it"):
+        step(old, torch.randn(8, 4))
+    snapshot = af.tree.map(torch.clone, new)  # the documented way to keep a state
+    newer, _ = step(new, torch.randn(8, 4))
+    step(snapshot, torch.randn(8, 4))  # a clone is a state of its own
+    keep = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2), donate=False)
+    first = keep.init(torch.nn.Linear(4, 2))
+    a, _ = keep(first, torch.ones(8, 4))
+    b, _ = keep(first, torch.ones(8, 4))  # without donation the input stays valid
+    assert torch.equal(a.params["weight"], b.params["weight"])
+
+
+def test_a_launcher_precision_flag_without_autocast_warns(monkeypatch):
+    # `accelfn launch --mixed-precision bf16` sets ACCELFN_MIXED_PRECISION; a step without af.autocast would
+    # silently compute in fp32 (Accelerate applies its flag to every forward): say how to use it
+    monkeypatch.setenv("ACCELFN_MIXED_PRECISION", "bf16")
+    base = af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.1))
+    with pytest.warns(UserWarning, match=r"ACCELFN_MIXED_PRECISION=bf16 .* has no effect on this step.*af.autocast\(step\)"):
+        base.init(torch.nn.Linear(2, 2))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        af.autocast(base).init(torch.nn.Linear(2, 2))  # picks the flag up: no warning

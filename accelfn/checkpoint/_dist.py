@@ -6,10 +6,14 @@ Everything here is a no-op in a single process. Messages travel as JSON encoded 
 from __future__ import annotations
 
 import json
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..mesh import control_group
 
 __all__ = ["Comm", "is_dtensor", "region", "writes_piece", "is_sharded"]
 
@@ -62,18 +66,31 @@ class Comm:
     """Rank, world size and the collectives of a save, on a private gloo group (so a save in a background
     thread does not interleave with the training's collectives)."""
 
-    _group: Any = None
-
     def __init__(self) -> None:
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.active else 0
         self.world = dist.get_world_size() if self.active else 1
-        if self.active and Comm._group is None:
-            Comm._group = dist.new_group(backend="gloo")
+        self.group = control_group() if self.active else None
+
+    def roll_call(self, what: str) -> None:
+        """Check that every rank called `what` (a collective), within `ACCELFN_COLLECTIVE_TIMEOUT` seconds
+        (default 120): a call on some ranks only fails with an error naming them, instead of hanging."""
+        if not self.active:
+            return
+        seconds = float(os.environ.get("ACCELFN_COLLECTIVE_TIMEOUT", "120"))
+        try:
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{what} is collective: every rank must call it (the state lives on all of them, and rank 0 "
+                f"commits only when every rank has written), but rank {self.rank} waited {seconds:g} s "
+                f"(ACCELFN_COLLECTIVE_TIMEOUT) for the others: {e}. Call it on every rank, not under "
+                "`if mesh.is_main:`"
+            ) from None
 
     def barrier(self) -> None:
         if self.active:
-            dist.barrier(group=Comm._group)
+            dist.barrier(group=self.group)
 
     def broadcast_str(self, text: str) -> str:
         """Rank 0's `text` on every rank."""
@@ -88,10 +105,10 @@ class Comm:
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=Comm._group)
+        dist.all_gather(sizes, size, group=self.group)
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
         bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(bufs, padded, group=Comm._group)
+        dist.all_gather(bufs, padded, group=self.group)
         return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import os
 
 import attrs
 import torch
@@ -32,13 +33,21 @@ class DataLayout:
     @staticmethod
     def resolve(mesh: Mesh | None) -> DataLayout:
         """The layout of `mesh`; with None, of `af.Mesh.current()`, else of the running process group
-        (one shard per process), else of a single process."""
+        (one shard per process), else of a single process. A launched process (`WORLD_SIZE` > 1) with neither
+        is an error: its shard is not known yet."""
         mesh = mesh if mesh is not None else Mesh.current()
         if mesh is not None:
             return DataLayout(mesh.data_size, mesh.data_rank, mesh.device, _data_rank_of(mesh))
         if dist.is_available() and dist.is_initialized():
             n = dist.get_world_size()
             return DataLayout(n, dist.get_rank(), torch.device("cpu"), tuple(range(n)))
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:  # launched, but the mesh is not made yet
+            raise RuntimeError(
+                f"DataLoader: this process is rank {os.environ.get('RANK', '?')} of a launched job of {world} "
+                "processes, but no af.Mesh exists yet, so the loader cannot know its data shard (every rank would "
+                "read the whole dataset). Create the mesh first (`mesh = af.Mesh.from_env()`), or pass mesh="
+            )
         return DataLayout(1, 0, torch.device("cpu"), (0,))
 
     @property

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..._typecheck import checked
-from ...mesh import Mesh
+from ...mesh import GRAD_AXES, Mesh
 from ...step import Step
 from .._base import TransformBase
 from .common import batch_transform
@@ -164,6 +165,18 @@ def shard(
                 f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
                 f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
             )
+    for axis in mesh.axis_names:
+        if axis in NOT_SPLIT or axis in GRAD_AXES or axis == "tp" or mesh.axis_size(axis) == 1:
+            continue
+        known = (*GRAD_AXES, "tp")
+        close = difflib.get_close_matches(axis, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        if axis == "sp":
+            hint = " Sequence parallel is shard(..., sequence_parallel=True) over the 'tp' axis; context parallel is 'cp'."
+        raise ValueError(
+            f"shard: the mesh axis {axis!r} (size {mesh.axis_size(axis)}, mesh {mesh.shape}) is not one af.shard "
+            f"splits over ({', '.join(known)}): its ranks would all compute the same thing.{hint}"
+        )
     if not mesh.grad_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}")
     if cp > 1:

@@ -162,7 +162,8 @@ def find_executable_batch_size(
                 raise RuntimeError(
                     f"find_executable_batch_size({getattr(body, '__name__', body)!r}): out-of-memory at every batch "
                     f"size tried ({', '.join(map(str, tried))}; min_batch_size={min_batch_size}); last error: "
-                    f"{where}. Make the model or sequence smaller, shard it (af.shard backend='fsdp'), or offload"
+                    f"{where}. Make the model or sequence smaller, shard it (af.shard(step, mesh, strategy='fsdp')), "
+                    "or offload"
                 ) from error
             new = _next_size(size, factor, min_batch_size)
             log.warning(

@@ -13,8 +13,9 @@ runs. What they plug in runs at fixed places of this pipeline: `grad_sync` (shar
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -493,17 +494,45 @@ def place_batch(batch: Any, device: torch.device | None) -> Any:
     return optree.tree_unflatten(spec, moved)
 
 
-def check_batch(batch: Any) -> None:
-    """Raise a `TypeError` naming the first leaf of `batch` that is not a tensor."""
+def plain_batch(batch: Any) -> Any:
+    """`batch` with every `Mapping` that is not a dict (Hugging Face's `BatchEncoding` from a data collator, a
+    `UserDict`) turned into a plain dict, at any depth of dicts, lists and tuples, so that its tensors are
+    pytree leaves. Returns `batch` itself when there is none (the common case costs no copy)."""
+    if isinstance(batch, dict):
+        items = {k: plain_batch(v) for k, v in batch.items()}
+        if all(items[k] is v for k, v in batch.items()):
+            return batch
+        if type(batch) is dict:
+            return items
+        new = copy.copy(batch)  # OrderedDict, defaultdict: keep the type
+        new.update(items)
+        return new
+    if isinstance(batch, Mapping):
+        return {k: plain_batch(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        seq = [plain_batch(v) for v in batch]
+        if all(a is b for a, b in zip(seq, batch)):
+            return batch
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*seq)
+        return type(batch)(seq)
+    return batch
+
+
+def check_batch(batch: Any) -> Any:
+    """`batch` as the step computes on it (`plain_batch`: a `BatchEncoding` becomes a dict); raises a `TypeError`
+    naming the first leaf that is not a tensor."""
+    batch = plain_batch(batch)
     paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace=_tree.NAMESPACE)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             where = "batch" + "".join(f"[{p!r}]" for p in path)
             hint = " (convert it with torch.as_tensor)" if hasattr(leaf, "__array__") else ""
             raise TypeError(
-                f"{where} is a {type(leaf).__name__}: a batch must be a pytree (dict/list/tuple) whose leaves "
-                f"are torch.Tensor{hint}"
+                f"{where} is a {type(leaf).__name__}: a batch must be a pytree (a dict or other Mapping, list, "
+                f"tuple) whose leaves are torch.Tensor{hint}"
             )
+    return batch
 
 
 def loss_parts(out: Any) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:

@@ -147,6 +147,53 @@ def test_save_pretrained_from_a_train_state_is_loadable_by_transformers(tmp_path
     assert again.lm_head.weight is again.transformer.wte.weight
 
 
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_save_pretrained_of_a_state_with_its_model_is_loaded_by_transformers_as_trained(tmp_path, make_model):
+    # the replacement for Accelerate's save_model(model, dir) that docs/migration.md shows
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    step = af.autocast(af.train_step(lm_loss, af.optim.adamw(1e-2)), "bf16")
+    state = step.init(make_model())
+    for b in lm_batches(2):
+        state, _ = step(state, b)
+    af.checkpoint.save_pretrained(tmp_path / "hf", state, model=step.model)
+    assert (tmp_path / "hf" / "config.json").exists()
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys (Llama's inv_freq left out)
+    for name, p in again.named_parameters():
+        assert torch.equal(p, state.params[name]), name
+    ids = torch.randint(0, 64, (2, 8))
+    trained = step.model.eval()
+    with torch.no_grad():
+        assert torch.equal(trained(input_ids=ids).logits, again.eval()(input_ids=ids).logits)
+
+
+def test_save_pretrained_of_a_state_with_its_model_writes_the_persistent_buffers(tmp_path):
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    state = step.init(MLP(batchnorm=True))
+    state, _ = step(state, torch.randn(8, 8))
+    af.checkpoint.save_pretrained(tmp_path / "w", state, model=step.model)
+    written = af.checkpoint.load_pretrained(tmp_path / "w")
+    assert sorted(written) == sorted(MLP(batchnorm=True).state_dict())
+    for name, t in written.items():
+        assert torch.equal(t, {**state.params, **state.buffers}[name]), name
+    assert not (tmp_path / "w" / "config.json").exists()  # a plain torch module has no config
+
+
+def test_save_pretrained_of_a_state_alone_says_what_to_pass(tmp_path):
+    step, state = gpt2_state(steps=0)
+    with pytest.raises(TypeError, match=r"model=step\.model"):
+        af.checkpoint.save_pretrained(tmp_path / "a", state)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match="not the module this state trains"):
+        af.checkpoint.save_pretrained(tmp_path / "b", state, model=tiny_llama())
+    with pytest.raises(TypeError, match="model= goes with a TrainState"):
+        af.checkpoint.save_pretrained(tmp_path / "c", step.model, model=step.model)
+    af.checkpoint.save_pretrained(tmp_path / "d", state.params)  # the weights alone, on purpose
+    assert sorted(os.listdir(tmp_path / "d")) == ["model.safetensors"]
+
+
 def test_save_pretrained_keeps_the_other_files_of_a_model_folder(tmp_path):
     # Re-saving into a Hugging Face model folder replaces the weights, not the tokenizer or README beside them
     torch.manual_seed(0)
@@ -244,6 +291,35 @@ def test_latest_and_keep_last(tmp_path):
     (tmp_path / "step-50").mkdir()  # no state.json: not committed
     assert af.checkpoint.latest(tmp_path) == str(tmp_path / "step-10")
     assert sorted(p.name for p in af.checkpoint.checkpoints(tmp_path)) == ["step-10", "step-2", "step-3"]
+
+
+def test_keep_last_only_deletes_checkpoints_of_the_same_series(tmp_path):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    at = lambda s: state.replace(step=torch.tensor(s))  # noqa: E731
+    af.checkpoint.save(tmp_path / "best", at(2))  # the user's own checkpoints beside the series
+    af.checkpoint.save(tmp_path / "final", at(1))
+    af.checkpoint.save(tmp_path / "run2-step-1", at(1))
+    for s in [1, 2, 3]:  # another series, with zero-padded steps
+        af.checkpoint.save(tmp_path / f"ckpt-{s:06d}", at(s))
+    for s in [1, 2, 3, 4, 5]:
+        af.checkpoint.save(tmp_path / f"step-{s}", at(s), keep_last=2)
+    names = sorted(p.name for p in af.checkpoint.checkpoints(tmp_path))
+    assert names == ["best", "ckpt-000001", "ckpt-000002", "ckpt-000003", "final", "run2-step-1", "step-4", "step-5"]
+    af.checkpoint.save(tmp_path / "ckpt-000004", at(4), keep_last=1)  # the zero-padded series prunes itself
+    names = sorted(p.name for p in af.checkpoint.checkpoints(tmp_path))
+    assert names == ["best", "ckpt-000004", "final", "run2-step-1", "step-4", "step-5"]
+    with pytest.warns(UserWarning, match="does not end in a step number"):  # no series: nothing is deleted
+        af.checkpoint.save(tmp_path / "last", at(6), keep_last=1)
+    assert len(af.checkpoint.checkpoints(tmp_path)) == 7
+
+
+def test_keep_last_with_async_saves_keeps_a_best_checkpoint(tmp_path):
+    state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    af.checkpoint.save(tmp_path / "best", state.replace(step=torch.tensor(0)))
+    for s in [1, 2, 3]:
+        af.checkpoint.save(tmp_path / f"step_{s}", state.replace(step=torch.tensor(s)), keep_last=1, async_save=True)
+    af.checkpoint.wait()
+    assert sorted(p.name for p in af.checkpoint.checkpoints(tmp_path)) == ["best", "step_3"]
 
 
 def test_saving_over_an_existing_checkpoint_replaces_it(tmp_path):

@@ -109,3 +109,14 @@ def test_fsdp2_checkpoints_reshard_between_two_ranks_and_one(tmp_path):
         for k, v in ref.items():
             assert torch.equal(got[k], v), (name, k)
         assert hf.lm_head.weight is hf.transformer.wte.weight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["save", "save_pretrained"])
+def test_a_save_called_on_rank_0_only_is_a_clear_error_not_a_hang(tmp_path, which):
+    proc = run_workers(
+        "save_main_only_worker.py", 2, str(tmp_path), which, timeout=120, env={"ACCELFN_COLLECTIVE_TIMEOUT": "3"}
+    )
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert f"rank 0: OK af.checkpoint.{which} refused after 3 s" in out, out

@@ -304,6 +304,95 @@ def test_batch_that_is_not_a_tensor_pytree_names_the_key():
         step(state, {"x": np.zeros((4, 8))})
 
 
+def _collated_batches():
+    """Batches from Hugging Face's DataCollatorWithPadding through af.data.DataLoader: `BatchEncoding`s."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]")
+    texts = ["abc", "hello", "xyzzy", "a", "zz", "qq", "abz", "foo"]
+    samples = [{**tok(t), "labels": int("z" in t)} for t in texts]
+    return list(af.data.DataLoader(samples, batch_size=4, collate_fn=DataCollatorWithPadding(tok)))
+
+
+def _tiny_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(cfg)
+
+
+@pytest.mark.parametrize("micro", [1, 2], ids=["step", "accumulate2"])
+def test_a_data_collator_batch_encoding_trains_and_evaluates_like_a_dict(micro):
+    from transformers import BatchEncoding
+
+    batches = _collated_batches()
+    assert all(type(b) is BatchEncoding for b in batches)  # a UserDict, not a dict
+    seen = []
+
+    def loss_fn(m, b):
+        seen.append(type(b))
+        return m(**b).loss
+
+    def make():
+        step = af.train_step(loss_fn, af.optim.adamw(1e-2))
+        return (af.accumulate(step, micro) if micro > 1 else step), af.eval_step(loss_fn)
+
+    model = _tiny_classifier()
+    (step, ev), (ref, ref_ev) = make(), make()
+    state, ref_state = step.init(copy.deepcopy(model)), ref.init(copy.deepcopy(model))
+    ev.init(step.model)
+    ref_ev.init(ref.model)
+    for b in batches:
+        state, metrics = step(state, b)
+        ref_state, ref_metrics = ref(ref_state, dict(b))  # what users had to write before
+        assert torch.equal(metrics["loss"], ref_metrics["loss"])
+        assert torch.equal(ev(state, b), ref_ev(ref_state, dict(b)))
+    assert set(seen) == {dict}  # the loss function gets a plain dict of tensors
+    for name, p in ref_state.params.items():
+        assert torch.equal(state.params[name], p), name
+
+
+def test_mappings_in_a_batch_become_dicts_and_other_containers_keep_their_type():
+    from collections import OrderedDict, UserDict, namedtuple
+
+    from accelfn.engine import plain_batch
+
+    x = torch.zeros(2)
+    plain = {"a": [x, (x,)], "b": OrderedDict(c=x)}
+    assert plain_batch(plain) is plain  # nothing to convert: no copy
+    Pair = namedtuple("Pair", "left right")
+    out = plain_batch([Pair(UserDict(x=x), x), OrderedDict(u=UserDict(y=x)), (UserDict(z=x),)])
+    assert type(out) is list and type(out[0]) is Pair and type(out[0].left) is dict and out[0].right is x
+    assert type(out[1]) is OrderedDict and type(out[1]["u"]) is dict and type(out[2]) is tuple
+    assert out[2][0] == {"z": x}
+    step = af.train_step(lambda m, b: m(b["x"]).sum(), af.optim.sgd(0.1))
+    state = step.init(MLP())
+    with pytest.raises(TypeError, match=r"batch\['text'\] is a str"):  # errors name the key inside a Mapping
+        step(state, UserDict(x=torch.randn(4, 8), text="hello"))
+
+
+def test_the_loader_moves_the_tensors_of_a_batch_encoding_to_the_device(monkeypatch):
+    from transformers import BatchEncoding
+
+    meta = af.data.DataLayout(1, 0, torch.device("meta"), (0,))  # a non-CPU device: the loader moves batches
+    monkeypatch.setattr(af.data.DataLayout, "resolve", staticmethod(lambda mesh: meta))
+
+    def collate(rows):
+        return BatchEncoding({"input_ids": torch.stack(rows), "extra": {"mask": torch.ones(len(rows))}})
+
+    batches = list(af.data.DataLoader(list(torch.arange(8.0).reshape(4, 2)), batch_size=2, collate_fn=collate))
+    assert len(batches) == 2 and all(type(b) is BatchEncoding for b in batches)
+    assert all(b["input_ids"].is_meta and b["extra"]["mask"].is_meta for b in batches)
+
+
 def test_params_that_do_not_match_the_model_name_the_key():
     model = MLP()
     step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))

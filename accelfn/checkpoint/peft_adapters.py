@@ -109,7 +109,7 @@ def save_adapter(
         _save_merged(final, model, named, name, parse_size(max_shard_size))
         return
     atomic.check_replaceable(final, (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
-    full = gather_full(_adapter_tensors(model, named, name))
+    full = gather_full(_adapter_tensors(model, named, name), "af.checkpoint.save_adapter")
     if full is not None:
         peft_model: Any = model
         config = copy.deepcopy(peft_model.peft_config[name])
@@ -135,7 +135,7 @@ def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapte
     unique: dict[Any, str] = {}
     for k, t in named.items():
         unique.setdefault(alias_key(t), k)
-    gathered = gather_full({k: named[k] for k in unique.values()})
+    gathered = gather_full({k: named[k] for k in unique.values()}, "af.checkpoint.save_adapter(merge=True)")
     if gathered is not None:
         full = {k: gathered[unique[alias_key(t)]] for k, t in named.items()}
         merged = _merge_on_host(model, base, prefix, full, adapter)

@@ -37,11 +37,35 @@ from .save import _split
 __all__ = ["save_pretrained", "load_pretrained"]
 
 
-def _named_tensors(model_or_params: Any) -> dict[str, torch.Tensor]:
+def _persistent_buffers(module: nn.Module) -> set[str]:
+    """The dotted names of `module`'s buffers that its `state_dict` holds (transformers saves only those)."""
+    names = set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                names.add(f"{prefix}.{n}" if prefix else n)
+    return names
+
+
+def _state_tensors(state: TrainState, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state's params and the persistent ones of its buffers, checked against `model` (the module it trains)."""
+    own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    persistent = _persistent_buffers(model)
+    own_buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    foreign = [n for n in state.params if n not in own] + [n for n in state.buffers if n not in own_buffers]
+    if foreign:
+        raise ValueError(
+            f"save_pretrained(): model= is not the module this state trains: it has no {foreign[:3]} "
+            f"(pass the model of the step that made the state, step.model)"
+        )
+    return {**state.params, **{n: b for n, b in state.buffers.items() if n in persistent}}
+
+
+def _named_tensors(model_or_params: Any, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     if isinstance(model_or_params, nn.Module):
         named = model_or_params.state_dict(keep_vars=True)  # persistent buffers included, as transformers
     elif isinstance(model_or_params, TrainState):
-        named = model_or_params.params
+        named = model_or_params.params if model is None else _state_tensors(model_or_params, model)
     else:
         named = model_or_params
     out: dict[str, torch.Tensor] = {}
@@ -61,20 +85,42 @@ def save_pretrained(
     path: str | os.PathLike[str],
     model_or_params: nn.Module | TrainState | dict[str, torch.Tensor],
     *,
+    model: nn.Module | None = None,
     config: Any = None,
     max_shard_size: int | str = "5GB",
 ) -> None:
-    """Write Hugging Face weights (`model.safetensors`, or shards + `model.safetensors.index.json`).
+    """Write Hugging Face weights (`model.safetensors`, or shards + `model.safetensors.index.json`) and
+    `config.json`: a folder `transformers`' `from_pretrained` loads.
 
-    Takes a module (its `state_dict`), a `TrainState` (its params) or a dict. The `config` (default: the
-    module's `.config`, as transformers models have) is written beside the weights. Call on every rank.
-    Saving into an existing model folder replaces the weights (and config) atomically and keeps the other
-    files there (tokenizer, README, ...).
+    Takes a module (its `state_dict`), a `TrainState` or a dict of tensors (the weights alone). The `config`
+    (default: the module's `.config`, as transformers models have) is written beside the weights.
+
+    A `TrainState` knows neither its model's config nor which of its buffers are persistent: pass
+    `model=step.model`, the module it trains (the replacement for Accelerate's `save_model(model, dir)`).
+    The weights are then the state's params and persistent buffers (the values training produced), and
+    `config.json` is the model's `.config`. A state given with neither `model` nor `config` raises a
+    `TypeError` (for the weights alone, pass `state.params`).
+
+    Call on every rank. Saving into an existing model folder replaces the weights (and config) atomically and
+    keeps the other files there (tokenizer, README, ...).
     """
     size = parse_size(max_shard_size)
-    named = _named_tensors(model_or_params)
-    if config is None and isinstance(model_or_params, nn.Module):
-        config = getattr(model_or_params, "config", None)
+    if model is not None and not isinstance(model_or_params, TrainState):
+        raise TypeError(
+            "save_pretrained(): model= goes with a TrainState (save_pretrained(path, state, model=step.model)); "
+            f"for a {type(model_or_params).__name__}, pass config=model.config"
+        )
+    if isinstance(model_or_params, TrainState) and model is None and config is None:
+        raise TypeError(
+            "save_pretrained(path, state): a TrainState holds no model config, so transformers could not load "
+            "the folder; pass the module it trains: save_pretrained(path, state, model=step.model) (writes "
+            "config.json and the persistent buffers too), or config=..., or state.params for the weights alone"
+        )
+    named = _named_tensors(model_or_params, model)
+    if config is None:
+        source = model if model is not None else model_or_params
+        if isinstance(source, nn.Module):
+            config = getattr(source, "config", None)
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"))
     full = gather_full(named)
@@ -83,10 +129,12 @@ def save_pretrained(
     Comm().barrier()
 
 
-def gather_full(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def gather_full(named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pretrained") -> dict[str, torch.Tensor] | None:
     """Full (detached) tensors on rank 0, None elsewhere; sharded (DTensor) ones are gathered, a collective
-    every rank joins (with the same names, in the same order)."""
-    rank0 = Comm().rank == 0
+    every rank joins (with the same names, in the same order): `what` names the call when a rank is missing."""
+    comm = Comm()
+    comm.roll_call(what)
+    rank0 = comm.rank == 0
     full: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         if is_dtensor(t):

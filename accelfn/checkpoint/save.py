@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +207,25 @@ def _accelfn_version() -> str:
     return str(accelfn.__version__)
 
 
+def series_of_name(name: str) -> str | None:
+    """The series of a checkpoint folder name: the text before its trailing step number (`step-` for
+    `step-1200`, `ckpt-` for `ckpt-000100`), or None for a name without one (`best`, `final`)."""
+    if step_of_name(name) is None:
+        return None
+    return name.rstrip("0123456789")
+
+
 def _prune(final: Path, keep_last: int) -> None:
-    older = [p for p in checkpoints(final.parent) if p != final]
+    """Delete all but the `keep_last` newest checkpoints of `final`'s series (see `save`); nothing else."""
+    series = series_of_name(final.name)
+    if series is None:
+        warnings.warn(
+            f"save(keep_last={keep_last}): '{final.name}' does not end in a step number (like 'step-1200'), so "
+            "it starts no series of checkpoints and nothing was deleted",
+            stacklevel=2,
+        )
+        return
+    older = [p for p in checkpoints(final.parent) if p != final and series_of_name(p.name) == series]
     for p in older[: max(0, len(older) - (keep_last - 1))]:
         atomic.remove(p)
 
@@ -224,7 +242,10 @@ def save(
 ) -> SaveHandle:
     """Save `state` (and `loader.state_dict()`) to the folder `path`, atomically; returns a `SaveHandle`.
 
-    Call it on every rank. `keep_last=k` then deletes all but the `k` newest checkpoints beside `path`.
+    Call it on every rank. `keep_last=k` then deletes all but the `k` newest checkpoints of `path`'s series:
+    the committed checkpoints beside `path` whose folder names differ from its name only in the trailing step
+    number (`step-100`, `step-200`, ... or `ckpt-000100`, ...). Other checkpoints in the same folder (`best`,
+    `final`, `run2-step-100`) are never deleted; with a `path` whose name has no step number, nothing is.
     With `async_save=True` it returns once the tensors are copied to host memory; the next `save` or
     `af.checkpoint.wait()` waits for the write (and re-raises its error).
     """
@@ -232,6 +253,7 @@ def save(
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
     size = parse_size(max_shard_size)
     wait()
+    Comm().roll_call("af.checkpoint.save")  # a call on some ranks only: a clear error, not a hang
     adapter = adapters.adapter_for(state)
     if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): save its full values
         state = adapter.export(state)

@@ -239,6 +239,13 @@ class DataLoader:
             return batch
 
         def move(x: Any) -> Any:
+            if isinstance(x, Mapping) and not isinstance(x, dict):  # a pytree leaf: Hugging Face's BatchEncoding
+                moved = {k: _tree.map(move, v) for k, v in x.items()}
+                kind: Any = type(x)
+                try:
+                    return kind(moved)  # the collator's type, as Accelerate's send_to_device keeps it
+                except Exception:
+                    return moved
             if not isinstance(x, torch.Tensor):
                 return x
             if self._pin:

@@ -139,3 +139,19 @@ def test_parse_mesh_and_format_mesh_round_trip():
     assert le.parse_mesh(le.format_mesh(axes)) == axes
     with pytest.raises(ValueError, match=r"^--mesh='dp=0'"):
         le.parse_mesh("dp=0", source="--mesh")
+
+
+def test_the_launcher_checks_the_mesh_against_the_process_count_and_the_script_path(tmp_path, capsys):
+    # refused before any worker starts (exit 2, one line), not by every worker with a traceback
+    from accelfn.cli.launch import launch
+    from accelfn.launch.config import ConfigError
+    from accelfn.launch.launcher import LaunchOptions, resolve
+
+    with pytest.raises(ConfigError, match=r"--mesh dp=3: the axis sizes multiply to 3, but the job has 2 processes"):
+        resolve(LaunchOptions(script="t.py", nproc_per_node=2, cpu=True, mesh="dp=3"), environ={})
+    with pytest.raises(ConfigError, match=r"multiply to 3 times the -1 axis, but the job has 4 processes"):
+        resolve(LaunchOptions(script="t.py", nproc_per_node=4, cpu=True, mesh="dp=-1,tp=3"), environ={})
+    assert resolve(LaunchOptions(script="t.py", nproc_per_node=4, cpu=True, mesh="dp=-1,tp=2"), environ={})
+    missing = tmp_path / "trian.py"
+    assert launch(LaunchOptions(script=str(missing), nproc_per_node=1, cpu=True)) == 2
+    assert f"{missing}: no such file" in capsys.readouterr().err

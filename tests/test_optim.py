@@ -664,3 +664,17 @@ def test_optimizer_state_round_trips_through_flatten_and_unflatten() -> None:
     rebuilt = af.tree.unflatten(spec, [x.clone() for x in leaves])
     assert type(rebuilt[1]) is af.optim.AdamState
     assert all(torch.equal(a, b) for a, b in zip(af.tree.leaves(rebuilt), leaves))
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: af.optim.adamw(-1e-3), "learning rate must be >= 0, got -0.001"),
+        (lambda: af.optim.sgd(float("nan")), "learning rate must be >= 0, got nan"),
+        (lambda: af.optim.adamw(1e-3, b1=1.0), r"adamw: b1 must be in \[0, 1\), got 1.0"),
+        (lambda: af.optim.adam(1e-3, weight_decay=-0.1), "adam: eps and weight_decay must be >= 0"),
+    ],
+)
+def test_invalid_hyperparameters_are_refused_like_torch_optim(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

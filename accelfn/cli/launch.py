@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -99,6 +100,8 @@ def launch(opts: Any) -> int:
 
     try:
         plan = resolve(opts)
+        if not opts.module and not os.path.isfile(opts.script):
+            raise ConfigError(f"{opts.script}: no such file (give the training script's path, or -m for a module)")
     except (ConfigError, ValueError) as e:
         print(f"accelfn launch: error: {e}", file=sys.stderr)
         return 2

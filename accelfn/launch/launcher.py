@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import uuid
@@ -148,7 +149,18 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         raise ConfigError(f"--monitor-interval={interval}: expected a positive number of seconds")
     mesh = pick("mesh", opts.mesh, None, cfg.mesh, "")
     if mesh:
-        mesh = contract.format_mesh(contract.parse_mesh(mesh, source="--mesh"))
+        axes = contract.parse_mesh(mesh, source="--mesh")
+        mesh = contract.format_mesh(axes)
+        if min_nodes == max_nodes:  # a fixed world: check the sizes now, not in every worker
+            world = nproc * max_nodes
+            fixed = math.prod(v for v in axes.values() if v != -1)
+            rest = -1 in axes.values()
+            if (world % fixed != 0) if rest else (fixed != world):
+                raise ConfigError(
+                    f"--mesh {mesh}: the axis sizes multiply to {fixed}{' times the -1 axis' if rest else ''}, but the job "
+                    f"has {world} processes (--nproc-per-node {nproc} x --nnodes {max_nodes}); make them match, or set "
+                    "one axis to -1"
+                )
     precision = pick("mixed_precision", opts.mixed_precision, None, cfg.mixed_precision, "no")
     if precision not in contract.MIXED_PRECISION:
         raise ConfigError(

@@ -41,6 +41,11 @@ def _adam(
 ) -> GradientTransformation:
     schedule = as_schedule(lr)
     name = "adamw" if decoupled else "adam"
+    for what, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}: {what} must be in [0, 1), got {value}")
+    if not eps >= 0.0 or not weight_decay >= 0.0:
+        raise ValueError(f"{name}: eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}")
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def init(params: Any) -> AdamState:

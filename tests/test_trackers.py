@@ -467,3 +467,16 @@ def test_under_the_launcher_exactly_one_process_writes_with_the_trackers_it_was_
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard", "loss")] == list(range(1, 8))
     assert json.loads((tmp_path / "config.json").read_text()) == {"world_size": 2}
+
+
+def test_nested_metric_dicts_are_logged_under_slash_joined_names(tmp_path):
+    # Accelerate's `accelerator.log({"eval": {"loss": ...}})` habit: TensorBoard/W&B sections, eval/loss
+    with trackers.open(tmp_path, log_with=["jsonl", "tensorboard"]) as run:
+        run.log({"eval": {"loss": torch.tensor(0.5), "acc": {"top1": 0.25}}, "lr": 1e-3}, step=1)
+    line = jsonl(tmp_path)[0]
+    assert {k: line[k] for k in ("eval/loss", "eval/acc/top1", "lr")} == {"eval/loss": 0.5, "eval/acc/top1": 0.25, "lr": 1e-3}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert {"eval/loss", "eval/acc/top1", "lr"} <= set(events.Tags()["scalars"])

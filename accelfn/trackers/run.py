@@ -113,7 +113,9 @@ class Run:
 
     # ---- logging ----------------------------------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int | torch.Tensor) -> None:
-        """Buffer ``metrics`` (numbers or one-element tensors) for ``step`` (an int or an integer tensor)."""
+        """Buffer ``metrics`` (numbers or one-element tensors) for ``step`` (an int or an integer tensor). Nested
+        dicts are logged under "/"-joined names (``{"eval": {"loss": x}}`` -> ``eval/loss``), the grouping
+        TensorBoard and W&B show as sections."""
         if self._closed:
             raise RuntimeError("this run is closed; open another with accelfn.trackers.open(...)")
         if isinstance(step, torch.Tensor):
@@ -121,6 +123,7 @@ class Run:
                 raise TypeError(f"step must be an int or a one-element integer tensor, got {step!r}")
         elif isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int or a one-element integer tensor, got {type(step).__name__}")
+        metrics = _flat_metrics(metrics)
         groups: dict[torch.device, tuple[list[str], list[bool], list[torch.Tensor]]] = {}
         numbers: dict[str, Any] = {}
         for key, value in metrics.items():
@@ -286,3 +289,15 @@ class Run:
             warnings.warn(str(error), stacklevel=3)
             return
         raise error from first
+
+
+def _flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``metrics`` with nested mappings flattened to "/"-joined names."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}" if isinstance(key, str) else key
+        if isinstance(value, Mapping) and isinstance(key, str):
+            out.update(_flat_metrics(value, f"{name}/"))
+        else:
+            out[name] = value
+    return out

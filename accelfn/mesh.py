@@ -127,12 +127,13 @@ def init_process_group(platform: Platform) -> bool:
 
 
 def control_group() -> Any:
-    """A gloo group over every rank for host-side coordination (checkpoint saves: they may run in a background
-    thread, apart from the training's collectives). Made with the first `Mesh` of a launched job, because making a
-    group needs every rank: a save called on one rank only then fails with a clear error instead of hanging."""
+    """A group over every rank on the host platform's backend, for host-side coordination (checkpoint saves: they
+    may run in a background thread, apart from the training's collectives). Made with the first `Mesh` of a
+    launched job, because making a group needs every rank: a save called on one rank only then fails with a clear
+    error instead of hanging."""
     global _control
     if _control is None:
-        _control = dist.new_group(backend="gloo")
+        _control = dist.new_group(backend=platforms.host().backend)
     return _control
 
 

@@ -285,6 +285,9 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
 def test_latest_and_keep_last(tmp_path):
     state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
     assert af.checkpoint.latest(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="latest\\(root\\) returns None when root holds no committed checkpoint"):
+        af.checkpoint.load(af.checkpoint.latest(tmp_path), like=af.train_step(
+            lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 1)))
     for s in [1, 2, 10, 3]:
         af.checkpoint.save(tmp_path / f"step-{s}", state.replace(step=torch.tensor(s)), keep_last=3)
     (tmp_path / ".tmp-step-99-abc").mkdir()  # an interrupted save

@@ -125,12 +125,20 @@ def _short(paths: list[str]) -> str:
 
 
 @checked
-def load(path: str | os.PathLike[str], like: TrainState, *, loader: Any = None) -> TrainState:
+def load(path: str | os.PathLike[str] | None, like: TrainState, *, loader: Any = None) -> TrainState:
     """Load the checkpoint at `path` into the structure, dtypes and placement of `like` (donated).
+
+    `path=None` (what `latest(root)` returns when `root` holds no checkpoint) raises `FileNotFoundError`
+    saying so: check `latest`'s result to start fresh.
 
     Checks every file's size and CRC-32; raises `CheckpointMismatchError` naming the pytree path when the
     structure, a shape or a dtype differs. With `loader`, restores its position (`load_state_dict`).
     """
+    if path is None:
+        raise FileNotFoundError(
+            "af.checkpoint.load(None, ...): no checkpoint path; af.checkpoint.latest(root) returns None when root "
+            "holds no committed checkpoint: `path = latest(root)`, then load only `if path is not None`"
+        )
     adapter = adapters.adapter_for(like)
     if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
         return adapter.restore(like, _load(path, adapter.template(like), loader))

@@ -28,6 +28,7 @@ from .xpu import XpuPlatform
 
 __all__ = [
     "Platform",
+    "host",
     "KINDS",
     "DETECTION_ORDER",
     "ENV_VAR",
@@ -102,6 +103,17 @@ def for_device(device: torch.device | str) -> Platform:
 def available() -> list[Platform]:
     """The platforms available in this process, in detection order."""
     return [_PLATFORMS[k] for k in DETECTION_ORDER if _PLATFORMS[k].is_available()]
+
+
+def host() -> Platform:
+    """The platform of host memory and host-side coordination (the CPU's; its backend is gloo).
+
+    Example:
+        >>> import accelfn as af
+        >>> af.platforms.host().backend
+        'gloo'
+    """
+    return _PLATFORMS["cpu"]
 
 
 def detect() -> Platform:

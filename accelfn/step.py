@@ -163,6 +163,8 @@ class Step:
         if self.kind == "eval":
             return run_eval(plan, state, batch)
         _check_not_donated(state)
+        if plan.grad_sync is not None:
+            _debug_check_step(state)
         out = run_train(plan, state, batch)
         if plan.donate and out[0] is not state:
             _mark_donated(state)
@@ -203,6 +205,16 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
 
 # TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
 _donated: dict[int, weakref.ref[TrainState]] = {}
+
+
+def _debug_check_step(state: TrainState) -> None:
+    """`ACCELFN_DEBUG=1`: the ranks of a sharded step compare their step numbers first, so a rank that runs a
+    different number of steps (or an af.dist collective where the others train) fails on every rank instead of
+    pairing its collectives with the others' gradient reduction (a hang or wrong numbers)."""
+    from .dist import debug
+
+    if debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        debug.check("af.Step", f"training step, state.step={int(state.step)}")
 
 
 def _mark_donated(state: TrainState) -> None:

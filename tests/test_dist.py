@@ -47,9 +47,11 @@ def test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank() -> None
     for r in range(2):
         assert f"rank {r} caught shape mismatch: af.dist.gather on rank {r}: the ranks disagree" in proc.stdout, out
         assert f"rank {r} caught call mismatch" in proc.stdout, out
+        assert f"rank {r} caught step mismatch" in proc.stdout, out
         assert f"rank {r}: debug checks passed" in proc.stdout, out
     assert "  rank 0: af.dist.gather(float32[3, 4])\n  rank 1: af.dist.gather(float32[2, 4])" in proc.stdout, out
     assert "rank 0: af.dist.all_reduce[sum](float32[2])\n  rank 1: af.dist.broadcast[src=0](float32[2])" in proc.stdout
+    assert "rank 0: af.Step(training step, state.step=1)\n  rank 1: af.dist.all_reduce[sum](float32[])" in proc.stdout
 
 
 # ---- a single process, no process group ----------------------------------------------------------------------

@@ -38,15 +38,21 @@ def check(op: str, signature: Any) -> None:
         return
     groups: dict[str, list[int]] = {}
     for r, (other_op, sig) in enumerate(everyone):
-        groups.setdefault(f"af.dist.{other_op}({_fmt(sig)})", []).append(r)
+        groups.setdefault(f"{_name(other_op)}({_fmt(sig)})", []).append(r)
     lines = "\n".join(
         f"  {'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {text}" for text, rs in groups.items()
     )
     raise CollectiveMismatchError(
-        f"af.dist.{op} on rank {dist.get_rank()}: the ranks disagree on what they pass, so the collective "
+        f"{_name(op)} on rank {dist.get_rank()}: the ranks disagree on what they pass, so the collective "
         f"would hang or fail:\n{lines}\nEvery rank must call the same collective with tensors of the same "
-        "structure, dtypes and shapes (use af.dist.pad_across_processes for different lengths)."
+        "structure, dtypes and shapes (use af.dist.pad_across_processes for different lengths), and run the same "
+        "training steps (a data loader with even_batches=False can give ranks different numbers of batches)."
     )
+
+
+def _name(op: str) -> str:
+    """`af.dist.all_reduce[sum]` for af.dist's collectives; other callers pass a full name (`af.Step`)."""
+    return op if op.startswith("af.") else f"af.dist.{op}"
 
 
 def _fmt(sig: Any) -> str:

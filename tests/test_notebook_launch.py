@@ -70,6 +70,36 @@ def test_bad_arguments_raise_before_starting_processes():
     with pytest.raises(ValueError, match="start_method='thread'"):
         notebook_launch(report, nproc=2, device="cpu", start_method="thread")
 
+    def local(x):
+        return x
+
+    with pytest.raises(ValueError, match="is defined inside a function, so workers started with 'spawn' cannot import"):
+        notebook_launch(local, (1,), nproc=2, device="cpu")
+
+
+@pytest.mark.slow
+def test_a_function_the_spawned_workers_cannot_import_is_named_in_the_error(tmp_path):
+    # defined under the script's `if __name__ == "__main__":` guard: the spawned workers re-import the script
+    # without running that block, fail before running it and record no Python error; the report says why
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "from accelfn.launch.notebook import notebook_launch\n"
+        "if __name__ == '__main__':\n"
+        "    def hidden(x):\n"
+        "        return x\n"
+        "    try:\n"
+        "        notebook_launch(hidden, (1,), nproc=2, device='cpu')\n"
+        "    except RuntimeError as e:\n"
+        "        print('ERROR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELFN_")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert "no rank recorded a Python error, so the workers failed before running hidden" in proc.stdout, proc.stderr[-3000:]
+    assert "define it at the top level of a module" in proc.stdout
+
 
 @pytest.mark.slow
 def test_a_function_of_an_interactive_session_runs_in_forked_workers(tmp_path):

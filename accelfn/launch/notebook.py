@@ -40,6 +40,13 @@ def _interactive(fn: Callable[..., Any]) -> bool:
     return getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None)
 
 
+def _recorded(failure: Any) -> bool:
+    """Whether a failed worker recorded a Python error (torch writes "<NONE>" when there is no error file)."""
+    data = failure.error_file_data or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    return isinstance(message, dict) or (isinstance(message, str) and message != "<NONE>")
+
+
 def _start_method(fn: Callable[..., Any], requested: str | None) -> str:
     method = requested or ("fork" if _interactive(fn) else "spawn")
     if method not in ("spawn", "fork", "forkserver"):
@@ -130,10 +137,24 @@ def notebook_launch(
         use_slurm=False,
     )
     plan = resolve(opts)
-    config = launch_config(plan, start_method=_start_method(fn, start_method))
+    method = _start_method(fn, start_method)
+    if method != "fork" and "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(
+            f"notebook_launch: {fn.__qualname__} is defined inside a function, so workers started with "
+            f"{method!r} cannot import it: define it at the top level of a module (or pass start_method='fork')"
+        )
+    config = launch_config(plan, start_method=method)
     try:
         with _environ(plan.env):
             results = elastic_launch(config=config, entrypoint=fn)(*args)
     except ChildFailedError as err:
-        raise RuntimeError(_failure_report(err, prog=f"notebook_launch({name})")) from None
+        report = _failure_report(err, prog=f"notebook_launch({name})")
+        if method != "fork" and not any(_recorded(f) for f in err.failures.values()):
+            report += (
+                f"\nnotebook_launch({name}): no rank recorded a Python error, so the workers failed before running "
+                f"{name}: a worker started with {method!r} imports {getattr(fn, '__module__', '?')}.{name}, which "
+                "fails for a function defined under `if __name__ == '__main__':` or anywhere the import does not "
+                "reach (the workers' tracebacks are on stderr above); define it at the top level of a module"
+            )
+        raise RuntimeError(report) from None
     return [results[rank] for rank in sorted(results)]

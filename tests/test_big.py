@@ -521,6 +521,24 @@ def test_dispatch_of_a_loaded_model_offloads_to_disk(tmp_path):
     assert model.blocks[3].b.weight.is_meta
 
 
+def test_two_models_offloaded_to_one_folder_keep_their_own_weights(tmp_path):
+    # both dispatches write a file to the same offload folder: the second must not replace the first's (the
+    # first model then silently computed with the second one's weights)
+    def mk(seed, out):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, out)).eval()
+
+    x = torch.randn(3, 8)
+    a, b = mk(0, 2), mk(1, 4)
+    expected_a, expected_b = a(x).detach(), b(x).detach()
+    a = af.dispatch(a, {"0": "cpu", "2": "disk"}, offload_folder=tmp_path)
+    b = af.dispatch(b, {"0": "cpu", "2": "disk"}, offload_folder=tmp_path)
+    assert len(list(tmp_path.glob("offload-*.safetensors"))) == 2
+    assert a.hf_device_map == {"0": "cpu", "2": "disk"}  # as Accelerate's dispatch_model records it
+    with torch.no_grad():
+        assert torch.equal(a(x), expected_a) and torch.equal(b(x), expected_b)
+
+
 def _hook_counts(model):
     return {n: (len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in model.named_modules()}
 
@@ -666,3 +684,15 @@ def test_estimate_memory_from_a_factory(capsys, monkeypatch):
         _assert_printed_size(layer, largest * b)
         # AdamW: weights and grads in the dtype, two fp32 moments, an fp32 master copy below fp32
         _assert_printed_size(training, n * (2 * b + 8 + (4 if b < 4 else 0)) + other)
+
+
+def test_no_split_takes_one_class_name_as_a_string_and_refuses_names_of_no_module():
+    # Accelerate takes a single class name; iterating the string letter by letter split every block
+    with af.init_empty():
+        model = Net()
+    budget = {"cpu": "1KiB", "disk": "1GiB"}
+    as_list = af.infer_device_map(model, max_memory=budget, no_split=[type(model.blocks[0]).__name__])
+    assert as_list != af.infer_device_map(model, max_memory=budget, no_split=[])  # (what "B", "l", ... gave)
+    assert af.infer_device_map(model, max_memory=budget, no_split=type(model.blocks[0]).__name__) == as_list
+    with pytest.raises(ValueError, match=r"no_split=\['Blokc'\] names no class of this model's modules"):
+        af.infer_device_map(model, max_memory=budget, no_split=["Blokc"])

@@ -107,8 +107,40 @@ def test_load_adapter_with_another_rank_names_the_mismatch(tmp_path):
     model = lora_model(r=4)
     af.checkpoint.save_adapter(tmp_path / "r4", dict(model.named_parameters()), model)
     other = lora_model(r=8)
-    with pytest.raises(af.checkpoint.CheckpointMismatchError, match="lora_A"):
+    with pytest.raises(af.checkpoint.CheckpointMismatchError, match="r: saved 4, model 8"):
         af.checkpoint.load_adapter(tmp_path / "r4", like=dict(other.named_parameters()), model=other)
+
+
+def test_load_adapter_refuses_settings_that_change_what_the_weights_compute(tmp_path):
+    # lora_alpha changes the scaling: the same weights, other logits (PEFT builds the adapter from the saved
+    # config; here the model's adapter exists already, so a difference is an error, not a silent change)
+    model = lora_model()
+    af.checkpoint.save_adapter(tmp_path / "a8", dict(model.named_parameters()), model)
+    torch.manual_seed(0)
+    other = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS))
+    with pytest.raises(af.checkpoint.CheckpointMismatchError, match="lora_alpha: saved 8, model 16"):
+        af.checkpoint.load_adapter(tmp_path / "a8", like=dict(other.named_parameters()), model=other)
+    # other layers adapted: named, without pointing to an option load_adapter does not have
+    torch.manual_seed(0)
+    wider = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[*TARGETS, "k_proj"]))
+    (tmp_path / "a8" / "adapter_config.json").write_text(
+        json.dumps({**json.loads((tmp_path / "a8" / "adapter_config.json").read_text()), "target_modules": None})
+    )
+    with pytest.raises(af.checkpoint.CheckpointMismatchError, match="cover different layers") as e:
+        af.checkpoint.load_adapter(tmp_path / "a8", like=dict(wider.named_parameters()), model=wider)
+    assert "strict=False" not in str(e.value)
+
+
+def test_save_adapter_writes_into_a_folder_holding_a_tokenizer_and_keeps_it(tmp_path):
+    # the usual order: tokenizer.save_pretrained(out), then the model or adapter; the tokenizer stays
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "README.md").write_text("my model")
+    model = lora_model()
+    af.checkpoint.save_adapter(out, dict(model.named_parameters()), model)
+    assert (out / "adapter_model.safetensors").exists() and (out / "README.md").read_text() == "my model"
+    assert (out / "tokenizer.json").exists()
 
 
 def test_save_adapter_refuses_a_model_that_is_not_a_peft_model(tmp_path):

@@ -171,7 +171,7 @@ def _place(
 def infer_device_map(
     model: nn.Module,
     max_memory: Mapping[Any, int | str] | None = None,
-    no_split: Iterable[str] | None = None,
+    no_split: str | Iterable[str] | None = None,
     dtype: torch.dtype | None = None,
     strategy: Strategy = "auto",
 ) -> dict[str, str]:
@@ -196,7 +196,13 @@ def infer_device_map(
     """
     if no_split is None:
         no_split = getattr(model, "_no_split_modules", None) or ()
-    no_split = set(no_split)
+    no_split = {no_split} if isinstance(no_split, str) else set(no_split)  # one class name, as Accelerate takes it
+    classes = {type(m).__name__ for m in model.modules()}
+    if no_split and not no_split & classes and no_split != set(getattr(model, "_no_split_modules", None) or ()):
+        raise ValueError(  # a typo would let every block be split silently
+            f"infer_device_map: no_split={sorted(no_split)} names no class of this model's modules (its classes: "
+            f"{', '.join(sorted(classes)[:12])}{', ...' if len(classes) > 12 else ''})"
+        )
     budgets = parse_max_memory(max_memory) if max_memory is not None else default_max_memory()
     budgets.setdefault(DISK, 2**62)
     layout = layout_of(model, no_split, dtype)

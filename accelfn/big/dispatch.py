@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ class _Placer:
         self.device_map = device_map
         self.exec_device = exec_device
         self.offload_folder = offload_folder
+        self.token = uuid.uuid4().hex[:12]
         self.offloaded: dict[int, tuple[nn.Module, list[Offloaded]]] = {}
         self.pending: dict[str, tuple[_Tensor, torch.dtype, torch.Tensor]] = {}
         self.pending_ids: set[int] = set()
@@ -194,7 +196,9 @@ class _Placer:
             )
         folder = Path(self.offload_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"offload-{self.written:05d}.safetensors"
+        # a name of this dispatch's own: another model offloaded to the same folder must not replace these files
+        # (its weights would silently be read in place of these ones)
+        path = folder / f"offload-{self.token}-{self.written:05d}.safetensors"
         self.written += 1
         safetensors.torch.save_file({n: t.contiguous() for n, (_, _, t) in self.pending.items()}, str(path))
         f = SafetensorsFile(path)
@@ -207,6 +211,7 @@ class _Placer:
 
     def finish(self, model: nn.Module) -> None:
         self.flush()
+        model.__dict__["hf_device_map"] = dict(self.device_map)  # where each part went (Accelerate's attribute)
         device = torch.device(self.exec_device)
         for module, entries in self.offloaded.values():
             attach_offload(module, entries, device)
@@ -231,7 +236,7 @@ def _resolve_map(
     model: nn.Module,
     device_map: Mapping[Any, Any] | str,
     max_memory: Mapping[Any, int | str] | None,
-    no_split: list[str] | None,
+    no_split: str | list[str] | None,
     dtype: torch.dtype | None,
 ) -> dict[str, str]:
     if isinstance(device_map, str):
@@ -249,7 +254,7 @@ def load_and_dispatch(
     device_map: Mapping[Any, Any] | str = "auto",
     *,
     max_memory: Mapping[Any, int | str] | None = None,
-    no_split: list[str] | None = None,
+    no_split: str | list[str] | None = None,
     dtype: torch.dtype | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
 ) -> nn.Module:

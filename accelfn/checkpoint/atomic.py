@@ -88,13 +88,17 @@ def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def check_replaceable(final: Path, markers: tuple[str, ...]) -> None:
+def check_replaceable(final: Path, markers: tuple[str, ...], *, keeps_others: bool = False) -> None:
     """Refuse to replace an existing path unless it is an empty folder or holds one of `markers` (a
-    checkpoint or weights folder): a save never deletes a user's unrelated files."""
+    checkpoint or weights folder): a save never deletes a user's unrelated files. With `keeps_others` (a save
+    that carries the other files over: Hugging Face weights and adapters beside a tokenizer or README) any
+    folder is fine."""
     if not final.exists():
         return
     if not final.is_dir():
         raise FileExistsError(f"'{final}' exists and is a file; a checkpoint is written as a folder")
+    if keeps_others:
+        return
     if any(final.iterdir()) and not any((final / m).exists() for m in markers):
         raise FileExistsError(
             f"'{final}' exists and is not a checkpoint (it has none of {list(markers)}); "

@@ -108,7 +108,7 @@ def save_adapter(
     if merge:
         _save_merged(final, model, named, name, parse_size(max_shard_size))
         return
-    atomic.check_replaceable(final, (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
+    atomic.check_replaceable(final, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), keeps_others=True)
     full = gather_full(_adapter_tensors(model, named, name), "af.checkpoint.save_adapter")
     if full is not None:
         peft_model: Any = model
@@ -130,7 +130,7 @@ def save_adapter(
 def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapter: str, size: int) -> None:
     base = model.get_base_model()
     prefix = next(n for n, m in model.named_modules() if m is base)  # "base_model.model"
-    atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"))
+    atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     # gather every tensor once (tied ones share one full tensor), in the same order on every rank
     unique: dict[Any, str] = {}
     for k, t in named.items():
@@ -203,6 +203,31 @@ def _swapped(model: nn.Module, full: dict[str, torch.Tensor], clone: set[int]) -
             store[attr] = old
 
 
+# adapter settings that change what the same weights compute (the scaling, the layers adapted, their layout)
+_MATH_KEYS = ("r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "target_modules", "alpha_pattern",
+              "rank_pattern", "layers_to_transform", "layers_pattern")  # fmt: skip
+
+
+def _check_config(folder: Path, saved: dict[str, Any], config: Any, name: str) -> None:
+    """Refuse an adapter whose adapter_config.json differs from the model's adapter where it changes the result
+    (PEFT's own loader builds the adapter from the saved config; here the model's adapter exists already)."""
+    ours = config.to_dict()
+
+    def norm(v: Any) -> Any:
+        return sorted(v) if isinstance(v, (list, tuple, set)) else v
+
+    differ = [
+        k for k in _MATH_KEYS if saved.get(k) is not None and k in ours and norm(saved[k]) != norm(ours[k])
+    ]  # (a key the saved file leaves out or null: not compared)
+    if differ:
+        parts = ", ".join(f"{k}: saved {saved[k]!r}, model {ours[k]!r}" for k in differ)
+        raise CheckpointMismatchError(
+            f"the adapter at '{folder}' was trained with other settings than the model's adapter {name!r} ({parts}): "
+            "its weights would compute something else. Build the model with the saved adapter_config.json "
+            "(peft.PeftConfig.from_pretrained(path))"
+        )
+
+
 @checked
 def load_adapter(
     path: str | os.PathLike[str], like: Params, model: nn.Module, *, adapter_name: str | None = None
@@ -223,11 +248,13 @@ def load_adapter(
         raise FileNotFoundError(f"no adapter at '{folder}': {ADAPTER_WEIGHTS} is missing")
     config_file = folder / ADAPTER_CONFIG
     if config_file.exists():
-        stored = json.loads(config_file.read_text()).get("peft_type")
+        saved_config = json.loads(config_file.read_text())
+        stored = saved_config.get("peft_type")
         peft_model: Any = model
         ours = str(peft_model.peft_config[name].peft_type.value)
         if stored is not None and stored != ours:
             raise CheckpointMismatchError(f"the adapter at '{folder}' is a {stored} adapter, the model's {name!r} is {ours}")
+        _check_config(folder, saved_config, peft_model.peft_config[name], name)
     params = like.params if isinstance(like, TrainState) else like
     named = _named(model, params)
     names = {id(v): k for k, v in params.items()}
@@ -238,6 +265,13 @@ def load_adapter(
         if id(t) not in names:
             raise CheckpointMismatchError(f"load_adapter(): adapter tensor {key!r} is not among the params of `like`")
         targets[key], where[key] = params[names[id(t)]], names[id(t)]
-    loaded = load_pretrained(weights, like=targets)
+    try:
+        loaded = load_pretrained(weights, like=targets)
+    except CheckpointMismatchError as e:  # load_pretrained's own hint (strict=False) is not an option here
+        text = str(e).replace(" (pass strict=False to ignore unexpected ones)", "")
+        raise CheckpointMismatchError(
+            f"load_adapter(): {text}: the adapter at '{folder}' and the model's adapter {name!r} cover different "
+            "layers (compare target_modules in its adapter_config.json with the model's LoraConfig)"
+        ) from None
     new = {**params, **{where[k]: v for k, v in loaded.items()}}
     return like.replace(params=new) if isinstance(like, TrainState) else new  # type: ignore[return-value]

@@ -122,7 +122,7 @@ def save_pretrained(
         if isinstance(source, nn.Module):
             config = getattr(source, "config", None)
     final = Path(path).absolute()
-    atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"))
+    atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     full = gather_full(named)
     if full is not None:
         write_folder(final, lambda tmp: write_weights(tmp, full, size, config), _is_weight_file)

@@ -435,6 +435,15 @@ def test_disk_weights_in_another_dtype_go_to_the_offload_folder(tmp_path):
     assert list((tmp_path / "off").glob("*.safetensors"))
     with torch.no_grad():
         assert torch.equal(big(ids).logits, expected)
+    # the dtype's name, as transformers' torch_dtype and Accelerate take it
+    named = af.load_and_dispatch(_skeleton(model), tmp_path / "ckpt", device_map, dtype="torch.float64",
+                                 offload_folder=tmp_path / "off2")  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(named(ids).logits, expected)
+    assert af.infer_device_map(_skeleton(model), max_memory={"cpu": "1GiB"}, dtype="bf16") == af.infer_device_map(
+        _skeleton(model), max_memory={"cpu": "1GiB"}, dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="dtype='bfloat61' is not a torch dtype name"):
+        af.infer_device_map(_skeleton(model), dtype="bfloat61")
 
 
 def test_peak_host_memory_stays_within_cpu_share_plus_one_shard(tmp_path):

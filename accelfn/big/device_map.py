@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._typecheck import checked
-from .memory import DISK, HOST, default_max_memory, module_tensors, parse_max_memory, tensor_bytes
+from .memory import DISK, HOST, as_dtype, default_max_memory, module_tensors, parse_max_memory, tensor_bytes
 
 __all__ = ["infer_device_map", "ModelLayout", "layout_of", "resolve_device"]
 
@@ -172,7 +172,7 @@ def infer_device_map(
     model: nn.Module,
     max_memory: Mapping[Any, int | str] | None = None,
     no_split: str | Iterable[str] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     strategy: Strategy = "auto",
 ) -> dict[str, str]:
     """`{module name: device}` that fits `model` in `max_memory`: the accelerators in order, then `"cpu"`, then
@@ -184,7 +184,7 @@ def infer_device_map(
     class name is in `no_split` (default: the model's `_no_split_modules`, as in transformers) stay whole; tied
     parameters go to one device; the execution device (the first accelerator, else `"cpu"`) keeps room for the
     largest layer placed after it, which is brought there to run. `dtype`: size floating-point weights as this
-    dtype. `strategy`: `"auto"`/`"sequential"` fill devices in order; `"balanced"` spreads the model evenly over
+    dtype (a `torch.dtype` or its name, `"bfloat16"`). `strategy`: `"auto"`/`"sequential"` fill devices in order; `"balanced"` spreads the model evenly over
     the accelerators.
 
     Example:
@@ -194,6 +194,7 @@ def infer_device_map(
         >>> af.infer_device_map(model, max_memory={"cuda:0": "800KiB", "cpu": "300KiB"})
         {'0': 'cuda:0', '1': 'cuda:0', '2': 'cpu', '3': 'disk'}
     """
+    dtype = as_dtype(dtype)
     if no_split is None:
         no_split = getattr(model, "_no_split_modules", None) or ()
     no_split = {no_split} if isinstance(no_split, str) else set(no_split)  # one class name, as Accelerate takes it

@@ -25,7 +25,7 @@ from .._typecheck import checked
 from .device_map import Strategy, infer_device_map, resolve_device
 from .files import Checkpoint, SafetensorsFile
 from .hooks import Offloaded, attach_input_alignment, attach_offload
-from .memory import DISK, HOST, module_tensors
+from .memory import DISK, HOST, as_dtype, module_tensors
 
 __all__ = ["load_and_dispatch", "dispatch", "cpu_offload", "MissingWeightsError"]
 
@@ -255,7 +255,7 @@ def load_and_dispatch(
     *,
     max_memory: Mapping[Any, int | str] | None = None,
     no_split: str | list[str] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
 ) -> nn.Module:
     """Fill `model` (usually built under `af.init_empty()`) from a safetensors checkpoint and place it.
@@ -264,7 +264,8 @@ def load_and_dispatch(
     `model.safetensors` (an `af.checkpoint` folder too). Files are memory-mapped and read shard by shard, so
     host memory holds what is placed on `"cpu"` plus one tensor at a time. `device_map`: a dict
     `{module or tensor name: device}` or a strategy of `af.infer_device_map` (`"auto"`, `"balanced"`,
-    `"sequential"`, with `max_memory`, `no_split` and `dtype`). `dtype` casts floating-point weights.
+    `"sequential"`, with `max_memory`, `no_split` and `dtype`). `dtype` (a `torch.dtype` or its name, `"bfloat16"`)
+    casts floating-point weights.
     Disk weights are read from the checkpoint when their dtype matches, else written to `offload_folder`.
     Returns `model`, ready for inference.
 
@@ -278,6 +279,7 @@ def load_and_dispatch(
         >>> model(torch.ones(1, 4)).shape, model.weight.device
         (torch.Size([1, 2]), device(type='meta'))
     """
+    dtype = as_dtype(dtype)
     ckpt = Checkpoint(checkpoint)
     tensors = _tensors(model)
     keys: dict[int, str] = {}

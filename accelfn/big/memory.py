@@ -17,6 +17,7 @@ __all__ = [
     "parse_max_memory",
     "default_max_memory",
     "tensor_bytes",
+    "as_dtype",
     "HOST",
     "DISK",
 ]
@@ -149,3 +150,23 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module._parameters.items() if p is not None]
     out += [(n, b) for n, b in module._buffers.items() if b is not None]
     return out
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` as a `torch.dtype`: also its name (`"bfloat16"`, `"torch.float16"`, `"bf16"`), as transformers'
+    `torch_dtype` and Accelerate take it.
+
+    Example:
+        >>> as_dtype("bfloat16"), as_dtype("torch.float16"), as_dtype(None)
+        (torch.bfloat16, torch.float16, None)
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    found = getattr(torch, _DTYPE_NAMES.get(name, name), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float16', 'float32')")
+    return found

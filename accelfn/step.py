@@ -191,7 +191,9 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
     import os
     import warnings
 
-    wanted = os.environ.get("ACCELFN_MIXED_PRECISION", "no")
+    from .launch_env import ACCELFN_MIXED_PRECISION
+
+    wanted = os.environ.get(ACCELFN_MIXED_PRECISION, "no")
     if wanted in ("", "no") or any(t.kind in ("autocast", "fp8") for t in transforms):
         return
     how = "af.autocast_fp8(step)" if wanted == "fp8" else "af.autocast(step) (its dtype 'auto' reads the flag)"
@@ -203,10 +205,6 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
     )
 
 
-# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
-_donated: dict[int, weakref.ref[TrainState]] = {}
-
-
 def _debug_check_step(state: TrainState) -> None:
     """`ACCELFN_DEBUG=1`: the ranks of a sharded step compare their step numbers first, so a rank that runs a
     different number of steps (or an af.dist collective where the others train) fails on every rank instead of
@@ -215,6 +213,10 @@ def _debug_check_step(state: TrainState) -> None:
 
     if debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         debug.check("af.Step", f"training step, state.step={int(state.step)}")
+
+
+# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
+_donated: dict[int, weakref.ref[TrainState]] = {}
 
 
 def _mark_donated(state: TrainState) -> None:

@@ -253,7 +253,8 @@ def save(
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
     size = parse_size(max_shard_size)
     wait()
-    Comm().roll_call("af.checkpoint.save")  # a call on some ranks only: a clear error, not a hang
+    comm = Comm()
+    comm.roll_call("af.checkpoint.save")  # a call on some ranks only: a clear error, not a hang
     adapter = adapters.adapter_for(state)
     if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): save its full values
         state = adapter.export(state)
@@ -269,7 +270,6 @@ def save(
     final = Path(path).absolute()
     atomic.check_replaceable(final, (STATE_FILE,))
     _finish_device_work(state)
-    comm = Comm()
     plan = _Plan(state, comm, size, snapshot=async_save)
     token = comm.broadcast_str(uuid.uuid4().hex[:12])
     tmp = atomic.temp_sibling(final, token)
@@ -292,10 +292,7 @@ def _finish_device_work(state: TrainState) -> None:
     tensors = [t for t in _tree.leaves(state) if isinstance(t, torch.Tensor)]
     devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
     for device in devices:
-        try:
-            platforms.for_device(device).synchronize(device)
-        except ValueError:  # a kind accelfn has no adapter for
-            torch.accelerator.synchronize(device)
+        platforms.synchronize(device)
     if not devices and any(t.device.type == "cpu" and not is_dtensor(t) and t.is_pinned() for t in tensors):
         torch.accelerator.synchronize()  # pinned host tensors only: the copies come from the current accelerator
 

@@ -29,6 +29,7 @@ from .xpu import XpuPlatform
 __all__ = [
     "Platform",
     "host",
+    "synchronize",
     "KINDS",
     "DETECTION_ORDER",
     "ENV_VAR",
@@ -103,6 +104,17 @@ def for_device(device: torch.device | str) -> Platform:
 def available() -> list[Platform]:
     """The platforms available in this process, in detection order."""
     return [_PLATFORMS[k] for k in DETECTION_ORDER if _PLATFORMS[k].is_available()]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`: its platform's `synchronize`, or torch's generic accelerator API
+    for a kind accelfn has no adapter for."""
+    try:
+        platform = for_device(device)
+    except ValueError:
+        torch.accelerator.synchronize(device)
+        return
+    platform.synchronize(device)
 
 
 def host() -> Platform:

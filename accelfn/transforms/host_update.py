@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from .. import platforms
 from .. import tree as _tree
 from ..optim import GradientTransformation, apply_gradients
 
@@ -75,9 +76,8 @@ class HostUpdater:
     threads: int | None = None  # host threads for the update (None: this process's share of the cores)
     grad_buffers: dict[str, torch.Tensor] = attrs.Factory(dict)
     mirror: dict[str, torch.Tensor] = attrs.Factory(dict)
-    synced: dict[str, tuple[int, int]] = attrs.Factory(
-        dict
-    )  # name -> (id, version) of the device param mirrored
+    # name -> (id, version) of the device param mirrored
+    synced: dict[str, tuple[int, int]] = attrs.Factory(dict)
 
     def __call__(
         self,
@@ -95,7 +95,7 @@ class HostUpdater:
             host_grads = self._grads_to_host(grads)
             host_params, _ = self._host_params(params, extra)
             if device.type != "cpu":  # the copies into host memory must have landed before the update
-                _synchronize(device)
+                platforms.synchronize(device)
             new_state = self._update(tx, host_grads, opt_state, host_params)
             self._upload(params, host_params)
         return new_state, extra
@@ -224,7 +224,7 @@ class DelayedHostUpdater(HostUpdater):
             host_params, refreshed = self._host_params(params, state.extra)
         device = next(iter(params.values())).device
         if refreshed and device.type != "cpu":  # a first step, a loaded state, donate=False: wait for the mirror
-            _synchronize(device)
+            platforms.synchronize(device)
         copied, grads, opt_state = self._copied, pending["grads"], state.opt_state
 
         def work() -> Any:
@@ -304,7 +304,7 @@ def _record(device: torch.device) -> Any:
         event.record(torch.accelerator.current_stream(device))
         return event
     except (RuntimeError, TypeError, ValueError, AttributeError):
-        _synchronize(device)
+        platforms.synchronize(device)
         return None
 
 
@@ -336,14 +336,3 @@ def host_threads(n: int) -> Iterator[None]:
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
-
-
-def _synchronize(device: torch.device) -> None:
-    from .. import platforms
-
-    try:
-        platform = platforms.for_device(device)
-    except ValueError:  # a kind accelfn has no adapter for: torch's generic accelerator API
-        torch.accelerator.synchronize(device)
-        return
-    platform.synchronize(device)

@@ -26,7 +26,7 @@ if mesh.is_main:
     except RuntimeError as e:
         assert f"{what} is collective: every rank must call it" in str(e), e
         assert "not under `if mesh.is_main:`" in str(e), e
-        print(f"rank 0: OK {what} refused after {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"rank 0: OK {what} refused after {time.monotonic() - t0:.1f} s", flush=True)
     else:
         raise AssertionError(f"{what} on rank 0 alone did not fail")
 dist.barrier()  # the default group: rank 1 waits here while rank 0 is refused

@@ -655,6 +655,22 @@ def test_estimate_memory_from_a_config(tmp_path, capsys, as_folder):
     assert f"| {af.big.format_size(n * (4 + 4 + 8))} |" in out  # fp32 training: weights, grads, 2 moments
 
 
+def test_estimate_memory_builds_the_class_architectures_names(tmp_path, capsys):
+    # as from_pretrained would (a T5 seq2seq model is not a causal LM: this printed the bare T5Model)
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from accelfn.cli.main import main
+
+    config = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=96)
+    config.architectures = ["T5ForConditionalGeneration"]
+    config.to_json_file(tmp_path / "config.json")
+    assert main(["estimate-memory", str(tmp_path), "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    model = T5ForConditionalGeneration(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert "T5ForConditionalGeneration" in out and f"{n / 1e6:,.2f}M parameters" in out, out
+
+
 _UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 

@@ -27,23 +27,9 @@ def build(spec: str) -> Any:
 
     path = Path(spec)
     if path.exists():
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-        if path.is_file():
-            try:
-                fields = json.loads(path.read_text())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path} is not a JSON config ({e})") from None
-            if not isinstance(fields, dict) or "model_type" not in fields:
-                raise ValueError(f"{path} has no 'model_type': is it a transformers config.json?")
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        else:
-            config = AutoConfig.from_pretrained(str(path))
+        config = _config_of(path / "config.json" if path.is_dir() else path)
         with af.init_empty():
-            try:
-                return AutoModelForCausalLM.from_config(config)
-            except ValueError:  # not a causal LM: the bare model
-                return AutoModel.from_config(config)
+            return _model_of(config)
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
         raise ValueError(f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'")
@@ -60,6 +46,49 @@ def build(spec: str) -> Any:
     if not hasattr(model, "parameters"):
         raise ValueError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _config_of(path: Path) -> Any:
+    """The transformers config in the JSON file `path`; an unknown `model_type` is named with the closest known."""
+    import difflib
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not path.is_file():
+        raise ValueError(f"{path.parent} has no config.json: is it a transformers model folder?")
+    try:
+        fields = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON config ({e})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"{path} has no 'model_type': is it a transformers config.json?")
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not one transformers {transformers.__version__} knows{hint}"
+        )
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _model_of(config: Any) -> Any:
+    """The model class the config's `architectures` names (as `from_pretrained` would build), else the causal
+    LM of its type, else the bare model."""
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and hasattr(cls, "_from_config"):
+            return cls._from_config(config)
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError:  # not a causal LM: the bare model
+        return AutoModel.from_config(config)
 
 
 def estimate(model: Any, dtypes: list[str]) -> list[dict[str, Any]]:

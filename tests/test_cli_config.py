@@ -16,6 +16,42 @@ def test_default_config_round_trips_through_the_cli(tmp_path, capsys):
     assert load(path) == Config()
 
 
+def test_config_default_keeps_an_existing_file_unless_forced(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    save(Config(num_processes=4), path)
+    assert main(["config", "--default", "--config-file", str(path)]) == 2
+    assert f"{path} exists; not replaced by the defaults (--force replaces it)" in capsys.readouterr().err
+    assert load(path) == Config(num_processes=4)
+    assert main(["config", "--default", "--force", "--config-file", str(path)]) == 0
+    assert f"replaced {path}" in capsys.readouterr().out
+    assert load(path) == Config()
+
+
+def test_config_refuses_a_folder_and_writes_nothing_when_input_ends(tmp_path, capsys, monkeypatch):
+    assert main(["config", "--default", "--config-file", str(tmp_path)]) == 2
+    assert f"{tmp_path} is a folder; --config-file takes a file path" in capsys.readouterr().err
+    path = tmp_path / "cfg.yaml"
+    answers = iter(["cpu", "2"])
+
+    def input_then_eof(prompt):  # Ctrl-D on the third question (or stdin not a terminal)
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", input_then_eof)
+    assert main(["config", "--config-file", str(path)]) == 1
+    assert "end of input; nothing written" in capsys.readouterr().err
+    assert not path.exists()
+
+    def interrupted(prompt):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert main(["config", "--config-file", str(path)]) == 1
+    assert "interrupted; nothing written" in capsys.readouterr().err and not path.exists()
+
+
 def test_every_field_round_trips(tmp_path):
     cfg = Config(
         num_processes=4,

@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +31,10 @@ def _coerce(key: str, raw: str, kind: Callable[[str], Any]) -> Any:
     return kind(raw)
 
 
-def ask(input_fn: Callable[[str], str] = input, print_fn: Callable[[str], None] = print) -> Any:
-    """Ask every question (Enter keeps the default); a bad answer is explained and asked again."""
+def ask(input_fn: Callable[[str], str] | None = None, print_fn: Callable[[str], None] = print) -> Any:
+    """Ask every question (Enter keeps the default); a bad answer is explained and asked again. `input_fn`
+    defaults to `input` (looked up at the call)."""
+    input_fn = input_fn or input
     from ..launch.config import Config, ConfigError, Fp8Config
 
     cfg = Config()
@@ -67,6 +70,7 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--default", action="store_true", help="write the defaults without asking")
+    p.add_argument("--force", action="store_true", help="with --default: replace an existing file")
     p.add_argument(
         "--config-file", help="where to write (default: $XDG_CACHE_HOME/accelfn/default_config.yaml)"
     )
@@ -74,9 +78,28 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ..launch.config import Config, default_config_path, save
 
-    cfg = Config() if args.default else ask()
-    path = save(cfg, args.config_file or default_config_path())
-    print(f"accelfn config: wrote {path}")
+    path = Path(args.config_file) if args.config_file else default_config_path()
+    if path.is_dir():
+        print(f"accelfn config: {path} is a folder; --config-file takes a file path, e.g. {path / 'accelfn.yaml'}", file=sys.stderr)
+        return 2
+    if args.default and path.exists() and not args.force:
+        print(f"accelfn config: {path} exists; not replaced by the defaults (--force replaces it)", file=sys.stderr)
+        return 2
+    try:
+        cfg = Config() if args.default else ask()
+    except (EOFError, KeyboardInterrupt) as e:  # input closed (Ctrl-D, no terminal) or Ctrl-C
+        why = "end of input" if isinstance(e, EOFError) else "interrupted"
+        print(f"\naccelfn config: {why}; nothing written (--default writes the defaults without asking)", file=sys.stderr)
+        return 1
+    replaced = path.exists()
+    try:
+        save(cfg, path)
+    except OSError as e:
+        print(f"accelfn config: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"accelfn config: {'replaced' if replaced else 'wrote'} {path}")
     return 0

@@ -166,12 +166,18 @@ def test_env_prints_versions_platform_and_config(tmp_path, capsys):
         "- deepspeed:",
         "- torchao:",
         "- transformers:",
+        "- optree:",
+        "- safetensors:",
+        "- peft:",
         "- platform:",
         "- devices:",
         "- config:",
     ):
         assert key in out
     assert "'num_processes': 2" in out
+    import importlib.metadata
+
+    assert f"- peft: {importlib.metadata.version('peft')}" in out  # the installed version, read not guessed
 
 
 def test_env_reports_an_unusable_device_setting_instead_of_crashing(monkeypatch, capsys):

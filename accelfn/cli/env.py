@@ -12,7 +12,8 @@ import platform as pyplatform
 import sys
 from typing import Any
 
-OPTIONAL = ("deepspeed", "torchao", "transformers", "transformer_engine", "accelerate")
+BUILT_ON = ("optree", "attrs", "safetensors", "typeguard")
+OPTIONAL = ("deepspeed", "torchao", "transformer_engine", "transformers", "peft", "accelerate")
 
 
 def _version(dist: str) -> str:
@@ -36,7 +37,7 @@ def report(config_file: str | None = None) -> dict[str, Any]:
         "os": pyplatform.platform(),
         "torch": torch.__version__,
     }
-    for name in OPTIONAL:
+    for name in (*BUILT_ON, *OPTIONAL):
         info[name] = _version(name)
     from .. import platforms
 

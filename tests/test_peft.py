@@ -89,6 +89,34 @@ def test_merged_export_loads_in_transformers_with_the_same_logits_and_leaves_the
     assert all(torch.equal(state.params[n], v) for n, v in params_before.items())
 
 
+@pytest.mark.filterwarnings("ignore:Model (has|with) `tie_word_embeddings=True`:UserWarning")
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["q_proj"]], ids=["adapted-head", "head-untouched"])
+def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge_changed_one(tmp_path, targets):
+    # an adapter on lm_head of a tied model: the merged head differs from the embedding, so config.json must
+    # say tie_word_embeddings=False, or a loader that re-ties them drops one (PEFT's merge_and_unload changes both)
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    _, state = trained(model, steps=1)
+    before = logits(model)
+    af.checkpoint.save_adapter(tmp_path / "merged", state, model, merge=True)
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is ("lm_head" not in targets)
+    assert model.get_base_model().config.tie_word_embeddings is True  # the training model's config is untouched
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is ("lm_head" not in targets)
+    torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
+
+
 def test_load_adapter_reads_a_peft_folder_into_a_state(tmp_path):
     source = lora_model()
     _, trained_state = trained(source)

@@ -139,8 +139,30 @@ def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapte
     if gathered is not None:
         full = {k: gathered[unique[alias_key(t)]] for k, t in named.items()}
         merged = _merge_on_host(model, base, prefix, full, adapter)
-        write_folder(final, lambda tmp: write_weights(tmp, merged, size, getattr(base, "config", None)), _is_weight_file)
+        config = _untied_if_diverged(getattr(base, "config", None), merged, base)
+        write_folder(final, lambda tmp: write_weights(tmp, merged, size, config), _is_weight_file)
     Comm().barrier()
+
+
+def _untied_if_diverged(config: Any, merged: dict[str, torch.Tensor], base: nn.Module) -> Any:
+    """`config`, or a copy with `tie_word_embeddings=False` when the merge gave the tied input and output
+    embeddings different values (an adapter on `lm_head` or `embed_tokens` of a tied model): a loader that
+    re-ties them (older transformers, vLLM, ...) would otherwise drop one of the merged weights."""
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return config
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    if inputs is None or outputs is None:
+        return config
+    names = {id(m): n for n, m in base.named_modules()}
+    tied = [merged.get(f"{names[id(m)]}.weight") for m in (inputs, outputs) if id(m) in names]
+    if len(tied) < 2 or tied[0] is None or tied[1] is None or torch.equal(tied[0], tied[1]):
+        return config
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if text is not None and text is not config and hasattr(text, "tie_word_embeddings"):
+        text.tie_word_embeddings = False
+    return config
 
 
 def _merge_on_host(

@@ -8,7 +8,6 @@ times. Tied parameters are placed together with the first module that holds them
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -17,7 +16,16 @@ import torch
 from torch import nn
 
 from .._typecheck import checked
-from .memory import DISK, HOST, as_dtype, default_max_memory, module_tensors, parse_max_memory, tensor_bytes
+from .memory import (
+    DISK,
+    HOST,
+    as_dtype,
+    default_max_memory,
+    format_size,
+    module_tensors,
+    parse_max_memory,
+    tensor_bytes,
+)
 
 __all__ = ["infer_device_map", "ModelLayout", "layout_of", "resolve_device"]
 
@@ -145,8 +153,16 @@ def _place(
         ]
         need = size + sum(layout.size[p] for p in partners)
         while True:
+            if i == len(devices):
+                room = f" (keeping {format_size(reserve)} on {exec_device} to run offloaded layers)" if reserve else ""
+                left = ", ".join(f"{d}: {format_size(max(budgets[d] - used[d], 0))} of {format_size(budgets[d])}" for d in devices)
+                raise ValueError(
+                    f"infer_device_map: {name or 'the model'!r} ({format_size(need)}) fits in none of max_memory's "
+                    f"devices after the modules before it{room}; left: {left}. Give more memory, or allow "
+                    "offloading to 'disk' (leave 'disk' out of max_memory for no limit)"
+                )
             device = devices[i]
-            cap = math.inf if device == DISK else budgets[device] - (reserve if device == exec_device else 0)
+            cap = budgets[device] - (reserve if device == exec_device else 0)
             if used[device] + need <= cap:
                 used[device] += need
                 for n in (name, *partners):
@@ -180,7 +196,8 @@ def infer_device_map(
 
     `max_memory` maps devices (`"cuda:0"`, `0` for the platform's accelerator 0, `"cpu"`, `"disk"`) to sizes
     (bytes, or strings such as `"10GiB"` / `"10GB"`); its keys are the devices to use, so a plan for another
-    machine can be made here. Default: 90% of what the platform's devices and the host have free. Modules whose
+    machine can be made here. Default: 90% of what the platform's devices and the host have free; disk is
+    unlimited unless given (`"disk": 0` never offloads to disk; a model that fits nowhere raises). Modules whose
     class name is in `no_split` (default: the model's `_no_split_modules`, as in transformers) stay whole; tied
     parameters go to one device; the execution device (the first accelerator, else `"cpu"`) keeps room for the
     largest layer placed after it, which is brought there to run. `dtype`: size floating-point weights as this

@@ -144,11 +144,11 @@ def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapte
     Comm().barrier()
 
 
-def _untied_if_diverged(config: Any, merged: dict[str, torch.Tensor], base: nn.Module) -> Any:
+def _untied_if_diverged(config: Any, merged: dict[str, torch.Tensor], base: Any) -> Any:
     """`config`, or a copy with `tie_word_embeddings=False` when the merge gave the tied input and output
     embeddings different values (an adapter on `lm_head` or `embed_tokens` of a tied model): a loader that
     re-ties them (older transformers, vLLM, ...) would otherwise drop one of the merged weights."""
-    if config is None or not getattr(config, "tie_word_embeddings", False):
+    if config is None or not getattr(config, "tie_word_embeddings", False) or not hasattr(base, "get_input_embeddings"):
         return config
     inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
     if inputs is None or outputs is None:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import attrs
@@ -55,6 +56,36 @@ class TrainState:
             f"TrainState(step={int(self.step)}, params={len(self.params)} tensors / {n:,} elements, "
             f"buffers={len(self.buffers)}, extra={sorted(self.extra)})"
         )
+
+
+# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
+_donated: dict[int, weakref.ref[TrainState]] = {}
+
+
+def mark_donated(state: TrainState) -> None:
+    """Record that a training step updated `state`'s tensors in place (it returned a new state)."""
+    key = id(state)
+    _donated[key] = weakref.ref(state, lambda _: _donated.pop(key, None))
+
+
+def check_not_donated(state: TrainState, who: str | None = None) -> None:
+    """A `ValueError` if `state` was donated to a training step: its tensors hold the newer state (the params
+    after that update) beside its own old step count and extras. `who` names the call that was given it."""
+    ref = _donated.get(id(state))
+    if ref is None or ref() is not state:
+        return
+    what = (
+        f"{who}: this state ({state!r}) was already passed to a training step, which donated it: the step updated "
+        "its params and optimizer state in place, so they are the next step's while its step count is this "
+        f"one's, and {who} would mix the two"
+        if who
+        else f"this state ({state!r}) was already passed to a training step, which donated it: the step updated "
+        "its tensors in place, so they hold the newer state, not this one"
+    )
+    raise ValueError(
+        f"{what}. Pass the state that call returned; to keep an earlier state (a retry, a best-so-far copy), "
+        "clone it (`af.tree.map(torch.clone, state)`) or use af.train_step(..., donate=False)"
+    )
 
 
 def _flatten(s: TrainState) -> tuple[tuple[Any, ...], None, tuple[str, ...]]:

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from .engine import Plan, check_batch, loss_parts, run_eval, run_train
 from .lowering import CompositionError, Transform, canonical, lower
 from .module import bind, partition
 from .optim import GradientTransformation
-from .state import TrainState
+from .state import TrainState, check_not_donated, mark_donated
 
 __all__ = ["Step", "train_step", "eval_step", "check_batch", "loss_parts"]
 
@@ -161,13 +160,14 @@ class Step:
         plan = self.plan
         batch = check_batch(batch)  # a Mapping (BatchEncoding) becomes a dict
         if self.kind == "eval":
+            check_not_donated(state, "an eval step")
             return run_eval(plan, state, batch)
-        _check_not_donated(state)
+        check_not_donated(state)
         if plan.grad_sync is not None:
             _debug_check_step(state)
         out = run_train(plan, state, batch)
         if plan.donate and out[0] is not state:
-            _mark_donated(state)
+            mark_donated(state)
         return out
 
     def __repr__(self) -> str:
@@ -213,26 +213,6 @@ def _debug_check_step(state: TrainState) -> None:
 
     if debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         debug.check("af.Step", f"training step, state.step={int(state.step)}")
-
-
-# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
-_donated: dict[int, weakref.ref[TrainState]] = {}
-
-
-def _mark_donated(state: TrainState) -> None:
-    key = id(state)
-    _donated[key] = weakref.ref(state, lambda _: _donated.pop(key, None))
-
-
-def _check_not_donated(state: TrainState) -> None:
-    ref = _donated.get(id(state))
-    if ref is not None and ref() is state:
-        raise ValueError(
-            f"this state ({state!r}) was already passed to a training step, which donated it: the step updated "
-            "its tensors in place, so they hold the newer state, not this one. Pass the state that call returned; "
-            "to keep an earlier state (a retry, a best-so-far copy), clone it (`af.tree.map(torch.clone, state)`) "
-            "or use af.train_step(..., donate=False)"
-        )
 
 
 @checked

@@ -592,7 +592,7 @@ def test_a_dict_of_lists_is_a_clear_data_loader_error():
         af.data.DataLoader({"x": [1, 2, 3], "y": torch.arange(3)}, batch_size=2)
 
 
-def test_a_donated_state_passed_again_is_an_error_naming_the_fix():
+def test_a_donated_state_passed_again_is_an_error_naming_the_fix(tmp_path):
     # The step updates the state it is given in place (donation, as jax.jit's donate_argnums): a second call with
     # that state would apply a second update on top of the first and report a wrong step count (JAX raises too).
     step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2))
@@ -603,6 +603,18 @@ def test_a_donated_state_passed_again_is_an_error_naming_the_fix():
     snapshot = af.tree.map(torch.clone, new)  # the documented way to keep a state
     newer, _ = step(new, torch.randn(8, 4))
     step(snapshot, torch.randn(8, 4))  # a clone is a state of its own
+    # saving or evaluating the donated state would mix the new params with the old step count: refused too
+    with pytest.raises(ValueError, match=r"af.checkpoint.save: this state .* was already passed to a training step"):
+        af.checkpoint.save(tmp_path / "old", old)
+    assert not (tmp_path / "old").exists()
+    with pytest.raises(ValueError, match="af.checkpoint.save_pretrained: this state"):
+        af.checkpoint.save_pretrained(tmp_path / "hf", old, config={"model_type": "x"})
+    evaluate = af.eval_step(lambda m, b: m(b))
+    evaluate.init(step.model)
+    with pytest.raises(ValueError, match="an eval step: this state"):
+        evaluate(old, torch.randn(8, 4))
+    evaluate(newer, torch.randn(8, 4))
+    af.checkpoint.save(tmp_path / "new", newer)
     keep = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2), donate=False)
     first = keep.init(torch.nn.Linear(4, 2))
     a, _ = keep(first, torch.ones(8, 4))

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .._typecheck import checked
-from ..state import TrainState
+from ..state import TrainState, check_not_donated
 from . import atomic, io
 from ._dist import Comm
 from .format import HF_INDEX, CheckpointMismatchError, parse_size
@@ -102,6 +102,8 @@ def save_adapter(
     other files in an existing folder are kept. Call on every rank (sharded params are gathered to rank 0).
     """
     name = _check_model(model, adapter_name, "save_adapter")
+    if isinstance(state_or_params, TrainState):
+        check_not_donated(state_or_params, "af.checkpoint.save_adapter")
     params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
     named = _named(model, params)
     final = Path(path).absolute()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .._typecheck import checked
-from ..state import TrainState
+from ..state import TrainState, check_not_donated
 from . import atomic, io
 from ._dist import Comm, is_dtensor
 from .format import HF_INDEX, CheckpointMismatchError, hf_index, parse_size
@@ -116,6 +116,8 @@ def save_pretrained(
             "the folder; pass the module it trains: save_pretrained(path, state, model=step.model) (writes "
             "config.json and the persistent buffers too), or config=..., or state.params for the weights alone"
         )
+    if isinstance(model_or_params, TrainState):
+        check_not_donated(model_or_params, "af.checkpoint.save_pretrained")
     named = _named_tensors(model_or_params, model)
     if config is None:
         source = model if model is not None else model_or_params

@@ -29,7 +29,7 @@ import torch
 
 from .. import tree as _tree
 from .._typecheck import checked
-from ..state import TrainState
+from ..state import TrainState, check_not_donated
 from . import adapters, async_, atomic, io
 from ._dist import Comm, is_dtensor, is_sharded, region, writes_piece
 from .async_ import SaveHandle, wait
@@ -251,6 +251,7 @@ def save(
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
+    check_not_donated(state, "af.checkpoint.save")
     size = parse_size(max_shard_size)
     wait()
     comm = Comm()

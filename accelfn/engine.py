@@ -589,8 +589,8 @@ def _check_trainable(params: dict[str, torch.Tensor], trainable: tuple[str, ...]
     raise ValueError(
         f"params {what}. The trainable params (and the optimizer state built for them) are fixed when a step is "
         "initialised: set requires_grad before step.init() (a new step.init(step.model) starts from the current "
-        "weights with a fresh optimizer state), or keep them trainable and leave them out of the update with "
-        "af.optim.masked"
+        "weights with a fresh optimizer state), or keep them trainable and zero their updates: "
+        "af.train_step(loss_fn, af.optim.chain(optimizer, af.optim.freeze(mask)))"
     )
 
 

@@ -569,6 +569,20 @@ def test_chain_of_masked_transforms_trains_weights_and_biases_differently() -> N
         assert max_abs_diff(params, expected) <= ATOL, path
 
 
+def test_freeze_zeroes_the_masked_updates_and_set_to_zero_all() -> None:
+    params = initial_params()
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    frozen = {k: is_bias(k) for k in params}
+    tx = af.optim.chain(af.optim.sgd(0.1), af.optim.freeze(frozen))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    for k, u in updates.items():
+        assert torch.equal(u, torch.zeros_like(u) if frozen[k] else torch.full_like(u, -0.1)), k
+    tx = af.optim.freeze(lambda p: {k: True for k in p})  # a callable mask, as masked takes
+    assert all(not u.any() for u in tx.update(grads, tx.init(params), params)[0].values())
+    z = af.optim.set_to_zero()
+    assert all(not u.any() for u in z.update(grads, z.init(params), params)[0].values())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors name the culprit.
 # ---------------------------------------------------------------------------------------------------------

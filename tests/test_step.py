@@ -538,6 +538,37 @@ def test_changing_requires_grad_after_init_is_a_clear_error():
         step2(state2, torch.randn(4, 8))
 
 
+def test_freezing_as_the_error_advises_leaves_the_params_unchanged_and_trains_the_rest_as_torch():
+    # the advice of the error above: keep them trainable and zero their updates with af.optim.freeze (masked
+    # alone passes their gradient through as the update: a step *up* the loss with lr 1)
+    torch.manual_seed(0)
+    model, ref = MLP(), MLP()
+    ref.load_state_dict(model.state_dict())
+    frozen = {n: n.startswith("fc1.") for n, _ in model.named_parameters()}
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.chain(af.optim.adamw(0.1, weight_decay=0.1),
+                                                                         af.optim.freeze(frozen)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"af.optim.chain\(optimizer, af.optim.freeze\(mask\)\)"):
+        s = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(0.1))
+        st = s.init(MLP())
+        s.model.fc1.weight.requires_grad_(False)
+        s(st, torch.randn(4, 8))
+    state = step.init(model)
+    before = {n: p.clone() for n, p in state.params.items()}
+    opt = torch.optim.AdamW([p for n, p in ref.named_parameters() if not frozen[n]], lr=0.1, weight_decay=0.1)
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        state, _ = step(state, x)
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+    for n, p in ref.named_parameters():
+        if frozen[n]:
+            assert torch.equal(state.params[n], before[n]), n
+        else:
+            assert not torch.equal(state.params[n], before[n]), n
+            torch.testing.assert_close(state.params[n], p.detach(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_aux_metrics_are_scalars_and_numbers_are_accepted(micro):
     def loss_fn(m, b):

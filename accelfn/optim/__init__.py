@@ -17,6 +17,7 @@ from .base import (
     learning_rate,
 )
 from .clip import clip_by_global_norm, global_norm
+from .freeze import freeze, set_to_zero
 from .lion import LionState, lion
 from .masked import MaskedState, masked
 from .schedules import Schedule, as_schedule, constant, cosine, linear, warmup_cosine
@@ -42,6 +43,8 @@ __all__ = [
     "clip_by_global_norm",
     "global_norm",
     "masked",
+    "freeze",
+    "set_to_zero",
     "as_schedule",
     "constant",
     "linear",

@@ -1,7 +1,8 @@
 """Apply a transformation to some leaves only (optax's `masked`).
 
-Leaves where the mask is False pass through unchanged, so combine with another transformation for them
-(or use `adamw(mask=...)` for the common "no weight decay on biases and norms" case).
+Leaves where the mask is False pass through unchanged (their gradient *is* their update), so combine with
+another transformation for them: `freeze(mask)` to leave those params as they are, or use `adamw(mask=...)`
+for the common "no weight decay on biases and norms" case.
 
 Example:
     >>> import torch, accelfn as af

@@ -189,12 +189,13 @@ _TRAINING: weakref.WeakSet[Plan] = weakref.WeakSet()  # the lowered training ste
 
 
 @contextlib.contextmanager
-def exclusive(plan: Plan) -> Iterator[None]:
+def exclusive(plan: Plan, state: TrainState | None = None) -> Iterator[None]:
     """While `plan` runs, the trainable params of the process's *other* training steps stop requiring grad.
 
     A loss may use another step's model (a GAN's discriminator, a teacher): its parameters then get no
     gradient and fire none of their hooks (DDP buckets, DeepSpeed ZeRO reductions), while gradients still
-    flow through it to this step's params. Free when there is only one training step.
+    flow through it to this step's params. Free when there is only one training step. A `state` whose params
+    are another step's (its `init` made it) is refused: this step would train that step's model.
     """
     if len(_TRAINING) < 2:
         yield
@@ -204,6 +205,15 @@ def exclusive(plan: Plan) -> Iterator[None]:
         p for other in list(_TRAINING) if other is not plan
         for p in other.module.parameters() if p.requires_grad and id(p) not in own
     ]
+    if state is not None and frozen:
+        theirs = {id(p) for p in frozen}
+        foreign = [n for n, t in state.params.items() if id(t) in theirs]
+        if foreign:
+            raise ValueError(
+                f"this state belongs to another training step: its params {foreign[:3]} are that step's model's "
+                "(the step whose init made the state). Pass this step's own state (from its init), or a copy of "
+                "the other (`af.tree.map(torch.clone, state)`) to start from its values"
+            )
     for p in frozen:
         p.requires_grad_(False)
     try:
@@ -215,7 +225,7 @@ def exclusive(plan: Plan) -> Iterator[None]:
 
 # ---- the training step --------------------------------------------------------------------------------------
 def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    with exclusive(plan):
+    with exclusive(plan, state):
         if plan.train_override is not None:  # a backend that owns the whole step (DeepSpeed)
             return plan.train_override(plan, state, batch)
         if not plan.donate:

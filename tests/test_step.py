@@ -538,6 +538,22 @@ def test_changing_requires_grad_after_init_is_a_clear_error():
         step2(state2, torch.randn(4, 8))
 
 
+def test_a_state_of_another_live_training_step_is_refused_naming_it():
+    # e.g. a re-run notebook cell: the old step still trains the state's params (it blamed "frozen params")
+    loss = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    old_step = af.train_step(loss, af.optim.adamw(1e-3))
+    old_state = old_step.init(torch.nn.Linear(4, 2))
+    new_step = af.train_step(loss, af.optim.adamw(1e-3))
+    new_step.init(torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"this state belongs to another training step: its params \['weight', 'bias'\]"):
+        new_step(old_state, torch.randn(2, 4))
+    copy = af.tree.map(torch.clone, old_state)  # the advised way to start from its values
+    state, _ = new_step(copy, torch.randn(2, 4))
+    assert int(state.step) == 1
+    old_state, _ = old_step(old_state, torch.randn(2, 4))  # and the other step still trains its own
+    assert int(old_state.step) == 1
+
+
 def test_freezing_as_the_error_advises_leaves_the_params_unchanged_and_trains_the_rest_as_torch():
     # the advice of the error above: keep them trainable and zero their updates with af.optim.freeze (masked
     # alone passes their gradient through as the update: a step *up* the loss with lr 1)

@@ -556,7 +556,13 @@ def loss_parts(out: Any) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, A
         if not isinstance(total, torch.Tensor) or total.numel() != 1:
             raise ValueError(f"Loss.total must be a scalar tensor, got {_describe(total)}")
         count_t = count if isinstance(count, torch.Tensor) else torch.tensor(count, device=total.device)
-        return total.reshape(()), count_t.reshape(()).to(total.dtype), aux
+        if count_t.numel() != 1:
+            raise ValueError(
+                f"Loss.count must be a scalar (the number of elements `total` sums over), got {_describe(count_t)}; "
+                "sum it, e.g. af.Loss(total, (labels != -100).sum())"
+            )
+        # counts stay exact: at least fp32 (a bf16 count of 301 is 300; fp16 overflows past 65504)
+        return total.reshape(()), count_t.reshape(()).to(torch.promote_types(total.dtype, torch.float32)), aux
     if isinstance(out, torch.Tensor):
         if out.numel() != 1:
             raise ValueError(

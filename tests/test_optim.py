@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -601,6 +602,21 @@ def test_sgd_with_a_string_momentum_raises_type_error_naming_momentum() -> None:
 def test_sgd_nesterov_without_momentum_raises_value_error() -> None:
     with pytest.raises(ValueError, match="nesterov"):
         af.optim.sgd(0.1, nesterov=True)
+
+
+@pytest.mark.parametrize(
+    "make, culprit",
+    [
+        (lambda: af.optim.sgd(0.1, momentum=-0.5), "momentum=-0.5"),
+        (lambda: af.optim.sgd(0.1, weight_decay=-0.5), "weight_decay=-0.5"),
+        (lambda: af.optim.sgd(0.1, momentum=float("nan")), "momentum=nan"),
+        (lambda: af.optim.lion(0.1, b1=1.0), "b1 must be in"),
+        (lambda: af.optim.lion(0.1, weight_decay=-1.0), "weight_decay must be >= 0"),
+    ],
+)
+def test_sgd_and_lion_refuse_out_of_range_hyperparameters(make, culprit) -> None:
+    with pytest.raises(ValueError, match=re.escape(culprit)):
+        make()
 
 
 def test_chain_of_a_non_transformation_raises_type_error() -> None:

@@ -538,6 +538,25 @@ def test_changing_requires_grad_after_init_is_a_clear_error():
         step2(state2, torch.randn(4, 8))
 
 
+def test_a_loss_whose_total_or_count_is_not_a_scalar_is_named_and_counts_stay_exact_in_bf16():
+    step = af.train_step(lambda m, b: af.Loss(m(b).sum(), (b != 0).sum(-1)), af.optim.sgd(0.1))  # .sum() forgotten
+    state = step.init(torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"Loss.count must be a scalar .* got a tensor of shape \(3,\)"):
+        step(state, torch.ones(3, 4))
+    step = af.train_step(lambda m, b: af.Loss(m(b), 3), af.optim.sgd(0.1))
+    state = step.init(torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"Loss.total must be a scalar tensor, got a tensor of shape \(3, 2\)"):
+        step(state, torch.ones(3, 4))
+    # a bf16 total (no .float()): the count of 301 must not round to 300 (it did: the count took total's dtype)
+    model = torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    step = af.train_step(lambda m, b: af.Loss(m(b).sum(), torch.tensor(301)), af.optim.sgd(0.0))
+    state = step.init(model)
+    _, metrics = step(state, torch.ones(128, 4, dtype=torch.bfloat16))  # a total of 512, exact in bf16
+    torch.testing.assert_close(metrics["loss"].float(), torch.tensor(512 / 301), rtol=1e-3, atol=0)  # not 512 / 300
+
+
 def test_a_state_of_another_live_training_step_is_refused_naming_it():
     # e.g. a re-run notebook cell: the old step still trains the state's params (it blamed "frozen params")
     loss = lambda m, b: m(b).pow(2).mean()  # noqa: E731

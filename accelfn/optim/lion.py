@@ -35,6 +35,11 @@ def lion(
     lr: ScheduleLike, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: MaskLike | None = None
 ) -> GradientTransformation:
     """Lion: `p -= lr * (sign(b1*m + (1-b1)*g) + weight_decay*p)`; then `m = b2*m + (1-b2)*g`."""
+    for what, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"lion: {what} must be in [0, 1), got {value}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"lion: weight_decay must be >= 0, got {weight_decay}")
     schedule = as_schedule(lr)
 
     def init(params: Any) -> LionState:

@@ -39,6 +39,8 @@ def sgd(
     lr: ScheduleLike, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
 ) -> GradientTransformation:
     """Stochastic gradient descent; `weight_decay` is an L2 penalty added to the gradient (as in torch)."""
+    if not momentum >= 0.0 or not weight_decay >= 0.0:  # as torch.optim.SGD (NaN included)
+        raise ValueError(f"sgd: momentum and weight_decay must be >= 0, got momentum={momentum}, weight_decay={weight_decay}")
     if nesterov and momentum <= 0:
         raise ValueError(f"sgd: nesterov=True needs momentum > 0, got momentum={momentum}")
     schedule = as_schedule(lr)

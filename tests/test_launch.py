@@ -92,6 +92,39 @@ def test_bad_launch_flags_exit_2_naming_the_flag(flags, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
+def test_num_processes_counts_all_nodes_as_accelerate_does():
+    # Accelerate's --num_processes is the total (num_processes // num_machines per node); --nproc-per-node is ours
+    plan = resolve(LaunchOptions(script="t.py", num_processes=4, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={})
+    assert plan.nproc_per_node == 2 and plan.max_nodes == 2
+    assert resolve(LaunchOptions(script="t.py", num_processes=3, cpu=True), environ={}).nproc_per_node == 3
+    with pytest.raises(ConfigError, match=r"--num-processes=3 \(over all nodes\) does not split evenly over --nnodes=2"):
+        resolve(LaunchOptions(script="t.py", num_processes=3, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={})
+    with pytest.raises(ConfigError, match="give one"):
+        resolve(LaunchOptions(script="t.py", num_processes=2, nproc_per_node=2, cpu=True), environ={})
+    with pytest.raises(ConfigError, match="elastic"):
+        resolve(LaunchOptions(script="t.py", num_processes=2, nnodes="1:2", rdzv_endpoint="h:1", cpu=True), environ={})
+
+
+def test_bad_paths_and_a_missing_script_are_one_line_errors(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"--log-dir=.*afile' is a file; give a folder"):
+        resolve(LaunchOptions(script="t.py", cpu=True, log_dir=str(a_file)), environ={})
+    with pytest.raises(ConfigError, match="cannot be made"):
+        resolve(LaunchOptions(script="t.py", cpu=True, log_dir=str(a_file / "logs")), environ={})
+    made = tmp_path / "new" / "logs"
+    assert resolve(LaunchOptions(script="t.py", cpu=True, log_dir=str(made)), environ={}).log_dir == str(made)
+    assert made.is_dir()
+    with pytest.raises(ConfigError, match="is a folder; give the YAML file's path"):
+        resolve(LaunchOptions(script="t.py", cpu=True, config_file=str(tmp_path)), environ={})
+    r = accelfn("launch", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "accelfn launch: error: SCRIPT is required: the training script's path (or a module with -m)"
+    ), r.stderr
+    r = accelfn("launch", "--cpu", "--log-dir", str(a_file), "t.py", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "is a file" in r.stderr, r.stderr
+
+
 def test_several_nodes_need_an_endpoint():
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
         resolve(LaunchOptions(script="t.py", nnodes="2", cpu=True), environ={})

@@ -20,10 +20,16 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("processes")
     g.add_argument(
         "--nproc-per-node",
-        "--num-processes",
         dest="nproc_per_node",
         metavar="N|auto",
         help="processes on this node (default: the platform's device count; 1 on CPU)",
+    )
+    g.add_argument(
+        "--num-processes",
+        dest="num_processes",
+        type=int,
+        metavar="N",
+        help="processes over all nodes, as Accelerate's --num_processes: N / --nnodes on each node",
     )
     g.add_argument(
         "--nnodes",
@@ -57,7 +63,9 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
     o = p.add_argument_group("output")
-    o.add_argument("--log-dir", help="folder for per-rank logs and error files (default: a temp folder)")
+    o.add_argument(
+        "--log-dir", help="folder for each rank's error file, and its logs with --tee (default: a temp folder)"
+    )
     o.add_argument(
         "--tee",
         choices=("none", "stdout", "stderr", "all"),
@@ -75,6 +83,7 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         script_args=tuple(script_args),
         module=module,
         nproc_per_node=args.nproc_per_node,
+        num_processes=args.num_processes,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
@@ -117,10 +126,13 @@ def add_parser(sub: Any) -> None:
     )
     add_launch_options(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as `python -m`")
-    p.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
+    p.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.script is None:  # argparse's own message also named the optional script arguments as required
+        print("accelfn launch: error: SCRIPT is required: the training script's path (or a module with -m)", file=sys.stderr)
+        return 2
     return launch(options_from_args(args, args.script, args.script_args, args.module))

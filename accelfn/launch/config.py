@@ -235,6 +235,10 @@ def load(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(
             f"config file {str(path)!r} does not exist; write one with `accelfn config`"
         ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a folder; give the YAML file's path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     try:

@@ -34,6 +34,7 @@ class LaunchOptions:
     script_args: Sequence[str] = ()
     module: bool = False
     nproc_per_node: int | str | None = None
+    num_processes: int | None = None  # over all nodes (Accelerate's meaning): nproc_per_node = this / nnodes
     nnodes: int | str | None = None
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
@@ -90,6 +91,41 @@ def _read_config(opts: LaunchOptions, environ: Mapping[str, str]) -> tuple[Confi
     return Config(), None
 
 
+def _check_log_dir(log_dir: str | None) -> str | None:
+    """`--log-dir`: a folder that exists or can be made (torch's agent would fail with a traceback)."""
+    if log_dir is None:
+        return None
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ConfigError(f"--log-dir={log_dir!r} is a file; give a folder (made if missing)")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--log-dir={log_dir!r} cannot be made: {e.strerror or e}") from None
+    if not os.access(log_dir, os.W_OK):
+        raise ConfigError(f"--log-dir={log_dir!r} is not writable")
+    return log_dir
+
+
+def _per_node(total: int, nproc_per_node: Any, min_nodes: int, max_nodes: int) -> int:
+    """`--num-processes` (processes over all nodes, as Accelerate counts them) as processes per node."""
+    if nproc_per_node is not None:
+        raise ConfigError(
+            f"--num-processes={total} and --nproc-per-node={nproc_per_node}: give one (--num-processes counts "
+            "the processes of all nodes, --nproc-per-node those of each)"
+        )
+    if min_nodes != max_nodes:
+        raise ConfigError(
+            f"--num-processes={total} with an elastic --nnodes={min_nodes}:{max_nodes}: the processes per node "
+            "are not fixed; give --nproc-per-node"
+        )
+    if total < 1 or total % max_nodes:
+        raise ConfigError(
+            f"--num-processes={total} (over all nodes) does not split evenly over --nnodes={max_nodes}; give a "
+            f"multiple of {max_nodes}, or --nproc-per-node"
+        )
+    return total // max_nodes
+
+
 def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Merge flags, SLURM variables, the config file and defaults into a `LaunchPlan`."""
     environ = os.environ if environ is None else environ
@@ -108,9 +144,14 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     device = "cpu" if opts.cpu else opts.device or cfg.device
     if device not in contract.DEVICE_KINDS:
         raise ConfigError(f"device={device!r} is not one of {', '.join(contract.DEVICE_KINDS)}")
+    nnodes = pick("nnodes", opts.nnodes, slurm and slurm.nnodes, cfg.num_machines, 1)
+    min_nodes, max_nodes = parse_nnodes(nnodes, key="--nnodes")
     nproc = pick(
         "nproc_per_node", opts.nproc_per_node, slurm and slurm.nproc_per_node, cfg.num_processes, "auto"
     )
+    if opts.num_processes is not None:
+        nproc = _per_node(opts.num_processes, opts.nproc_per_node, min_nodes, max_nodes)
+        source["nproc_per_node"] = "flag"
     if nproc == "auto":
         nproc = _device_count(device)
     try:
@@ -119,8 +160,6 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         raise ConfigError(f"--nproc-per-node={nproc!r}: expected a positive integer or 'auto'") from None
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node={nproc}: expected a positive integer or 'auto'")
-    nnodes = pick("nnodes", opts.nnodes, slurm and slurm.nnodes, cfg.num_machines, 1)
-    min_nodes, max_nodes = parse_nnodes(nnodes, key="--nnodes")
     node_rank = int(pick("node_rank", opts.node_rank, slurm and slurm.node_rank, cfg.machine_rank, 0))
     backend = pick("rdzv_backend", opts.rdzv_backend, None, cfg.rdzv_backend, "c10d")
     if backend not in ("c10d", "static"):
@@ -208,7 +247,7 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         entrypoint=sys.executable,
         args=("-u", BOOTSTRAP, *target, *opts.script_args),
         env=env,
-        log_dir=opts.log_dir,
+        log_dir=_check_log_dir(opts.log_dir),
         tee=opts.tee,
         source=source,
     )

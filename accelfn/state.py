@@ -58,29 +58,31 @@ class TrainState:
         )
 
 
-# TrainStates given to a donating training step (by id, while they live): their tensors now hold the newer state
-_donated: dict[int, weakref.ref[TrainState]] = {}
+# donated TrainStates (by id, while they live) and what took them: their tensors now hold another state's values
+_donated: dict[int, tuple[weakref.ref[TrainState], str]] = {}
 
 
-def mark_donated(state: TrainState) -> None:
-    """Record that a training step updated `state`'s tensors in place (it returned a new state)."""
+def mark_donated(state: TrainState, by: str = "a training step") -> None:
+    """Record that `by` (a training step, `af.checkpoint.load` as `like`) overwrote `state`'s tensors in place
+    and returned a new state."""
     key = id(state)
-    _donated[key] = weakref.ref(state, lambda _: _donated.pop(key, None))
+    _donated[key] = (weakref.ref(state, lambda _: _donated.pop(key, None)), by)
 
 
 def check_not_donated(state: TrainState, who: str | None = None) -> None:
-    """A `ValueError` if `state` was donated to a training step: its tensors hold the newer state (the params
-    after that update) beside its own old step count and extras. `who` names the call that was given it."""
-    ref = _donated.get(id(state))
-    if ref is None or ref() is not state:
+    """A `ValueError` if `state` was donated: its tensors hold the newer state (the params after that update, or
+    the checkpoint's) beside its own old step count and extras. `who` names the call that was given it."""
+    entry = _donated.get(id(state))
+    if entry is None or entry[0]() is not state:
         return
+    by = entry[1]
     what = (
-        f"{who}: this state ({state!r}) was already passed to a training step, which donated it: the step updated "
-        "its params and optimizer state in place, so they are the next step's while its step count is this "
-        f"one's, and {who} would mix the two"
+        f"{who}: this state ({state!r}) was already passed to {by}, which donated it: its params and optimizer "
+        f"state were overwritten in place, so they are the new state's while its step count is this one's, and "
+        f"{who} would mix the two"
         if who
-        else f"this state ({state!r}) was already passed to a training step, which donated it: the step updated "
-        "its tensors in place, so they hold the newer state, not this one"
+        else f"this state ({state!r}) was already passed to {by}, which donated it: its tensors were overwritten "
+        "in place, so they hold the newer state, not this one"
     )
     raise ValueError(
         f"{what}. Pass the state that call returned; to keep an earlier state (a retry, a best-so-far copy), "

@@ -99,6 +99,8 @@ def test_num_processes_counts_all_nodes_as_accelerate_does():
     assert resolve(LaunchOptions(script="t.py", num_processes=3, cpu=True), environ={}).nproc_per_node == 3
     with pytest.raises(ConfigError, match=r"--num-processes=3 \(over all nodes\) does not split evenly over --nnodes=2"):
         resolve(LaunchOptions(script="t.py", num_processes=3, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={})
+    with pytest.raises(ConfigError, match="--num-processes=0: expected a positive integer"):
+        resolve(LaunchOptions(script="t.py", num_processes=0, cpu=True), environ={})
     with pytest.raises(ConfigError, match="give one"):
         resolve(LaunchOptions(script="t.py", num_processes=2, nproc_per_node=2, cpu=True), environ={})
     with pytest.raises(ConfigError, match="elastic"):

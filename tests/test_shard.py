@@ -16,6 +16,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
+        "ddp:bf16count", "fsdp:bf16count",                              # Loss counts summed exactly in bf16 runs
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
         "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
@@ -31,7 +32,8 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         strategy, model, *extra = c.split(":")
         expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy",
                     "fp8": "OK fsdp fp8", "moe": f"OK ddp moe overlap={'overlap' in extra}",
-                    "bn": f"OK {strategy} bn-buffers", "guards": "OK fsdp guards"}.get(  # fmt: skip
+                    "bn": f"OK {strategy} bn-buffers", "guards": "OK fsdp guards",
+                    "bf16count": f"OK {strategy} bf16-count"}.get(  # fmt: skip
             model, f"OK {strategy} {model} {sorted(extra)}"
         )
         for rank in (0, 1):

@@ -681,6 +681,10 @@ def test_a_donated_state_passed_again_is_an_error_naming_the_fix(tmp_path):
         evaluate(old, torch.randn(8, 4))
     evaluate(newer, torch.randn(8, 4))
     af.checkpoint.save(tmp_path / "new", newer)
+    loaded = af.checkpoint.load(tmp_path / "new", like=newer)  # `like` is donated too: its tensors were filled
+    with pytest.raises(ValueError, match=r"was already passed to af.checkpoint.load \(as `like`\), which donated it"):
+        step(newer, torch.randn(8, 4))
+    step(loaded, torch.randn(8, 4))
     keep = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2), donate=False)
     first = keep.init(torch.nn.Linear(4, 2))
     a, _ = keep(first, torch.ones(8, 4))

@@ -27,7 +27,7 @@ import torch
 
 from .. import tree as _tree
 from .._typecheck import checked
-from ..state import TrainState
+from ..state import TrainState, mark_donated
 from . import adapters, io
 from ._dist import is_dtensor, region
 from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, read_state_json
@@ -141,8 +141,12 @@ def load(path: str | os.PathLike[str] | None, like: TrainState, *, loader: Any =
         )
     adapter = adapters.adapter_for(like)
     if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
-        return adapter.restore(like, _load(path, adapter.template(like), loader))
-    return _load(path, like, loader)
+        out = adapter.restore(like, _load(path, adapter.template(like), loader))
+    else:
+        out = _load(path, like, loader)
+    if out is not like:  # its tensors now hold the checkpoint's values beside its own step count and extras
+        mark_donated(like, "af.checkpoint.load (as `like`)")
+    return out
 
 
 def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainState:

@@ -113,12 +113,14 @@ def _per_node(total: int, nproc_per_node: Any, min_nodes: int, max_nodes: int) -
             f"--num-processes={total} and --nproc-per-node={nproc_per_node}: give one (--num-processes counts "
             "the processes of all nodes, --nproc-per-node those of each)"
         )
+    if total < 1:
+        raise ConfigError(f"--num-processes={total}: expected a positive integer")
     if min_nodes != max_nodes:
         raise ConfigError(
             f"--num-processes={total} with an elastic --nnodes={min_nodes}:{max_nodes}: the processes per node "
             "are not fixed; give --nproc-per-node"
         )
-    if total < 1 or total % max_nodes:
+    if total % max_nodes:
         raise ConfigError(
             f"--num-processes={total} (over all nodes) does not split evenly over --nnodes={max_nodes}; give a "
             f"multiple of {max_nodes}, or --nproc-per-node"
@@ -127,7 +129,8 @@ def _per_node(total: int, nproc_per_node: Any, min_nodes: int, max_nodes: int) -
 
 
 def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> LaunchPlan:
-    """Merge flags, SLURM variables, the config file and defaults into a `LaunchPlan`."""
+    """Merge flags, SLURM variables, the config file and defaults into a `LaunchPlan` (makes `--log-dir` if
+    missing, so that a path that cannot be a folder is an error here, not in the agent)."""
     environ = os.environ if environ is None else environ
     cfg, cfg_path = _read_config(opts, environ)
     slurm = slurm_from_env(environ) if opts.use_slurm else None

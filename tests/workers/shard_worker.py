@@ -68,6 +68,20 @@ def check_fp16_skip(strategy, mesh):
     print(f"rank {mesh.rank}: OK {strategy} fp16-skip ['all ranks']")
 
 
+def check_bf16_count(strategy, mesh):
+    """A bf16 loss total with an exact count: the count summed over ranks (151 + 150) stays 301 (bf16: 300)."""
+    model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    step = af.shard(af.train_step(lambda m, b: af.Loss(m(b).sum(), torch.tensor(151 - mesh.rank)), af.optim.sgd(0.0)),
+                    mesh, strategy=strategy, inputs="local")  # fmt: skip
+    state = step.init(model)
+    _, m = step(state, torch.ones(64, 4, dtype=torch.bfloat16))  # 256 per rank: the total 512 is exact in bf16
+    got = m["loss"].float().item()
+    assert abs(got - 512 / 301) <= 1e-3 * 512 / 301, f"rank {mesh.rank}: loss {got}, expected 512/301 (512/300 = {512 / 300})"
+    print(f"rank {mesh.rank}: OK {strategy} bf16-count")
+
+
 def check_fsdp_bf16_policy(mesh):
     """Under fsdp, af.autocast(bf16) becomes FSDP2's MixedPrecisionPolicy: bf16 params in the forward,
     fp32 sharded master params and optimizer state, and a result close to the single-process bf16 run."""
@@ -368,6 +382,9 @@ for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
     if kind == "fp16skip":
         check_fp16_skip(strategy, mesh)
+        continue
+    if kind == "bf16count":
+        check_bf16_count(strategy, mesh)
         continue
     if kind == "bf16policy":
         check_fsdp_bf16_policy(mesh)

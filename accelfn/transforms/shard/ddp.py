@@ -151,7 +151,7 @@ class DDPSync:
                 offset += n
             bucket.flat, bucket.work, bucket.ready = None, None, 0
         scalar_work.wait()
-        return scalars[0].to(loss_sum.dtype), scalars[1].to(loss_sum.dtype)
+        return scalars[0].to(loss_sum.dtype), scalars[1].to(count.dtype)  # counts stay exact (fp32+)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_norm(grads)  # gradients are identical on every rank after the sum

@@ -85,7 +85,7 @@ class FSDPSync:
                           flags.to(loss_sum.device)])  # fmt: skip
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
         self._check_unused(flat[2:])
-        return flat[0].to(loss_sum.dtype), flat[1].to(loss_sum.dtype)
+        return flat[0].to(loss_sum.dtype), flat[1].to(count.dtype)  # counts stay exact (fp32+)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         local = [_local(g) for g in grads]

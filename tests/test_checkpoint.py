@@ -137,6 +137,28 @@ def test_transformers_loads_what_save_pretrained_wrote(tmp_path, make_model):
         assert again.lm_head.weight is again.transformer.wte.weight
 
 
+def test_save_pretrained_writes_what_transformers_save_pretrained_writes(tmp_path):
+    # generation settings (a chat model's stop tokens), the class in `architectures`, the dtype of the weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = tiny_llama()
+    model.generation_config = GenerationConfig(eos_token_id=[2, 7], temperature=0.6, do_sample=True, max_new_tokens=7)
+    model = model.to(torch.bfloat16)  # cast after building: model.config still says float32
+    assert model.config.architectures is None
+    step = af.train_step(lm_loss, af.optim.sgd(0.0))
+    state = step.init(model)
+    af.checkpoint.save_pretrained(tmp_path / "af", state, model=step.model)
+    assert model.config.architectures is None and model.config.dtype != torch.bfloat16  # the model's config is left as it was
+    model.save_pretrained(tmp_path / "hf")  # the reference (it sets them on the model's config)
+    assert sorted(os.listdir(tmp_path / "af")) == sorted(os.listdir(tmp_path / "hf"))
+    ours, theirs = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("af", "hf"))
+    assert ours == theirs and ours["architectures"] == ["LlamaForCausalLM"] and ours["dtype"] == "bfloat16", ours
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "af")
+    assert again.dtype == torch.bfloat16
+    g = again.generation_config
+    assert (g.eos_token_id, g.temperature, g.do_sample, g.max_new_tokens) == ([2, 7], 0.6, True, 7)
+
+
 def test_save_pretrained_from_a_train_state_is_loadable_by_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -117,6 +117,25 @@ def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge
     torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
 
 
+def test_merged_export_of_one_adapter_keeps_the_original_of_a_module_another_adapter_saves(tmp_path):
+    # adapter "a" trains a copy of lm_head (modules_to_save); merging "b" must write the original lm_head
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                modules_to_save=["lm_head"], lora_dropout=0.0), adapter_name="a")  # fmt: skip
+    model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], lora_dropout=0.0))
+    for adapter in ("a", "b"):
+        model.set_adapter(adapter)
+        _, state = trained(model, steps=2)
+    model.set_adapter("b")
+    before = logits(model)
+    af.checkpoint.save_adapter(tmp_path / "b", state, model, merge=True, adapter_name="b")
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "b", output_loading_info=True)
+    assert not info["missing_keys"], info  # lm_head.weight was left out: transformers initialised it at random
+    torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
+
+
 def test_load_adapter_reads_a_peft_folder_into_a_state(tmp_path):
     source = lora_model()
     _, trained_state = trained(source)

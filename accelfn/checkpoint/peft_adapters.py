@@ -142,7 +142,7 @@ def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapte
         full = {k: gathered[unique[alias_key(t)]] for k, t in named.items()}
         merged = _merge_on_host(model, base, prefix, full, adapter)
         config = _untied_if_diverged(getattr(base, "config", None), merged, base)
-        write_folder(final, lambda tmp: write_weights(tmp, merged, size, config), _is_weight_file)
+        write_folder(final, lambda tmp: write_weights(tmp, merged, size, config, base), _is_weight_file)
     Comm().barrier()
 
 
@@ -203,7 +203,12 @@ def _base_name(name: str, tuners: dict[str, Any], wrappers: dict[str, Any], adap
     if owner is None:
         return name
     rest = name[len(owner) + 1 :]
-    keep = "base_layer." if owner in tuners else f"modules_to_save.{adapter}."
+    if owner in tuners:
+        keep = "base_layer."
+    elif adapter in getattr(wrappers[owner], "modules_to_save", {}):
+        keep = f"modules_to_save.{adapter}."
+    else:  # another adapter's modules_to_save: this adapter keeps the original module
+        keep = "original_module."
     return f"{owner}.{rest[len(keep):]}" if rest.startswith(keep) else None
 
 

@@ -119,15 +119,15 @@ def save_pretrained(
     if isinstance(model_or_params, TrainState):
         check_not_donated(model_or_params, "af.checkpoint.save_pretrained")
     named = _named_tensors(model_or_params, model)
-    if config is None:
-        source = model if model is not None else model_or_params
-        if isinstance(source, nn.Module):
-            config = getattr(source, "config", None)
+    source = model if model is not None else model_or_params
+    module = source if isinstance(source, nn.Module) else None
+    if config is None and module is not None:
+        config = getattr(module, "config", None)
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     full = gather_full(named)
     if full is not None:
-        write_folder(final, lambda tmp: write_weights(tmp, full, size, config), _is_weight_file)
+        write_folder(final, lambda tmp: write_weights(tmp, full, size, config, module), _is_weight_file)
     Comm().barrier()
 
 
@@ -158,8 +158,12 @@ def write_folder(final: Path, write: Callable[[Path], None], replaced: Callable[
     atomic.commit(tmp, final)
 
 
-def write_weights(folder: Path, full: dict[str, torch.Tensor], size: int, config: Any) -> None:
-    """`model.safetensors` (or shards + index) and `config.json` into `folder`, each fsynced."""
+def write_weights(
+    folder: Path, full: dict[str, torch.Tensor], size: int, config: Any, module: nn.Module | None = None
+) -> None:
+    """`model.safetensors` (or shards + index), `config.json` and, for a model that generates,
+    `generation_config.json` into `folder`, each fsynced. As transformers' `save_pretrained`, the config says
+    the `module`'s class (`architectures`) and the dtype of the weights written."""
     files = _split(full, size, "model", None)
     for name, tensors in files:
         io.write_file(folder / name, tensors, {"format": "pt"})
@@ -169,14 +173,41 @@ def write_weights(folder: Path, full: dict[str, torch.Tensor], size: int, config
         io.fsync_path(folder / HF_INDEX)
     if config is not None:
         if hasattr(config, "save_pretrained"):
-            config.save_pretrained(folder)
+            _as_written(config, full, module).save_pretrained(folder)
         else:
             (folder / "config.json").write_text(json.dumps(config, indent=2))
         io.fsync_path(folder / "config.json")
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and hasattr(generation, "save_pretrained") and callable(can_generate) and can_generate():
+        generation.save_pretrained(folder)
+        io.fsync_path(folder / "generation_config.json")
+
+
+def _as_written(config: Any, full: dict[str, torch.Tensor], module: nn.Module | None) -> Any:
+    """A copy of a transformers config naming `module`'s class in `architectures` and the dtype of the first
+    floating-point weight written (so `from_pretrained` rebuilds the same model in the same dtype)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    if module is not None and hasattr(module, "config") and hasattr(module, "can_generate"):  # a transformers model
+        config.architectures = [type(module).__name__]
+    dtype = next((t.dtype for t in full.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        for attr in ("dtype", "torch_dtype"):  # transformers 5 / 4
+            if hasattr(config, attr):
+                try:
+                    setattr(config, attr, name)
+                except (AttributeError, TypeError):
+                    continue
+                break
+    return config
 
 
 def _is_weight_file(name: str) -> bool:
-    """Files a previous `save_pretrained` wrote that the new one replaces (its weights and their index)."""
+    """Files a previous `save_pretrained` wrote that the new one replaces (its weights and their index; a
+    `generation_config.json` it writes replaces the old one, which is otherwise kept)."""
     return name == HF_INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name) is not None
 
 

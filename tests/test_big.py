@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from _launch import ROOT, output_of, run_workers
 from models import tiny_gpt2, tiny_llama
@@ -557,6 +558,33 @@ def test_two_models_offloaded_to_one_folder_keep_their_own_weights(tmp_path):
     assert a.hf_device_map == {"0": "cpu", "2": "disk"}  # as Accelerate's dispatch_model records it
     with torch.no_grad():
         assert torch.equal(a(x), expected_a) and torch.equal(b(x), expected_b)
+    # the files a dispatch wrote go with its model (a re-run notebook cell filled the disk): remove_hooks
+    # without restoring deletes them, and so does freeing the model
+    af.big.remove_hooks(a, restore=False)
+    assert len(list(tmp_path.glob("offload-*.safetensors"))) == 1
+    del b
+    import gc
+
+    gc.collect()
+    assert not list(tmp_path.glob("offload-*.safetensors"))
+    c = af.dispatch(mk(2, 3), {"0": "cpu", "2": "disk"}, offload_folder=tmp_path)
+    af.big.remove_hooks(c)  # restored from its file, which stays while the model uses it
+    assert len(list(tmp_path.glob("offload-*.safetensors"))) == 1 and c[2].weight.shape == (3, 8)
+
+
+def test_load_and_dispatch_warns_of_unused_tensors_and_checks_max_memory_devices(tmp_path):
+    torch.manual_seed(0)
+    bigger = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    safetensors.torch.save_file(bigger.state_dict(), str(tmp_path / "model.safetensors"))
+    with af.init_empty():
+        smaller = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
+    with pytest.warns(UserWarning, match=r"has 2 tensors the model has no place for: '2.bias', '2.weight'") as rec:
+        af.load_and_dispatch(smaller, tmp_path, {"": "cpu"})
+    assert rec[0].filename == __file__  # points at the caller
+    with af.init_empty():
+        smaller = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"max_memory\['cuda:0'\] = 'cuda:0' is not a device of this process"):
+        af.load_and_dispatch(smaller, tmp_path, max_memory={"cuda:0": "500KB", "cpu": "1MB"})
 
 
 def _hook_counts(model):

@@ -118,22 +118,39 @@ def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge
 
 
 def test_merged_export_of_one_adapter_keeps_the_original_of_a_module_another_adapter_saves(tmp_path):
-    # adapter "a" trains a copy of lm_head (modules_to_save); merging "b" must write the original lm_head
+    # adapter "one" trains a copy of lm_head (modules_to_save); merging "two" must write the original lm_head
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                modules_to_save=["lm_head"], lora_dropout=0.0), adapter_name="a")  # fmt: skip
-    model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], lora_dropout=0.0))
-    for adapter in ("a", "b"):
+                                modules_to_save=["lm_head"], lora_dropout=0.0), adapter_name="one")  # fmt: skip
+    model.add_adapter("two", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], lora_dropout=0.0))
+    for adapter in ("one", "two"):
         model.set_adapter(adapter)
         _, state = trained(model, steps=2)
-    model.set_adapter("b")
+    model.set_adapter("two")
     before = logits(model)
-    af.checkpoint.save_adapter(tmp_path / "b", state, model, merge=True, adapter_name="b")
-    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "b", output_loading_info=True)
+    af.checkpoint.save_adapter(tmp_path / "two", state, model, merge=True, adapter_name="two")
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "two", output_loading_info=True)
     assert not info["missing_keys"], info  # lm_head.weight was left out: transformers initialised it at random
     torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
+
+
+def test_saved_adapter_config_equals_peft_s_own_and_auto_peft_model_loads_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(tmp_path / "base")  # a base with a name, as from the Hub
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))  # no task_type  # fmt: skip
+    _, state = trained(model, steps=1)
+    af.checkpoint.save_adapter(tmp_path / "ours", state, model)
+    model.save_pretrained(tmp_path / "peft")
+    ours, theirs = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
+    assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+    assert ours["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
+    loaded = peft.AutoPeftModel.from_pretrained(tmp_path / "ours")  # finds the base class from auto_mapping
+    assert torch.equal(logits(loaded), logits(model))
 
 
 def test_load_adapter_reads_a_peft_folder_into_a_state(tmp_path):

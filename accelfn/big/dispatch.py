@@ -8,9 +8,12 @@ after. Disk weights are memory-mapped safetensors (the checkpoint's own file whe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from .. import platforms
 from .._typecheck import checked
 from .device_map import Strategy, infer_device_map, resolve_device
 from .files import Checkpoint, SafetensorsFile
-from .hooks import Offloaded, attach_input_alignment, attach_offload
+from .hooks import _FILES, Offloaded, attach_input_alignment, attach_offload
 from .memory import DISK, HOST, as_dtype, module_tensors
 
 __all__ = ["load_and_dispatch", "dispatch", "cpu_offload", "MissingWeightsError"]
@@ -135,6 +138,7 @@ class _Placer:
         self.exec_device = exec_device
         self.offload_folder = offload_folder
         self.token = uuid.uuid4().hex[:12]
+        self.files: list[Path] = []  # written to offload_folder by this dispatch: deleted with the model
         self.offloaded: dict[int, tuple[nn.Module, list[Offloaded]]] = {}
         self.pending: dict[str, tuple[_Tensor, torch.dtype, torch.Tensor]] = {}
         self.pending_ids: set[int] = set()
@@ -201,6 +205,7 @@ class _Placer:
         path = folder / f"offload-{self.token}-{self.written:05d}.safetensors"
         self.written += 1
         safetensors.torch.save_file({n: t.contiguous() for n, (_, _, t) in self.pending.items()}, str(path))
+        self.files.append(path)
         f = SafetensorsFile(path)
         for name, (g, dtype, _) in self.pending.items():
             for n, (module, local, is_param) in zip(g.names, g.holders):
@@ -212,6 +217,8 @@ class _Placer:
     def finish(self, model: nn.Module) -> None:
         self.flush()
         model.__dict__["hf_device_map"] = dict(self.device_map)  # where each part went (Accelerate's attribute)
+        if self.files:  # deleted when the model is (or at exit), or by remove_hooks(restore=False)
+            model.__dict__[_FILES] = weakref.finalize(model, _delete_files, list(self.files))
         device = torch.device(self.exec_device)
         for module, entries in self.offloaded.values():
             attach_offload(module, entries, device)
@@ -223,6 +230,30 @@ class _Placer:
                     target = self.exec_device if d in (HOST, DISK) else d
                     attach_input_alignment(model.get_submodule(name), torch.device(target))
             attach_input_alignment(model, torch.device(self.exec_device), outputs_back=True)
+
+
+def _warn_unused(checkpoint: Any, ckpt: Checkpoint, model: nn.Module, names: set[str]) -> None:
+    """Warn about checkpoint tensors no tensor of `model` takes (another configuration's checkpoint?), as
+    transformers does, except those the model says to ignore (`_keys_to_ignore_on_load_unexpected`)."""
+    import re
+
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unused = [k for k in ckpt.file_of if k not in names and not any(p.search(k) for p in ignore)]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        warnings.warn(
+            f"checkpoint '{checkpoint}' has {len(unused)} tensors the model has no place for: "
+            f"{', '.join(map(repr, unused[:3]))}{more} (were they saved from another configuration?)",
+            UserWarning,
+            stacklevel=4  # the caller of load_and_dispatch (under its type-check wrapper),
+        )
+
+
+def _delete_files(paths: list[Path]) -> None:
+    """Delete a dispatch's offload files (a file still mapped stays readable until unmapped, on POSIX)."""
+    for path in paths:
+        with contextlib.suppress(OSError):  # e.g. Windows, while mapped: left for the user
+            path.unlink(missing_ok=True)
 
 
 def setattr_tensor(module: nn.Module, local: str, is_param: bool, value: torch.Tensor) -> None:
@@ -280,6 +311,9 @@ def load_and_dispatch(
         (torch.Size([1, 2]), device(type='meta'))
     """
     dtype = as_dtype(dtype)
+    if isinstance(device_map, str) and max_memory is not None:  # a plan to run here: its devices must exist
+        for key in max_memory:
+            _device_name(key, f"max_memory[{key!r}]")
     ckpt = Checkpoint(checkpoint)
     tensors = _tensors(model)
     keys: dict[int, str] = {}
@@ -302,6 +336,7 @@ def load_and_dispatch(
             + (f" (nor {len(missing) - 1} more: {', '.join(map(repr, missing[1:6]))}{', ...' if len(missing) > 6 else ''})" if len(missing) > 1 else "")
             + f"; its keys look like: {sample}"
         )  # fmt: skip
+    _warn_unused(checkpoint, ckpt, model, {n for g in tensors for n in g.names})
     resolved = _resolve_map(model, device_map, max_memory, no_split, dtype)
     placer = _Placer(resolved, _execution_device(resolved), offload_folder)
     by_file: dict[str, list[int]] = {}

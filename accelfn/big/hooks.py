@@ -14,6 +14,7 @@ __all__ = ["Offloaded", "attach_offload", "attach_input_alignment", "remove_hook
 
 _HANDLES = "_accelfn_big_hooks"
 _ENTRIES = "_accelfn_big_offloaded"
+_FILES = "_accelfn_big_offload_files"  # a weakref.finalize deleting the files a dispatch wrote for the model
 
 
 @attrs.define
@@ -95,7 +96,8 @@ def remove_hooks(model: nn.Module, *, restore: bool = True) -> None:
 
     With `restore` (the default) offloaded weights come back into the module where they are kept (host
     memory, or memory-mapped from the offload folder), so the model runs without the hooks; with
-    `restore=False` they stay meta placeholders (the host copies are dropped with the hooks).
+    `restore=False` they stay meta placeholders (the host copies are dropped with the hooks, and the files the
+    dispatch wrote to `offload_folder` are deleted).
 
     Example:
         >>> import torch, accelfn as af
@@ -116,3 +118,7 @@ def remove_hooks(model: nn.Module, *, restore: bool = True) -> None:
                 grad = e.placeholder.requires_grad and value.is_floating_point()
                 restored[key] = nn.Parameter(value, requires_grad=grad) if e.is_param else value
             _set(module, e, restored[key])
+    if not restore:  # the weights are gone with the hooks: so are the files the dispatch wrote for them
+        cleanup = model.__dict__.pop(_FILES, None)
+        if cleanup is not None:
+            cleanup()

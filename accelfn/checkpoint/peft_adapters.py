@@ -116,13 +116,19 @@ def save_adapter(
         peft_model: Any = model
         config = copy.deepcopy(peft_model.peft_config[name])
         config.inference_mode = True  # as PeftModel.save_pretrained writes it
-        if getattr(config, "base_model_name_or_path", None) is None:
-            base_config = getattr(peft_model.get_base_model(), "config", None)
-            config.base_model_name_or_path = getattr(base_config, "_name_or_path", None)
+        base_model = peft_model.get_base_model()
+        if getattr(config, "base_model_name_or_path", None) is None:  # as PEFT: the base's name, else None
+            base_config = getattr(base_model, "config", None)
+            config.base_model_name_or_path = getattr(base_config, "_name_or_path", None) or None
+        # as PeftModel.save_pretrained: without a task_type, AutoPeftModel finds the base class from this
+        auto_mapping = None
+        if getattr(config, "task_type", None) is None:
+            base_class = type(base_model)
+            auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
 
         def write(tmp: Path) -> None:
             io.write_file(tmp / ADAPTER_WEIGHTS, full, {"format": "pt"})
-            config.save_pretrained(tmp)
+            config.save_pretrained(tmp, auto_mapping_dict=auto_mapping)
             io.fsync_path(tmp / ADAPTER_CONFIG)
 
         write_folder(final, write, lambda f: f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG))

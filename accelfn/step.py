@@ -161,6 +161,8 @@ class Step:
         batch = check_batch(batch)  # a Mapping (BatchEncoding) becomes a dict
         if self.kind == "eval":
             check_not_donated(state, "an eval step")
+            if any(hasattr(p, "placements") for p in state.params.values()):  # sharded: collectives in forward
+                _debug_check_step(state, "eval step")
             return run_eval(plan, state, batch)
         check_not_donated(state)
         if plan.grad_sync is not None:
@@ -205,14 +207,14 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
     )
 
 
-def _debug_check_step(state: TrainState) -> None:
+def _debug_check_step(state: TrainState, kind: str = "training step") -> None:
     """`ACCELFN_DEBUG=1`: the ranks of a sharded step compare their step numbers first, so a rank that runs a
     different number of steps (or an af.dist collective where the others train) fails on every rank instead of
     pairing its collectives with the others' gradient reduction (a hang or wrong numbers)."""
     from .dist import debug
 
     if debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        debug.check("af.Step", f"training step, state.step={int(state.step)}")
+        debug.check("af.Step", f"{kind}, state.step={int(state.step)}")
 
 
 @checked

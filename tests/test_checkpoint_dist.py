@@ -112,15 +112,45 @@ def test_fsdp2_checkpoints_reshard_between_two_ranks_and_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["save", "save_pretrained"])
-def test_a_save_called_on_rank_0_only_is_a_clear_error_not_a_hang(tmp_path, which):
+@pytest.mark.parametrize("which, caller", [("save", 0), ("save_pretrained", 0), ("save", 1)])
+def test_a_save_called_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path, which, caller):
     proc = run_workers(
-        "save_main_only_worker.py", 2, str(tmp_path), which, timeout=120, env={"ACCELFN_COLLECTIVE_TIMEOUT": "3"}
-    )
+        "save_main_only_worker.py", 2, str(tmp_path), which, str(caller), timeout=120,
+        env={"ACCELFN_COLLECTIVE_TIMEOUT": "3"},
+    )  # fmt: skip
     out = output_of(proc)
     assert proc.returncode == 0, out
-    found = re.search(rf"rank 0: OK af\.checkpoint\.{which} refused after ([0-9.]+) s", out)
+    found = re.search(rf"rank {caller}: OK af\.checkpoint\.{which} refused after ([0-9.]+) s", out)
     assert found, out
     # refused once ACCELFN_COLLECTIVE_TIMEOUT (3 s) ran out, not at once and not after a hang (the job's own
     # timeout is 120 s); the upper bound leaves room for a loaded 2-core CI machine
     assert 3.0 <= float(found.group(1)) < 30.0, out
+
+
+@pytest.mark.slow
+def test_under_debug_a_save_beside_a_training_step_is_named_on_every_rank(tmp_path):
+    # rank 1 ran out of data and saves while rank 0 trains on: ACCELFN_DEBUG=1 names both, on both
+    proc = run_workers("save_main_only_worker.py", 2, str(tmp_path), "save", "1", "debug", timeout=120,
+                       env={"ACCELFN_DEBUG": "1"})  # fmt: skip
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank}: OK debug names af.checkpoint.save and the training step" in out, out
+
+
+@pytest.mark.slow
+def test_under_debug_an_eval_of_a_sharded_model_on_rank_0_only_is_named_not_a_hang():
+    proc = run_workers("eval_main_only_worker.py", 2, timeout=120, env={"ACCELFN_DEBUG": "1"})
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank}: OK debug names the eval step and the barrier" in out, out
+
+
+@pytest.mark.slow
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    proc = run_workers("load_agree_worker.py", 2, str(tmp_path), timeout=120)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank}: OK every rank fell back to step 2" in out, out

@@ -17,6 +17,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
         "ddp:bf16count", "fsdp:bf16count",                              # Loss counts summed exactly in bf16 runs
+        "ddp:frozen", "fsdp:frozen",                                    # ranks that froze other layers: refused
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
         "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
@@ -33,7 +34,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy",
                     "fp8": "OK fsdp fp8", "moe": f"OK ddp moe overlap={'overlap' in extra}",
                     "bn": f"OK {strategy} bn-buffers", "guards": "OK fsdp guards",
-                    "bf16count": f"OK {strategy} bf16-count"}.get(  # fmt: skip
+                    "bf16count": f"OK {strategy} bf16-count", "frozen": f"OK {strategy} frozen-differently"}.get(  # fmt: skip
             model, f"OK {strategy} {model} {sorted(extra)}"
         )
         for rank in (0, 1):

@@ -5,6 +5,7 @@ Everything here is a no-op in a single process. Messages travel as JSON encoded 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from datetime import timedelta
@@ -62,6 +63,17 @@ def writes_piece(t: torch.Tensor, rank: int) -> bool:
     return True
 
 
+_ROLL_CALLS = itertools.count()
+
+
+def _store() -> Any:
+    """The default process group's c10d store (the launcher's rendezvous store), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 class Comm:
     """Rank, world size and the collectives of a save, on a private gloo group (so a save in a background
     thread does not interleave with the training's collectives)."""
@@ -74,19 +86,39 @@ class Comm:
 
     def roll_call(self, what: str) -> None:
         """Check that every rank called `what` (a collective), within `ACCELFN_COLLECTIVE_TIMEOUT` seconds
-        (default 120): a call on some ranks only fails with an error naming them, instead of hanging."""
+        (default 120): a call on some ranks only fails on *each* rank that called it with an error naming the
+        ranks that did not (instead of hanging). Under `ACCELFN_DEBUG=1` the ranks also compare what they are
+        doing, so a rank still in a training step is named with it."""
         if not self.active:
             return
+        from ..dist import debug
+
+        if debug.enabled():
+            debug.check(what, "")
         seconds = float(os.environ.get("ACCELFN_COLLECTIVE_TIMEOUT", "120"))
+        n = next(_ROLL_CALLS)  # the k-th collective call of this process: the same on every rank that keeps step
+        store = _store()
+        if store is None:  # no c10d store to meet at: rank 0 watches (the others wait out the group timeout)
+            try:
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+            except RuntimeError as e:
+                raise RuntimeError(self._missing(what, seconds, str(e))) from None
+            return
+        keys = [f"accelfn/roll-call/{n}/{r}" for r in range(self.world)]
+        store.set(keys[self.rank], what)
         try:
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"{what} is collective: every rank must call it (the state lives on all of them, and rank 0 "
-                f"commits only when every rank has written), but rank {self.rank} waited {seconds:g} s "
-                f"(ACCELFN_COLLECTIVE_TIMEOUT) for the others: {e}. Call it on every rank, not under "
-                "`if mesh.is_main:`"
-            ) from None
+            store.wait(keys, timedelta(seconds=seconds))
+        except RuntimeError:  # DistStoreError: timed out
+            absent = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(self._missing(what, seconds, f"ranks {absent} did not call it")) from None
+
+    def _missing(self, what: str, seconds: float, detail: str) -> str:
+        return (
+            f"{what} is collective: every rank must call it (the state lives on all of them, and rank 0 "
+            f"commits only when every rank has written), but rank {self.rank} waited {seconds:g} s "
+            f"(ACCELFN_COLLECTIVE_TIMEOUT) for the others: {detail}. Call it on every rank, not under "
+            "`if mesh.is_main:` (nor after a rank ran out of data: even_batches=False)"
+        )
 
     def barrier(self) -> None:
         if self.active:

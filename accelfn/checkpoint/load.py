@@ -29,7 +29,7 @@ from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState, mark_donated
 from . import adapters, io
-from ._dist import is_dtensor, region
+from ._dist import Comm, is_dtensor, region
 from .format import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, read_state_json
 from .leaves import alias_key, describe, dtype_name, dtype_of, flatten
 
@@ -139,14 +139,40 @@ def load(path: str | os.PathLike[str] | None, like: TrainState, *, loader: Any =
             "af.checkpoint.load(None, ...): no checkpoint path; af.checkpoint.latest(root) returns None when root "
             "holds no committed checkpoint: `path = latest(root)`, then load only `if path is not None`"
         )
-    adapter = adapters.adapter_for(like)
-    if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
-        out = adapter.restore(like, _load(path, adapter.template(like), loader))
-    else:
-        out = _load(path, like, loader)
+    comm = Comm()
+    comm.roll_call("af.checkpoint.load")  # on some ranks only: an error naming the others, not a hang
+    error: Exception | None = None
+    try:
+        adapter = adapters.adapter_for(like)
+        if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
+            out = adapter.restore(like, _load(path, adapter.template(like), loader))
+        else:
+            out = _load(path, like, loader)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks have compared outcomes
+        error = e
+    # the ranks agree: one rank that cannot read its files (a truncated shard) fails the load on every rank, so
+    # a "newest readable checkpoint" loop cannot resume the ranks from different steps
+    outcomes = comm.all_gather_json(None if error is None else [type(error).__name__, str(error)])
+    if error is not None:
+        raise error
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if failed:
+        rank, (kind, message) = failed[0]
+        cls = _SAME_KIND.get(kind, RuntimeError)
+        raise cls(
+            f"af.checkpoint.load('{path}') failed on rank {rank} ({kind}: {message}); every rank refuses it, so "
+            "that all resume from the same checkpoint (this rank's `like` may hold its values)"
+        )
     if out is not like:  # its tensors now hold the checkpoint's values beside its own step count and extras
         mark_donated(like, "af.checkpoint.load (as `like`)")
     return out
+
+
+_SAME_KIND: dict[str, type[Exception]] = {
+    "CorruptCheckpointError": CorruptCheckpointError,
+    "CheckpointMismatchError": CheckpointMismatchError,
+    "FileNotFoundError": FileNotFoundError,
+}  # an error on another rank is raised here as the same kind, so `except CorruptCheckpointError` agrees
 
 
 def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainState:

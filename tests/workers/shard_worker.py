@@ -68,6 +68,20 @@ def check_fp16_skip(strategy, mesh):
     print(f"rank {mesh.rank}: OK {strategy} fp16-skip ['all ranks']")
 
 
+def check_frozen_differently(strategy, mesh):
+    """Ranks that froze different layers (same shapes) are refused at init, on every rank, naming the param."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[mesh.rank].weight.requires_grad_(False)
+    step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy)
+    try:
+        step.init(model)
+    except ValueError as e:
+        assert "the ranks' models differ: '0.weight': frozen [4, 4] on rank 0, trainable [4, 4] on rank 1" in str(e), e
+        print(f"rank {mesh.rank}: OK {strategy} frozen-differently")
+    else:
+        raise AssertionError(f"rank {mesh.rank}: models that differ were accepted")
+
+
 def check_bf16_count(strategy, mesh):
     """A bf16 loss total with an exact count: the count summed over ranks (151 + 150) stays 301 (bf16: 300)."""
     model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
@@ -382,6 +396,9 @@ for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
     if kind == "fp16skip":
         check_fp16_skip(strategy, mesh)
+        continue
+    if kind == "frozen":
+        check_frozen_differently(strategy, mesh)
         continue
     if kind == "bf16count":
         check_bf16_count(strategy, mesh)

@@ -75,6 +75,32 @@ def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None) -> Non
             offset += buf.numel()
 
 
+def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank of `group` has the same params (names, shapes) and trains the same ones: else a ValueError on
+    every rank naming the first difference (a rank that froze other layers would pair its gradients with the
+    others' wrong ones in the bucketed all-reduce and the replicas would drift apart silently)."""
+    mine = [(n, tuple(p.shape), bool(p.requires_grad)) for n, p in module.named_parameters()]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == first:
+            continue
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        other = dist.get_global_rank(group, r) if group is not None else r
+        a, b = dict((n, (s, g)) for n, s, g in first), dict((n, (s, g)) for n, s, g in theirs)
+        diff = next(
+            (f"{n!r}: {'missing' if n not in a else ('trainable' if a[n][1] else 'frozen') + f' {list(a[n][0])}'} "
+             f"on rank {src}, {'missing' if n not in b else ('trainable' if b[n][1] else 'frozen') + f' {list(b[n][0])}'} "
+             f"on rank {other}" for n in [*a, *b] if a.get(n) != b.get(n)),
+            "the params are in another order",
+        )  # fmt: skip
+        raise ValueError(
+            f"the ranks' models differ: {diff}. Every rank must build the same model and freeze the same params "
+            "(requires_grad) before step.init()"
+        )
+
+
 def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0

@@ -24,7 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.clip import global_norm
-from .common import _local, batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
+from .common import (
+    _local,
+    batch_transform,
+    broadcast_buffers,
+    broadcast_from_first,
+    check_same_model,
+    max_over,
+    mean_metrics,
+)
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -169,6 +177,7 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
     mesh = shard.mesh
     plan.module.to(mesh.device)
     group = mesh.grad_group()  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
+    check_same_model(plan.module, group)
     broadcast_from_first(plan.module, group)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)

@@ -21,7 +21,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compile import find_blocks
-from .common import _local, batch_transform, broadcast_buffers, broadcast_from_first, max_over, mean_metrics
+from .common import (
+    _local,
+    batch_transform,
+    broadcast_buffers,
+    broadcast_from_first,
+    check_same_model,
+    max_over,
+    mean_metrics,
+)
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -161,6 +169,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
         return
     plan.module.to(mesh.device)
+    check_same_model(plan.module, data_group)
     broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")

@@ -104,7 +104,8 @@ class Comm:
             except RuntimeError as e:
                 raise RuntimeError(self._missing(what, seconds, str(e))) from None
             return
-        keys = [f"accelfn/roll-call/{n}/{r}" for r in range(self.world)]
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the agent's store outlives a restart
+        keys = [f"accelfn/roll-call/{attempt}/{n}/{r}" for r in range(self.world)]
         store.set(keys[self.rank], what)
         try:
             store.wait(keys, timedelta(seconds=seconds))

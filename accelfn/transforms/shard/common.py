@@ -79,6 +79,8 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
     """Every rank of `group` has the same params (names, shapes) and trains the same ones: else a ValueError on
     every rank naming the first difference (a rank that froze other layers would pair its gradients with the
     others' wrong ones in the bucketed all-reduce and the replicas would drift apart silently)."""
+    if dist.get_world_size(group) < 2:
+        return
     mine = [(n, tuple(p.shape), bool(p.requires_grad)) for n, p in module.named_parameters()]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)

@@ -245,7 +245,7 @@ def _warn_unused(checkpoint: Any, ckpt: Checkpoint, model: nn.Module, names: set
             f"checkpoint '{checkpoint}' has {len(unused)} tensors the model has no place for: "
             f"{', '.join(map(repr, unused[:3]))}{more} (were they saved from another configuration?)",
             UserWarning,
-            stacklevel=4  # the caller of load_and_dispatch (under its type-check wrapper),
+            stacklevel=4,  # the caller of load_and_dispatch (under its type-check wrapper)
         )
 
 

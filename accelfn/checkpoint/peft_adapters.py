@@ -104,7 +104,9 @@ def save_adapter(
     name = _check_model(model, adapter_name, "save_adapter")
     if isinstance(state_or_params, TrainState):
         check_not_donated(state_or_params, "af.checkpoint.save_adapter")
-    params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
+        params = state_or_params.params
+    else:
+        params = state_or_params
     named = _named(model, params)
     final = Path(path).absolute()
     if merge:

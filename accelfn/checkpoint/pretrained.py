@@ -194,14 +194,8 @@ def _as_written(config: Any, full: dict[str, torch.Tensor], module: nn.Module | 
         config.architectures = [type(module).__name__]
     dtype = next((t.dtype for t in full.values() if t.is_floating_point()), None)
     if dtype is not None:
-        name = str(dtype).removeprefix("torch.")
-        for attr in ("dtype", "torch_dtype"):  # transformers 5 / 4
-            if hasattr(config, attr):
-                try:
-                    setattr(config, attr, name)
-                except (AttributeError, TypeError):
-                    continue
-                break
+        attr = "dtype" if hasattr(config, "dtype") else "torch_dtype"  # transformers 5 / 4
+        setattr(config, attr, str(dtype).removeprefix("torch."))
     return config
 
 

@@ -81,22 +81,22 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
     others' wrong ones in the bucketed all-reduce and the replicas would drift apart silently)."""
     if dist.get_world_size(group) < 2:
         return
-    mine = [(n, tuple(p.shape), bool(p.requires_grad)) for n, p in module.named_parameters()]
+    mine = [(n, list(p.shape), bool(p.requires_grad)) for n, p in module.named_parameters()]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    first = everyone[0]
+
+    def what(params: dict[str, Any], name: str) -> str:
+        return "missing" if name not in params else f"{'trainable' if params[name][1] else 'frozen'} {params[name][0]}"
+
     for r, theirs in enumerate(everyone[1:], start=1):
-        if theirs == first:
+        if theirs == everyone[0]:
             continue
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        other = dist.get_global_rank(group, r) if group is not None else r
-        a, b = dict((n, (s, g)) for n, s, g in first), dict((n, (s, g)) for n, s, g in theirs)
+        a, b = ({n: (shape, grad) for n, shape, grad in ps} for ps in (everyone[0], theirs))
+        rank0, rank = (dist.get_global_rank(group, i) if group is not None else i for i in (0, r))
         diff = next(
-            (f"{n!r}: {'missing' if n not in a else ('trainable' if a[n][1] else 'frozen') + f' {list(a[n][0])}'} "
-             f"on rank {src}, {'missing' if n not in b else ('trainable' if b[n][1] else 'frozen') + f' {list(b[n][0])}'} "
-             f"on rank {other}" for n in [*a, *b] if a.get(n) != b.get(n)),
+            (f"{n!r}: {what(a, n)} on rank {rank0}, {what(b, n)} on rank {rank}" for n in [*a, *b] if a.get(n) != b.get(n)),
             "the params are in another order",
-        )  # fmt: skip
+        )
         raise ValueError(
             f"the ranks' models differ: {diff}. Every rank must build the same model and freeze the same params "
             "(requires_grad) before step.init()"

@@ -21,10 +21,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on everything, mypy on the package."""
+    """ruff format --check and ruff check on everything (as CI), mypy on the package."""
     _install(session)
     session.install("ruff", "mypy", "types-PyYAML")
-    session.run("ruff", "check", "accelfn", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check")
+    session.run("ruff", "check")
     session.run("mypy", "accelfn")
 
 

@@ -7,8 +7,14 @@ Example:
     >>> state, metrics = step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 1)})
 """
 
-from . import big, checkpoint, data, dist, losses, optim, platforms, random, trackers, tree
+import sys as _sys
+
+from . import big, checkpoint, collective, data, losses, optim, platforms, random, trackers, tree
+from . import (
+    collective as dist,  # `af.dist`: the public name (the package is `collective`: tools skip folders named dist)
+)
 from ._rich import install_if_requested as _install_rich_tracebacks
+from ._version import __version__
 from .batch_size import find_executable_batch_size
 from .big import (
     cpu_offload,
@@ -19,7 +25,7 @@ from .big import (
     load_and_dispatch,
     pipeline,
 )
-from .dist import progress
+from .collective import progress
 from .launch.notebook import notebook_launch
 from .losses import Loss
 from .lowering import CompositionError
@@ -41,7 +47,6 @@ from .transforms import (
     shard,
 )
 
-__version__ = "0.1.0"
 _install_rich_tracebacks()  # only with ACCELFN_RICH=1
 
 __all__ = [
@@ -87,3 +92,10 @@ __all__ = [
     "find_executable_batch_size",
     "notebook_launch",
 ]
+
+# `import accelfn.dist` and `from accelfn.dist.debug import ...` keep working: the same module objects under the
+# public name (no second copy of their state)
+_sys.modules[f"{__name__}.dist"] = collective
+for _name, _module in list(_sys.modules.items()):
+    if _name.startswith(f"{__name__}.collective."):
+        _sys.modules[f"{__name__}.dist." + _name.rsplit(".", 1)[1]] = _module

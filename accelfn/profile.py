@@ -23,7 +23,7 @@ from pathlib import Path
 from torch import profiler as _profiler
 
 from . import platforms
-from .dist import rank as _rank
+from .collective import rank as _rank
 
 __all__ = ["profile", "Profile"]
 

@@ -13,7 +13,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -83,6 +84,17 @@ def generator(k: torch.Tensor, device: str | torch.device = "cpu") -> torch.Gene
     return g
 
 
+# How `seeded` reaches an accelerator's generators: `accelfn.platforms` registers its `for_device` here when it
+# is imported (it is the only place that knows device kinds; this module stays below it in the layers).
+_accelerator_rng: Callable[[torch.device], Any] | None = None
+
+
+def register_accelerator_rng(resolve: Callable[[torch.device], Any]) -> None:
+    """Set how `seeded` finds the generator owner (`get_rng_state`, `set_rng_state`, `manual_seed`) of a device."""
+    global _accelerator_rng
+    _accelerator_rng = resolve
+
+
 @contextlib.contextmanager
 def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterator[None]:
     """Seed torch's global generators (CPU, and the accelerators among `devices`) from `k` inside the
@@ -94,9 +106,9 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     accel = sorted({d for d in devices or [] if d.type not in ("cpu", "meta")}, key=str)
     platform = None
     if accel:
-        from . import platforms  # the only place that knows device kinds
-
-        platform = platforms.for_device(accel[0])
+        if _accelerator_rng is None:
+            raise RuntimeError(f"af.random.seeded: no platform adapters are loaded for {accel[0]} (import accelfn)")
+        platform = _accelerator_rng(accel[0])
     seed = seed_of(k)
     cpu_state = torch.random.default_generator.get_state()
     saved = [(d, platform.get_rng_state(d)) for d in accel] if platform is not None else []

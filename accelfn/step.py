@@ -122,10 +122,10 @@ class Step:
             clip_grad_norm=self.clip_grad_norm, donate=self.donate,
         )
         plan.device = target_device(model, self.transforms)
-        if self.kind == "train" and plan.device.type == "cpu":
-            from .platforms.cpu import tune_host_allocator
+        if self.kind == "train":
+            from . import platforms
 
-            tune_host_allocator()  # training-size tensors stay in the heap between steps (see its docs)
+            platforms.tune_allocator(plan.device)  # e.g. the host's: training-size tensors stay in the heap
         lower(plan, self.transforms)
         plan.finalize()
         if self.kind == "train":
@@ -140,7 +140,9 @@ class Step:
             trainable = params if len(plan.slots.trainable) == len(params) else {
                 n: params[n] for n in plan.slots.trainable
             }
-            opt_state = (plan.opt_state_init or self.optimizer.init)(trainable)
+            opt_state = plan.sync.init_opt_state(trainable)  # a backend's own (DeepSpeed's), else the optimizer's
+            if opt_state is None:
+                opt_state = self.optimizer.init(trainable)
             plan.opt_state_type = type(opt_state)
         state = TrainState(
             step=torch.zeros((), dtype=torch.int64),
@@ -170,6 +172,15 @@ class Step:
         if plan.donate and out[0] is not state:
             mark_donated(state)
         return out
+
+    def __str__(self) -> str:
+        """After `init`: the lowered step (mesh, strategy, each combinator in lowering order and what it did, the
+        dtype of each phase); before: the same line as `repr`."""
+        if self._plan is None:
+            return repr(self)
+        from .lowering import describe
+
+        return describe(self._plan, repr(self))
 
     def __repr__(self) -> str:
         fn = getattr(self.fn, "__qualname__", repr(self.fn))
@@ -210,7 +221,7 @@ def _debug_check_step(state: TrainState, kind: str = "training step") -> None:
     """`ACCELFN_DEBUG=1`: the ranks of a sharded step compare their step numbers first, so a rank that runs a
     different number of steps (or an af.dist collective where the others train) fails on every rank instead of
     pairing its collectives with the others' gradient reduction (a hang or wrong numbers)."""
-    from .dist import debug
+    from .collective import debug
 
     if not (debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return

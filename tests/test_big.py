@@ -484,12 +484,13 @@ def test_peak_host_memory_stays_within_cpu_share_plus_one_shard(tmp_path):
         with torch.no_grad():
             got = big(expected["ids"]).logits
         on_cpu = sum(p.numel() * p.element_size() for p in big.parameters() if not p.is_meta)
-        print(json.dumps({{"peak": peak() - before, "on_cpu": on_cpu, "equal": torch.equal(got, expected["logits"])}}))
+        print(json.dumps({{"peak": peak() - before, "on_cpu": on_cpu, "diff": (got - expected["logits"]).abs().max().item()}}))
     """)
     size = sum(p.numel() * 4 for p in model.parameters())
     shards = sorted((tmp_path / "ckpt").glob("model-*.safetensors"))
     largest_shard = max(f.stat().st_size for f in shards)
-    assert len(shards) >= 3 and out["equal"] and out["on_cpu"] > 10e6
+    # computed in two processes: the same weights to fp32 round-off (kernels may differ by machine and thread count)
+    assert len(shards) >= 3 and out["diff"] < 1e-4 and out["on_cpu"] > 10e6, out
     budget = out["on_cpu"] + largest_shard  # what is placed on the CPU plus one shard
     print(f"peak RSS growth {out['peak'] / 1e6:.1f} MB, on cpu {out['on_cpu'] / 1e6:.1f} MB, "
           f"budget {budget / 1e6:.1f} MB, model {size / 1e6:.1f} MB")  # fmt: skip

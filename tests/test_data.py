@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _launch import output_of, run_workers
 
 import accelfn as af
-from accelfn.data.plan import batches_per_rank, global_batches, rank_slices
+from accelfn.data.batching import batches_per_rank, global_batches, rank_slices
 
 DL = af.data.DataLoader
 BatchInfo = af.data.BatchInfo

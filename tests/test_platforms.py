@@ -267,7 +267,7 @@ def test_mesh_and_dist_code_names_no_device_kind() -> None:
 
     root = pathlib.Path(af.__file__).parent
     kinds = set(af.platforms.KINDS) | {"gloo", "nccl", "xccl", "hccl", "cncl"}
-    for path in [root / "mesh.py", *sorted((root / "dist").glob("*.py"))]:
+    for path in [root / "mesh.py", *sorted((root / "collective").glob("*.py"))]:
         module = ast.parse(path.read_text())
         docstrings = {id(n.value) for n in ast.walk(module) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
         for node in ast.walk(module):
@@ -291,3 +291,107 @@ def test_tune_host_allocator_sets_glibc_thresholds_once_and_can_be_turned_off():
                          env={**env, "ACCELFN_HOST_ALLOCATOR": "system"})  # fmt: skip
     assert on.stdout.strip() == "[True]", on.stderr  # glibc (the CI machines): set by the first CPU train step
     assert off.stdout.strip() == "[False]", off.stderr
+
+
+# ---- questions callers ask instead of naming device types ---------------------------------------------------
+def test_is_host_and_count_dtype() -> None:
+    assert af.platforms.is_host(torch.device("cpu")) and af.platforms.is_host("cpu")
+    assert not af.platforms.is_host("cuda:1") and not af.platforms.is_host(torch.device("meta"))
+    assert af.platforms.count_dtype("cpu") == torch.float64  # exact bias corrections on the host
+    assert af.platforms.count_dtype(torch.device("cuda", 0)) == af.platforms.count_dtype("mps") == torch.float32
+
+
+def test_supports_float64_asks_the_platform_and_knows_kinds_without_one() -> None:
+    assert af.platforms.get("cpu").supports_float64() and af.platforms.supports_float64("cuda:0")
+    assert not af.platforms.supports_float64("mps")  # no adapter: Metal has no float64
+    assert af.platforms.supports_float64("meta")
+
+    class NoF64(Platform):  # a registered kind answers for its device type
+        kind, device_type, backend = "nof64", "meta", "gloo"
+
+        def supports_float64(self) -> bool:
+            return False
+
+    af.platforms.register(NoF64())
+    try:
+        assert not af.platforms.supports_float64(torch.device("meta"))
+    finally:
+        af.platforms.unregister("nof64")
+    assert af.platforms.supports_float64("meta")
+
+
+def test_pins_host_copies_only_for_an_available_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not af.platforms.pins_host_copies("cpu") and not af.platforms.pins_host_copies("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not af.platforms.pins_host_copies("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert af.platforms.pins_host_copies("cuda:0")
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 1)
+    assert not af.platforms.pins_host_copies("xpu:0")  # as before: staging buffers are pinned for CUDA only
+
+
+def test_tune_allocator_is_the_host_allocators_on_cpu_and_nothing_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelfn.platforms import cpu
+
+    calls: list[int] = []
+    monkeypatch.setattr(cpu, "tune_host_allocator", lambda: calls.append(1) or True)
+    assert af.platforms.get("cpu").tune_allocator() is True and af.platforms.tune_allocator("cpu") is True
+    assert len(calls) == 2
+    for kind in ("cuda", "xla", "xpu", "npu", "mlu"):
+        assert af.platforms.get(kind).tune_allocator() is False
+    assert af.platforms.tune_allocator("cuda:0") is False and af.platforms.tune_allocator("meta") is False
+    assert calls == [1, 1]
+
+
+def test_tune_allocator_for_real_reports_what_tune_host_allocator_did() -> None:
+    from accelfn.platforms import cpu
+
+    assert af.platforms.get("cpu").tune_allocator() == cpu.tune_host_allocator() == cpu._TUNED[0]
+
+
+def test_initialized_asks_every_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not af.platforms.get("cpu").is_initialized()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False, raising=False)
+    assert af.platforms.initialized() == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert af.platforms.initialized() == [af.platforms.get("cuda")]
+
+
+def test_an_extension_kind_is_initialized_only_once_its_package_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = af.platforms.get("npu")
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_initialized=lambda: True), raising=False)
+    assert not npu.is_initialized()  # and torch_npu was not imported to ask
+    assert "torch_npu" not in sys.modules
+    install_fake_extension(monkeypatch, "torch_npu", "npu", is_initialized=lambda: True)
+    assert npu.is_initialized()
+    install_fake_extension(monkeypatch, "torch_npu", "npu")  # a module without is_initialized
+    assert not npu.is_initialized()
+
+
+def test_notebook_fork_refuses_once_an_accelerator_runtime_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelfn.launch.notebook import _start_method
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False, raising=False)
+    assert _start_method(print, "fork") == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialized .* start_method='spawn'"):
+        _start_method(print, "fork")
+
+
+def test_async_checkpoint_staging_waits_for_the_copies_through_their_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelfn.checkpoint import async_
+
+    synced: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    monkeypatch.setattr(async_, "_copying_from", {torch.device("cuda", 1)})
+    async_.start(lambda: None, "ckpt").result()
+    assert synced == [torch.device("cuda", 1)] and not async_._copying_from
+    async_.stage("test_platforms.w", torch.ones(2))  # a host tensor: an unpinned, synchronous copy
+    async_.start(lambda: None, "ckpt").result()
+    assert synced == [torch.device("cuda", 1)]
+    del async_._staging["test_platforms.w"]

@@ -160,15 +160,30 @@ def test_bad_arguments_are_named():
         af.remat(af.remat(base), "selective")
 
 
-def test_memory_budget_is_handed_to_the_compiler(monkeypatch):
+def test_memory_budget_is_handed_to_the_compiler_and_scoped_to_its_step():
     import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+    before = functorch_config.activation_memory_budget
+    seen = []
+
+    def partition(*args, **kwargs):  # what torch's partitioner reads while this step compiles
+        seen.append(functorch_config.activation_memory_budget)
+        return min_cut_rematerialization_partition(*args, **kwargs)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition)
     data = data_for(64, n=2)
     plain = lambda: (torch.manual_seed(0), tiny_gpt2(n_layer=3))[1]  # noqa: E731  # no dropout: compiled RNG differs
     want, want_losses = train(af.train_step(lm_loss, af.optim.sgd(0.1)), plain(), data)
-    step = af.compile(af.remat(af.train_step(lm_loss, af.optim.sgd(0.1)), memory_budget=0.5), backend="aot_eager")
+    step = af.compile(af.remat(af.train_step(lm_loss, af.optim.sgd(0.1)), memory_budget=0.5), backend=backend)
     got, got_losses = train(step, plain(), data)
-    assert functorch_config.activation_memory_budget == 0.5
+    assert seen and set(seen) == {0.5}
+    # the process-global setting is back: no later compile in the process inherits the budget
+    assert functorch_config.activation_memory_budget == before
+    other_seen = len(seen)
+    other = af.compile(af.train_step(lambda m, b: lm_loss(m, b), af.optim.sgd(0.1)), backend=backend)  # a new trace
+    train(other, plain(), data)
+    assert len(seen) > other_seen and set(seen[other_seen:]) == {before}
     assert "activation memory budget 0.5" in repr(step)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)

@@ -14,17 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dtensor import is_dtensor
 from ..mesh import control_group
 
 __all__ = ["Comm", "is_dtensor", "region", "writes_piece", "is_sharded"]
-
-
-def is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(x, DTensor)
 
 
 def region(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -91,7 +84,7 @@ class Comm:
         doing, so a rank still in a training step is named with it."""
         if not self.active:
             return
-        from ..dist import debug
+        from ..collective import debug
 
         if debug.enabled():
             debug.check(what, "")

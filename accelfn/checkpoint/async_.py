@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .. import platforms
+
 __all__ = ["SaveHandle", "start", "wait", "stage", "clear_staging"]
 
 
@@ -55,6 +57,7 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None
 _staging: dict[str, torch.Tensor] = {}
+_copying_from: set[torch.device] = set()  # devices with non-blocking copies into pinned staging buffers
 
 
 def wait() -> str | None:
@@ -69,9 +72,10 @@ def stage(key: str, t: torch.Tensor) -> torch.Tensor:
     faults, ~8x faster than a fresh copy); call only when no save is in flight."""
     buf = _staging.get(key)
     if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        pin = t.device.type == "cuda" and torch.cuda.is_available()
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=platforms.pins_host_copies(t.device))
         _staging[key] = buf
+    if buf.is_pinned() and not platforms.is_host(t.device):
+        _copying_from.add(t.device)
     buf.copy_(t.detach(), non_blocking=buf.is_pinned())
     return buf
 
@@ -85,8 +89,8 @@ def clear_staging() -> None:
 def start(fn: Callable[[], Any], path: str) -> SaveHandle:
     """Run `fn` in a writer thread; the returned handle (also joined by `wait()`) reports its outcome."""
     global _pending
-    if any(b.is_pinned() for b in _staging.values()):
-        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    while _copying_from:  # the non-blocking device-to-host copies have landed
+        platforms.synchronize(_copying_from.pop())
     handle = SaveHandle(path)
 
     def run() -> None:

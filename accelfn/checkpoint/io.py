@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 
+from .. import platforms
 from .format import CorruptCheckpointError
 
 __all__ = ["FileRecord", "DTYPES", "write_file", "read_file", "read_header", "tensor_bytes", "fsync_path"]
@@ -115,7 +116,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of `t` in row-major order (a contiguous CPU copy only when needed)."""
     t = t.detach()
-    if t.device.type != "cpu":
+    if not platforms.is_host(t.device):
         t = t.to("cpu")
     t = t.contiguous().reshape(-1)
     if t.dtype not in DTYPES:
@@ -284,7 +285,7 @@ def read_file(
                 dest = into.get(name) if into is not None else None
                 if dest is None or dest.dtype != dtype or list(dest.shape) != shape or not dest.is_contiguous():
                     dest = torch.empty(shape, dtype=dtype)
-                if dest.device.type != "cpu":
+                if not platforms.is_host(dest.device):
                     raise ValueError(f"read_file(): into[{name!r}] must be a CPU tensor")
                 read(_bytes_of(dest.detach().reshape(-1).view(torch.uint8)))
                 out[name] = dest

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import platforms
 from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState, mark_donated
@@ -70,7 +71,7 @@ class Target:
         return (
             piece["offset"] == list(self.offset)
             and piece["shape"] == list(self.local.shape)
-            and self.local.device.type == "cpu"
+            and platforms.is_host(self.local.device)
             and self.local.is_contiguous()
         )
 

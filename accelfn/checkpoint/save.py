@@ -52,7 +52,7 @@ from .leaves import JSON_TYPES, alias_key, dtype_name, flatten, split_path
 __all__ = ["save", "latest", "wait", "SaveHandle", "checkpoints"]
 
 
-class _Plan:
+class _Contents:
     """What one rank writes, and the description of every leaf (built in the caller's thread)."""
 
     def __init__(self, state: TrainState, comm: Comm, max_shard_size: int, snapshot: bool) -> None:
@@ -145,40 +145,40 @@ def _split(
     return [(file_name(base, i + 1, len(chunks), rank=rank), c) for i, c in enumerate(chunks)]
 
 
-def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None) -> None:
+def _write(contents: _Contents, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None) -> None:
     """Write this rank's files, then (rank 0) state.json, and commit. Runs in any thread."""
     records = {
         name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json()
-        for name, tensors in plan.files.items()
+        for name, tensors in contents.files.items()
     }
-    everyone = comm.all_gather_json({"files": records, "pieces": plan.pieces})
+    everyone = comm.all_gather_json({"files": records, "pieces": contents.pieces})
     if comm.rank == 0:
         files: dict[str, Any] = {}
         for part in everyone:
             files.update(part["files"])
             for path, pieces in part["pieces"].items():
-                plan.entries[path].setdefault("pieces", []).extend(pieces)
-        if not plan.multi:
+                contents.entries[path].setdefault("pieces", []).extend(pieces)
+        if not contents.multi:
             weight_map = {
-                pc[0]["key"]: pc[0]["file"] for p, pc in plan.pieces.items() if p.startswith("params.")
+                pc[0]["key"]: pc[0]["file"] for p, pc in contents.pieces.items() if p.startswith("params.")
             }
             if len(set(weight_map.values())) > 1:
                 total = sum(
-                    plan.files[f][k].numel() * plan.files[f][k].element_size() for k, f in weight_map.items()
+                    contents.files[f][k].numel() * contents.files[f][k].element_size() for k, f in weight_map.items()
                 )
                 (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
                 io.fsync_path(tmp / HF_INDEX)
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "step": plan.step,
+            "step": contents.step,
             "world_size": comm.world,
-            "sharded": plan.multi,
+            "sharded": contents.multi,
             "accelfn_version": _accelfn_version(),
             "torch_version": torch.__version__,
             "loader": loader_state,
             "files": dict(sorted(files.items())),
-            "leaves": plan.entries,
+            "leaves": contents.entries,
         }
         with open(tmp / STATE_FILE, "w") as f:
             json.dump(meta, f, indent=1)
@@ -191,10 +191,10 @@ def _write(plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, k
 
 
 def _write_or_clean(
-    plan: _Plan, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None
+    contents: _Contents, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None
 ) -> None:
     try:
-        _write(plan, comm, tmp, final, loader_state, keep_last)
+        _write(contents, comm, tmp, final, loader_state, keep_last)
     except BaseException:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -202,9 +202,9 @@ def _write_or_clean(
 
 
 def _accelfn_version() -> str:
-    import accelfn
+    from .._version import __version__
 
-    return str(accelfn.__version__)
+    return str(__version__)
 
 
 def series_of_name(name: str) -> str | None:
@@ -271,7 +271,7 @@ def save(
     final = Path(path).absolute()
     atomic.check_replaceable(final, (STATE_FILE,))
     _finish_device_work(state)
-    plan = _Plan(state, comm, size, snapshot=async_save)
+    contents = _Contents(state, comm, size, snapshot=async_save)
     token = comm.broadcast_str(uuid.uuid4().hex[:12])
     tmp = atomic.temp_sibling(final, token)
     if comm.rank == 0:
@@ -280,9 +280,9 @@ def save(
         tmp.mkdir()
     comm.barrier()
     if not async_save:
-        _write_or_clean(plan, comm, tmp, final, loader_state, keep_last)
+        _write_or_clean(contents, comm, tmp, final, loader_state, keep_last)
         return SaveHandle(str(final))
-    return async_.start(lambda: _write_or_clean(plan, comm, tmp, final, loader_state, keep_last), str(final))
+    return async_.start(lambda: _write_or_clean(contents, comm, tmp, final, loader_state, keep_last), str(final))
 
 
 def _finish_device_work(state: TrainState) -> None:
@@ -291,10 +291,10 @@ def _finish_device_work(state: TrainState) -> None:
     from .. import platforms
 
     tensors = [t for t in _tree.leaves(state) if isinstance(t, torch.Tensor)]
-    devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
+    devices = {t.device for t in tensors if not platforms.is_host(t.device) and not t.is_meta}
     for device in devices:
         platforms.synchronize(device)
-    if not devices and any(t.device.type == "cpu" and not is_dtensor(t) and t.is_pinned() for t in tensors):
+    if not devices and any(platforms.is_host(t.device) and not is_dtensor(t) and t.is_pinned() for t in tensors):
         torch.accelerator.synchronize()  # pinned host tensors only: the copies come from the current accelerator
 
 

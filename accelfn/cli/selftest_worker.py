@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .. import platforms
 from ..launch_env import read_env
 
 
@@ -92,7 +93,7 @@ def _ddp_matches_single_process(rank: int, n: int, dev: torch.device) -> bool:
         (torch.randn(per_rank * n, 4, generator=gen), torch.randn(per_rank * n, 1, generator=gen))
         for _ in range(3)
     ]
-    ddp = DistributedDataParallel(_mlp().to(dev), device_ids=[dev.index] if dev.type != "cpu" else None)
+    ddp = DistributedDataParallel(_mlp().to(dev), device_ids=None if platforms.is_host(dev) else [dev.index])
     shard = slice(rank * per_rank, (rank + 1) * per_rank)
     _train(ddp, [(x[shard].to(dev), y[shard].to(dev)) for x, y in batches])
     mine = torch.cat([p.detach().flatten().cpu() for p in ddp.module.parameters()])

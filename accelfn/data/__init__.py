@@ -7,7 +7,7 @@ Example:
     [0, 1, 2, 3, 4, 5]
 """
 
-from ..dist.metrics import gather_for_metrics
+from ..collective.metrics import gather_for_metrics
 from .batches import BatchInfo
 from .layout import DataLayout
 from .loader import DataLoader

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import attrs
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .plan import epoch_order, global_batches, rank_slices
+from .batching import epoch_order, global_batches, rank_slices
 
 __all__ = ["BatchInfo", "EpochSpec", "EpochBatches", "keep"]
 

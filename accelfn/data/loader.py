@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.utils.data as tud
 
+from .. import platforms
 from .. import tree as _tree
 from .._typecheck import checked
 from ..mesh import Mesh
 from .batches import BatchInfo, EpochBatches, EpochSpec, keep
+from .batching import batches_per_rank
 from .layout import DataLayout
-from .plan import batches_per_rank
 
 __all__ = ["DataLoader", "STATE_VERSION"]
 
@@ -102,7 +103,7 @@ class DataLoader:
         self._shuffle, self._seed, self._drop_last, self._even = shuffle, seed, drop_last, even_batches
         self._collate = collate_fn if collate_fn is not None else tud.default_collate
         self._num_workers, self._dispatch = num_workers, dispatch
-        self._pin = pin_memory and self._layout.device.type != "cpu"
+        self._pin = pin_memory and not platforms.is_host(self._layout.device)
         self._epoch, self._done = 0, 0
         self._fresh, self._resumed, self._finished = True, False, False
         self._last: BatchInfo | None = None
@@ -235,7 +236,7 @@ class DataLoader:
 
     def _place(self, batch: Any) -> Any:
         device = self._layout.device
-        if device.type == "cpu":
+        if platforms.is_host(device):
             return batch
 
         def move(x: Any) -> Any:

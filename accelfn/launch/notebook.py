@@ -52,13 +52,14 @@ def _start_method(fn: Callable[..., Any], requested: str | None) -> str:
     if method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method={method!r} is not one of spawn, fork, forkserver")
     if method == "fork":
-        import torch
+        from .. import platforms
 
-        if torch.cuda.is_initialized():
+        started = "/".join(p.kind.upper() for p in platforms.initialized())
+        if started:
             raise RuntimeError(
-                "notebook_launch: CUDA was initialized in this process before the workers were forked, and a "
-                "forked process cannot use it. Restart the kernel and call notebook_launch before any CUDA "
-                "work (move the model to the GPU inside the function), or define the function in a module "
+                f"notebook_launch: {started} was initialized in this process before the workers were forked, and "
+                f"a forked process cannot use it. Restart the kernel and call notebook_launch before any {started} "
+                "work (move the model to the device inside the function), or define the function in a module "
                 "and pass start_method='spawn'"
             )
     return method

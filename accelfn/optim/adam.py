@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import platforms
 from .. import tree as _tree
 from .._typecheck import checked
 from ._kernels import MaskLike, groups, mask_leaves, pick, try_fused, zeros_like_tree
@@ -78,7 +79,7 @@ def _adam(
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, 1 - b2)
-        cnt = count.to(torch.float64 if count.device.type == "cpu" else torch.float32)
+        cnt = count.to(platforms.count_dtype(count.device))
         bc1 = 1 - b1**cnt
         bc2_sqrt = torch.sqrt(1 - b2**cnt)
         denom = torch._foreach_sqrt(v)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import tree as _tree
+from ..dtensor import is_dtensor
 
 Params = Any
 Updates = Any
@@ -121,11 +122,6 @@ def apply_gradients(tx: GradientTransformation, grads: Updates, state: OptState,
     p_leaves, u_leaves = _tree.leaves(params), _tree.leaves(updates)
     torch._foreach_add_(p_leaves, u_leaves)
     return state
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether `t` is a DTensor (a tensor-parallel or FSDP-sharded parameter)."""
-    return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
 def _names(hyperparams: Any) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from .. import platforms
 from .._typecheck import checked
 
 __all__ = ["Schedule", "ScheduleLike", "constant", "linear", "cosine", "warmup_cosine", "as_schedule"]
@@ -33,7 +34,7 @@ ScheduleLike = float | int | Schedule | Callable[[torch.Tensor], "torch.Tensor |
 
 
 def _t(count: torch.Tensor) -> torch.Tensor:
-    return count.to(torch.float64) if count.device.type == "cpu" else count.to(torch.float32)
+    return count.to(platforms.count_dtype(count.device))
 
 
 @attrs.frozen

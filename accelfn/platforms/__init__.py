@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .. import random as _random
 from ..launch_env import ACCELFN_DEVICE
 from .base import Platform
 from .cpu import CpuPlatform
@@ -40,6 +41,12 @@ __all__ = [
     "register",
     "unregister",
     "for_device",
+    "is_host",
+    "count_dtype",
+    "supports_float64",
+    "pins_host_copies",
+    "tune_allocator",
+    "initialized",
 ]
 
 ENV_VAR = ACCELFN_DEVICE
@@ -94,11 +101,20 @@ def for_device(device: torch.device | str) -> Platform:
         >>> af.platforms.for_device(torch.device("cuda", 1)).kind, af.platforms.for_device("cpu").kind
         ('cuda', 'cpu')
     """
+    platform = _find(device)
+    if platform is None:
+        kind = torch.device(device).type
+        raise ValueError(f"no accelfn platform for device type {kind!r}; the kinds are: {', '.join(_PLATFORMS)}")
+    return platform
+
+
+def _find(device: torch.device | str) -> Platform | None:
+    """`for_device`, or None for a device type no platform serves (`mps`, `meta`)."""
     kind = torch.device(device).type
     for platform in _PLATFORMS.values():
         if platform.device_type == kind:
             return platform
-    raise ValueError(f"no accelfn platform for device type {kind!r}; the kinds are: {', '.join(_PLATFORMS)}")
+    return None
 
 
 def available() -> list[Platform]:
@@ -109,12 +125,94 @@ def available() -> list[Platform]:
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device`: its platform's `synchronize`, or torch's generic accelerator API
     for a kind accelfn has no adapter for."""
-    try:
-        platform = for_device(device)
-    except ValueError:
+    platform = _find(device)
+    if platform is None:
         torch.accelerator.synchronize(device)
         return
     platform.synchronize(device)
+
+
+# af.random.seeded reaches an accelerator's generators through its platform (late-bound: fakes in tests apply)
+_random.register_accelerator_rng(lambda device: for_device(device))
+
+
+def is_host(device: torch.device | str) -> bool:
+    """Whether `device` is host memory (the CPU's device type), where copies are synchronous.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> af.platforms.is_host(torch.device("cpu")), af.platforms.is_host("cuda:0")
+        (True, False)
+    """
+    return (device if isinstance(device, torch.device) else torch.device(device)).type == CpuPlatform.device_type
+
+
+def count_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype an optimizer's step count is computed in on `device` (bias corrections, schedules): float64 on
+    the host, float32 on accelerators (where float64 is slow or missing).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> af.platforms.count_dtype(torch.device("cpu")), af.platforms.count_dtype("cuda:0")
+        (torch.float64, torch.float32)
+    """
+    return torch.float64 if is_host(device) else torch.float32
+
+
+_NO_FLOAT64: frozenset[str] = frozenset({"mps"})
+"""torch device types without an accelfn platform that have no float64 (Apple's Metal)."""
+
+
+def supports_float64(device: torch.device | str) -> bool:
+    """Whether tensors on `device` can be float64: its platform's `supports_float64`, or for a device type with
+    no platform (`mps`, `meta`), true unless torch has no float64 there.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.platforms.supports_float64("cpu"), af.platforms.supports_float64("mps")
+        (True, False)
+    """
+    platform = _find(device)
+    if platform is not None:
+        return platform.supports_float64()
+    return torch.device(device).type not in _NO_FLOAT64
+
+
+def pins_host_copies(device: torch.device | str) -> bool:
+    """Whether host copies of tensors on `device` go into pinned memory (its platform's `pins_host_copies`;
+    false for a device type with no platform).
+
+    Example:
+        >>> import accelfn as af
+        >>> af.platforms.pins_host_copies("cpu"), af.platforms.pins_host_copies("meta")
+        (False, False)
+    """
+    platform = _find(device)
+    return platform is not None and platform.pins_host_copies()
+
+
+def tune_allocator(device: torch.device | str) -> bool:
+    """Tune the memory allocator that training on `device` uses, once per process (its platform's
+    `tune_allocator`: glibc's malloc for the CPU, nothing elsewhere); returns whether it changed anything.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.platforms.tune_allocator("meta")
+        False
+    """
+    platform = _find(device)
+    return platform is not None and platform.tune_allocator()
+
+
+def initialized() -> list[Platform]:
+    """The platforms whose runtime this process has already started (forking after that breaks the children).
+
+    Example:
+        >>> import accelfn as af
+        >>> af.platforms.get("cpu") in af.platforms.initialized()
+        False
+    """
+    return [p for p in _PLATFORMS.values() if p.is_initialized()]
 
 
 def host() -> Platform:

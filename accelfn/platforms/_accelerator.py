@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -81,3 +82,10 @@ class TorchAccelerator(Platform):
 
     def synchronize(self, device: torch.device | None = None) -> None:
         self._mod().synchronize(device)
+
+    def is_initialized(self) -> bool:
+        # never imports the extension package: one that is not imported yet has started nothing
+        if self.package is not None and self.package not in sys.modules:
+            return False
+        fn = getattr(getattr(torch, self.device_type, None), "is_initialized", None)
+        return bool(fn()) if fn is not None else False

@@ -93,8 +93,17 @@ class Platform:
         """Whether FP8 matmuls run natively (otherwise FP8 training works only emulated, for tests)."""
         return False
 
+    def supports_float64(self) -> bool:
+        """Whether tensors of this kind can be float64 (e.g. metrics stacked in one wide dtype)."""
+        return True
+
     def supports_pinned_memory(self) -> bool:
         """Whether host memory can be pinned for fast, asynchronous copies to and from this kind's devices."""
+        return False
+
+    def pins_host_copies(self) -> bool:
+        """Whether host copies of this kind's tensors (async checkpoint staging buffers) are pinned, so the
+        device-to-host copies run without blocking (`synchronize` before reading them)."""
         return False
 
     def overlaps_communication(self) -> bool:
@@ -170,3 +179,12 @@ class Platform:
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait until queued work on `device` has finished."""
+
+    def is_initialized(self) -> bool:
+        """Whether this process has already started this kind's runtime (a forked child then cannot use it)."""
+        return False
+
+    def tune_allocator(self) -> bool:
+        """Tune this kind's memory allocator for training, once per process; returns whether it changed
+        anything (the CPU's: glibc malloc thresholds, see `accelfn.platforms.cpu.tune_host_allocator`)."""
+        return False

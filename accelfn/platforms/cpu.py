@@ -86,6 +86,9 @@ class CpuPlatform(Platform):
         # is 1-7% faster than overlapping (two runs), since gloo's threads compete with the backward for the cores.
         return False
 
+    def tune_allocator(self) -> bool:
+        return tune_host_allocator()
+
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         stats: dict[str, int] = {"peak_allocated": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         try:

@@ -81,6 +81,9 @@ class CudaPlatform(TorchAccelerator):
             return None
         return peak_tflops_of(torch.cuda.get_device_name(device), dtype)
 
+    def pins_host_copies(self) -> bool:
+        return self.is_available()
+
     def record_memory_history(self, enabled: bool) -> bool:
         if not self.is_available():
             return False

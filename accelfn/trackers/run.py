@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import torch
 
+from .. import platforms
 from .base import Tracker, TrackerError
 
 __all__ = ["Run", "RESERVED"]
@@ -49,7 +50,7 @@ def _takes_wall_time(tracker: Any) -> bool:
 
 def _wide(device: torch.device) -> torch.dtype:
     """One dtype all scalar metrics of a device are stacked in (exact for ints below 2**53)."""
-    return torch.float32 if device.type == "mps" else torch.float64
+    return torch.float64 if platforms.supports_float64(device) else torch.float32
 
 
 @attrs.define

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,13 +61,15 @@ def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def _dynamo_settings_for_blocks() -> None:
+def _dynamo_settings_for_blocks() -> contextlib.AbstractContextManager[Any]:
     """torchtitan's and Accelerate's settings for per-block compile: `.item()` calls stay in the graph, and
-    activation checkpointing's recomputation does not replay the forward's side effects."""
+    activation checkpointing's recomputation does not replay the forward's side effects. A context: the step
+    enters it around its own forward and backward, so that no other compile in the process sees them."""
     config = torch._dynamo.config
-    config.capture_scalar_outputs = True
+    settings = {"capture_scalar_outputs": True}
     if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        settings["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
+    return config.patch(**settings)
 
 
 @attrs.frozen
@@ -103,7 +106,8 @@ class Compile(TransformBase):
             Compile(self.options, "blocks").lower(plan)
             return
         if self.regions == "blocks":
-            _dynamo_settings_for_blocks()
+            plan.forward_contexts.append(_dynamo_settings_for_blocks)
+            plan.backward_contexts.append(_dynamo_settings_for_blocks)
             name, blocks = find_blocks(plan.module)
             compiled = 0
             for block in blocks:

@@ -24,6 +24,7 @@ import torch
 
 from .. import platforms
 from .. import tree as _tree
+from ..engine.contract import Updater
 from ..optim import GradientTransformation, apply_gradients
 
 if TYPE_CHECKING:
@@ -47,11 +48,11 @@ def to_host(t: torch.Tensor, *, copy: bool = False, pin: bool = False) -> torch.
     """A host copy of `t` (`copy`: even when it is on the host already), in pinned memory with `pin`."""
     if pin:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t.detach())
-    return t.detach().to("cpu", copy=copy or t.device.type != "cpu")
+    return t.detach().to("cpu", copy=copy or not platforms.is_host(t.device))
 
 
-@attrs.define
-class HostUpdater:
+@attrs.define(eq=False)
+class HostUpdater(Updater):
     """Runs the optimizer update in host memory and writes the result back into the device params.
 
     ZeRO-Offload's data path, with buffers allocated once: each step, the gradients are copied (asynchronously)
@@ -89,12 +90,12 @@ class HostUpdater:
     ) -> tuple[Any, dict[str, Any]]:
         device = next(iter(params.values())).device
         fp32 = all(p.dtype == torch.float32 for p in params.values())  # the host state is fp32
-        if device.type == "cpu" and fp32 and not self.always_stream and not self.keep_master:
+        if platforms.is_host(device) and fp32 and not self.always_stream and not self.keep_master:
             return apply_gradients(tx, grads, opt_state, params), extra
         with torch.no_grad():
             host_grads = self._grads_to_host(grads)
             host_params, _ = self._host_params(params, extra)
-            if device.type != "cpu":  # the copies into host memory must have landed before the update
+            if not platforms.is_host(device):  # the copies into host memory must have landed before the update
                 platforms.synchronize(device)
             new_state = self._update(tx, host_grads, opt_state, host_params)
             self._upload(params, host_params)
@@ -223,7 +224,7 @@ class DelayedHostUpdater(HostUpdater):
         with torch.no_grad():
             host_params, refreshed = self._host_params(params, state.extra)
         device = next(iter(params.values())).device
-        if refreshed and device.type != "cpu":  # a first step, a loaded state, donate=False: wait for the mirror
+        if refreshed and not platforms.is_host(device):  # a first step, a loaded state, donate=False: wait for the mirror
             platforms.synchronize(device)
         copied, grads, opt_state = self._copied, pending["grads"], state.opt_state
 
@@ -297,7 +298,7 @@ class DelayedHostUpdater(HostUpdater):
 def _record(device: torch.device) -> Any:
     """An event after the work queued so far on `device`'s current stream (None on the host: copies there are
     synchronous). Where events are not available, waits for the device instead."""
-    if device.type == "cpu":
+    if platforms.is_host(device):
         return None
     try:
         event = torch.Event(device=device)

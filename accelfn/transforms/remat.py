@@ -9,7 +9,8 @@ the block's forward again (`torch.utils.checkpoint`, non-reentrant). Policies, a
 - a callable `policy(op) -> bool` (save this op's output?) or returning a `torch.utils.checkpoint.CheckpointPolicy`;
 - `every=n`: only every n-th block (blocks n, 2n, ...), trading memory for speed;
 - `memory_budget=f` (0 < f <= 1) under `af.compile`: torch's partitioner chooses what to recompute so that
-  at most that fraction of the activations is kept (`torch._functorch.config.activation_memory_budget`).
+  at most that fraction of the activations is kept (`torch._functorch.config.activation_memory_budget`, set
+  around this step's forward and backward only).
 
 Blocks are whole decoder layers, never children of a layer (wrapping the children keeps every layer's
 inputs alive *and* the children's, which used more memory than no checkpointing in Accelerate's FSDP2 path):
@@ -255,7 +256,12 @@ class Remat(TransformBase):
         if self.memory_budget is not None:
             import torch._functorch.config as functorch_config
 
-            functorch_config.activation_memory_budget = self.memory_budget
+            # torch's partitioner reads a process-global setting when it compiles (during this step's first
+            # forward): set it around this step's own forward and backward only, so that no other compile in the
+            # process inherits the budget
+            budget = functools.partial(functorch_config.patch, activation_memory_budget=self.memory_budget)
+            plan.forward_contexts.append(budget)
+            plan.backward_contexts.append(budget)
             plan.notes.append(f"activation memory budget {self.memory_budget} (the compiler chooses what to save)")
             return
         what, blocks = find_remat_blocks(plan.module, self.blocks)

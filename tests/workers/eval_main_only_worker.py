@@ -5,7 +5,7 @@ forward gathers the shards: without debug mode this hangs)."""
 import torch
 
 import accelfn as af
-from accelfn.dist.debug import CollectiveMismatchError
+from accelfn.collective.debug import CollectiveMismatchError
 
 mesh = af.Mesh.from_env()
 train = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy="fsdp")

@@ -22,7 +22,7 @@ what, call = {
     "save_pretrained": ("af.checkpoint.save_pretrained", lambda: af.checkpoint.save_pretrained(f"{out}/hf", state.params)),
 }[which]
 if len(sys.argv) > 4 and sys.argv[4] == "debug":  # ACCELFN_DEBUG=1: the caller saves, the other trains on
-    from accelfn.dist.debug import CollectiveMismatchError
+    from accelfn.collective.debug import CollectiveMismatchError
 
     try:
         call() if mesh.rank == caller else step(state, torch.randn(8, 4))

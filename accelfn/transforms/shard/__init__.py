@@ -32,13 +32,15 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..._typecheck import checked
+from ...engine.contract import LOCAL, GradSync
 from ...mesh import GRAD_AXES, Mesh
 from ...step import Step
 from .._base import TransformBase
@@ -49,9 +51,65 @@ if TYPE_CHECKING:
 
 __all__ = ["shard", "STRATEGIES"]
 
-STRATEGIES = ("ddp", "fsdp", "hsdp")
-BACKENDS = ("torch", "deepspeed")
 NOT_SPLIT = {"pp": "pipeline parallel under shard (see af.pipeline)", "ep": "expert parallel"}
+DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
+
+
+@attrs.frozen
+class Strategy:
+    """One way `af.shard` splits a step over the data axes: how it lowers, and what it accepts.
+
+    `lower` names `module:function`, `function(shard, plan) -> GradSync` (the module is imported when a step
+    using it is lowered); `needs` the mesh axes it requires; `options` the shard() options that only it takes;
+    `tp` / `cp`: whether it combines with tensor / context parallel (else the reason it does not).
+    """
+
+    name: str
+    backend: str
+    lower: str
+    needs: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+    tp: bool | str = True
+    cp: bool | str = True
+
+    def lower_fn(self) -> Callable[[Shard, Plan], GradSync]:
+        module, _, function = self.lower.partition(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), function)  # type: ignore[no-any-return]
+
+
+_NO_DS_TP = "DeepSpeed runs data-parallel over all processes"
+# A new strategy is one module with a `lower` function plus one row here.
+TABLE: tuple[Strategy, ...] = (
+    Strategy("ddp", "torch", "ddp:lower_ddp"),
+    Strategy("fsdp", "torch", "fsdp:lower_fsdp"),
+    Strategy(
+        "hsdp", "torch", "fsdp:lower_fsdp", needs=("dp", "fsdp"),
+        cp="HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)",
+    ),
+    Strategy(
+        "ddp", "deepspeed", "deepspeed.lowering:lower_deepspeed", options=DEEPSPEED_OPTIONS, tp=_NO_DS_TP,
+        cp="DeepSpeed splits no sequence",
+    ),
+    Strategy(
+        "fsdp", "deepspeed", "deepspeed.lowering:lower_deepspeed", options=DEEPSPEED_OPTIONS, tp=_NO_DS_TP,
+        cp="DeepSpeed splits no sequence",
+    ),
+)  # fmt: skip
+STRATEGIES = tuple(dict.fromkeys(s.name for s in TABLE))
+BACKENDS = tuple(dict.fromkeys(s.backend for s in TABLE))
+
+
+def strategy_for(name: str, backend: str) -> Strategy:
+    """The row of `TABLE` for `shard(strategy=name, backend=backend)`; a ValueError naming what exists."""
+    if name not in STRATEGIES:
+        raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {name!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"shard: backend must be one of {BACKENDS}, got {backend!r}")
+    for row in TABLE:
+        if (row.name, row.backend) == (name, backend):
+            return row
+    have = " or ".join(repr(r.name) for r in TABLE if r.backend == backend)
+    raise ValueError(f"shard(backend={backend!r}) supports strategy {have}, not {name!r}")
 
 
 @attrs.frozen(eq=False)
@@ -77,27 +135,21 @@ class Shard(TransformBase):
         return f"shard({self.strategy}, {axes}{extra})"
 
     def lower(self, plan: Plan) -> None:
-        tensor_parallel = any(t.kind == "tensor_parallel" for t in plan.transforms)
-        if not self.mesh.grad_axes:  # tensor parallel alone (af.Mesh({"tp": 2})): every rank reads the batch
-            plan.module.to(self.mesh.device)
-            plan.batch_transform = batch_transform(self.mesh, self.inputs)
-            plan.rank_key = 0
-        elif self.backend == "deepspeed":
-            from .deepspeed import lower_deepspeed
-
-            lower_deepspeed(self, plan)
-        elif self.strategy == "ddp":
-            from .ddp import lower_ddp
-
-            lower_ddp(self, plan)
-        else:
-            from .fsdp import lower_fsdp
-
-            lower_fsdp(self, plan)
-        if tensor_parallel:
+        """Every strategy: the batch transform (this rank's rows, on the mesh's device) and the rank's RNG stream;
+        then the strategy's own lowering, which returns its `GradSync`; tensor parallel wraps that sync."""
+        mesh = self.mesh
+        plan.batch_transform = batch_transform(mesh, self.inputs)
+        plan.rank_key = mesh.grad_rank if mesh.grad_axes else 0  # tp alone: every rank reads the same batch
+        sync: GradSync | None = None
+        if mesh.grad_axes:
+            sync = strategy_for(self.strategy, self.backend).lower_fn()(self, plan)
+        else:  # tensor parallel alone (af.Mesh({"tp": 2}))
+            plan.module.to(mesh.device)
+        if any(t.kind == "tensor_parallel" for t in plan.transforms):
             from .tensor_parallel import TensorParallelSync
 
-            plan.grad_sync = TensorParallelSync(plan.grad_sync)
+            sync = TensorParallelSync(sync if sync is not None else LOCAL)
+        plan.grad_sync = sync
 
 
 @checked
@@ -144,60 +196,34 @@ def shard(
         >>> int(state.step)
         1
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"shard: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "deepspeed":
-        if strategy == "hsdp":
-            raise ValueError("shard(backend='deepspeed') supports strategy 'ddp' (ZeRO-1) or 'fsdp' (ZeRO-3), not 'hsdp'")
-        if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    elif ds_config is not None or zero_stage is not None or offload_optimizer is not None:
-        raise ValueError("shard: ds_config, zero_stage and offload_optimizer apply to backend='deepspeed' only")
+    row = strategy_for(strategy, backend)
+    given = {"ds_config": ds_config, "zero_stage": zero_stage, "offload_optimizer": offload_optimizer}
+    foreign = [k for k, v in given.items() if v is not None and k not in row.options]
+    if foreign:
+        owners = sorted({r.backend for r in TABLE if set(foreign) <= set(r.options)})
+        raise ValueError(f"shard: {', '.join(DEEPSPEED_OPTIONS[:-1])} and {DEEPSPEED_OPTIONS[-1]} apply to backend={owners[0]!r} only")
+    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if inputs not in ("local", "global"):
         raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
+    _check_axes(mesh)
     tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
     cp = mesh.axis_size("cp") if "cp" in mesh.axis_names else 1
-    for axis, what in NOT_SPLIT.items():
-        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
-            raise ValueError(
-                f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
-                f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
-            )
-    for axis in mesh.axis_names:
-        if axis in NOT_SPLIT or axis in GRAD_AXES or axis == "tp" or mesh.axis_size(axis) == 1:
-            continue
-        known = (*GRAD_AXES, "tp")
-        close = difflib.get_close_matches(axis, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        if axis == "sp":
-            hint = " Sequence parallel is shard(..., sequence_parallel=True) over the 'tp' axis; context parallel is 'cp'."
-        raise ValueError(
-            f"shard: the mesh axis {axis!r} (size {mesh.axis_size(axis)}, mesh {mesh.shape}) is not one af.shard "
-            f"splits over ({', '.join(known)}): its ranks would all compute the same thing.{hint}"
-        )
     if not mesh.grad_axes and tp == 1:
         raise ValueError(f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}")
     if cp > 1:
-        why = ""
-        if tp > 1:
-            why = f"tensor parallel (tp={tp}) is not combined with it in this version"
-        elif backend == "deepspeed":
-            why = "DeepSpeed splits no sequence"
-        elif strategy == "hsdp":
-            why = "HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)"
+        why = f"tensor parallel (tp={tp}) is not combined with it in this version" if tp > 1 else None
+        why = why or (row.cp if isinstance(row.cp, str) else None)
         if why:
             raise ValueError(f"shard: context parallel (cp={cp} in mesh {mesh.shape}): {why}")
-    if sequence_parallel and tp == 1:
-        raise ValueError(f"shard: sequence_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
-    if loss_parallel and tp == 1:
-        raise ValueError(f"shard: loss_parallel=True needs a tp axis of size > 1 (shape {mesh.shape})")
+    for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if value and tp == 1:
+            raise ValueError(f"shard: {flag}=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if tp_plan is not None and tp == 1:
         raise ValueError(f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})")
-    if tp > 1 and backend == "deepspeed":
+    if tp > 1 and isinstance(row.tp, str):
         raise ValueError(
-            f"af.shard(backend='deepspeed') runs data-parallel over all {mesh.world_size} processes and does not "
+            f"af.shard(backend={backend!r}) runs data-parallel over all {mesh.world_size} processes and does not "
             f"combine with tensor parallel (tp={tp}): use a mesh like af.Mesh({{'dp': -1}}), or backend='torch' "
             "for tensor parallel"
         )
@@ -206,8 +232,9 @@ def shard(
             f"shard(strategy={strategy!r}) shards over a data axis (dp or fsdp), but the mesh has only {mesh.axis_names}: "
             "with tensor parallel alone, leave strategy as it is"
         )
-    if strategy == "hsdp" and not {"dp", "fsdp"} <= set(mesh.axis_names):
-        raise ValueError(f"shard(strategy='hsdp') needs a 2-D mesh with axes 'dp' and 'fsdp'; got {mesh.axis_names}")
+    if row.needs and not set(row.needs) <= set(mesh.axis_names):
+        axes = " and ".join(repr(a) for a in row.needs)
+        raise ValueError(f"shard(strategy={strategy!r}) needs a {len(row.needs)}-D mesh with axes {axes}; got {mesh.axis_names}")
     step = step.with_transform(
         Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
     )
@@ -221,3 +248,25 @@ def shard(
         plan_items = tuple(tp_plan.items()) if tp_plan is not None else None
         step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel, sequence_parallel))
     return step
+
+
+def _check_axes(mesh: Mesh) -> None:
+    """Refuse a mesh axis of size > 1 that af.shard does not split over (its ranks would duplicate the work)."""
+    for axis, what in NOT_SPLIT.items():
+        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+            raise ValueError(
+                f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
+                f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
+            )
+    known = (*GRAD_AXES, "tp")
+    for axis in mesh.axis_names:
+        if axis in NOT_SPLIT or axis in known or mesh.axis_size(axis) == 1:
+            continue
+        close = difflib.get_close_matches(axis, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        if axis == "sp":
+            hint = " Sequence parallel is shard(..., sequence_parallel=True) over the 'tp' axis; context parallel is 'cp'."
+        raise ValueError(
+            f"shard: the mesh axis {axis!r} (size {mesh.axis_size(axis)}, mesh {mesh.shape}) is not one af.shard "
+            f"splits over ({', '.join(known)}): its ranks would all compute the same thing.{hint}"
+        )

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ... import tree as _tree
+from ...dtensor import local_tensor
 from ...mesh import Mesh
 
 
@@ -107,9 +108,6 @@ def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> 
     """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(_local(t.data), src=src, group=group)  # a tensor-parallel shard: among its replicas
+        dist.broadcast(local_tensor(t.data), src=src, group=group)  # a tensor-parallel shard: among its replicas
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view of its storage), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dtensor import local_tensor
+from ...engine.contract import GradSync
 from ...optim.clip import global_norm
 from .common import (
-    _local,
-    batch_transform,
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
@@ -48,8 +48,8 @@ class _Bucket:
     work: Any = None
 
 
-@attrs.define
-class DDPSync:
+@attrs.define(eq=False)
+class DDPSync(GradSync):
     """Sum gradients over the data-parallel group, bucket by bucket, as they become ready."""
 
     group: dist.ProcessGroup | None
@@ -72,7 +72,7 @@ class DDPSync:
         current: list[str] = []
         size, key = 0, None
         for name in reversed(trainable):
-            p = _local(params[name])  # under tensor parallel: this rank's shard
+            p = local_tensor(params[name])  # under tensor parallel: this rank's shard
             k = (p.device, p.dtype)
             nbytes = p.numel() * p.element_size()
             if current and (k != key or size + nbytes > self.bucket_bytes):
@@ -115,9 +115,9 @@ class DDPSync:
 
     def _launch(self, bucket: _Bucket, grads: list[torch.Tensor] | None) -> None:
         if grads is None:  # from the hook: read the params' .grad
-            parts = [_local(self.params[n].grad).reshape(-1) for n in bucket.names]  # type: ignore[arg-type]
+            parts = [local_tensor(self.params[n].grad).reshape(-1) for n in bucket.names]  # type: ignore[arg-type]
         else:
-            parts = [_local(grads[i]).reshape(-1) for i in bucket.index]
+            parts = [local_tensor(grads[i]).reshape(-1) for i in bucket.index]
         bucket.flat = torch.cat(parts)
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
@@ -153,13 +153,17 @@ class DDPSync:
             offset = 0
             assert bucket.flat is not None
             for i in bucket.index:
-                g = _local(grads[i])
+                g = local_tensor(grads[i])
                 n = g.numel()
                 g.copy_(bucket.flat[offset : offset + n].view_as(g))
                 offset += n
             bucket.flat, bucket.work, bucket.ready = None, None, 0
         scalar_work.wait()
         return scalars[0].to(loss_sum.dtype), scalars[1].to(count.dtype)  # counts stay exact (fp32+)
+
+    def describe(self) -> str:
+        when = "during the backward" if self.overlap else "after the backward"
+        return f"ddp: {len(self.buckets)} bucket(s) all-reduced over {dist.get_world_size(self.group)} ranks {when}"
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_norm(grads)  # gradients are identical on every rank after the sum
@@ -171,7 +175,7 @@ class DDPSync:
         return mean_metrics(values, self.group)
 
 
-def lower_ddp(shard: Shard, plan: Plan) -> None:
+def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
     from ...module import slots_of
 
     mesh = shard.mesh
@@ -182,8 +186,6 @@ def lower_ddp(shard: Shard, plan: Plan) -> None:
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)
     sync.build(plan.module, slots_of(plan.module).trainable)
-    plan.batch_transform = batch_transform(mesh, shard.inputs)
-    plan.rank_key = mesh.grad_rank
-    plan.grad_sync = sync
     plan.notes.append(f"ddp over {mesh.grad_size} ranks, {len(sync.buckets)} bucket(s)"
                       + (", overlapped with backward" if overlap else ""))
+    return sync

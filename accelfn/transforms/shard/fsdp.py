@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dtensor import local_tensor
+from ...engine.contract import GradSync
 from ..compile import find_blocks
 from .common import (
-    _local,
-    batch_transform,
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 
-@attrs.define
-class FSDPSync:
+@attrs.define(eq=False)
+class FSDPSync(GradSync):
     """FSDP2 has already summed (reduce-scattered) the gradients; only the scalars remain to meet."""
 
     root: nn.Module
@@ -96,13 +96,18 @@ class FSDPSync:
         return flat[0].to(loss_sum.dtype), flat[1].to(count.dtype)  # counts stay exact (fp32+)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        local = [_local(g) for g in grads]
+        local = [local_tensor(g) for g in grads]
         sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local]).sum() if local else torch.zeros(())
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.shard_group)
         return sq.sqrt()
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.data_group)
+
+    def describe(self) -> str:
+        shard, data = dist.get_world_size(self.shard_group), dist.get_world_size(self.data_group)
+        replicas = f", {data // shard} replicas" if data != shard else ""
+        return f"FSDP2: params and gradients sharded over {shard} ranks{replicas}"
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
         return max_over(flag, self.data_group)
@@ -155,7 +160,7 @@ def uniform_dtype_parts(unit: nn.Module) -> list[nn.Module]:
     return parts
 
 
-def lower_fsdp(shard: Shard, plan: Plan) -> None:
+def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = shard.mesh
@@ -163,11 +168,8 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
     data_group = mesh.grad_group()
     shard_group = mesh.group("fsdp") if shard.strategy == "hsdp" else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
-        plan.batch_transform = batch_transform(mesh, shard.inputs)
-        plan.rank_key = mesh.grad_rank
-        plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
-        return
+        return FSDPSync(plan.module, data_group, shard_group)
     plan.module.to(mesh.device)
     check_same_model(plan.module, data_group)
     broadcast_from_first(plan.module, data_group)
@@ -198,8 +200,6 @@ def lower_fsdp(shard: Shard, plan: Plan) -> None:
             m.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    plan.batch_transform = batch_transform(mesh, shard.inputs)
-    plan.rank_key = mesh.grad_rank
-    plan.grad_sync = FSDPSync(plan.module, data_group, shard_group)
     n_blocks = len(blocks) if blocks is not None else 0
     plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")
+    return FSDPSync(plan.module, data_group, shard_group)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dtensor import local_tensor
+from ...engine.contract import LOCAL, GradSync
 from ...mesh import Mesh
 from .._base import TransformBase
-from .common import _local, max_over
+from .common import max_over
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -366,7 +368,7 @@ def tensor_parallel_norm(grads: list[torch.Tensor], world: dist.ProcessGroup | N
     if not grads:
         return torch.zeros(())
     ranks = dist.get_world_size(world)
-    local = [_local(g) for g in grads]
+    local = [local_tensor(g) for g in grads]
     norms = torch._foreach_norm(local)
     weights = torch.tensor([_shards(g) / ranks for g in grads], dtype=torch.float32, device=local[0].device)
     sq = (torch.stack([n.float() for n in norms]) ** 2 * weights).sum()
@@ -374,41 +376,39 @@ def tensor_parallel_norm(grads: list[torch.Tensor], world: dist.ProcessGroup | N
     return sq.sqrt()
 
 
-@attrs.define
-class TensorParallelSync:
+@attrs.define(eq=False)
+class TensorParallelSync(GradSync):
     """The gradient sync under tensor parallel: the data-parallel one (`inner`, or none when the mesh has no
     data axis) for the sums; the norm and the overflow check over every rank, since each holds other shards."""
 
-    inner: Any = None
+    inner: GradSync = LOCAL  # the data-parallel strategy's (LOCAL: tp ranks read the same batch, nothing to sum)
 
-    def __getattr__(self, name: str) -> Any:  # prepare, microbatch, record_unused: the inner sync's
-        if name == "inner":
-            raise AttributeError(name)
-        if self.inner is None:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        self.inner.prepare(params)
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.microbatch(last)
+
+    def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+        self.inner.record_unused(names, missing)
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inner is None:  # tp ranks read the same batch: their loss sums are already equal
-            return loss_sum, count
-        return self.inner.reduce(grads, loss_sum, count)  # type: ignore[no-any-return]
+        return self.inner.reduce(grads, loss_sum, count)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return tensor_parallel_norm(grads)
 
+    def describe(self) -> str:
+        inner = "" if self.inner is LOCAL else f"; {self.inner.describe()}"
+        return f"tensor parallel (norm and overflow over all ranks){inner}"
+
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return values if self.inner is None else self.inner.reduce_metrics(values)  # type: ignore[no-any-return]
+        return self.inner.reduce_metrics(values)
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
         return max_over(flag, None)
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         return max_over(x, None)
-
-    @contextlib.contextmanager
-    def microbatch(self, last: bool) -> Iterator[None]:
-        inner = getattr(self.inner, "microbatch", None)
-        with inner(last) if inner is not None else contextlib.nullcontext():
-            yield

@@ -20,14 +20,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ... import tree as _tree
-from ...checkpoint.format import CheckpointError
-from ...state import TrainState
+from .... import tree as _tree
+from ....checkpoint.format import CheckpointError
+from ....state import TrainState
+from .lowering import DeepSpeedSync
+from .types import DeepSpeedRun, DeepSpeedState
 
 if TYPE_CHECKING:
-    from ...engine import Plan
+    from ....engine import Plan
 
 __all__ = ["DeepSpeedStateAdapter"]
+
+
+def runs_on_deepspeed(plan: Plan) -> bool:
+    """Whether a lowered plan is a DeepSpeed step's."""
+    return isinstance(plan.grad_sync, DeepSpeedSync)
+
+
+def run_of(plan: Plan) -> DeepSpeedRun:
+    """The DeepSpeed run (engine, group, config) of a DeepSpeed step's plan."""
+    assert isinstance(plan.grad_sync, DeepSpeedSync)
+    return plan.grad_sync.run
 
 # accelfn optimizer-state field -> the key of the same tensor in torch's optimizer state
 _MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "momentum": "momentum_buffer"}
@@ -35,13 +48,12 @@ _MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "momentum": "momentum_buffer"}
 
 def _plan_of(state: TrainState) -> Plan:
     """The live DeepSpeed step whose engine owns `state`'s params."""
-    from ...engine import _TRAINING
-    from .deepspeed import DeepSpeedRun
+    from ....engine.plan import _TRAINING
 
     for plan in list(_TRAINING):
-        run = plan.backend
-        if not isinstance(run, DeepSpeedRun) or plan.slots is None:
+        if not runs_on_deepspeed(plan) or plan.slots is None:
             continue
+        run = run_of(plan)
         first = next(iter(plan.slots.trainable))
         if state.params.get(first) is run.engine.module.get_parameter(first):
             return plan
@@ -114,7 +126,7 @@ class DeepSpeedStateAdapter:
     def template(self, like: TrainState) -> TrainState:
         """The exported state's structure, shapes and dtypes (values unset): what `load` reads into."""
         plan = _plan_of(like)
-        module = plan.backend.engine.module
+        module = run_of(plan).engine.module
         assert plan.slots is not None and plan.optimizer is not None
 
         def empty(name: str) -> torch.Tensor:
@@ -132,7 +144,7 @@ class DeepSpeedStateAdapter:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         plan = _plan_of(state)
-        run = plan.backend
+        run = run_of(plan)
         if run.fp16:
             raise CheckpointError(
                 "af.checkpoint does not save DeepSpeed's fp16 loss-scaler state: use bf16, or "
@@ -184,10 +196,9 @@ class DeepSpeedStateAdapter:
         )  # fmt: skip
 
     def restore(self, like: TrainState, loaded: TrainState) -> TrainState:
-        from .deepspeed import DeepSpeedState
 
         plan = _plan_of(like)
-        engine, base = plan.backend.engine, _base_optimizer(plan.backend.engine)
+        engine, base = run_of(plan).engine, _base_optimizer(run_of(plan).engine)
         module = engine.module
         device = next(iter(like.params.values())).device
         _ensure_optimizer_state(engine, base)

@@ -1,0 +1,115 @@
+"""The written contracts between the engine and what plugs into it: `GradSync` (a sharding strategy at run
+time) and `Updater` (who applies the optimizer update). The engine calls exactly the methods declared here,
+each with a default that is right for one process, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..optim.clip import global_norm
+
+if TYPE_CHECKING:
+    from ..optim import GradientTransformation
+    from ..state import TrainState
+    from .phases import TrainPhases
+
+__all__ = ["GradSync", "Updater"]
+
+
+class GradSync:
+    """What a sharding strategy (ddp, fsdp, hsdp, DeepSpeed ZeRO, tensor or context parallel) does at each phase
+    of a training step. This docstring is the one place that says what a strategy may do.
+
+    The engine runs the phases `check -> split -> forward_backward -> reduce -> clip -> update -> metrics`
+    (`accelfn.engine.phases.TrainPhases`) and calls, in this order:
+
+    - `prepare(params)` once, after binding the state's params and before any forward: register gradient hooks,
+      broadcast buffers, refuse a state whose params are not the strategy's own;
+    - `microbatch(last)` around each micro-batch's backward (a context): DDP launches its bucket all-reduces
+      only in the last one, FSDP2 reduce-scatters only then;
+    - `max_over_ranks(x)` (fp16 only): the largest value of a 0-d tensor over the ranks (the loss normaliser
+      every rank must agree on);
+    - `record_unused(names, missing)` after the backward passes: which trainable params got no gradient;
+    - `reduce(grads, loss_sum, count)`: sum `grads` in place over the data-parallel ranks (if not already done
+      during the backward), and return the global loss sum and token count;
+    - `any_rank(flag)` (fp16 only): a found-inf flag, true on every rank if true on one (sharded gradients);
+    - `norm(grads)` (clipping only): the global L2 norm of the (possibly sharded) gradients;
+    - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks.
+
+    A strategy whose backend owns whole phases (DeepSpeed's engine runs backward, clipping and the update)
+    sets `phases` to a `TrainPhases` subclass that overrides those phases, and may build its own optimizer
+    state with `init_opt_state`. Nothing else of a strategy is called; the defaults are a world of one.
+    """
+
+    #: the phases of a step under this strategy (None: the engine's standard `TrainPhases`)
+    phases: TrainPhases | None = None
+
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        """Called with the bound params before the step's first forward."""
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """A context entered around each micro-batch's backward; `last` for the step's last micro-batch."""
+        return contextlib.nullcontext()
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The maximum of the 0-d tensor `x` over the data-parallel ranks."""
+        return x
+
+    def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+        """`missing`: the trainable params (of `names`) that got no gradient on this rank in this step."""
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum `grads` in place, and `loss_sum` and `count`, over the data-parallel ranks."""
+        return loss_sum, count
+
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        """A 0-d flag that is set on every rank where it is set on one (sharded gradients' found-inf)."""
+        return flag
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the (possibly sharded) gradients."""
+        return global_norm(grads)
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Average metric scalars over the data-parallel ranks."""
+        return values
+
+    def init_opt_state(self, trainable: dict[str, torch.Tensor]) -> Any:
+        """The optimizer state of a backend that keeps its own (None: the step's optimizer's `init`)."""
+        return None
+
+    def describe(self) -> str:
+        """One line for `print(step)`."""
+        return type(self).__name__
+
+
+LOCAL = GradSync()  # one process: every hook is the identity
+
+
+class Updater:
+    """Runs the optimizer update (set by `af.offload`; without one the engine applies it in place on the params).
+
+    `__call__` returns the new optimizer state and the new `state.extra` (where an updater keeps its own state,
+    e.g. host master params, so that it is checkpointed and never outlives the state it belongs to).
+    `overlapped(tx, state)` is a context entered around the whole step (the delayed update of `af.offload` runs
+    during the forward and backward, and completes into `state` if the step fails or skips).
+    """
+
+    def __call__(
+        self,
+        tx: GradientTransformation,
+        grads: dict[str, torch.Tensor],
+        opt_state: Any,
+        params: dict[str, torch.Tensor],
+        extra: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any]]:
+        raise NotImplementedError
+
+    def overlapped(self, tx: GradientTransformation, state: TrainState) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()

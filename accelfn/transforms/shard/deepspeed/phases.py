@@ -1,0 +1,167 @@
+"""The phases of a DeepSpeed step: the engine runs the backward (with its gradient reduction), clipping and the
+update, so `DeepSpeedPhases` overrides those phases of the standard engine and keeps the others.
+
+Exact batch arithmetic: DeepSpeed averages gradients over the data-parallel ranks (and, by default, over
+micro-batches). So each micro-batch back-propagates `total * world_size / global_count`, where the global
+count is all-reduced once per call before the first backward: the update is the one of one process on the
+global batch, as with `backend="torch"`. A mean (scalar) loss counts the rows of its micro-batch. An
+`af.Loss` with `af.accumulate(n)`, n > 1, is counted by a forward of each micro-batch without gradients
+first (one extra, cheaper forward per micro-batch; keeping all micro-batches' graphs alive instead would
+cost their activations, and ZeRO-3 does not support that order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from .... import random as _random
+from ....engine.batches import loss_parts, rows
+from ....engine.phases import StepRun, TrainPhases, next_state
+from ....engine.plan import Plan
+from ....state import TrainState
+from .types import DeepSpeedRun, DeepSpeedState
+
+__all__ = ["DeepSpeedPhases"]
+
+
+@attrs.define
+class DeepSpeedStepRun(StepRun):
+    """A DeepSpeed step's record: what the engine reports besides the standard fields."""
+
+    global_count: torch.Tensor | None = None  # the loss count over all ranks and micro-batches
+    lr: float = 0.0  # the learning rate this update uses
+    aux_count: int = 1  # aux metrics are averaged over micro-batches x ranks
+
+
+class DeepSpeedPhases(TrainPhases):
+    """check (the engine's params) -> split -> forward_backward + the engine's step per micro-batch -> reduce
+    (loss and aux over the ranks) -> clip (done by the engine: its norm is read) -> update (counted) -> metrics."""
+
+    def __init__(self, run: DeepSpeedRun) -> None:
+        self.ds = run
+
+    def start(self, plan: Plan, state: TrainState, batch: Any) -> StepRun:
+        return DeepSpeedStepRun(plan, plan.sync, state, batch)
+
+    def check(self, run: StepRun) -> None:
+        plan, state, engine = run.plan, run.state, self.ds.engine
+        assert plan.loss_call is not None and plan.slots is not None
+        first_name = next(iter(plan.slots.trainable))
+        if state.params.get(first_name) is not engine.module.get_parameter(first_name):
+            raise ValueError(
+                "a DeepSpeed step updates its engine's parameters in place: pass the state returned by step.init() "
+                "or by the previous call (or by af.checkpoint.load(path, like=that state))"
+            )
+        if plan.batch_transform is not None:
+            run.batch = plan.batch_transform(run.batch)
+        if not engine.training:
+            engine.train()
+        run.params = state.params
+        run.keys = list(_random.split(state.rng, 2))
+        run.step_key = _random.fold_in(run.keys[1], plan.rank_key or 0)
+
+    def forward_backward(self, run: StepRun) -> None:
+        assert isinstance(run, DeepSpeedStepRun) and run.step_key is not None
+        plan, ds, engine, micro = run.plan, self.ds, self.ds.engine, run.micro
+        n = len(micro)
+        device = plan.devices[0] if plan.devices else torch.device("cpu")
+        step_key = run.step_key
+
+        def forward(i: int, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+            key = step_key if n == 1 else _random.fold_in(step_key, i)
+            with _random.seeded(key, plan.devices), plan.forward_context(), torch.set_grad_enabled(grad):
+                out = plan.loss_call(engine, micro[i])  # type: ignore[misc]
+            total, count, aux = loss_parts(out)
+            if grad and not total.requires_grad:
+                raise ValueError(
+                    "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
+                    "the module it receives (not another copy of the network)"
+                )
+            return total, count, aux
+
+        # The divisor (the global count) must be known before the first backward. One micro-batch: its forward
+        # gives it. Several: a mean loss counts rows (known now); an af.Loss counts in the forward, so a
+        # forward without gradients counts each micro-batch first (running all forwards with gradients before
+        # the backwards would keep every micro-batch's activations, and ZeRO-3 does not support that order).
+        first = forward(0) if n == 1 else None
+        if n > 1 and ds.loss_has_count is None:
+            ds.loss_has_count = forward(0, grad=False)[1] is not None
+        has_count = first[1] is not None if first is not None else bool(ds.loss_has_count)
+        if not has_count:
+            counts: list[torch.Tensor | None] = [torch.tensor(float(rows(mb))) for mb in micro]
+        elif first is not None:
+            counts = [first[1]]
+        else:
+            counts = [forward(i, grad=False)[1] for i in range(n)]
+            if any(c is None for c in counts):
+                raise ValueError("loss_fn returned an af.Loss for some micro-batches and a scalar for others")
+        local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+        run.global_count = self._global_sum([local_count], device)[0]
+        inv = ds.world / run.global_count.clamp_min(1).item()
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        aux_sum: dict[str, torch.Tensor] = {}
+        skipped_before = engine.skipped_steps
+        run.lr = current_lr(engine)  # the learning rate this update uses
+        for i in range(n):
+            total, count, aux = first if first is not None else forward(i)
+            if (count is not None) != has_count:
+                raise ValueError("loss_fn returned an af.Loss for some micro-batches and a scalar for others")
+            if count is None:
+                total = total * counts[i].to(total)  # type: ignore[union-attr]
+            elif n > 1 and not torch.equal(count.detach().cpu().float(), counts[i].detach().cpu().float()):  # type: ignore[union-attr]
+                raise ValueError(
+                    f"micro-batch {i}: the loss count changed between the counting forward ({float(counts[i])}) and "  # type: ignore[arg-type]
+                    f"the training forward ({float(count)}); a Loss count must depend on the batch only"
+                )
+            loss_sum += total.detach().to(torch.float64)
+            for k, v in aux.items():
+                if isinstance(v, torch.Tensor):
+                    aux_sum[k] = v.detach().float() if k not in aux_sum else aux_sum[k] + v.detach().float()
+            engine.backward(total * inv, scale_wrt_gas=False)
+            engine.step()  # the update, at the last micro-batch (DeepSpeed counts them)
+        run.loss_sum, run.aux_sum, run.aux_count = loss_sum, aux_sum, n * ds.world
+        run.skipped = engine.skipped_steps != skipped_before
+
+    def reduce(self, run: StepRun) -> None:
+        assert isinstance(run, DeepSpeedStepRun) and run.loss_sum is not None and run.global_count is not None
+        scalars = self._global_sum([run.loss_sum, *run.aux_sum.values()], run.loss_sum.device)
+        run.metrics["loss"] = (scalars[0] / run.global_count.clamp_min(1)).to(torch.float32)
+        run.metrics.update(
+            {k: (v / run.aux_count).to(torch.float32) for k, v in zip(run.aux_sum, scalars[1:].unbind(0))}
+        )
+
+    def clip(self, run: StepRun) -> None:
+        """DeepSpeed clipped in its step (`gradient_clipping`); its norm becomes the metric."""
+        if self.ds.fp16:
+            run.metrics["skipped"] = torch.tensor(float(bool(run.skipped)))
+            run.metrics["loss_scale"] = torch.tensor(float(self.ds.engine.optimizer.loss_scale))
+        if self.ds.config.get("gradient_clipping"):
+            norm = self.ds.engine.get_global_grad_norm()
+            if norm is not None:
+                run.metrics["grad_norm"] = torch.as_tensor(norm, dtype=torch.float32).reshape(())
+
+    def update(self, run: StepRun) -> None:
+        """DeepSpeed updated in its step; the state counts the update."""
+        assert isinstance(run, DeepSpeedStepRun)
+        run.metrics["lr"] = torch.tensor(run.lr, dtype=torch.float32)
+        run.opt_state = run.state.opt_state
+        if isinstance(run.opt_state, DeepSpeedState) and not run.skipped:
+            run.opt_state = DeepSpeedState(run.opt_state.count + 1, run.metrics["lr"])
+
+    def metrics(self, run: StepRun) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        return next_state(run, run.state.extra), run.metrics
+
+    def _global_sum(self, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        flat = torch.stack([v.detach().to(device, torch.float64).reshape(()) for v in values])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.ds.group)
+        return flat
+
+
+def current_lr(engine: Any) -> float:
+    """The learning rate of the engine's optimizer (its first parameter group)."""
+    return float(engine.optimizer.param_groups[0]["lr"])

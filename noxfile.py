@@ -40,8 +40,15 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks side by side with their peers; paste the tables into docs/benchmarks.md."""
     _install(session, "[test]")
-    scripts = ["step_overhead.py", "compile_speedup.py", "ddp_scaling.py", "launch_latency.py", "checkpoint_io.py", "big_model.py",
-               "offload_overlap.py"]
+    scripts = [
+        "step_overhead.py",
+        "compile_speedup.py",
+        "ddp_scaling.py",
+        "launch_latency.py",
+        "checkpoint_io.py",
+        "big_model.py",
+        "offload_overlap.py",
+    ]
     for script in session.posargs or [f"benchmarks/{s}" for s in scripts]:
         session.run("python", script)
 

@@ -20,7 +20,9 @@ def install_if_requested() -> bool:
     try:
         from rich.traceback import install
     except ImportError:
-        sys.stderr.write("accelfn: ACCELFN_RICH is set but rich is not installed: pip install 'accelfn[rich]'\n")
+        sys.stderr.write(
+            "accelfn: ACCELFN_RICH is set but rich is not installed: pip install 'accelfn[rich]'\n"
+        )
         return False
     install(show_locals=mode == "locals", width=110)
     return True

@@ -15,7 +15,9 @@ import typeguard
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_CONFIG = typeguard.TypeCheckConfiguration(collection_check_strategy=typeguard.CollectionCheckStrategy.ALL_ITEMS)
+_CONFIG = typeguard.TypeCheckConfiguration(
+    collection_check_strategy=typeguard.CollectionCheckStrategy.ALL_ITEMS
+)
 
 
 def checked(fn: F) -> F:

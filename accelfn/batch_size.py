@@ -120,7 +120,9 @@ def find_executable_batch_size(
     if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
         raise ValueError(f"starting_batch_size={starting_batch_size!r}: expected an integer")
     if starting_batch_size < min_batch_size:
-        raise ValueError(f"starting_batch_size={starting_batch_size} is below min_batch_size={min_batch_size}")
+        raise ValueError(
+            f"starting_batch_size={starting_batch_size} is below min_batch_size={min_batch_size}"
+        )
     if not 0 < factor < 1:
         raise ValueError(f"factor={factor!r}: expected a number between 0 and 1 (0.5 halves the batch)")
     body = fn

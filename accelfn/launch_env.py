@@ -109,7 +109,9 @@ def parse_log_with(spec: str, *, source: str = ACCELFN_LOG_WITH) -> tuple[str, .
             names.append(name)
     for name in names:
         if name not in (*TRACKERS, "none"):
-            raise ValueError(f"{source}={spec!r}: unknown tracker {name!r}; known: {', '.join(TRACKERS)}, none")
+            raise ValueError(
+                f"{source}={spec!r}: unknown tracker {name!r}; known: {', '.join(TRACKERS)}, none"
+            )
     if "none" in names:
         if len(names) > 1:
             raise ValueError(f"{source}={spec!r}: 'none' cannot be combined with other trackers")

@@ -86,7 +86,9 @@ def canonical(transforms: Sequence[Transform]) -> list[Transform]:
     """The transforms in the canonical order (stable for equal kinds, which `check` forbids anyway)."""
     for t in transforms:
         if t.kind not in _RANK:
-            raise ValueError(f"transform {t.describe()} has kind {t.kind!r}, which has no place in lowering.ORDER")
+            raise ValueError(
+                f"transform {t.describe()} has kind {t.kind!r}, which has no place in lowering.ORDER"
+            )
     return sorted(transforms, key=lambda t: _RANK[t.kind])
 
 
@@ -96,7 +98,9 @@ def lower(plan: Plan, transforms: Sequence[Transform]) -> Plan:
     seen: dict[str, Transform] = {}
     for t in transforms:
         if t.kind in seen:
-            raise CompositionError(f"{t.describe()} and {seen[t.kind].describe()}: each combinator may be applied once")
+            raise CompositionError(
+                f"{t.describe()} and {seen[t.kind].describe()}: each combinator may be applied once"
+            )
         seen[t.kind] = t
     for t in transforms:
         t.check([o for o in transforms if o is not t])
@@ -112,8 +116,12 @@ def describe(plan: Plan, head: str) -> str:
     """The lowered step as text: the step, where it runs, each combinator in the order it was applied with what
     it did, and the dtype of each phase. What `print(step)` shows after `init`."""
     lines = [head]
-    lines.append(f"  device: {plan.device}" + (f" ({len(plan.devices)} devices)" if len(plan.devices) > 1 else ""))
-    mesh = next((getattr(t, "mesh", None) for t in plan.transforms if getattr(t, "mesh", None) is not None), None)
+    lines.append(
+        f"  device: {plan.device}" + (f" ({len(plan.devices)} devices)" if len(plan.devices) > 1 else "")
+    )
+    mesh = next(
+        (getattr(t, "mesh", None) for t in plan.transforms if getattr(t, "mesh", None) is not None), None
+    )
     if mesh is not None:
         lines.append(f"  mesh: {dict(mesh.shape)} (world {mesh.world_size})")
     if plan.grad_sync is not None:
@@ -137,7 +145,11 @@ def phase_dtypes(plan: Plan) -> dict[str, str]:
         forward += ", fp8 matmuls"
     out = {"forward": forward}
     if plan.kind == "train":
-        out["gradients"] = "/".join(param_dtypes) + (", fp16 loss scaling" if plan.loss_scale is not None else "")
+        out["gradients"] = "/".join(param_dtypes) + (
+            ", fp16 loss scaling" if plan.loss_scale is not None else ""
+        )
         out["loss and count"] = "float32 or wider (exact sums over micro-batches and ranks)"
-        out["update"] = "/".join(param_dtypes) + (" on the host" if plan.updater is not None else ", in place")
+        out["update"] = "/".join(param_dtypes) + (
+            " on the host" if plan.updater is not None else ", in place"
+        )
     return out

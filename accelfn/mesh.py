@@ -30,7 +30,16 @@ from ._typecheck import checked
 from .launch_env import ACCELFN_MESH, parse_mesh
 from .platforms import Platform
 
-__all__ = ["Mesh", "MeshAxisError", "MESH_ENV", "DATA_AXES", "GRAD_AXES", "parse_axes", "init_process_group", "destroy_process_group"]
+__all__ = [
+    "Mesh",
+    "MeshAxisError",
+    "MESH_ENV",
+    "DATA_AXES",
+    "GRAD_AXES",
+    "parse_axes",
+    "init_process_group",
+    "destroy_process_group",
+]
 
 MESH_ENV = ACCELFN_MESH
 """Environment variable with the mesh shape set by `accelfn launch --mesh`, e.g. `dp=2,tp=1`."""
@@ -51,6 +60,8 @@ class MeshAxisError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
 _atexit_registered = False
 _control: Any = None  # the gloo group of `control_group()`
 
@@ -195,7 +206,9 @@ class Mesh:
             self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
         )
         self._flat: dict[tuple[str, ...], DeviceMesh] = {}  # flattened sub-meshes over several axes
-        if dist.get_world_size() > 1 and dist.get_backend() != "fake":  # (torch's fake group for tests: no gloo)
+        if (
+            dist.get_world_size() > 1 and dist.get_backend() != "fake"
+        ):  # (torch's fake group for tests: no gloo)
             control_group()
         _live.add(self)
         _current = self
@@ -377,7 +390,9 @@ class Mesh:
 
     def _check_axis(self, name: str) -> str:
         if name not in self._shape:
-            raise MeshAxisError(f"this mesh has no axis {name!r}; its axes are {self.axis_names} (shape {self._shape})")
+            raise MeshAxisError(
+                f"this mesh has no axis {name!r}; its axes are {self.axis_names} (shape {self._shape})"
+            )
         return name
 
 
@@ -385,7 +400,9 @@ def _resolve(shape: dict[str, int], world_size: int) -> dict[str, Any]:
     """Replace a `-1` size with the rest of the world and check the product is the world size."""
     for name, size in shape.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints, or -1 for the rest")
+            raise ValueError(
+                f"mesh axis {name!r} has size {size!r}; sizes are positive ints, or -1 for the rest"
+            )
     rest = [n for n, s in shape.items() if s == -1]
     if len(rest) > 1:
         raise ValueError(f"mesh shape {shape}: only one axis may be -1 (got {', '.join(rest)})")

@@ -36,13 +36,16 @@ from .step import Step
 
 __all__ = ["Meter", "count_flops"]
 
+
 # torch counts attention in its GPU kernels (flash, memory-efficient, cuDNN); its CPU flash kernel takes the same
 # leading arguments, so the same formulas count it (otherwise a CPU run would count no attention FLOPs at all).
 def _sdpa(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return int(flop_counter.sdpa_flop_count(query, key, value))
 
 
-def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _sdpa_backward(
+    grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     return int(flop_counter.sdpa_backward_flop_count(grad, query, key, value))
 
 
@@ -77,7 +80,10 @@ def _batch_size(batch: Any, tokens: Callable[[Any], int] | None) -> tuple[int | 
     samples = int(leaves[0].shape[0]) if leaves and leaves[0].ndim > 0 else None
     if tokens is not None:
         return int(tokens(batch)), samples
-    ids = next((x for x in leaves if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool), None)
+    ids = next(
+        (x for x in leaves if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool),
+        None,
+    )
     return (int(ids.numel()) if ids is not None else None), samples
 
 
@@ -138,9 +144,13 @@ class Meter:
         self.clock = clock
         self.flops: int | None = None  # FLOPs of the counted first step (this rank)
         self.first_step_time: float | None = None  # seconds (includes counting and, later, nothing else)
-        self._flops_basis: tuple[str, int] | None = None  # ("tokens"|"samples"|"step", count of the first step)
+        self._flops_basis: tuple[str, int] | None = (
+            None  # ("tokens"|"samples"|"step", count of the first step)
+        )
         self._last_end: float | None = None
-        self._recent: collections.deque[tuple[float, int, int, float, float]] = collections.deque(maxlen=window + 1)
+        self._recent: collections.deque[tuple[float, int, int, float, float]] = collections.deque(
+            maxlen=window + 1
+        )
         self._reset(None)
 
     def _reset(self, start: float | None) -> None:
@@ -240,8 +250,14 @@ class Meter:
         now = self.clock()
         elapsed = now - self._start if self._start is not None else 0.0
         mine = [
-            float(self._tokens), float(self._samples), self._flops_total, elapsed, self._step_time, self._wait,
-            float(self._steps), *self._memory(),
+            float(self._tokens),
+            float(self._samples),
+            self._flops_total,
+            elapsed,
+            self._step_time,
+            self._wait,
+            float(self._steps),
+            *self._memory(),
         ]
         rows = self._gather(mine)
         steps = int(mine[6])
@@ -275,12 +291,19 @@ class Meter:
 
     def _gather(self, mine: list[float]) -> list[list[float]]:
         """Every rank's row of figures, with one all-gather (sums, means and maxima all come from it)."""
-        if self.mesh is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if (
+            self.mesh is None
+            or not dist.is_available()
+            or not dist.is_initialized()
+            or dist.get_world_size() == 1
+        ):
             return [mine]
         device = self.mesh.device
         row = torch.tensor(mine, dtype=torch.float64, device=device)
         out = torch.empty(dist.get_world_size() * len(mine), dtype=torch.float64, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather = (
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        )  # renamed in torch 2.13
         gather(out, row)
         return out.view(dist.get_world_size(), len(mine)).tolist()
 

@@ -69,7 +69,9 @@ def partition(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tor
 
 def _check(kind: str, given: dict[str, Any], slots: dict[str, list[Slot]]) -> None:
     if not isinstance(given, dict):
-        raise TypeError(f"{kind} must be a dict of dotted module names -> tensors, got {type(given).__name__}")
+        raise TypeError(
+            f"{kind} must be a dict of dotted module names -> tensors, got {type(given).__name__}"
+        )
     missing = [k for k in slots if k not in given]
     extra = [k for k in given if k not in slots]
     if missing or extra:
@@ -119,7 +121,9 @@ def bind(
     bound: dict[str, torch.Tensor] = {}
     for name, value in params.items():
         if not isinstance(value, nn.Parameter):
-            value = nn.Parameter(value.detach(), requires_grad=name in trainable and value.is_floating_point())
+            value = nn.Parameter(
+                value.detach(), requires_grad=name in trainable and value.is_floating_point()
+            )
         bound[name] = value
         for owner, attr in slots.params[name]:
             owner._parameters[attr] = value

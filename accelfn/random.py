@@ -107,7 +107,9 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     platform = None
     if accel:
         if _accelerator_rng is None:
-            raise RuntimeError(f"af.random.seeded: no platform adapters are loaded for {accel[0]} (import accelfn)")
+            raise RuntimeError(
+                f"af.random.seeded: no platform adapters are loaded for {accel[0]} (import accelfn)"
+            )
         platform = _accelerator_rng(accel[0])
     seed = seed_of(k)
     cpu_state = torch.random.default_generator.get_state()

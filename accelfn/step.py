@@ -88,7 +88,11 @@ class Step:
                     f"{transform.describe()} and {t.describe()}: each combinator may be applied once"
                 )
         return Step(
-            self.kind, self.fn, self.optimizer, clip_grad_norm=self.clip_grad_norm, donate=self.donate,
+            self.kind,
+            self.fn,
+            self.optimizer,
+            clip_grad_norm=self.clip_grad_norm,
+            donate=self.donate,
             transforms=(*self.transforms, transform),
         )
 
@@ -118,8 +122,12 @@ class Step:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"Step.init(): seed must be an int, got {type(seed).__name__}")
         plan = Plan(
-            module=model, kind=self.kind, fn=self.fn, optimizer=self.optimizer,
-            clip_grad_norm=self.clip_grad_norm, donate=self.donate,
+            module=model,
+            kind=self.kind,
+            fn=self.fn,
+            optimizer=self.optimizer,
+            clip_grad_norm=self.clip_grad_norm,
+            donate=self.donate,
         )
         plan.device = target_device(model, self.transforms)
         if self.kind == "train":
@@ -136,11 +144,17 @@ class Step:
         opt_state: Any = ()
         if self.optimizer is not None:
             if not plan.slots.trainable:
-                raise ValueError("Step.init(): the model has no trainable parameters (all requires_grad=False)")
-            trainable = params if len(plan.slots.trainable) == len(params) else {
-                n: params[n] for n in plan.slots.trainable
-            }
-            opt_state = plan.sync.init_opt_state(trainable)  # a backend's own (DeepSpeed's), else the optimizer's
+                raise ValueError(
+                    "Step.init(): the model has no trainable parameters (all requires_grad=False)"
+                )
+            trainable = (
+                params
+                if len(plan.slots.trainable) == len(params)
+                else {n: params[n] for n in plan.slots.trainable}
+            )
+            opt_state = plan.sync.init_opt_state(
+                trainable
+            )  # a backend's own (DeepSpeed's), else the optimizer's
             if opt_state is None:
                 opt_state = self.optimizer.init(trainable)
             plan.opt_state_type = type(opt_state)
@@ -158,7 +172,9 @@ class Step:
     # ---- running ----------------------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> Any:
         if not isinstance(state, TrainState):
-            raise TypeError(f"a step takes (state: af.TrainState, batch), got state of type {type(state).__name__}")
+            raise TypeError(
+                f"a step takes (state: af.TrainState, batch), got state of type {type(state).__name__}"
+            )
         plan = self.plan
         batch = check_batch(batch)  # a Mapping (BatchEncoding) becomes a dict
         if self.kind == "eval":
@@ -208,7 +224,9 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
     wanted = os.environ.get(ACCELFN_MIXED_PRECISION, "no")
     if wanted in ("", "no") or any(t.kind in ("autocast", "fp8") for t in transforms):
         return
-    how = "af.autocast_fp8(step)" if wanted == "fp8" else "af.autocast(step) (its dtype 'auto' reads the flag)"
+    how = (
+        "af.autocast_fp8(step)" if wanted == "fp8" else "af.autocast(step) (its dtype 'auto' reads the flag)"
+    )
     warnings.warn(
         f"ACCELFN_MIXED_PRECISION={wanted} (accelfn launch --mixed-precision) has no effect on this step: it has no "
         f"autocast combinator, so it computes in its params' dtype. Wrap it: {how}",
@@ -223,7 +241,9 @@ def _debug_check_step(state: TrainState, kind: str = "training step") -> None:
     pairing its collectives with the others' gradient reduction (a hang or wrong numbers)."""
     from .collective import debug
 
-    if not (debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+    if not (
+        debug.enabled() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    ):
         return
     if kind == "eval step" and not any(hasattr(p, "placements") for p in state.params.values()):
         return  # an unsharded model's forward runs no collective: an eval on one rank is fine

@@ -26,8 +26,17 @@ def model_and_batches():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=1024, n_positions=128, n_embd=256, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(
+        vocab_size=1024,
+        n_positions=128,
+        n_embd=256,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg), [torch.randint(0, 1024, (8, 128)) for _ in range(4)]
 
 
@@ -104,20 +113,26 @@ def main() -> None:
     rows = {
         "af.train_step (eager)": time_af(make(), model, batches, args.steps),
         "af.compile(step)": time_af(af.compile(make()), model, batches, args.steps),
-        "af.compile(step, regions='blocks')": time_af(af.compile(make(), regions="blocks"), model, batches, args.steps),
+        "af.compile(step, regions='blocks')": time_af(
+            af.compile(make(), regions="blocks"), model, batches, args.steps
+        ),
         "torch.compile(model) by hand": time_hand_compiled(model, batches, args.steps),
     }
     base = rows["af.train_step (eager)"][1]
-    print(f"# compile_speedup: tiny GPT-2 (2L, d256, seq128, b8), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"# compile_speedup: tiny GPT-2 (2L, d256, seq128, b8), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print("| runner | first step (compile) s | ms/step (median) | speed-up vs eager |\n|---|---:|---:|---:|")
     for k, (first, med, _) in rows.items():
         print(f"| {k} | {first:.1f} | {med * 1e3:.1f} | {base / med:.2f}x |")
     gflop, rate = matmul_floor(model, batches)
     floor = gflop / rate
-    print(f"\nmatmuls: {gflop:.2f} GFLOP per step (attention not counted); best fp32 GEMM rate here on these "
-          f"shapes {rate:.0f} GFLOP/s -> {floor * 1e3:.1f} ms of matmul per step, so no compiler can beat "
-          f"{base / floor:.2f}x eager on this machine (and only if everything else took no time)")
+    print(
+        f"\nmatmuls: {gflop:.2f} GFLOP per step (attention not counted); best fp32 GEMM rate here on these "
+        f"shapes {rate:.0f} GFLOP/s -> {floor * 1e3:.1f} ms of matmul per step, so no compiler can beat "
+        f"{base / floor:.2f}x eager on this machine (and only if everything else took no time)"
+    )
 
 
 if __name__ == "__main__":

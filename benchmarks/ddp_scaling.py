@@ -30,8 +30,17 @@ def make_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=256,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -123,8 +132,10 @@ def worker(steps: int, rounds: int) -> None:
     if mesh.is_main:
         tokens = BATCH * SEQ * mesh.world_size
         base = statistics.median(times["torch DDP (fused AdamW)"])
-        print(f"# ddp_scaling: tiny GPT-2 (2L, d256, seq{SEQ}, batch {BATCH}/rank), {mesh.world_size} CPU "
-              f"processes (gloo), torch {torch.__version__}")
+        print(
+            f"# ddp_scaling: tiny GPT-2 (2L, d256, seq{SEQ}, batch {BATCH}/rank), {mesh.world_size} CPU "
+            f"processes (gloo), torch {torch.__version__}"
+        )
         print("| runner | ms/step | tokens/s (global) | ratio to torch DDP |\n|---|---:|---:|---:|")
         for k, v in times.items():
             med = statistics.median(v)
@@ -142,8 +153,21 @@ def main() -> None:
         worker(args.steps, args.rounds)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", "2", "--cpu", __file__,
-           "--worker", "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelfn.cli.main",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--cpu",
+        __file__,
+        "--worker",
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+    ]
     sys.exit(subprocess.call(cmd, env=env))
 
 

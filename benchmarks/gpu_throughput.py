@@ -47,9 +47,13 @@ LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
 MODELS: dict[str, dict[str, int]] = {
     # ~0.89B parameters (untied embeddings)
-    "0.9b": dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vocab=32000, batch=8, seq=2048),
+    "0.9b": dict(
+        hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vocab=32000, batch=8, seq=2048
+    ),
     # ~0.16B parameters (the same shape, halved: compiles in a fraction of the time)
-    "0.4b": dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=32000, batch=8, seq=1024),
+    "0.4b": dict(
+        hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=32000, batch=8, seq=1024
+    ),
     # for a smoke test on the CPU
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, batch=4, seq=32),
 }
@@ -106,7 +110,10 @@ def make_batches(spec: dict[str, int], device: Any, n: int = 8) -> list[Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)  # on the CPU: the same tokens on every device
-    return [torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device) for _ in range(n)]
+    return [
+        torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
+        for _ in range(n)
+    ]
 
 
 def plain_fp8_filter() -> Callable[[Any, str], bool]:
@@ -121,7 +128,10 @@ def plain_fp8_filter() -> Callable[[Any, str], bool]:
         return _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head"])  # type: ignore[no-any-return]
     except ImportError:  # a torchao without it: every eligible Linear but the output layer
         return lambda m, fqn: (
-            isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0 and fqn != "lm_head"
+            isinstance(m, nn.Linear)
+            and m.in_features % 16 == 0
+            and m.out_features % 16 == 0
+            and fqn != "lm_head"
         )
 
 
@@ -241,7 +251,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         out["device_name"] = "CPU"
     spec = MODELS[args.model]
     batches = make_batches(spec, device)
-    runner = plain_runner if name.startswith("plain") else accelerate_runner if name.startswith("accel") else accelfn_runner
+    runner = (
+        plain_runner
+        if name.startswith("plain")
+        else accelerate_runner
+        if name.startswith("accel")
+        else accelfn_runner
+    )
     one, n_params, notes = runner(name, spec, device)
     steps, warmup = args.steps, args.warmup
     if name.startswith("af-offload"):  # seconds per step at 0.9B: fewer steps
@@ -299,7 +315,9 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def spawn(name: str, args: argparse.Namespace, timeout: float, budget_bound: bool) -> tuple[dict[str, Any], str]:
+def spawn(
+    name: str, args: argparse.Namespace, timeout: float, budget_bound: bool
+) -> tuple[dict[str, Any], str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--model", args.model, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--loss-steps", str(args.loss_steps)]  # fmt: skip
     # a world of one process: not the launcher's rendezvous, if this script itself runs under one
@@ -313,7 +331,10 @@ def spawn(name: str, args: argparse.Namespace, timeout: float, budget_bound: boo
         _kill_group(proc)
         output, _ = proc.communicate()
         if budget_bound:  # stopped by the budget, not by --timeout: not a failure
-            return {"config": name, "skipped": f"stopped after {timeout:.0f} s: the time budget ran out"}, output
+            return {
+                "config": name,
+                "skipped": f"stopped after {timeout:.0f} s: the time budget ran out",
+            }, output
         return {"config": name, "error": f"timed out after {timeout:.0f} s (--timeout)"}, output
     except BaseException:
         _kill_group(proc)
@@ -337,8 +358,12 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def render(args: argparse.Namespace, results: dict[str, dict[str, Any]], names: list[str],
-           not_run: str = "time budget spent") -> str:
+def render(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    names: list[str],
+    not_run: str = "time budget spent",
+) -> str:
     spec = MODELS[args.model]
     done = [r for r in results.values() if "tokens_s" in r]
     n = next((r["n_params"] for r in done), None)
@@ -354,7 +379,11 @@ def render(args: argparse.Namespace, results: dict[str, dict[str, Any]], names: 
         f"{_version('accelerate')}. AdamW + clip {CLIP}, bf16 autocast, median of {args.steps} steps after "
         f"{args.warmup} warm-up steps (af.offload: {max(3, args.steps // 4)} after 1), each configuration in a "
         "fresh process. MFU: 6 * params * tokens/s over "
-        + (f"{peak[1]:g} TFLOP/s (dense bf16 peak of the {peak[0]})." if peak else "the device's peak (unknown here: -)."),
+        + (
+            f"{peak[1]:g} TFLOP/s (dense bf16 peak of the {peak[0]})."
+            if peak
+            else "the device's peak (unknown here: -)."
+        ),
         "",
         f"| configuration | tokens/s | vs plain compiled | MFU | peak {'GiB' if args.device == 'cuda' else 'RSS GiB'} "
         "| ms/step | first step s |",
@@ -378,17 +407,26 @@ def render(args: argparse.Namespace, results: dict[str, dict[str, Any]], names: 
     fp8 = [f"{name} {r['fp8_linears']}" for name, r in results.items() if r.get("fp8_linears")]
     if fp8:
         lines += ["", f"Linear layers in FP8: {', '.join(fp8)}."]
-    loss_rows = [(name, results[name]) for name in CONFIGS if name in LOSS_ROWS and "loss_last10" in results.get(name, {})]
+    loss_rows = [
+        (name, results[name])
+        for name in CONFIGS
+        if name in LOSS_ROWS and "loss_last10" in results.get(name, {})
+    ]
     if loss_rows and args.loss_steps:
         lines += ["", f"Loss after {args.loss_steps} steps on the same 8 batches of random tokens, cycled "
                   "(bf16 vs fp8, compiled):", "",
                   "| configuration | steps | mean loss, first 10 steps | mean loss, last 10 steps |",
                   "|---|---:|---:|---:|"]  # fmt: skip
         for name, r in loss_rows:
-            lines.append(f"| {CONFIGS[name]} | {r['total_steps']} | {r['loss_first10']:.4f} | {r['loss_last10']:.4f} |")
+            lines.append(
+                f"| {CONFIGS[name]} | {r['total_steps']} | {r['loss_first10']:.4f} | {r['loss_last10']:.4f} |"
+            )
         bf16, fp8 = results.get("af-compile", {}), results.get("af-fp8", {})
         if "loss_last10" in bf16 and "loss_last10" in fp8:
-            lines += ["", f"accelfn fp8 - bf16, last 10 steps: {fp8['loss_last10'] - bf16['loss_last10']:+.4f}"]
+            lines += [
+                "",
+                f"accelfn fp8 - bf16, last 10 steps: {fp8['loss_last10'] - bf16['loss_last10']:+.4f}",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -396,12 +434,17 @@ def parent(args: argparse.Namespace) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_throughput: no CUDA GPU here; nothing to measure (pass --device cpu --model tiny for a smoke test)")
+        print(
+            "gpu_throughput: no CUDA GPU here; nothing to measure (pass --device cpu --model tiny for a smoke test)"
+        )
         return 0
     names = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else RUN_ORDER
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
-        print(f"gpu_throughput: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        print(
+            f"gpu_throughput: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     start = time.monotonic()
@@ -415,12 +458,18 @@ def parent(args: argparse.Namespace) -> int:
             Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
             Path(args.markdown).write_text(render(args, results, names, not_run))
 
-    print(f"# gpu_throughput: model {args.model} on {args.device}; configurations: {', '.join(names)}", flush=True)
+    print(
+        f"# gpu_throughput: model {args.model} on {args.device}; configurations: {', '.join(names)}",
+        flush=True,
+    )
     current = None
     try:
         for name in names:
             if args.device == "cpu" and name in FP8_ROWS:
-                results[name] = {"config": name, "skipped": "fp8 needs an NVIDIA GPU (compute capability 8.9+)"}
+                results[name] = {
+                    "config": name,
+                    "skipped": "fp8 needs an NVIDIA GPU (compute capability 8.9+)",
+                }
             else:
                 left = args.budget - (time.monotonic() - start) if args.budget else float("inf")
                 if left < args.min_left:
@@ -465,13 +514,17 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (they include compilation)")
-    p.add_argument("--loss-steps", type=int, default=200, help="steps the loss rows train for (0: as many as timed)")
+    p.add_argument(
+        "--loss-steps", type=int, default=200, help="steps the loss rows train for (0: as many as timed)"
+    )
     p.add_argument("--configs", help=f"comma-separated subset, run in the order given: {', '.join(CONFIGS)}")
     p.add_argument("--markdown", help="write the table to this file (rewritten after every configuration)")
     p.add_argument("--logs", help="folder for each configuration's full output (default: failures to stderr)")
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole run; 0: no limit")
     p.add_argument("--timeout", type=float, default=900, help="seconds for one configuration")
-    p.add_argument("--min-left", type=float, default=25, help="with --budget: start no configuration with less left")
+    p.add_argument(
+        "--min-left", type=float, default=25, help="with --budget: start no configuration with less left"
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:

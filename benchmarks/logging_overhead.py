@@ -50,14 +50,16 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in runners}
     names = list(runners)
     for r in range(args.rounds):
-        for name in names[r % 3:] + names[: r % 3]:
+        for name in names[r % 3 :] + names[: r % 3]:
             t0 = time.perf_counter()
             for i in range(args.steps):
                 runners[name](batches[i % len(batches)])
             times[name].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times["none"])
-    print(f"# logging_overhead: {torch.get_num_threads()} threads, torch {torch.__version__}, log_every "
-          f"{args.log_every}, rounds of {args.steps} steps")
+    print(
+        f"# logging_overhead: {torch.get_num_threads()} threads, torch {torch.__version__}, log_every "
+        f"{args.log_every}, rounds of {args.steps} steps"
+    )
     print("| runner | ms/step | ratio to no tracker |\n|---|---:|---:|")
     for k, v in times.items():
         print(f"| {k} | {statistics.median(v) * 1e3:.2f} | {statistics.median(v) / base:.3f} |")

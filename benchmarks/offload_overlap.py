@@ -81,7 +81,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=5, help="steps per round (the round's time / steps is one sample)")
+    ap.add_argument(
+        "--steps", type=int, default=5, help="steps per round (the round's time / steps is one sample)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = [(torch.randn(args.batch, 1024), torch.randn(args.batch, 1024)) for _ in range(4)]

@@ -147,7 +147,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=5)
@@ -161,9 +163,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print("| config | mesh | accelfn ms/step | plain torch ms/step | accelfn tokens/s | ratio (plain/accelfn time) |")
+    print(
+        "| config | mesh | accelfn ms/step | plain torch ms/step | accelfn tokens/s | ratio (plain/accelfn time) |"
+    )
     print("|---|---|---:|---:|---:|---:|")
-    passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "rounds", "hidden", "layers", "seq", "batch")]
+    passthrough = [
+        f"--{k}={getattr(args, k)}" for k in ("steps", "rounds", "hidden", "layers", "seq", "batch")
+    ]
     for config in args.configs.split(","):
         cmd = [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", str(args.nproc), "--cpu",
                __file__, f"--worker={config}", *passthrough]  # fmt: skip

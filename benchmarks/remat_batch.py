@@ -103,13 +103,25 @@ def run_trial(policy: str, batch: int, args: argparse.Namespace) -> dict[str, An
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"policy": policy, "batch": batch, "fits": False, "oom": False, "error": f"timeout {args.timeout}s"}
+        return {
+            "policy": policy,
+            "batch": batch,
+            "fits": False,
+            "oom": False,
+            "error": f"timeout {args.timeout}s",
+        }
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT) :])  # type: ignore[no-any-return]
     tail = " ".join((proc.stderr or proc.stdout).split()[-40:])
     oom = "out of memory" in (proc.stderr or "").lower()
-    return {"policy": policy, "batch": batch, "fits": False, "oom": oom, "error": f"exit {proc.returncode}: {tail}"}
+    return {
+        "policy": policy,
+        "batch": batch,
+        "fits": False,
+        "oom": oom,
+        "error": f"exit {proc.returncode}: {tail}",
+    }
 
 
 def largest(policy: str, args: argparse.Namespace, log: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -119,10 +131,15 @@ def largest(policy: str, args: argparse.Namespace, log: list[dict[str, Any]]) ->
         r = run_trial(policy, batch, args)
         log.append(r)
         status = "fits" if r["fits"] else ("out of memory" if r.get("oom") else r.get("error", "failed"))
-        print(f"  {policy:9s} batch {batch:4d}: {status}"
-              + (f", {r['tokens_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB" if r["fits"] else ""), flush=True)
+        print(
+            f"  {policy:9s} batch {batch:4d}: {status}"
+            + (f", {r['tokens_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB" if r["fits"] else ""),
+            flush=True,
+        )
         if not r["fits"] and not r.get("oom"):
-            raise RuntimeError(f"{policy} batch {batch} failed otherwise than out of memory: {r.get('error')}")
+            raise RuntimeError(
+                f"{policy} batch {batch} failed otherwise than out of memory: {r.get('error')}"
+            )
         return r
 
     best, batch = None, args.start
@@ -180,13 +197,18 @@ def main() -> int:
         print(f"{policy}:", flush=True)
         rows[policy] = largest(policy, args, log)
     first = next((r for r in rows.values() if r), None)
-    lines = ["| remat | largest batch (rows × seq) | tokens/s at that batch | peak GiB |", "|---|---:|---:|---:|"]
+    lines = [
+        "| remat | largest batch (rows × seq) | tokens/s at that batch | peak GiB |",
+        "|---|---:|---:|---:|",
+    ]
     for policy, r in rows.items():
         if r is None:
             lines.append(f"| {policy} | not even {args.start} | | |")
         else:
             more = "+ (the cap)" if r.get("capped") else ""
-            lines.append(f"| {policy} | {r['batch']}{more} × {r['seq']} | {r['tokens_s']:,.0f} | {r['peak_gib']:.1f} |")
+            lines.append(
+                f"| {policy} | {r['batch']}{more} × {r['seq']} | {r['tokens_s']:,.0f} | {r['peak_gib']:.1f} |"
+            )
     head = (f"{first['device_name']}, torch {first['torch']}, {args.model} model ({first['n_params'] / 1e9:.2f}B "
             f"params), eager bf16 autocast, AdamW + clip; {args.steps} timed steps per trial, each in a fresh "
             f"process; `python benchmarks/remat_batch.py {' '.join(sys.argv[1:])}`") if first else "no trial fit"  # fmt: skip

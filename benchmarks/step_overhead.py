@@ -45,8 +45,10 @@ def batch_forms(batches: list) -> dict[str, tuple[Callable, Callable]]:
     mse = nn.functional.mse_loss
     return {
         "tuple, mean loss": (lambda m, b: mse(m(b[0]), b[1]), lambda b: b),
-        "dict, af.Loss": (lambda m, b: af.Loss(mse(m(b["x"]), b["y"], reduction="sum"), b["x"].numel()),
-                          lambda b: {"x": b[0], "y": b[1]}),
+        "dict, af.Loss": (
+            lambda m, b: af.Loss(mse(m(b["x"]), b["y"], reduction="sum"), b["x"].numel()),
+            lambda b: {"x": b[0], "y": b[1]},
+        ),
         "list, (loss, aux)": (lambda m, b: (mse(m(b[0]), b[1]), {"x_mean": b[0].mean()}), lambda b: list(b)),
     }
 
@@ -54,8 +56,17 @@ def batch_forms(batches: list) -> dict[str, tuple[Callable, Callable]]:
 def gpt2_workload() -> tuple[nn.Module, list, Callable, Callable]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=1024, n_positions=128, n_embd=256, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(
+        vocab_size=1024,
+        n_positions=128,
+        n_embd=256,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     model = GPT2LMHeadModel(cfg)
     batches = [torch.randint(0, 1024, (8, 128)) for _ in range(4)]
 
@@ -70,7 +81,10 @@ def gpt2_workload() -> tuple[nn.Module, list, Callable, Callable]:
 
 
 def make_runners(
-    model: nn.Module, plain_loss: Callable, af_loss: Callable, forms: dict[str, tuple[Callable, Callable]] | None = None
+    model: nn.Module,
+    plain_loss: Callable,
+    af_loss: Callable,
+    forms: dict[str, tuple[Callable, Callable]] | None = None,
 ) -> dict[str, Callable]:
     runners: dict[str, Callable] = {}
 
@@ -124,7 +138,9 @@ def make_runners(
     return runners
 
 
-def measure(runners: dict[str, Callable], batches: list, rounds: int, steps: int, round_len: int) -> dict[str, float]:
+def measure(
+    runners: dict[str, Callable], batches: list, rounds: int, steps: int, round_len: int
+) -> dict[str, float]:
     """Median ms/step; `round_len` 1: each step timed alone, else rounds of `round_len` steps timed whole."""
     times: dict[str, list[float]] = {k: [] for k in runners}
     names = list(runners)
@@ -132,7 +148,7 @@ def measure(runners: dict[str, Callable], batches: list, rounds: int, steps: int
         for b in batches:
             run(b)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             run = runners[name]
             for i in range(max(steps // round_len, 1)):
                 t0 = time.perf_counter()
@@ -155,9 +171,14 @@ def main() -> None:
     from accelfn.platforms.cpu import tune_host_allocator
 
     tuned = tune_host_allocator()  # what accelfn's first CPU step.init does; set now so every runner has it
-    print(f"# step_overhead: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, accelfn {af.__version__}, glibc malloc tuned: {tuned}")
-    for name, make in [("MLP 4x1024, batch 64", mlp_workload), ("tiny GPT-2 (2L, d256, seq128, b8)", gpt2_workload)]:
+    print(
+        f"# step_overhead: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, accelfn {af.__version__}, glibc malloc tuned: {tuned}"
+    )
+    for name, make in [
+        ("MLP 4x1024, batch 64", mlp_workload),
+        ("tiny GPT-2 (2L, d256, seq128, b8)", gpt2_workload),
+    ]:
         model, batches, plain_loss, af_loss = make()
         forms = batch_forms(batches) if make is mlp_workload else None
         runners = make_runners(model, plain_loss, af_loss, forms)
@@ -168,7 +189,9 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|")
         b1, b2 = single["plain (AdamW fused)"], rounds["plain (AdamW fused)"]
         for k in runners:
-            print(f"| {k} | {single[k]:.2f} | {single[k] / b1:.3f} | {rounds[k]:.2f} | {rounds[k] / b2:.3f} |")
+            print(
+                f"| {k} | {single[k]:.2f} | {single[k] / b1:.3f} | {rounds[k]:.2f} | {rounds[k] / b2:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,15 @@ import accelfn as af  # noqa: E402
 
 
 def train(mesh, fp8: bool, args, emulate: bool) -> list[float]:
-    opt = af.optim.adamw(af.optim.warmup_cosine(args.lr, warmup=args.steps // 10, total=args.steps), weight_decay=0.1)
+    opt = af.optim.adamw(
+        af.optim.warmup_cosine(args.lr, warmup=args.steps // 10, total=args.steps), weight_decay=0.1
+    )
     step = af.autocast(af.train_step(loss_fn, opt, clip_grad_norm=1.0), torch.bfloat16)
     if fp8:
         every_layer = (lambda module, fqn: isinstance(module, torch.nn.Linear)) if args.all_layers else None
-        step = af.autocast_fp8(step, backend="torchao", recipe="tensorwise", emulate=emulate,
-                               module_filter=every_layer)
+        step = af.autocast_fp8(
+            step, backend="torchao", recipe="tensorwise", emulate=emulate, module_filter=every_layer
+        )
     step = af.shard(step, mesh)
     state = step.init(tiny_llama(args.seed), seed=args.seed)
     af.dist.print(f"{'fp8 ' if fp8 else 'bf16'}: {step}")
@@ -41,7 +44,9 @@ def train(mesh, fp8: bool, args, emulate: bool) -> list[float]:
     losses = []
     for _ in range(args.steps):
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch_size,), generator=gen).tolist()
-        state, metrics = step(state, {"ids": torch.stack([data[s : s + args.seq_len + 1] for s in starts]).long()})
+        state, metrics = step(
+            state, {"ids": torch.stack([data[s : s + args.seq_len + 1] for s in starts]).long()}
+        )
         losses.append(metrics["loss"].item())
     return losses
 
@@ -64,8 +69,10 @@ def main() -> None:
     bf16 = train(mesh, False, args, emulate)
     fp8 = train(mesh, True, args, emulate)
 
-    af.dist.print(f"\nloss, mean over each {args.every} steps ({mesh.world_size} process(es), "
-                  f"fp8 {'emulated' if emulate else 'native'}):")
+    af.dist.print(
+        f"\nloss, mean over each {args.every} steps ({mesh.world_size} process(es), "
+        f"fp8 {'emulated' if emulate else 'native'}):"
+    )
     af.dist.print(f"{'steps':>9}  {'bf16':>8}  {'fp8':>8}  {'fp8-bf16':>9}")
     for lo in range(0, args.steps, args.every):
         hi = min(lo + args.every, args.steps)
@@ -74,7 +81,9 @@ def main() -> None:
     w = min(args.every, args.steps)
     end_b, end_f = sum(bf16[-w:]) / w, sum(fp8[-w:]) / w
     gap = abs(end_f - end_b) / end_b
-    af.dist.print(f"final loss: bf16 {end_b:.4f}, fp8 {end_f:.4f}, difference {end_f - end_b:+.4f} ({gap:.1%})")
+    af.dist.print(
+        f"final loss: bf16 {end_b:.4f}, fp8 {end_f:.4f}, difference {end_f - end_b:+.4f} ({gap:.1%})"
+    )
     ok = end_b < bf16[0] - 0.5 and end_f < fp8[0] - 0.5 and gap <= args.tolerance
     af.dist.print("CHECK fp8 tracks bf16:", "OK" if ok else "FAILED")
     mesh.close()

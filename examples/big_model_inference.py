@@ -31,8 +31,15 @@ def main() -> None:
     args = p.parse_args()
 
     mesh = af.Mesh.from_env()
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=args.layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     reference = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
@@ -45,7 +52,9 @@ def main() -> None:
 
         with af.init_empty():
             model = LlamaForCausalLM(cfg).eval()
-        print(f"skeleton: {sum(p.numel() for p in model.parameters()):,} parameters on {model.lm_head.weight.device}")
+        print(
+            f"skeleton: {sum(p.numel() for p in model.parameters()):,} parameters on {model.lm_head.weight.device}"
+        )
 
         layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
         budget = {"cpu": 2 * layer_bytes, "disk": "1GB"}  # the host holds 2 layers, the disk the rest
@@ -53,21 +62,31 @@ def main() -> None:
             budget = {str(mesh.device): 2 * layer_bytes, **budget}
         layers = af.infer_device_map(model.model.layers, max_memory=budget, no_split=["LlamaDecoderLayer"])
         first = next(iter(budget))
-        device_map = {"model.embed_tokens": first, "model.norm": first, "model.rotary_emb": first, "lm_head": first,
-                      **{f"model.layers.{k}": v for k, v in layers.items()}}
+        device_map = {
+            "model.embed_tokens": first,
+            "model.norm": first,
+            "model.rotary_emb": first,
+            "lm_head": first,
+            **{f"model.layers.{k}": v for k, v in layers.items()},
+        }
         print("device map:", device_map)
         placed = set(device_map.values())
-        model = af.load_and_dispatch(model, folder, device_map=device_map,
-                                     offload_folder=tempfile.mkdtemp(dir=folder))
-        print(f"loaded {n_files} shard files; layer {args.layers - 1} weight is on "
-              f"{model.model.layers[-1].mlp.up_proj.weight.device} between calls")
+        model = af.load_and_dispatch(
+            model, folder, device_map=device_map, offload_folder=tempfile.mkdtemp(dir=folder)
+        )
+        print(
+            f"loaded {n_files} shard files; layer {args.layers - 1} weight is on "
+            f"{model.model.layers[-1].mlp.up_proj.weight.device} between calls"
+        )
         with torch.no_grad():
             got = model(input_ids=ids.to(first)).logits.cpu()
 
     diff = (got - expected).abs().max().item()
     exact = mesh.device.type == "cpu"
     ok = ("disk" in placed and "cpu" in placed) and (torch.equal(got, expected) if exact else diff <= 1e-4)
-    print(f"logits {tuple(got.shape)}: max |dispatched - reference| = {diff:.2e} ({'must be 0' if exact else '<= 1e-4'})")
+    print(
+        f"logits {tuple(got.shape)}: max |dispatched - reference| = {diff:.2e} ({'must be 0' if exact else '<= 1e-4'})"
+    )
     print("CHECK offloaded model matches the reference:", "OK" if ok else "FAILED")
     mesh.close()
     raise SystemExit(0 if ok else 1)

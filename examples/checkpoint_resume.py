@@ -34,7 +34,9 @@ def make_run(mesh, seed: int, batch_size: int):
     data = {"x": x, "y": (x[:, :1] * x[:, 1:2] + x[:, 2:3]).sin()}
     loader = af.data.DataLoader(data, batch_size=batch_size, mesh=mesh, shuffle=True, seed=seed)
     opt = af.optim.adamw(af.optim.warmup_cosine(1e-2, warmup=5, total=2 * len(loader)), weight_decay=0.01)
-    step = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), opt, clip_grad_norm=1.0), mesh)
+    step = af.shard(
+        af.train_step(lambda m, b: af.losses.mse(m(b["x"]), b["y"]), opt, clip_grad_norm=1.0), mesh
+    )
     return step, step.init(model, seed=seed), loader
 
 
@@ -95,8 +97,10 @@ def main() -> None:
 
     state, losses, stopped = train(step, state, loader, args.epochs, on_step=on_step)
     if stopped:
-        af.dist.print(f"step {int(state.step)}: simulated crash (--stop-at {args.stop_at}); steps after the last "
-                      f"checkpoint are lost. Run again without --stop-at to resume.")
+        af.dist.print(
+            f"step {int(state.step)}: simulated crash (--stop-at {args.stop_at}); steps after the last "
+            f"checkpoint are lost. Run again without --stop-at to resume."
+        )
         mesh.close()
         return
 
@@ -106,12 +110,18 @@ def main() -> None:
     mine, ref = af.tree.flatten_with_path(state), af.tree.flatten_with_path(ref_state)
     differ = [path for (path, a), (_, b) in zip(mine, ref) if not torch.equal(full(a), full(b))]
     loss_differ = [k for k in losses if losses[k] != ref_losses[k]]
-    af.dist.print(f"final step {int(state.step)}, loss {losses[max(losses)]:.6f}; uninterrupted run: step "
-                  f"{int(ref_state.step)}, loss {ref_losses[max(ref_losses)]:.6f}")
-    af.dist.print(f"compared {len(mine)} state leaves and the losses of steps {min(losses)}-{max(losses)} "
-                  f"(resumed at step {resumed_at}): {len(differ)} leaves and {len(loss_differ)} losses differ")
+    af.dist.print(
+        f"final step {int(state.step)}, loss {losses[max(losses)]:.6f}; uninterrupted run: step "
+        f"{int(ref_state.step)}, loss {ref_losses[max(ref_losses)]:.6f}"
+    )
+    af.dist.print(
+        f"compared {len(mine)} state leaves and the losses of steps {min(losses)}-{max(losses)} "
+        f"(resumed at step {resumed_at}): {len(differ)} leaves and {len(loss_differ)} losses differ"
+    )
     ok = len(mine) == len(ref) and not differ and not loss_differ and int(state.step) == int(ref_state.step)
-    af.dist.print("CHECK resumed run equals the uninterrupted run bit for bit:", "OK" if ok else f"FAILED {differ[:5]}")
+    af.dist.print(
+        "CHECK resumed run equals the uninterrupted run bit for bit:", "OK" if ok else f"FAILED {differ[:5]}"
+    )
     mesh.close()
     raise SystemExit(0 if ok else 1)
 

@@ -31,8 +31,15 @@ SETTINGS = ["single", "ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deep
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg)  # every Linear is 64/128 wide: divisible by 16, so FP8-eligible
 
 
@@ -44,8 +51,9 @@ def loss_fn(model, batch):
 def build_step(setting: str, mesh: af.Mesh, lr: float, steps: int, emulate: bool) -> af.Step:
     opt = af.optim.adamw(af.optim.warmup_cosine(lr, warmup=steps // 10, total=steps), weight_decay=0.1)
     step = af.train_step(loss_fn, opt, clip_grad_norm=1.0)
-    step = af.autocast_fp8(af.autocast(step, torch.bfloat16), backend="torchao", recipe="tensorwise",
-                           emulate=emulate)
+    step = af.autocast_fp8(
+        af.autocast(step, torch.bfloat16), backend="torchao", recipe="tensorwise", emulate=emulate
+    )
     if setting == "single":
         if mesh.world_size != 1:
             raise SystemExit("--setting single runs on one process (run it with plain python)")
@@ -74,8 +82,10 @@ def main() -> None:
     else:
         model = tiny_llama(args.seed)  # built on the host; af.shard moves it to the mesh's device
     state = step.init(model, seed=args.seed)
-    af.dist.print(f"setting {args.setting}, {mesh.world_size} process(es) on {mesh.device_type}, "
-                  f"fp8 {'emulated' if emulate else 'native'}")
+    af.dist.print(
+        f"setting {args.setting}, {mesh.world_size} process(es) on {mesh.device_type}, "
+        f"fp8 {'emulated' if emulate else 'native'}"
+    )
     af.dist.print(step)
 
     data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8)

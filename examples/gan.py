@@ -45,15 +45,21 @@ def main() -> None:
 
     mesh = af.Mesh.from_env()
     torch.manual_seed(args.seed)
-    generator = nn.Sequential(nn.Linear(4, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 2))
-    discriminator = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    generator = nn.Sequential(
+        nn.Linear(4, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 2)
+    )
+    discriminator = nn.Sequential(
+        nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1)
+    )
     bce = nn.functional.binary_cross_entropy_with_logits
 
     def d_loss(d, batch):  # real -> 1, generated -> 0
         with torch.no_grad():
             fake = g_step.model(batch["z"])
         real_logits, fake_logits = d(batch["real"]), d(fake)
-        return bce(real_logits, torch.ones_like(real_logits)) + bce(fake_logits, torch.zeros_like(fake_logits))
+        return bce(real_logits, torch.ones_like(real_logits)) + bce(
+            fake_logits, torch.zeros_like(fake_logits)
+        )
 
     def g_loss(g, batch):  # make the discriminator say "real"
         logits = d_step.model(g(batch["z"]))
@@ -66,24 +72,37 @@ def main() -> None:
     sample = af.eval_step(lambda g, z: g(z))
     sample.init(g_step.model)
 
-    noise = torch.randn(2000, 4, generator=torch.Generator().manual_seed(123))  # a fixed probe, same on all ranks
+    noise = torch.randn(
+        2000, 4, generator=torch.Generator().manual_seed(123)
+    )  # a fixed probe, same on all ranks
     start = distance(sample(g_state, noise).cpu())
-    af.dist.print(f"{args.strategy} over {mesh.world_size} process(es); data mean {MEAN.tolist()} std {STD.tolist()}")
+    af.dist.print(
+        f"{args.strategy} over {mesh.world_size} process(es); data mean {MEAN.tolist()} std {STD.tolist()}"
+    )
     af.dist.print(f"before: |mean - data mean| {start[0]:.3f}  |std - data std| {start[1]:.3f}")
     gen = torch.Generator().manual_seed(args.seed * 1000 + mesh.data_rank)  # each rank its own samples
     for i in range(args.steps):
-        batch = {"z": torch.randn(args.batch_size, 4, generator=gen), "real": real_points(args.batch_size, gen)}
+        batch = {
+            "z": torch.randn(args.batch_size, 4, generator=gen),
+            "real": real_points(args.batch_size, gen),
+        }
         d_state, dm = d_step(d_state, batch)
         g_state, gm = g_step(g_state, batch)
         if (i + 1) % 50 == 0:
             m, s = distance(sample(g_state, noise).cpu())
-            af.dist.print(f"step {i + 1:4d}  d loss {dm['loss'].item():.3f}  g loss {gm['loss'].item():.3f}  "
-                          f"|mean - data| {m:.3f}  |std - data| {s:.3f}")
+            af.dist.print(
+                f"step {i + 1:4d}  d loss {dm['loss'].item():.3f}  g loss {gm['loss'].item():.3f}  "
+                f"|mean - data| {m:.3f}  |std - data| {s:.3f}"
+            )
     samples = sample(g_state, noise).cpu()
     end = distance(samples)
-    af.dist.print(f"after:  generated mean {[round(x, 2) for x in samples.mean(0).tolist()]} std "
-                  f"{[round(x, 2) for x in samples.std(0).tolist()]}")
-    af.dist.print(f"|mean - data mean| {start[0]:.3f} -> {end[0]:.3f}; |std - data std| {start[1]:.3f} -> {end[1]:.3f}")
+    af.dist.print(
+        f"after:  generated mean {[round(x, 2) for x in samples.mean(0).tolist()]} std "
+        f"{[round(x, 2) for x in samples.std(0).tolist()]}"
+    )
+    af.dist.print(
+        f"|mean - data mean| {start[0]:.3f} -> {end[0]:.3f}; |std - data std| {start[1]:.3f} -> {end[1]:.3f}"
+    )
     ok = end[0] < 0.3 * start[0] and end[1] < 0.75 * start[1]  # GAN training oscillates: a loose bound
     af.dist.print("CHECK generated distribution moves toward the data:", "OK" if ok else "FAILED")
     mesh.close()

@@ -39,7 +39,9 @@ def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> af.Loss:
     return af.losses.cross_entropy(logits, batch["ids"][:, 1:])
 
 
-def windows(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def windows(
+    data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
     return {"ids": torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()}
 
@@ -74,10 +76,16 @@ def main() -> None:
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
     model = get_peft_model(base, lora)
-    step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-2), clip_grad_norm=1.0), mesh, strategy=args.strategy)
+    step = af.shard(
+        af.train_step(loss_fn, af.optim.adamw(1e-2), clip_grad_norm=1.0), mesh, strategy=args.strategy
+    )
     state = step.init(model)
     trainable = [n for n, p in state.params.items() if p.requires_grad]
-    moments = {path.split(".", 1)[1] for path, _ in af.tree.flatten_with_path(state.opt_state) if path.startswith("mu.")}
+    moments = {
+        path.split(".", 1)[1]
+        for path, _ in af.tree.flatten_with_path(state.opt_state)
+        if path.startswith("mu.")
+    }
     assert moments == set(trainable) and all("lora_" in n for n in trainable)
     n_train = sum(state.params[n].numel() for n in trainable)
     n_all = sum(p.numel() for p in state.params.values())
@@ -88,12 +96,18 @@ def main() -> None:
         state, metrics = step(state, windows(data[half:], args.batch_size, args.seq_len, gen))
         losses.append(metrics["loss"].item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    af.dist.print(f"LoRA loss {first:.3f} -> {last:.3f} in {args.steps} steps ({time.perf_counter() - t0:.1f} s in all)")
+    af.dist.print(
+        f"LoRA loss {first:.3f} -> {last:.3f} in {args.steps} steps ({time.perf_counter() - t0:.1f} s in all)"
+    )
 
     # 3. save the adapter in PEFT's layout (and the merged model), reload with PEFT / transformers
     af.checkpoint.save_adapter(f"{args.out}/adapter", state, step.model)
     af.checkpoint.save_adapter(f"{args.out}/merged", state, step.model, merge=True)
-    trained = {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in state.params.items() if n in trainable}
+    trained = {
+        n: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for n, v in state.params.items()
+        if n in trainable
+    }
     if mesh.rank == 0:
         fresh = make_base(args.seq_len)
         fresh.load_state_dict(base_state)

@@ -61,14 +61,23 @@ def main() -> None:
 
     mesh = af.Mesh.from_env()
     torch.manual_seed(args.seed)
-    config = BertConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=args.seq_len + 1, num_labels=2)
+    config = BertConfig(
+        vocab_size=257,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=args.seq_len + 1,
+        num_labels=2,
+    )
     model = BertForSequenceClassification(config)
 
     train = make_data(2048, args.seq_len, seed=1)
     valid = make_data(301, args.seq_len, seed=2)  # 301: not a multiple of the global batch (padding dropped)
     loader = af.data.DataLoader(train, batch_size=args.batch_size, mesh=mesh, shuffle=True, seed=args.seed)
-    eval_loader = af.data.DataLoader(valid, batch_size=32, mesh=mesh)  # even_batches=True: all ranks step together
+    eval_loader = af.data.DataLoader(
+        valid, batch_size=32, mesh=mesh
+    )  # even_batches=True: all ranks step together
 
     opt = af.optim.adamw(af.optim.warmup_cosine(args.lr, warmup=10, total=args.steps), weight_decay=0.01)
     step = af.shard(af.train_step(loss_fn, opt, clip_grad_norm=1.0), mesh)
@@ -77,20 +86,26 @@ def main() -> None:
     evaluate.init(step.model)
 
     before = accuracy(evaluate, state, eval_loader)
-    af.dist.print(f"BERT with {sum(v.numel() for v in state.params.values()):,} parameters, {mesh.world_size} "
-                  f"process(es); validation accuracy before training: {before:.3f}")
+    af.dist.print(
+        f"BERT with {sum(v.numel() for v in state.params.values()):,} parameters, {mesh.world_size} "
+        f"process(es); validation accuracy before training: {before:.3f}"
+    )
     i = 0
     while i < args.steps:
         for batch in loader:
             state, metrics = step(state, batch)
             i += 1
             if i % 20 == 0 or i == 1:
-                af.dist.print(f"step {i:4d}  loss {metrics['loss'].item():.4f}  batch accuracy {metrics['accuracy'].item():.3f}")
+                af.dist.print(
+                    f"step {i:4d}  loss {metrics['loss'].item():.4f}  batch accuracy {metrics['accuracy'].item():.3f}"
+                )
             if i == args.steps:
                 break
     after = accuracy(evaluate, state, eval_loader)
-    af.dist.print(f"validation accuracy: {before:.3f} -> {after:.3f} ({len(valid['labels'])} samples, gathered "
-                  f"from {mesh.data_size} process(es))")
+    af.dist.print(
+        f"validation accuracy: {before:.3f} -> {after:.3f} ({len(valid['labels'])} samples, gathered "
+        f"from {mesh.data_size} process(es))"
+    )
     ok = after >= 0.9 and after > before + 0.2
     af.dist.print("CHECK accuracy rises:", "OK" if ok else "FAILED")
     mesh.close()

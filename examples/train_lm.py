@@ -47,7 +47,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A GPT-style decoder over bytes (vocabulary 256), with tied input/output embeddings."""
 
-    def __init__(self, d: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 64, dropout: float = 0.1):
+    def __init__(
+        self, d: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 64, dropout: float = 0.1
+    ):
         super().__init__()
         self.tok = nn.Embedding(256, d)
         self.pos = nn.Parameter(torch.zeros(seq_len, d))
@@ -68,7 +70,9 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> af.Loss:
     return af.losses.cross_entropy(logits, batch["ids"][:, 1:])
 
 
-def windows(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def windows(
+    data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
     return {"ids": torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()}
 
@@ -98,7 +102,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", default="runs/train_lm", help="where metrics.jsonl (and other trackers) write")
+    p.add_argument(
+        "--run-dir", default="runs/train_lm", help="where metrics.jsonl (and other trackers) write"
+    )
     p.add_argument("--log-every", type=int, default=20)
     args = p.parse_args()
 
@@ -142,8 +148,10 @@ def main() -> None:
     val_gen = torch.Generator().manual_seed(1234)
     val = [evaluate(state, windows(valid, 32, args.seq_len, val_gen)) for _ in range(8)]
     val_loss = sum(v.total.item() for v in val) / sum(v.count.item() for v in val)
-    af.dist.print(f"train loss {first:.3f} -> {metrics['loss'].item():.3f} in {args.steps} steps ({elapsed:.1f} s, "
-                  f"{mesh.world_size} process(es), global batch {args.batch_size * mesh.data_size})")
+    af.dist.print(
+        f"train loss {first:.3f} -> {metrics['loss'].item():.3f} in {args.steps} steps ({elapsed:.1f} s, "
+        f"{mesh.world_size} process(es), global batch {args.batch_size * mesh.data_size})"
+    )
     af.dist.print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
     af.dist.print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
     af.dist.print(f"metrics: {args.run_dir}/metrics.jsonl; plot them with: accelfn plot {args.run_dir}")

@@ -18,7 +18,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_command(script: Path, nproc: int, args: tuple[str, ...], launch_args: tuple[str, ...] = ()) -> list[str]:
+def launch_command(
+    script: Path, nproc: int, args: tuple[str, ...], launch_args: tuple[str, ...] = ()
+) -> list[str]:
     """The command line that starts `nproc` CPU processes running `script` (the one place to change it).
 
     `launch_args` are extra `accelfn launch` options (not available under ACCELFN_TEST_TORCHRUN=1)."""
@@ -43,13 +45,20 @@ def run_workers(
     full_env.pop("WORLD_SIZE", None)
     full_env.update(env or {})
     proc = subprocess.run(
-        launch_command(path, nproc, args, launch_args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
+        launch_command(path, nproc, args, launch_args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=ROOT,
     )
     return proc
 
 
 def output_of(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    return (
+        f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    )
 
 
 def expect_ok(proc: subprocess.CompletedProcess[str], configs: list[str], ranks: int) -> None:

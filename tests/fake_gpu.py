@@ -79,7 +79,9 @@ def _setup_backend() -> None:
         # autocast on it is accepted and changes nothing (torch has no autocast kernels for PrivateUse1)
         _LIBS.append(torch.library.Library("_", "IMPL"))
         _LIBS[-1].fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    elif torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:  # pragma: no cover - another backend took it
+    elif (
+        torch._C._get_privateuse1_backend_name() != DEVICE_TYPE
+    ):  # pragma: no cover - another backend took it
         raise RuntimeError("the PrivateUse1 backend is already taken by another device kind")
     _SET_UP.append(True)
 
@@ -136,7 +138,9 @@ class FakeGpuPlatform(Platform):
 FAKE_GPU = FakeGpuPlatform()
 
 
-def _fake_apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+def _fake_apply(
+    self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Module:
     """`nn.Module._apply` for fake tensors: new Parameter objects instead of swapping (ties are kept)."""
     done: dict[int, Any] = {}
     for module in self.modules() if recurse else [self]:

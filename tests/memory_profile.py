@@ -17,7 +17,9 @@ def peak_bytes(run: Callable[[], Any]) -> dict[str, int]:
     """Run `run()` under the profiler; the peak live bytes of each category and of all together ("total")."""
     from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
         run()
     mp = prof._memory_profile()
     live: dict[str, int] = {}

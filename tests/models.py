@@ -8,8 +8,15 @@ def tiny_gpt2(dropout: float = 0.0, n_layer: int = 2, n_embd: int = 32, vocab: i
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        vocab_size=vocab, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=True,
+        vocab_size=vocab,
+        n_positions=32,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=2,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        tie_word_embeddings=True,
     )
     return GPT2LMHeadModel(cfg)
 
@@ -18,8 +25,14 @@ def tiny_llama(vocab: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg)
 
@@ -28,8 +41,14 @@ def tiny_bert(vocab: int = 64):
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return BertForMaskedLM(cfg)
 

@@ -64,7 +64,9 @@ def test_a_real_cpu_allocator_failure_is_retried():
 
 def test_factor_other_than_a_half_and_a_floor_at_min_batch_size():
     tried: list[int] = []
-    run = find_executable_batch_size(oom_above(5, tried), starting_batch_size=10, factor=0.9, min_batch_size=7)
+    run = find_executable_batch_size(
+        oom_above(5, tried), starting_batch_size=10, factor=0.9, min_batch_size=7
+    )
     with pytest.raises(RuntimeError):
         run()
     assert tried == [10, 9, 8, 7]  # int(10 * 0.9) = 9, then at least one less each time, never below 7
@@ -112,13 +114,19 @@ def test_the_failed_attempts_tensors_are_freed_and_the_cache_emptied_between_att
     [
         ("cuda", "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.11 GiB total capacity)"),
         ("cuda", "HIP out of memory. Tried to allocate 2.00 GiB"),
-        ("cuda", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."),
+        (
+            "cuda",
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        ),
         ("xpu", "XPU out of memory. Tried to allocate 1.00 GiB"),
         ("xpu", "level_zero backend failed with error: 40 (UR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY)"),
         ("npu", "NPU out of memory. Tried to allocate 2.00 GiB (NPU 0; 60.97 GiB total capacity)"),
         ("mlu", "MLU out of memory. Tried to allocate 512.00 MiB"),
         ("xla", "RESOURCE_EXHAUSTED: Attempting to reserve 12.00G at the bottom of memory."),
-        ("cpu", "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes"),
+        (
+            "cpu",
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes",
+        ),
     ],
 )
 def test_each_platform_recognises_its_out_of_memory_messages(kind, message):

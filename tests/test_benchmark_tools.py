@@ -48,5 +48,7 @@ def test_remat_batch_stops_on_a_failure_that_is_not_out_of_memory(monkeypatch):
 
 def test_remat_batch_reports_none_when_the_first_batch_does_not_fit(monkeypatch):
     rb = _load("remat_batch")
-    monkeypatch.setattr(rb, "run_trial", lambda p, b, a: {"policy": p, "batch": b, "fits": False, "oom": True})
+    monkeypatch.setattr(
+        rb, "run_trial", lambda p, b, a: {"policy": p, "batch": b, "fits": False, "oom": True}
+    )
     assert rb.largest("none", argparse.Namespace(start=8, max_batch=64, granularity=4), []) is None

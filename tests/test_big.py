@@ -232,10 +232,14 @@ def test_device_map_keeps_tied_weights_together():
 
 def test_device_map_respects_a_disk_budget_and_says_when_nothing_is_left():
     # Net (2624 B, blocks of 576 B): with "disk": 0 the last block cannot go to disk
-    assert af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=["Block"])["blocks.3"] == "disk"  # no limit
+    assert (
+        af.infer_device_map(Net(), max_memory=MAX_MEMORY, no_split=["Block"])["blocks.3"] == "disk"
+    )  # no limit
     got = af.infer_device_map(Net(), max_memory={**MAX_MEMORY, "disk": 600}, no_split=["Block"])
     assert got["blocks.3"] == "disk"  # 576 B fit the 600 B of disk
-    with pytest.raises(ValueError, match=r"'blocks.3' \(576 B\) fits in none of max_memory's devices .*disk: 0 B of 0 B"):
+    with pytest.raises(
+        ValueError, match=r"'blocks.3' \(576 B\) fits in none of max_memory's devices .*disk: 0 B of 0 B"
+    ):
         af.infer_device_map(Net(), max_memory={**MAX_MEMORY, "disk": 0}, no_split=["Block"])
     with pytest.raises(ValueError, match="fits in none"):
         af.infer_device_map(Net(), max_memory={**MAX_MEMORY, "disk": 500}, no_split=["Block"])
@@ -579,12 +583,16 @@ def test_load_and_dispatch_warns_of_unused_tensors_and_checks_max_memory_devices
     safetensors.torch.save_file(bigger.state_dict(), str(tmp_path / "model.safetensors"))
     with af.init_empty():
         smaller = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
-    with pytest.warns(UserWarning, match=r"has 2 tensors the model has no place for: '2.bias', '2.weight'") as rec:
+    with pytest.warns(
+        UserWarning, match=r"has 2 tensors the model has no place for: '2.bias', '2.weight'"
+    ) as rec:
         af.load_and_dispatch(smaller, tmp_path, {"": "cpu"})
     assert rec[0].filename == __file__  # points at the caller
     with af.init_empty():
         smaller = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
-    with pytest.raises(ValueError, match=r"max_memory\['cuda:0'\] = 'cuda:0' is not a device of this process"):
+    with pytest.raises(
+        ValueError, match=r"max_memory\['cuda:0'\] = 'cuda:0' is not a device of this process"
+    ):
         af.load_and_dispatch(smaller, tmp_path, max_memory={"cuda:0": "500KB", "cpu": "1MB"})
 
 

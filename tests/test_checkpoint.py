@@ -142,17 +142,23 @@ def test_save_pretrained_writes_what_transformers_save_pretrained_writes(tmp_pat
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = tiny_llama()
-    model.generation_config = GenerationConfig(eos_token_id=[2, 7], temperature=0.6, do_sample=True, max_new_tokens=7)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[2, 7], temperature=0.6, do_sample=True, max_new_tokens=7
+    )
     model = model.to(torch.bfloat16)  # cast after building: model.config still says float32
     assert model.config.architectures is None
     step = af.train_step(lm_loss, af.optim.sgd(0.0))
     state = step.init(model)
     af.checkpoint.save_pretrained(tmp_path / "af", state, model=step.model)
-    assert model.config.architectures is None and model.config.dtype != torch.bfloat16  # the model's config is left as it was
+    assert (
+        model.config.architectures is None and model.config.dtype != torch.bfloat16
+    )  # the model's config is left as it was
     model.save_pretrained(tmp_path / "hf")  # the reference (it sets them on the model's config)
     assert sorted(os.listdir(tmp_path / "af")) == sorted(os.listdir(tmp_path / "hf"))
     ours, theirs = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("af", "hf"))
-    assert ours == theirs and ours["architectures"] == ["LlamaForCausalLM"] and ours["dtype"] == "bfloat16", ours
+    assert ours == theirs and ours["architectures"] == ["LlamaForCausalLM"] and ours["dtype"] == "bfloat16", (
+        ours
+    )
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "af")
     assert again.dtype == torch.bfloat16
     g = again.generation_config
@@ -182,7 +188,9 @@ def test_save_pretrained_of_a_state_with_its_model_is_loaded_by_transformers_as_
     af.checkpoint.save_pretrained(tmp_path / "hf", state, model=step.model)
     assert (tmp_path / "hf" / "config.json").exists()
     again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched keys (Llama's inv_freq left out)
+    assert not any(info.values()), (
+        info
+    )  # no missing, unexpected or mismatched keys (Llama's inv_freq left out)
     for name, p in again.named_parameters():
         assert torch.equal(p, state.params[name]), name
     ids = torch.randint(0, 64, (2, 8))
@@ -307,9 +315,13 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
 def test_latest_and_keep_last(tmp_path):
     state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
     assert af.checkpoint.latest(tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="latest\\(root\\) returns None when root holds no committed checkpoint"):
-        af.checkpoint.load(af.checkpoint.latest(tmp_path), like=af.train_step(
-            lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 1)))
+    with pytest.raises(
+        FileNotFoundError, match="latest\\(root\\) returns None when root holds no committed checkpoint"
+    ):
+        af.checkpoint.load(
+            af.checkpoint.latest(tmp_path),
+            like=af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 1)),
+        )
     for s in [1, 2, 10, 3]:
         af.checkpoint.save(tmp_path / f"step-{s}", state.replace(step=torch.tensor(s)), keep_last=3)
     (tmp_path / ".tmp-step-99-abc").mkdir()  # an interrupted save
@@ -329,7 +341,16 @@ def test_keep_last_only_deletes_checkpoints_of_the_same_series(tmp_path):
     for s in [1, 2, 3, 4, 5]:
         af.checkpoint.save(tmp_path / f"step-{s}", at(s), keep_last=2)
     names = sorted(p.name for p in af.checkpoint.checkpoints(tmp_path))
-    assert names == ["best", "ckpt-000001", "ckpt-000002", "ckpt-000003", "final", "run2-step-1", "step-4", "step-5"]
+    assert names == [
+        "best",
+        "ckpt-000001",
+        "ckpt-000002",
+        "ckpt-000003",
+        "final",
+        "run2-step-1",
+        "step-4",
+        "step-5",
+    ]
     af.checkpoint.save(tmp_path / "ckpt-000004", at(4), keep_last=1)  # the zero-padded series prunes itself
     names = sorted(p.name for p in af.checkpoint.checkpoints(tmp_path))
     assert names == ["best", "ckpt-000004", "final", "run2-step-1", "step-4", "step-5"]
@@ -342,7 +363,9 @@ def test_keep_last_with_async_saves_keeps_a_best_checkpoint(tmp_path):
     state = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
     af.checkpoint.save(tmp_path / "best", state.replace(step=torch.tensor(0)))
     for s in [1, 2, 3]:
-        af.checkpoint.save(tmp_path / f"step_{s}", state.replace(step=torch.tensor(s)), keep_last=1, async_save=True)
+        af.checkpoint.save(
+            tmp_path / f"step_{s}", state.replace(step=torch.tensor(s)), keep_last=1, async_save=True
+        )
     af.checkpoint.wait()
     assert sorted(p.name for p in af.checkpoint.checkpoints(tmp_path)) == ["best", "step_3"]
 

@@ -196,7 +196,9 @@ def test_estimate_memory_bad_inputs_exit_2_naming_them(tmp_path, capsys):
     assert "cannot find the factory 'no_such_module_xyz:build'" in capsys.readouterr().err
     assert main(["estimate-memory", "math:pi"]) == 2  # a float, not a factory
     assert "math:pi" in capsys.readouterr().err
-    bad.write_text('{"model_type": "lamma"}')  # a typo: one line naming it and the closest, not 11 KB of types
+    bad.write_text(
+        '{"model_type": "lamma"}'
+    )  # a typo: one line naming it and the closest, not 11 KB of types
     assert main(["estimate-memory", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "model_type 'lamma' is not one transformers" in err and "did you mean 'llama'" in err

@@ -40,8 +40,15 @@ def test_every_config_is_valid_and_uses_only_known_keys(path):
 
 def test_the_configs_say_what_they_are_for():
     one = resolve(LaunchOptions(script="t.py", config_file=str(CONFIGS / "one_gpu.yaml")), environ={})
-    assert (one.nproc_per_node, one.env["ACCELFN_DEVICE"], one.env["ACCELFN_MIXED_PRECISION"]) == (1, "cuda", "bf16")
-    nodes = resolve(LaunchOptions(script="t.py", config_file=str(CONFIGS / "multi_node.yaml"), use_slurm=False), environ={})
+    assert (one.nproc_per_node, one.env["ACCELFN_DEVICE"], one.env["ACCELFN_MIXED_PRECISION"]) == (
+        1,
+        "cuda",
+        "bf16",
+    )
+    nodes = resolve(
+        LaunchOptions(script="t.py", config_file=str(CONFIGS / "multi_node.yaml"), use_slurm=False),
+        environ={},
+    )
     assert (nodes.min_nodes, nodes.max_nodes, nodes.node_rank, nodes.nproc_per_node) == (2, 2, 0, 8)
     assert nodes.rdzv_endpoint.endswith(":29500") and nodes.max_restarts == 3
     assert load(CONFIGS / "fsdp.yaml").mesh == "fsdp=-1"
@@ -64,4 +71,9 @@ def test_the_cpu_config_launches_two_processes(tmp_path):
     ranks = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
-        assert (r["world_size"], r["device"], r["parsed_mesh"], r["mixed_precision"]) == (2, "cpu", {"dp": 2}, "no")
+        assert (r["world_size"], r["device"], r["parsed_mesh"], r["mixed_precision"]) == (
+            2,
+            "cpu",
+            {"dp": 2},
+            "no",
+        )

@@ -74,7 +74,9 @@ def test_each_ranks_attention_over_gathered_keys_is_its_part_of_whole_attention(
     kv_pos = torch.cat([chunk_positions(16 // size, r, size) for r in range(size)])
     for r in range(size):
         mask = causal_mask(chunk_positions(16 // size, r, size), kv_pos) if causal else None
-        got = gathered_attention(split_sequence(q, r, size, dim=2), gathered_k, gathered_v, mask, enable_gqa=True)
+        got = gathered_attention(
+            split_sequence(q, r, size, dim=2), gathered_k, gathered_v, mask, enable_gqa=True
+        )
         torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=1e-5, atol=1e-6)
 
 

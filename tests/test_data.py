@@ -386,5 +386,7 @@ def test_a_loader_made_before_the_mesh_of_a_launched_job_is_an_error(monkeypatch
     # used to read the whole dataset on every rank (2 ranks: each sample twice, metrics counted twice).
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(RuntimeError, match="rank 1 of a launched job of 2 processes, but no af.Mesh exists yet"):
+    with pytest.raises(
+        RuntimeError, match="rank 1 of a launched job of 2 processes, but no af.Mesh exists yet"
+    ):
         DL(torch.arange(16), batch_size=4)

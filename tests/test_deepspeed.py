@@ -17,7 +17,8 @@ from accelfn.transforms.shard.deepspeed import config_for, make_optimizer
 from tests._launch import output_of, run_workers
 
 needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install 'accelfn[deepspeed]')"
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install 'accelfn[deepspeed]')",
 )
 
 
@@ -71,7 +72,9 @@ def _loss(m, b):
 
 def test_config_for_bf16_accumulate_clip_adamw(mesh):
     step = af.train_step(_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=1.0)
-    step = af.shard(af.autocast(af.accumulate(step, 4), torch.bfloat16), mesh, backend="deepspeed", zero_stage=2)
+    step = af.shard(
+        af.autocast(af.accumulate(step, 4), torch.bfloat16), mesh, backend="deepspeed", zero_stage=2
+    )
     cfg = config_for(step)
     assert cfg["bf16"] == {"enabled": True} and cfg["fp16"]["enabled"] is False
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_micro_batch_size_per_gpu"] == 1
@@ -96,7 +99,9 @@ def test_strategy_picks_the_stage_and_offload_and_fp16_map_to_deepspeed_keys(mes
 
 def test_chain_clip_becomes_gradient_clipping(mesh):
     tx = af.optim.chain(af.optim.clip_by_global_norm(0.5), af.optim.sgd(0.1, momentum=0.9))
-    assert config_for(af.shard(af.train_step(_loss, tx), mesh, backend="deepspeed"))["gradient_clipping"] == 0.5
+    assert (
+        config_for(af.shard(af.train_step(_loss, tx), mesh, backend="deepspeed"))["gradient_clipping"] == 0.5
+    )
 
 
 def test_user_json_is_merged_and_a_conflicting_key_is_named(mesh, tmp_path):
@@ -106,16 +111,29 @@ def test_user_json_is_merged_and_a_conflicting_key_is_named(mesh, tmp_path):
                                 "bf16": {"enabled": False}}))  # fmt: skip
     cfg = config_for(af.shard(step, mesh, backend="deepspeed", ds_config=str(path)))
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["wall_clock_breakdown"] is True
-    with pytest.raises(CompositionError, match=r"ds_config\['gradient_accumulation_steps'\] = 8 conflicts with accumulate\(4\)"):
+    with pytest.raises(
+        CompositionError,
+        match=r"ds_config\['gradient_accumulation_steps'\] = 8 conflicts with accumulate\(4\)",
+    ):
         config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"gradient_accumulation_steps": 8}))
-    with pytest.raises(CompositionError, match=r"ds_config\['bf16.enabled'\] = True conflicts with autocast\(off\)"):
+    with pytest.raises(
+        CompositionError, match=r"ds_config\['bf16.enabled'\] = True conflicts with autocast\(off\)"
+    ):
         config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"bf16": {"enabled": True}}))
     with pytest.raises(CompositionError, match=r"ds_config\['gradient_clipping'\] = 2.0 conflicts"):
         config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"gradient_clipping": 2.0}))
-    with pytest.raises(CompositionError, match=r"ds_config\['optimizer'\] conflicts with the step's optimizer \(adamw\)"):
+    with pytest.raises(
+        CompositionError, match=r"ds_config\['optimizer'\] conflicts with the step's optimizer \(adamw\)"
+    ):
         config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"optimizer": {"type": "Adam"}}))
-    with pytest.raises(CompositionError, match=r"ds_config\['zero_optimization.stage'\] = 3 conflicts with zero_stage=2"):
-        config_for(af.shard(step, mesh, backend="deepspeed", zero_stage=2, ds_config={"zero_optimization": {"stage": 3}}))
+    with pytest.raises(
+        CompositionError, match=r"ds_config\['zero_optimization.stage'\] = 3 conflicts with zero_stage=2"
+    ):
+        config_for(
+            af.shard(
+                step, mesh, backend="deepspeed", zero_stage=2, ds_config={"zero_optimization": {"stage": 3}}
+            )
+        )
 
 
 def test_offload_combinator_and_unsupported_optimizers_are_composition_errors(mesh):
@@ -124,17 +142,22 @@ def test_offload_combinator_and_unsupported_optimizers_are_composition_errors(me
         config_for(af.shard(step, mesh, backend="deepspeed"))
     with pytest.raises(CompositionError, match="DeepSpeed offloads through its own config"):
         af.offload(af.shard(af.train_step(_loss, af.optim.adamw(1e-3)), mesh, backend="deepspeed")).init(
-            torch.nn.Linear(2, 2))
+            torch.nn.Linear(2, 2)
+        )
     with pytest.raises(ValueError, match="apply to backend='deepspeed' only"):
         af.shard(af.train_step(_loss, af.optim.adamw(1e-3)), mesh, zero_stage=2)
 
 
 def test_config_errors_name_the_conflict(mesh):
     step = af.train_step(_loss, af.optim.adamw(af.optim.warmup_cosine(1e-3, warmup=2, total=10)))
-    with pytest.raises(CompositionError, match=r"ds_config\['scheduler'\] conflicts with the optimizer's learning-rate"):
+    with pytest.raises(
+        CompositionError, match=r"ds_config\['scheduler'\] conflicts with the optimizer's learning-rate"
+    ):
         config_for(af.shard(step, mesh, backend="deepspeed", ds_config={"scheduler": {"type": "WarmupLR"}}))
     chained = af.optim.chain(af.optim.clip_by_global_norm(0.5), af.optim.adamw(1e-3))
-    with pytest.raises(CompositionError, match=r"clip_grad_norm=1.0\) and the optimizer's clip_by_global_norm\(0.5\)"):
+    with pytest.raises(
+        CompositionError, match=r"clip_grad_norm=1.0\) and the optimizer's clip_by_global_norm\(0.5\)"
+    ):
         config_for(af.shard(af.train_step(_loss, chained, clip_grad_norm=1.0), mesh, backend="deepspeed"))
     odd_scale = af.autocast(af.train_step(_loss, af.optim.adamw(1e-3)), torch.float16,
                             loss_scale=af.LossScaleConfig(growth_factor=4.0))  # fmt: skip
@@ -159,7 +182,9 @@ def test_a_deepspeed_state_without_its_engine_is_refused_not_saved_without_momen
 
     state = af.train_step(_loss, af.optim.adamw(1e-3)).init(torch.nn.Linear(2, 2))
     ds_state = state.replace(opt_state=DeepSpeedState(torch.tensor(3), torch.tensor(1e-3)))
-    with pytest.raises(CheckpointError, match=r"opt_state is a DeepSpeedState, but its params belong to no live"):
+    with pytest.raises(
+        CheckpointError, match=r"opt_state is a DeepSpeedState, but its params belong to no live"
+    ):
         af.checkpoint.save(tmp_path / "c", ds_state)
     assert not (tmp_path / "c").exists()
     af.checkpoint.save(tmp_path / "c", state)
@@ -198,7 +223,9 @@ def test_deepspeed_checkpoints_resume_exactly_and_load_into_ddp(tmp_path):
 def test_make_optimizer_matches_the_accelfn_hyperparameters():
     net = torch.nn.Linear(3, 2)
     named = dict(net.named_parameters())
-    tx = af.optim.adamw(2e-3, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask=lambda p: {k: k != "bias" for k in p})
+    tx = af.optim.adamw(
+        2e-3, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask=lambda p: {k: k != "bias" for k in p}
+    )
     opt, schedule = make_optimizer(tx, named, offload=False)
     assert isinstance(opt, torch.optim.AdamW) and schedule is None
     g = opt.param_groups

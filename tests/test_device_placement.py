@@ -68,7 +68,9 @@ def test_a_batch_on_another_accelerator_device_is_a_clear_error_naming_the_leaf(
         state = step.init(gpu.module(MLP).to(GPU))
         batch = host_batch(gpu)
         batch["labels"] = batch["labels"].to(torch.device(DEVICE_TYPE, 1))
-        with pytest.raises(ValueError, match=rf"batch\['labels'\] is on {DEVICE_TYPE}:1, but the model computes on {GPU}"):
+        with pytest.raises(
+            ValueError, match=rf"batch\['labels'\] is on {DEVICE_TYPE}:1, but the model computes on {GPU}"
+        ):
             step(state, batch)
 
 
@@ -115,7 +117,9 @@ def test_fp8_on_fp8_hardware_converts_only_layers_whose_shapes_gain_and_says_why
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    class Wide(nn.Module):  # hidden 1024 (fp8 measured 19% slower on an H100) next to hidden 2048 (14% faster)
+    class Wide(
+        nn.Module
+    ):  # hidden 1024 (fp8 measured 19% slower on an H100) next to hidden 2048 (14% faster)
         def __init__(self) -> None:
             super().__init__()
             self.inp = nn.Linear(16, 1024)
@@ -133,10 +137,14 @@ def test_fp8_on_fp8_hardware_converts_only_layers_whose_shapes_gain_and_says_why
         step.init(gpu.module(Wide))
         assert [n for n, m in step.model.named_modules() if isinstance(m, Float8Linear)] == ["up", "big"]
         assert step.plan.fp8_skipped == {
-            "inp": "first/last Linear", "out": "first/last Linear", "small": "too small to gain (1024x1024, tensorwise)"
+            "inp": "first/last Linear",
+            "out": "first/last Linear",
+            "small": "too small to gain (1024x1024, tensorwise)",
         }
         assert "2 Linear layers in fp8 (torchao); kept in high precision: 2 first/last Linear" in repr(step)
-        forced = af.shard(af.autocast_fp8(base, backend="torchao", module_filter=lambda m, fqn: fqn == "small"), mesh)
+        forced = af.shard(
+            af.autocast_fp8(base, backend="torchao", module_filter=lambda m, fqn: fqn == "small"), mesh
+        )
         forced.init(gpu.module(Wide))  # module_filter still overrides
         assert [n for n, m in forced.model.named_modules() if isinstance(m, Float8Linear)] == ["small"]
 

@@ -11,7 +11,15 @@ from _launch import output_of, run_workers
 
 import accelfn as af
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELFN_DEBUG", "ACCELFN_DEVICE")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ACCELFN_DEBUG",
+    "ACCELFN_DEVICE",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +40,10 @@ def test_collectives_give_exact_results_on_real_processes(nproc: int) -> None:
     assert proc.returncode == 0, out
     for r in range(nproc):
         assert f"rank {r}/{nproc}: all dist checks passed" in proc.stdout, out
-    expected = {2: ["0..8 (9 items)", "9..16 (8 items)"], 3: ["0..5 (6 items)", "6..11 (6 items)", "12..16 (5 items)"]}
+    expected = {
+        2: ["0..8 (9 items)", "9..16 (8 items)"],
+        3: ["0..5 (6 items)", "6..11 (6 items)", "12..16 (5 items)"],
+    }
     for r, text in enumerate(expected[nproc]):
         assert f"rank {r}: split {text}" in proc.stdout, out
     assert proc.stdout.count("MAIN-ONLY PRINT") == 1 and "MAIN-ONLY PRINT from rank 0" in proc.stdout, out
@@ -45,18 +56,33 @@ def test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank() -> None
     out = output_of(proc)
     assert proc.returncode == 0, out
     for r in range(2):
-        assert f"rank {r} caught shape mismatch: af.dist.gather on rank {r}: the ranks disagree" in proc.stdout, out
+        assert (
+            f"rank {r} caught shape mismatch: af.dist.gather on rank {r}: the ranks disagree" in proc.stdout
+        ), out
         assert f"rank {r} caught call mismatch" in proc.stdout, out
         assert f"rank {r} caught step mismatch" in proc.stdout, out
         assert f"rank {r}: debug checks passed" in proc.stdout, out
-    assert "  rank 0: af.dist.gather(float32[3, 4])\n  rank 1: af.dist.gather(float32[2, 4])" in proc.stdout, out
-    assert "rank 0: af.dist.all_reduce[sum](float32[2])\n  rank 1: af.dist.broadcast[src=0](float32[2])" in proc.stdout
-    assert "rank 0: af.Step(training step, state.step=1)\n  rank 1: af.dist.all_reduce[sum](float32[])" in proc.stdout
+    assert (
+        "  rank 0: af.dist.gather(float32[3, 4])\n  rank 1: af.dist.gather(float32[2, 4])" in proc.stdout
+    ), out
+    assert (
+        "rank 0: af.dist.all_reduce[sum](float32[2])\n  rank 1: af.dist.broadcast[src=0](float32[2])"
+        in proc.stdout
+    )
+    assert (
+        "rank 0: af.Step(training step, state.step=1)\n  rank 1: af.dist.all_reduce[sum](float32[])"
+        in proc.stdout
+    )
 
 
 # ---- a single process, no process group ----------------------------------------------------------------------
 def test_unlaunched_process_is_a_world_of_one() -> None:
-    assert (af.dist.rank(), af.dist.world_size(), af.dist.local_rank(), af.dist.is_main_process()) == (0, 1, 0, True)
+    assert (af.dist.rank(), af.dist.world_size(), af.dist.local_rank(), af.dist.is_main_process()) == (
+        0,
+        1,
+        0,
+        True,
+    )
     x = {"a": torch.ones(2, 3), "s": torch.tensor(1.5)}
     g = af.dist.gather(x)
     assert torch.equal(g["a"], x["a"]) and torch.equal(g["s"], torch.tensor([1.5]))
@@ -81,7 +107,9 @@ def test_launched_without_a_process_group_says_to_make_the_mesh(monkeypatch: pyt
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert (af.dist.rank(), af.dist.world_size(), af.dist.is_main_process()) == (1, 2, False)
-    with pytest.raises(RuntimeError, match="af.dist.gather: .*WORLD_SIZE=2 but no process group.*af.Mesh.from_env"):
+    with pytest.raises(
+        RuntimeError, match="af.dist.gather: .*WORLD_SIZE=2 but no process group.*af.Mesh.from_env"
+    ):
         af.dist.gather(torch.ones(1))
 
 
@@ -106,14 +134,18 @@ def test_broadcast_src_must_be_a_rank() -> None:
 
 
 @pytest.mark.parametrize(("rank", "expected"), [(0, list(range(0, 9))), (1, list(range(9, 17)))])
-def test_split_17_items_between_2_ranks_gives_9_and_8(monkeypatch: pytest.MonkeyPatch, rank: int, expected: list[int]) -> None:
+def test_split_17_items_between_2_ranks_gives_9_and_8(
+    monkeypatch: pytest.MonkeyPatch, rank: int, expected: list[int]
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", str(rank))
     with af.dist.split_between_processes(list(range(17))) as mine:
         assert mine == expected
     with af.dist.split_between_processes(list(range(17)), apply_padding=True) as mine:
         assert mine == expected + [16] * (9 - len(expected))
-    with af.dist.split_between_processes({"t": torch.arange(17), "x": tuple(range(17))}, apply_padding=True) as mine:
+    with af.dist.split_between_processes(
+        {"t": torch.arange(17), "x": tuple(range(17))}, apply_padding=True
+    ) as mine:
         assert mine["t"].tolist() == list(mine["x"]) == expected + [16] * (9 - len(expected))
 
 
@@ -135,11 +167,16 @@ def test_split_rejects_uneven_dicts_and_unsized_inputs() -> None:
         af.dist.split_between_processes({"a": [1, 2], "b": [1, 2, 3]}),
     ):
         pass
-    with pytest.raises(TypeError, match="cannot split a generator"), af.dist.split_between_processes(i for i in range(3)):
+    with (
+        pytest.raises(TypeError, match="cannot split a generator"),
+        af.dist.split_between_processes(i for i in range(3)),
+    ):
         pass
 
 
-def test_print_and_progress_only_on_the_main_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_print_and_progress_only_on_the_main_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     af.dist.print("hello")
     assert not af.progress(range(2)).disable
     monkeypatch.setenv("WORLD_SIZE", "2")

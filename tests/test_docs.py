@@ -55,7 +55,18 @@ def test_python_blocks_run_and_print_what_they_say(path, tmp_path, monkeypatch):
 
 
 # Public subpackages whose `__all__` the API reference must cover (every module `accelfn/__init__.py` exports).
-SUBPACKAGES = ["optim", "checkpoint", "data", "dist", "big", "losses", "random", "tree", "platforms", "trackers"]
+SUBPACKAGES = [
+    "optim",
+    "checkpoint",
+    "data",
+    "dist",
+    "big",
+    "losses",
+    "random",
+    "tree",
+    "platforms",
+    "trackers",
+]
 
 
 def test_every_public_subpackage_is_checked():
@@ -68,5 +79,7 @@ def test_api_reference_lists_every_public_name():
     names = [n for n in af.__all__ if not n.startswith("_")]
     names += [f"{sub}.{n}" for sub in SUBPACKAGES for n in getattr(af, sub).__all__]
     prefixes = "|".join(rf"{sub}\." for sub in SUBPACKAGES)
-    missing = [n for n in names if not re.search(rf"`(af\.)?({prefixes})?{re.escape(n.split('.')[-1])}\b", text)]
+    missing = [
+        n for n in names if not re.search(rf"`(af\.)?({prefixes})?{re.escape(n.split('.')[-1])}\b", text)
+    ]
     assert not missing, f"docs/api.md does not document: {missing}"

@@ -17,8 +17,12 @@ import pytest
 from tests._launch import ROOT, launch_command, output_of
 
 EXAMPLES = ROOT / "examples"
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao is not installed"
+)
 
 
 def _env() -> dict[str, str]:
@@ -61,9 +65,15 @@ def test_fp8_training_loss_falls(setting, nproc):
 @needs_torchao
 @needs_deepspeed
 def test_fp8_training_deepspeed_zero_1_2_3_loss_falls():
-    for stage in (1, 2, 3):  # one test: the first compiles DeepSpeed's shm op unless TORCH_EXTENSIONS_DIR is cached
-        _passes(run_example("fp8_training.py", "--setting", f"deepspeed-zero{stage}", nproc=2, timeout=400),
-                f"fp8 deepspeed-zero{stage} loss falls")
+    for stage in (
+        1,
+        2,
+        3,
+    ):  # one test: the first compiles DeepSpeed's shm op unless TORCH_EXTENSIONS_DIR is cached
+        _passes(
+            run_example("fp8_training.py", "--setting", f"deepspeed-zero{stage}", nproc=2, timeout=400),
+            f"fp8 deepspeed-zero{stage} loss falls",
+        )
 
 
 @needs_torchao

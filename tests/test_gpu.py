@@ -18,8 +18,16 @@ def _lm():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg).cuda()
 
 
@@ -95,14 +103,19 @@ def test_torchao_fp8_trains_on_fp8_hardware():
         ref_losses.append(m["loss"].item())
     ref_drop = _mean(ref_losses[:10]) - _mean(ref_losses[-10:])
     assert ref_drop > 2.0, ref_losses  # bf16 learns the sequences (ln 256 = 5.5 -> ~0.1 in 50 steps)
+
     # This model's layers are too small to gain from FP8, so the default filter (on FP8 hardware: only shapes
     # that gain) would leave them all in bf16: convert every Linear but the output layer, to test the numerics.
     def every_linear(m, fqn):
         return isinstance(m, nn.Linear) and fqn != "lm_head"
 
     for recipe in ("tensorwise", "rowwise"):
-        fp8 = af.autocast_fp8(af.autocast(af.train_step(_loss, af.optim.adamw(3e-3)), torch.bfloat16),
-                              backend="torchao", recipe=recipe, module_filter=every_linear)
+        fp8 = af.autocast_fp8(
+            af.autocast(af.train_step(_loss, af.optim.adamw(3e-3)), torch.bfloat16),
+            backend="torchao",
+            recipe=recipe,
+            module_filter=every_linear,
+        )
         state = fp8.init(_lm())
         assert any(isinstance(m, Float8Linear) for m in fp8.model.modules())
         losses = []
@@ -153,7 +166,9 @@ def test_remat_lowers_peak_cuda_memory_and_keeps_results():
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)  # fmt: skip
         return LlamaForCausalLM(cfg).cuda()
 
-    ids = torch.randint(0, 256, (16, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    ids = torch.randint(
+        0, 256, (16, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
+    )
     peaks, losses = {}, {}
     for policy in (None, "selective", "full"):
         step = af.train_step(_loss, af.optim.adamw(1e-3))
@@ -172,7 +187,9 @@ def test_remat_lowers_peak_cuda_memory_and_keeps_results():
     assert peaks["full"] < peaks["selective"] < peaks[None], peaks
     assert peaks["full"] < 0.6 * peaks[None], peaks
     # the CUDA attention kernels may differ between a forward and its recomputation: close, not bitwise
-    assert abs(losses["full"] - losses[None]) < 1e-4 and abs(losses["selective"] - losses[None]) < 1e-4, losses
+    assert abs(losses["full"] - losses[None]) < 1e-4 and abs(losses["selective"] - losses[None]) < 1e-4, (
+        losses
+    )
 
 
 def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
@@ -223,7 +240,6 @@ def test_delayed_offload_on_cuda_equals_the_plain_delayed_loop(keep_master):
     assert all(p.device.type == "cuda" for p in state.params.values())
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     assert max((state.params[k].cpu() - ref_params[k]).abs().max().item() for k in ref_params) <= 1e-5
-
 
 
 def test_a_checkpoint_of_a_delayed_offload_state_waits_for_the_pending_gradient_copies(tmp_path):

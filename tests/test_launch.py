@@ -94,17 +94,27 @@ def test_bad_launch_flags_exit_2_naming_the_flag(flags, message):
 
 def test_num_processes_counts_all_nodes_as_accelerate_does():
     # Accelerate's --num_processes is the total (num_processes // num_machines per node); --nproc-per-node is ours
-    plan = resolve(LaunchOptions(script="t.py", num_processes=4, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={})
+    plan = resolve(
+        LaunchOptions(script="t.py", num_processes=4, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={}
+    )
     assert plan.nproc_per_node == 2 and plan.max_nodes == 2
     assert resolve(LaunchOptions(script="t.py", num_processes=3, cpu=True), environ={}).nproc_per_node == 3
-    with pytest.raises(ConfigError, match=r"--num-processes=3 \(over all nodes\) does not split evenly over --nnodes=2"):
-        resolve(LaunchOptions(script="t.py", num_processes=3, nnodes="2", rdzv_endpoint="h:1", cpu=True), environ={})
+    with pytest.raises(
+        ConfigError, match=r"--num-processes=3 \(over all nodes\) does not split evenly over --nnodes=2"
+    ):
+        resolve(
+            LaunchOptions(script="t.py", num_processes=3, nnodes="2", rdzv_endpoint="h:1", cpu=True),
+            environ={},
+        )
     with pytest.raises(ConfigError, match="--num-processes=0: expected a positive integer"):
         resolve(LaunchOptions(script="t.py", num_processes=0, cpu=True), environ={})
     with pytest.raises(ConfigError, match="give one"):
         resolve(LaunchOptions(script="t.py", num_processes=2, nproc_per_node=2, cpu=True), environ={})
     with pytest.raises(ConfigError, match="elastic"):
-        resolve(LaunchOptions(script="t.py", num_processes=2, nnodes="1:2", rdzv_endpoint="h:1", cpu=True), environ={})
+        resolve(
+            LaunchOptions(script="t.py", num_processes=2, nnodes="1:2", rdzv_endpoint="h:1", cpu=True),
+            environ={},
+        )
 
 
 def test_bad_paths_and_a_missing_script_are_one_line_errors(tmp_path):
@@ -317,8 +327,14 @@ def test_an_accelfn_script_runs_unchanged_under_the_deepspeed_launcher():
     script = str(WORKERS / "under_deepspeed_launcher.py")
     args = ["--num_gpus", "2", "--master_port", str(free_port()), script]
     env = {**os.environ, "ACCELFN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", *args], capture_output=True,
-                       text=True, timeout=180, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "deepspeed.launcher.runner", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "OK under the deepspeed launcher: world 2" in r.stdout, r.stdout[-2000:]
 
@@ -335,8 +351,10 @@ def test_rich_tracebacks_on_request_stay_the_last_thing_the_launcher_prints(tmp_
     assert plain.returncode != 0 and rich.returncode != 0
     assert "Traceback (most recent call last)" in plain.stderr and "╭" not in plain.stderr
     tail = rich.stderr.rstrip().splitlines()
-    assert tail[-1].strip() == "ValueError: bad 6", rich.stderr[-2000:]  # the failing rank's traceback comes last
-    report = rich.stderr[rich.stderr.index("accelfn launch: rank 0 failed"):]
+    assert tail[-1].strip() == "ValueError: bad 6", rich.stderr[
+        -2000:
+    ]  # the failing rank's traceback comes last
+    report = rich.stderr[rich.stderr.index("accelfn launch: rank 0 failed") :]
     assert "Traceback (most recent call last)" in report and "╭" in report  # rich's boxed rendering
     assert '❱ 3 │   raise ValueError(f"bad {y}")' in report  # with the source line of each frame
 

@@ -9,7 +9,13 @@ from accelfn.launch_env import read_env
 
 ALL_VARIABLES = (
     *le.ACCELFN_VARIABLES,
-    le.RANK, le.WORLD_SIZE, le.LOCAL_RANK, le.LOCAL_WORLD_SIZE, le.GROUP_RANK, le.MASTER_ADDR, le.MASTER_PORT,
+    le.RANK,
+    le.WORLD_SIZE,
+    le.LOCAL_RANK,
+    le.LOCAL_WORLD_SIZE,
+    le.GROUP_RANK,
+    le.MASTER_ADDR,
+    le.MASTER_PORT,
     le.RESTART_COUNT,
 )
 
@@ -24,9 +30,22 @@ def clean_env(monkeypatch):
 def test_defaults_of_a_plain_single_process():
     e = read_env()
     assert (e.launched, e.device, e.mesh, e.mixed_precision, e.fp8_backend, e.fp8_recipe, e.config_file) == (
-        False, "auto", None, "no", "auto", None, None
+        False,
+        "auto",
+        None,
+        "no",
+        "auto",
+        None,
+        None,
     )
-    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.node_rank, e.restart_count) == (0, 1, 0, 1, 0, 0)
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.node_rank, e.restart_count) == (
+        0,
+        1,
+        0,
+        1,
+        0,
+        0,
+    )
 
 
 def test_valid_values_are_parsed_from_os_environ(monkeypatch):
@@ -49,21 +68,37 @@ def test_valid_values_are_parsed_from_os_environ(monkeypatch):
         monkeypatch.setenv(name, value)
     e = read_env()
     assert e == le.LaunchEnv(
-        launched=True, device="cuda", mesh={"dp": -1, "tp": 2}, mixed_precision="fp8", fp8_backend="torchao",
-        fp8_recipe="rowwise", config_file="/tmp/accelfn.yaml", rank=13, world_size=16, local_rank=1,
-        local_world_size=4, node_rank=3, restart_count=2,
+        launched=True,
+        device="cuda",
+        mesh={"dp": -1, "tp": 2},
+        mixed_precision="fp8",
+        fp8_backend="torchao",
+        fp8_recipe="rowwise",
+        config_file="/tmp/accelfn.yaml",
+        rank=13,
+        world_size=16,
+        local_rank=1,
+        local_world_size=4,
+        node_rank=3,
+        restart_count=2,
     )
     assert read_env(dict(values)) == e  # an explicit mapping reads the same
 
 
-@pytest.mark.parametrize("name,allowed", [
-    (le.ACCELFN_DEVICE, le.DEVICE_KINDS),
-    (le.ACCELFN_MIXED_PRECISION, le.MIXED_PRECISION),
-    (le.ACCELFN_FP8_BACKEND, le.FP8_BACKENDS),
-])
+@pytest.mark.parametrize(
+    "name,allowed",
+    [
+        (le.ACCELFN_DEVICE, le.DEVICE_KINDS),
+        (le.ACCELFN_MIXED_PRECISION, le.MIXED_PRECISION),
+        (le.ACCELFN_FP8_BACKEND, le.FP8_BACKENDS),
+    ],
+)
 def test_every_allowed_choice_is_accepted_case_insensitively(monkeypatch, name, allowed):
-    field = {le.ACCELFN_DEVICE: "device", le.ACCELFN_MIXED_PRECISION: "mixed_precision",
-             le.ACCELFN_FP8_BACKEND: "fp8_backend"}[name]
+    field = {
+        le.ACCELFN_DEVICE: "device",
+        le.ACCELFN_MIXED_PRECISION: "mixed_precision",
+        le.ACCELFN_FP8_BACKEND: "fp8_backend",
+    }[name]
     for value in allowed:
         monkeypatch.setenv(name, value)
         assert getattr(read_env(), field) == value
@@ -71,11 +106,14 @@ def test_every_allowed_choice_is_accepted_case_insensitively(monkeypatch, name, 
         assert getattr(read_env(), field) == value
 
 
-@pytest.mark.parametrize("name,allowed,bad", [
-    (le.ACCELFN_DEVICE, le.DEVICE_KINDS, "tpu"),
-    (le.ACCELFN_MIXED_PRECISION, le.MIXED_PRECISION, "fp32"),
-    (le.ACCELFN_FP8_BACKEND, le.FP8_BACKENDS, "transformer_engine"),
-])
+@pytest.mark.parametrize(
+    "name,allowed,bad",
+    [
+        (le.ACCELFN_DEVICE, le.DEVICE_KINDS, "tpu"),
+        (le.ACCELFN_MIXED_PRECISION, le.MIXED_PRECISION, "fp32"),
+        (le.ACCELFN_FP8_BACKEND, le.FP8_BACKENDS, "transformer_engine"),
+    ],
+)
 def test_a_bad_choice_names_the_variable_and_the_allowed_values(monkeypatch, name, allowed, bad):
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError) as info:
@@ -87,9 +125,17 @@ def test_a_bad_choice_names_the_variable_and_the_allowed_values(monkeypatch, nam
         read_env({name: bad})  # an explicit mapping is validated too
 
 
-@pytest.mark.parametrize("name", [
-    le.RANK, le.WORLD_SIZE, le.LOCAL_RANK, le.LOCAL_WORLD_SIZE, le.GROUP_RANK, le.RESTART_COUNT,
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        le.RANK,
+        le.WORLD_SIZE,
+        le.LOCAL_RANK,
+        le.LOCAL_WORLD_SIZE,
+        le.GROUP_RANK,
+        le.RESTART_COUNT,
+    ],
+)
 @pytest.mark.parametrize("bad", ["two", "1.5", "0x10"])
 def test_a_bad_integer_names_the_variable(monkeypatch, name, bad):
     monkeypatch.setenv(name, bad)
@@ -97,15 +143,18 @@ def test_a_bad_integer_names_the_variable(monkeypatch, name, bad):
         read_env()
 
 
-@pytest.mark.parametrize("spec,problem", [
-    ("dp:2", "is not AXIS=SIZE"),
-    ("2=dp", "is not AXIS=SIZE"),
-    ("dp=two", "must be an integer"),
-    ("dp=0", "must be >= 1 or -1"),
-    ("dp=-2", "must be >= 1 or -1"),
-    ("dp=2,dp=1", "given twice"),
-    ("dp=-1,tp=-1", "at most one axis may be -1"),
-])
+@pytest.mark.parametrize(
+    "spec,problem",
+    [
+        ("dp:2", "is not AXIS=SIZE"),
+        ("2=dp", "is not AXIS=SIZE"),
+        ("dp=two", "must be an integer"),
+        ("dp=0", "must be >= 1 or -1"),
+        ("dp=-2", "must be >= 1 or -1"),
+        ("dp=2,dp=1", "given twice"),
+        ("dp=-1,tp=-1", "at most one axis may be -1"),
+    ],
+)
 def test_a_bad_mesh_names_the_variable_and_the_problem(monkeypatch, spec, problem):
     monkeypatch.setenv(le.ACCELFN_MESH, spec)
     with pytest.raises(ValueError, match=rf"^ACCELFN_MESH={re.escape(repr(spec))}: .*{re.escape(problem)}"):
@@ -147,7 +196,9 @@ def test_the_launcher_checks_the_mesh_against_the_process_count_and_the_script_p
     from accelfn.launch.config import ConfigError
     from accelfn.launch.launcher import LaunchOptions, resolve
 
-    with pytest.raises(ConfigError, match=r"--mesh dp=3: the axis sizes multiply to 3, but the job has 2 processes"):
+    with pytest.raises(
+        ConfigError, match=r"--mesh dp=3: the axis sizes multiply to 3, but the job has 2 processes"
+    ):
         resolve(LaunchOptions(script="t.py", nproc_per_node=2, cpu=True, mesh="dp=3"), environ={})
     with pytest.raises(ConfigError, match=r"multiply to 3 times the -1 axis, but the job has 4 processes"):
         resolve(LaunchOptions(script="t.py", nproc_per_node=4, cpu=True, mesh="dp=-1,tp=3"), environ={})

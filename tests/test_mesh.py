@@ -12,7 +12,15 @@ from _launch import output_of, run_workers
 import accelfn as af
 from accelfn.mesh import MeshAxisError, parse_axes
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELFN_MESH", "ACCELFN_DEVICE")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ACCELFN_MESH",
+    "ACCELFN_DEVICE",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +55,9 @@ def test_mesh_takes_a_device_kind_or_a_platform() -> None:
 
 
 def test_shape_that_does_not_match_the_world_names_both() -> None:
-    with pytest.raises(ValueError, match=r"mesh shape \{'dp': 2, 'tp': 2\} multiplies to 4 but the world has 1 processes"):
+    with pytest.raises(
+        ValueError, match=r"mesh shape \{'dp': 2, 'tp': 2\} multiplies to 4 but the world has 1 processes"
+    ):
         af.Mesh({"dp": 2, "tp": 2})
 
 
@@ -103,7 +113,10 @@ def test_four_processes_with_a_2x2_mesh_from_accelfn_mesh() -> None:
     assert proc.returncode == 0, out
     for r in range(4):
         assert f"rank {r}: mesh checks passed" in proc.stdout, out
-        assert f"rank {r} shape error: mesh shape {{'dp': 3, 'tp': 3}} multiplies to 9 but the world has 4" in proc.stdout
+        assert (
+            f"rank {r} shape error: mesh shape {{'dp': 3, 'tp': 3}} multiplies to 9 but the world has 4"
+            in proc.stdout
+        )
         assert f"rank {r} axis error: this mesh has no axis 'fsdp'; its axes are ('dp', 'tp')" in proc.stdout
 
 

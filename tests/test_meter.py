@@ -91,7 +91,9 @@ def test_counted_flops_are_the_same_under_compile_and_the_step_still_compiles():
     assert counters["stats"]["unique_graphs"] >= 1
 
 
-def ticking_step(clock: FakeClock, seconds: float, model: torch.nn.Module, **kw) -> tuple[Meter, af.TrainState]:
+def ticking_step(
+    clock: FakeClock, seconds: float, model: torch.nn.Module, **kw
+) -> tuple[Meter, af.TrainState]:
     def loss_fn(m, batch):
         clock.t += seconds  # the step "takes" `seconds`
         return af.losses.mse(m(batch["x"]), batch["y"])
@@ -195,7 +197,9 @@ def test_global_tokens_per_s_sums_both_ranks_with_one_collective():
     proc = run_workers("meter_worker.py", 2)
     out = output_of(proc)
     assert proc.returncode == 0, out
-    lines = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("FIGURES ")]
+    lines = [
+        json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("FIGURES ")
+    ]
     assert len(lines) == 2, out
     # rank r's step takes 0.1 * (r + 1) s on a batch of 4 x 16 ids: 640 + 320 tokens/s
     for figures in lines:

@@ -73,7 +73,9 @@ def test_bad_arguments_raise_before_starting_processes():
     def local(x):
         return x
 
-    with pytest.raises(ValueError, match="is defined inside a function, so workers started with 'spawn' cannot import"):
+    with pytest.raises(
+        ValueError, match="is defined inside a function, so workers started with 'spawn' cannot import"
+    ):
         notebook_launch(local, (1,), nproc=2, device="cpu")
 
 
@@ -96,8 +98,12 @@ def test_a_function_the_spawned_workers_cannot_import_is_named_in_the_error(tmp_
         "        print('ERROR', e)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELFN_")}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert "no rank recorded a Python error, so the workers failed before running hidden" in proc.stdout, proc.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert "no rank recorded a Python error, so the workers failed before running hidden" in proc.stdout, (
+        proc.stderr[-3000:]
+    )
     assert "define it at the top level of a module" in proc.stdout
 
 
@@ -114,5 +120,7 @@ def test_a_function_of_an_interactive_session_runs_in_forked_workers(tmp_path):
         "print('RESULT', notebook_launch(f, (10,), nproc=2, device='cpu'))\n"
     )  # `python -c`: like a notebook, its __main__ has no file a spawned process could import
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELFN_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert "RESULT [10, 11]" in proc.stdout, proc.stderr[-3000:]

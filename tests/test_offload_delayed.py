@@ -25,7 +25,9 @@ def delayed_reference(batches, start, clip=None):
         if b is None:  # no new step: apply what is pending (af.apply_pending_update)
             apply, pending = pending, None
         else:
-            loss = nn.functional.cross_entropy(model(b["x"]).reshape(-1, 5), b["y"].reshape(-1), ignore_index=-100)
+            loss = nn.functional.cross_entropy(
+                model(b["x"]).reshape(-1, 5), b["y"].reshape(-1), ignore_index=-100
+            )
             loss.backward()
             losses.append(loss.item())
             if clip is not None:
@@ -240,7 +242,9 @@ def test_a_checkpoint_loaded_into_the_live_state_replaces_the_host_mirror(tmp_pa
     # Rolling back with load(path, like=state) writes the files straight into the params' memory; the host
     # mirror of the params must notice (version counters) or the next update would run on the newer params.
     def make():
-        return af.offload(af.train_step(token_loss, af.optim.adamw(1e-2)), delayed_update_from=1 if delayed else None)
+        return af.offload(
+            af.train_step(token_loss, af.optim.adamw(1e-2)), delayed_update_from=1 if delayed else None
+        )
 
     step = make()
     state = step.init(token_model())

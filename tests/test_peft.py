@@ -21,7 +21,9 @@ TARGETS = ["q_proj", "v_proj"]
 def lora_model(r: int = 4, dtype: torch.dtype = torch.float32, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     base = tiny_llama().to(dtype)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **extra))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **extra)
+    )
     with torch.no_grad():  # PEFT starts lora_B at 0: give it values, so an adapter changes the logits
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -90,8 +92,12 @@ def test_merged_export_loads_in_transformers_with_the_same_logits_and_leaves_the
 
 
 @pytest.mark.filterwarnings("ignore:Model (has|with) `tie_word_embeddings=True`:UserWarning")
-@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["q_proj"]], ids=["adapted-head", "head-untouched"])
-def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge_changed_one(tmp_path, targets):
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "lm_head"], ["q_proj"]], ids=["adapted-head", "head-untouched"]
+)
+def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge_changed_one(
+    tmp_path, targets
+):
     # an adapter on lm_head of a tied model: the merged head differs from the embedding, so config.json must
     # say tie_word_embeddings=False, or a loader that re-ties them drops one (PEFT's merge_and_unload changes both)
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -101,7 +107,9 @@ def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge
     torch.manual_seed(0)
     base = LlamaForCausalLM(config)
     assert base.lm_head.weight is base.model.embed_tokens.weight
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -111,7 +119,9 @@ def test_merged_export_of_a_tied_model_unties_the_embeddings_only_when_the_merge
     af.checkpoint.save_adapter(tmp_path / "merged", state, model, merge=True)
     written = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert written["tie_word_embeddings"] is ("lm_head" not in targets)
-    assert model.get_base_model().config.tie_word_embeddings is True  # the training model's config is untouched
+    assert (
+        model.get_base_model().config.tie_word_embeddings is True
+    )  # the training model's config is untouched
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is ("lm_head" not in targets)
     torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
@@ -132,7 +142,9 @@ def test_merged_export_of_one_adapter_keeps_the_original_of_a_module_another_ada
     before = logits(model)
     af.checkpoint.save_adapter(tmp_path / "two", state, model, merge=True, adapter_name="two")
     merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "two", output_loading_info=True)
-    assert not info["missing_keys"], info  # lm_head.weight was left out: transformers initialised it at random
+    assert not info["missing_keys"], (
+        info
+    )  # lm_head.weight was left out: transformers initialised it at random
     torch.testing.assert_close(logits(merged), before, rtol=0, atol=1e-5)
 
 
@@ -147,7 +159,9 @@ def test_saved_adapter_config_equals_peft_s_own_and_auto_peft_model_loads_it(tmp
     af.checkpoint.save_adapter(tmp_path / "ours", state, model)
     model.save_pretrained(tmp_path / "peft")
     ours, theirs = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
-    assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+    assert ours == theirs, {
+        k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)
+    }
     assert ours["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
     loaded = peft.AutoPeftModel.from_pretrained(tmp_path / "ours")  # finds the base class from auto_mapping
     assert torch.equal(logits(loaded), logits(model))
@@ -186,9 +200,13 @@ def test_load_adapter_refuses_settings_that_change_what_the_weights_compute(tmp_
         af.checkpoint.load_adapter(tmp_path / "a8", like=dict(other.named_parameters()), model=other)
     # other layers adapted: named, without pointing to an option load_adapter does not have
     torch.manual_seed(0)
-    wider = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[*TARGETS, "k_proj"]))
+    wider = peft.get_peft_model(
+        tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[*TARGETS, "k_proj"])
+    )
     (tmp_path / "a8" / "adapter_config.json").write_text(
-        json.dumps({**json.loads((tmp_path / "a8" / "adapter_config.json").read_text()), "target_modules": None})
+        json.dumps(
+            {**json.loads((tmp_path / "a8" / "adapter_config.json").read_text()), "target_modules": None}
+        )
     )
     with pytest.raises(af.checkpoint.CheckpointMismatchError, match="cover different layers") as e:
         af.checkpoint.load_adapter(tmp_path / "a8", like=dict(wider.named_parameters()), model=wider)
@@ -229,8 +247,16 @@ def test_fsdp_keeps_a_bf16_base_and_shards_mixed_dtype_trainables_apart():
 
 @pytest.mark.slow
 def test_lora_on_two_ranks_equals_one_process_and_saves_a_peft_adapter(tmp_path):
-    configs = ["ddp:fp32", "fsdp:fp32", "fsdp:bf16", "fsdp:bf16:norms", "fsdp:fp32:autocast", "fsdp:bf16:autocast",
-               "ddp:fp32:compile", "fsdp:bf16:autocast:compile"]  # compile: per block, before FSDP2
+    configs = [
+        "ddp:fp32",
+        "fsdp:fp32",
+        "fsdp:bf16",
+        "fsdp:bf16:norms",
+        "fsdp:fp32:autocast",
+        "fsdp:bf16:autocast",
+        "ddp:fp32:compile",
+        "fsdp:bf16:autocast:compile",
+    ]  # compile: per block, before FSDP2
     proc = run_workers("peft_worker.py", 2, str(tmp_path), *configs, timeout=400, env={"HF_HUB_OFFLINE": "1"})
     out = output_of(proc)
     assert proc.returncode == 0, out

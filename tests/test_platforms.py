@@ -81,7 +81,9 @@ def install_fake_torch_xla(monkeypatch: pytest.MonkeyPatch, device_type: str | N
         ("mlu", "cncl", "MLU_VISIBLE_DEVICES", "mlu"),
     ],
 )
-def test_each_kind_knows_its_backend_env_var_and_autocast_type(kind: str, backend: str, env: str | None, device_type: str) -> None:
+def test_each_kind_knows_its_backend_env_var_and_autocast_type(
+    kind: str, backend: str, env: str | None, device_type: str
+) -> None:
     p = af.platforms.get(kind)
     assert isinstance(p, Platform)
     assert (p.kind, p.backend, p.visible_devices_env, p.device_type) == (kind, backend, env, device_type)
@@ -89,7 +91,9 @@ def test_each_kind_knows_its_backend_env_var_and_autocast_type(kind: str, backen
 
 
 def test_unknown_kind_lists_the_kinds() -> None:
-    with pytest.raises(ValueError, match="unknown device kind 'gpu'; the kinds are: cpu, cuda, xla, xpu, npu, mlu"):
+    with pytest.raises(
+        ValueError, match="unknown device kind 'gpu'; the kinds are: cpu, cuda, xla, xpu, npu, mlu"
+    ):
         af.platforms.get("gpu")
 
 
@@ -145,9 +149,13 @@ def test_accelfn_device_forces_a_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     assert af.platforms.detect().kind == "cuda"
 
 
-def test_accelfn_device_naming_an_unavailable_kind_says_what_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accelfn_device_naming_an_unavailable_kind_says_what_is_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("ACCELFN_DEVICE", "xpu")
-    with pytest.raises(RuntimeError, match="ACCELFN_DEVICE='xpu' but no xpu device is available.*available: cpu"):
+    with pytest.raises(
+        RuntimeError, match="ACCELFN_DEVICE='xpu' but no xpu device is available.*available: cpu"
+    ):
         af.platforms.detect()
     monkeypatch.setenv("ACCELFN_DEVICE", "tpu")
     with pytest.raises(ValueError, match="ACCELFN_DEVICE='tpu': unknown device kind"):
@@ -176,7 +184,9 @@ def test_cuda_fp8_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_no_visible_device_error_names_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(RuntimeError, match="no cuda device is visible.*CUDA_VISIBLE_DEVICES.*ACCELFN_DEVICE=cpu"):
+    with pytest.raises(
+        RuntimeError, match="no cuda device is visible.*CUDA_VISIBLE_DEVICES.*ACCELFN_DEVICE=cpu"
+    ):
         af.platforms.get("cuda").device(0)
 
 
@@ -202,7 +212,9 @@ def test_extension_kinds_are_unavailable_without_their_package(kind: str, packag
 
 
 @pytest.mark.parametrize(("kind", "package"), [("npu", "torch_npu"), ("mlu", "torch_mlu")])
-def test_fake_extension_kind_is_detected_and_serves_state(monkeypatch: pytest.MonkeyPatch, kind: str, package: str) -> None:
+def test_fake_extension_kind_is_detected_and_serves_state(
+    monkeypatch: pytest.MonkeyPatch, kind: str, package: str
+) -> None:
     fake = install_fake_extension(monkeypatch, package, kind)
     p = af.platforms.detect()
     assert p.kind == kind and p.device_count() == 2
@@ -269,11 +281,19 @@ def test_mesh_and_dist_code_names_no_device_kind() -> None:
     kinds = set(af.platforms.KINDS) | {"gloo", "nccl", "xccl", "hccl", "cncl"}
     for path in [root / "mesh.py", *sorted((root / "collective").glob("*.py"))]:
         module = ast.parse(path.read_text())
-        docstrings = {id(n.value) for n in ast.walk(module) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        docstrings = {
+            id(n.value)
+            for n in ast.walk(module)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+        }
         for node in ast.walk(module):
             if isinstance(node, ast.Constant) and id(node) not in docstrings:
                 assert node.value not in kinds, f"{path.name}:{node.lineno} branches on {node.value!r}"
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            ):
                 assert node.attr not in kinds, f"{path.name}:{node.lineno} uses torch.{node.attr}"
 
 
@@ -289,7 +309,9 @@ def test_tune_host_allocator_sets_glibc_thresholds_once_and_can_be_turned_off():
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**env, "ACCELFN_HOST_ALLOCATOR": "system"})  # fmt: skip
-    assert on.stdout.strip() == "[True]", on.stderr  # glibc (the CI machines): set by the first CPU train step
+    assert on.stdout.strip() == "[True]", (
+        on.stderr
+    )  # glibc (the CI machines): set by the first CPU train step
     assert off.stdout.strip() == "[False]", off.stderr
 
 
@@ -298,7 +320,9 @@ def test_is_host_and_count_dtype() -> None:
     assert af.platforms.is_host(torch.device("cpu")) and af.platforms.is_host("cpu")
     assert not af.platforms.is_host("cuda:1") and not af.platforms.is_host(torch.device("meta"))
     assert af.platforms.count_dtype("cpu") == torch.float64  # exact bias corrections on the host
-    assert af.platforms.count_dtype(torch.device("cuda", 0)) == af.platforms.count_dtype("mps") == torch.float32
+    assert (
+        af.platforms.count_dtype(torch.device("cuda", 0)) == af.platforms.count_dtype("mps") == torch.float32
+    )
 
 
 def test_supports_float64_asks_the_platform_and_knows_kinds_without_one() -> None:
@@ -332,7 +356,9 @@ def test_pins_host_copies_only_for_an_available_cuda(monkeypatch: pytest.MonkeyP
     assert not af.platforms.pins_host_copies("xpu:0")  # as before: staging buffers are pinned for CUDA only
 
 
-def test_tune_allocator_is_the_host_allocators_on_cpu_and_nothing_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tune_allocator_is_the_host_allocators_on_cpu_and_nothing_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from accelfn.platforms import cpu
 
     calls: list[int] = []
@@ -360,7 +386,9 @@ def test_initialized_asks_every_platform(monkeypatch: pytest.MonkeyPatch) -> Non
     assert af.platforms.initialized() == [af.platforms.get("cuda")]
 
 
-def test_an_extension_kind_is_initialized_only_once_its_package_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_extension_kind_is_initialized_only_once_its_package_is_imported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     npu = af.platforms.get("npu")
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_initialized=lambda: True), raising=False)
@@ -383,7 +411,9 @@ def test_notebook_fork_refuses_once_an_accelerator_runtime_started(monkeypatch: 
         _start_method(print, "fork")
 
 
-def test_async_checkpoint_staging_waits_for_the_copies_through_their_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_async_checkpoint_staging_waits_for_the_copies_through_their_platform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from accelfn.checkpoint import async_
 
     synced: list[Any] = []

@@ -15,7 +15,9 @@ from accelfn.cli.main import main
 pytest.importorskip("matplotlib")
 
 
-def write_run(folder: Path, *, speed: float, loss_floor: float, steps: int = 60, truncate: bool = False) -> Path:
+def write_run(
+    folder: Path, *, speed: float, loss_floor: float, steps: int = 60, truncate: bool = False
+) -> Path:
     """A synthetic run: loss decays to `loss_floor`, warm-up then cosine lr, `speed` tokens/s; memory is logged
     every 10 steps only (other records lack it)."""
     folder.mkdir(parents=True)

@@ -40,7 +40,10 @@ def test_a_profiled_run_writes_a_chrome_trace_of_the_steps_ops(tmp_path):
 def test_memory_snapshot_off_cuda_is_a_clear_error(tmp_path):
     if af.platforms.detect().kind == "cuda":
         pytest.skip("CUDA records memory snapshots")
-    with pytest.raises(ValueError, match="records no allocation history"), profile(tmp_path, memory_snapshot=True):
+    with (
+        pytest.raises(ValueError, match="records no allocation history"),
+        profile(tmp_path, memory_snapshot=True),
+    ):
         pass
 
 

@@ -214,7 +214,9 @@ def test_seeded_nests():
 
 
 @pytest.mark.parametrize(
-    "devices", [[], [torch.device("cpu")], [torch.device("cpu"), torch.device("meta")]], ids=["none", "cpu", "cpu+meta"]
+    "devices",
+    [[], [torch.device("cpu")], [torch.device("cpu"), torch.device("meta")]],
+    ids=["none", "cpu", "cpu+meta"],
 )
 def test_seeded_with_cpu_devices(devices):
     k = R.key(4)
@@ -259,7 +261,9 @@ def test_seeded_seeds_the_accelerators_among_devices_and_restores_them(monkeypat
     try:
         with R.seeded(k, devs):
             assert fake.calls == [
-                ("get", torch.device("cuda", 0)), ("get", torch.device("cuda", 1)), ("seed", R.seed_of(k))
+                ("get", torch.device("cuda", 0)),
+                ("get", torch.device("cuda", 1)),
+                ("seed", R.seed_of(k)),
             ]
             if raises:
                 raise KeyError("boom")
@@ -267,13 +271,16 @@ def test_seeded_seeds_the_accelerators_among_devices_and_restores_them(monkeypat
         assert raises
     assert kinds == ["cuda"]
     assert sorted(c for c in fake.calls if c[0] == "set") == [
-        ("set", "state-of-cuda:0", torch.device("cuda", 0)), ("set", "state-of-cuda:1", torch.device("cuda", 1))
+        ("set", "state-of-cuda:0", torch.device("cuda", 0)),
+        ("set", "state-of-cuda:1", torch.device("cuda", 1)),
     ]
     assert torch.equal(torch.rand(4), expected)  # the CPU generator is restored too
 
 
 def test_seeded_without_accelerators_does_not_touch_platforms(monkeypatch):
-    monkeypatch.setattr(af.platforms, "for_device", lambda d: pytest.fail(f"platforms.for_device({d!r}) called"))
+    monkeypatch.setattr(
+        af.platforms, "for_device", lambda d: pytest.fail(f"platforms.for_device({d!r}) called")
+    )
     with R.seeded(R.key(0), [torch.device("cpu"), torch.device("meta")]):
         torch.rand(1)
     with R.seeded(R.key(0)):

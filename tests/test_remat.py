@@ -65,7 +65,9 @@ def test_remat_equals_no_remat_bitwise_with_dropout(make, kwargs):
     data = data_for(vocab)
     base = af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=1.0)
     want, want_losses = train(base, make(), data)
-    step = af.remat(af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=1.0), **kwargs)
+    step = af.remat(
+        af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=1.0), **kwargs
+    )
     got, got_losses = train(step, make(), data)
     assert torch.equal(got_losses, want_losses), (got_losses, want_losses)
     for k, v in want.params.items():
@@ -111,7 +113,9 @@ def test_blocks_are_whole_layers_never_their_children():
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # a bigger list inside
+            self.inner = nn.Sequential(
+                nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            )  # a bigger list inside
 
         def forward(self, x):
             return self.inner(x)
@@ -137,7 +141,9 @@ def test_remat_keeps_parameter_names_and_eval_runs_without_recomputation():
     model = gpt2()
     names = [n for n, _ in model.named_parameters()]
     state = step.init(model)
-    assert list(state.params) == names  # the block is changed in place: names, checkpoints, FSDP units as before
+    assert (
+        list(state.params) == names
+    )  # the block is changed in place: names, checkpoints, FSDP units as before
     evaluate = af.eval_step(lambda m, b: m(input_ids=b).logits)
     evaluate.init(model)
     logits = evaluate(state, data_for(64)[0])  # no gradients recorded: the plain forward runs
@@ -182,7 +188,9 @@ def test_memory_budget_is_handed_to_the_compiler_and_scoped_to_its_step():
     # the process-global setting is back: no later compile in the process inherits the budget
     assert functorch_config.activation_memory_budget == before
     other_seen = len(seen)
-    other = af.compile(af.train_step(lambda m, b: lm_loss(m, b), af.optim.sgd(0.1)), backend=backend)  # a new trace
+    other = af.compile(
+        af.train_step(lambda m, b: lm_loss(m, b), af.optim.sgd(0.1)), backend=backend
+    )  # a new trace
     train(other, plain(), data)
     assert len(seen) > other_seen and set(seen[other_seen:]) == {before}
     assert "activation memory budget 0.5" in repr(step)

@@ -31,10 +31,16 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
     assert proc.returncode == 0, out
     for c in configs:
         strategy, model, *extra = c.split(":")
-        expected = {"fp16skip": f"OK {strategy} fp16-skip", "bf16policy": "OK fsdp bf16-policy",
-                    "fp8": "OK fsdp fp8", "moe": f"OK ddp moe overlap={'overlap' in extra}",
-                    "bn": f"OK {strategy} bn-buffers", "guards": "OK fsdp guards",
-                    "bf16count": f"OK {strategy} bf16-count", "frozen": f"OK {strategy} frozen-differently"}.get(  # fmt: skip
+        expected = {
+            "fp16skip": f"OK {strategy} fp16-skip",
+            "bf16policy": "OK fsdp bf16-policy",
+            "fp8": "OK fsdp fp8",
+            "moe": f"OK ddp moe overlap={'overlap' in extra}",
+            "bn": f"OK {strategy} bn-buffers",
+            "guards": "OK fsdp guards",
+            "bf16count": f"OK {strategy} bf16-count",
+            "frozen": f"OK {strategy} frozen-differently",
+        }.get(  # fmt: skip
             model, f"OK {strategy} {model} {sorted(extra)}"
         )
         for rank in (0, 1):
@@ -71,7 +77,9 @@ def test_global_inputs_not_divisible_across_ranks_is_a_clear_error(monkeypatch):
         device, data_size, data_rank = torch.device("cpu"), 2, 0
 
     take = batch_transform(FakeMesh(), "global")
-    with pytest.raises(ValueError, match=r"batch\['x'\] has 5 rows, not divisible by the 2 data-parallel ranks"):
+    with pytest.raises(
+        ValueError, match=r"batch\['x'\] has 5 rows, not divisible by the 2 data-parallel ranks"
+    ):
         take({"x": torch.zeros(5, 3)})
     assert take({"x": torch.arange(6)})["x"].tolist() == [0, 1, 2]
 
@@ -87,7 +95,9 @@ def test_shard_in_a_single_process_is_the_plain_step():
         model = torch.nn.Linear(4, 3)
         x = torch.randn(6, 4)
         plain = af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :3]), af.optim.adamw(1e-2))
-        sharded = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :3]), af.optim.adamw(1e-2)), mesh)
+        sharded = af.shard(
+            af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :3]), af.optim.adamw(1e-2)), mesh
+        )
         s1, s2 = plain.init(copy.deepcopy(model)), sharded.init(copy.deepcopy(model))
         for _ in range(3):
             s1, m1 = plain(s1, x)
@@ -111,7 +121,11 @@ def test_two_models_in_alternation_gan_equal_one_process(strategy):
 
 @pytest.mark.parametrize(
     "axes,hint",
-    [({"dp": 1, "tpp": 2}, "Did you mean 'tp'?"), ({"dp": 1, "sp": 2}, "sequence_parallel=True"), ({"dpp": 2}, "'dp'")],
+    [
+        ({"dp": 1, "tpp": 2}, "Did you mean 'tp'?"),
+        ({"dp": 1, "sp": 2}, "sequence_parallel=True"),
+        ({"dpp": 2}, "'dp'"),
+    ],
 )
 def test_an_axis_shard_does_not_split_over_is_refused(axes, hint):
     # `--mesh dp=1,tpp=2` (a typo) or torchtitan's `sp`: the two ranks would train on the same data, doing the

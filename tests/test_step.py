@@ -153,7 +153,9 @@ def test_dropout_masks_differ_between_steps_and_leave_global_rng_alone():
 
 def test_donate_false_keeps_the_input_state_valid():
     model = MLP()
-    step = af.train_step(lambda m, b: af.losses.mse(m(b), torch.zeros(4, 4)), af.optim.adamw(0.1), donate=False)
+    step = af.train_step(
+        lambda m, b: af.losses.mse(m(b), torch.zeros(4, 4)), af.optim.adamw(0.1), donate=False
+    )
     state = step.init(model)
     snapshot = {k: v.detach().clone() for k, v in state.params.items()}
     new_state, _ = step(state, torch.randn(4, 8))
@@ -272,7 +274,12 @@ def test_train_state_is_a_pytree_in_optree_and_torch():
     model = MLP()
     state = af.train_step(lambda m, b: m(b).sum(), af.optim.adamw(1e-3)).init(model)
     paths = [p for p, _ in af.tree.flatten_with_path(state)]
-    assert "params.fc1.weight" in paths and "opt_state.mu.fc1.weight" in paths and "opt_state.count" in paths and "rng" in paths
+    assert (
+        "params.fc1.weight" in paths
+        and "opt_state.mu.fc1.weight" in paths
+        and "opt_state.count" in paths
+        and "rng" in paths
+    )
     leaves, spec = tp.tree_flatten(state)
     again = tp.tree_unflatten(leaves, spec)
     assert isinstance(again, af.TrainState) and again.params.keys() == state.params.keys()
@@ -323,8 +330,14 @@ def _tiny_classifier():
 
     torch.manual_seed(0)
     cfg = BertConfig(
-        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return BertForSequenceClassification(cfg)
 
@@ -388,7 +401,9 @@ def test_the_loader_moves_the_tensors_of_a_batch_encoding_to_the_device(monkeypa
     def collate(rows):
         return BatchEncoding({"input_ids": torch.stack(rows), "extra": {"mask": torch.ones(len(rows))}})
 
-    batches = list(af.data.DataLoader(list(torch.arange(8.0).reshape(4, 2)), batch_size=2, collate_fn=collate))
+    batches = list(
+        af.data.DataLoader(list(torch.arange(8.0).reshape(4, 2)), batch_size=2, collate_fn=collate)
+    )
     assert len(batches) == 2 and all(type(b) is BatchEncoding for b in batches)
     assert all(b["input_ids"].is_meta and b["extra"]["mask"].is_meta for b in batches)
 
@@ -398,7 +413,9 @@ def test_params_that_do_not_match_the_model_name_the_key():
     step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
     state = step.init(model)
     bad_shape = state.replace(params={**state.params, "fc1.weight": torch.zeros(3, 3)})
-    with pytest.raises(ValueError, match=r"params\['fc1.weight'\] has shape \(3, 3\) but the model expects \(16, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"params\['fc1.weight'\] has shape \(3, 3\) but the model expects \(16, 8\)"
+    ):
         step(bad_shape, torch.randn(4, 8))
     missing = state.replace(params={k: v for k, v in state.params.items() if k != "fc2.bias"})
     with pytest.raises(KeyError, match=r"missing \['fc2.bias'\]"):
@@ -475,8 +492,11 @@ def test_optim_identity_passes_updates_through_unchanged():
     "make_tx", [lambda: af.optim.sgd(0.1, momentum=0.9), lambda: af.optim.adamw(1e-2)], ids=["sgd", "adamw"]
 )
 def test_optim_identity_in_a_chain_equals_the_other_transform_alone(where, make_tx):
-    parts = {"first": lambda t: (af.optim.identity(), t), "last": lambda t: (t, af.optim.identity()),
-             "both": lambda t: (af.optim.identity(), t, af.optim.identity())}[where]
+    parts = {
+        "first": lambda t: (af.optim.identity(), t),
+        "last": lambda t: (t, af.optim.identity()),
+        "both": lambda t: (af.optim.identity(), t, af.optim.identity()),
+    }[where]
     alone, chained = make_tx(), af.optim.chain(*parts(make_tx()))
     inner = {"first": 1, "last": 0, "both": 1}[where]
     p_alone = {"w": torch.ones(3, 4), "b": torch.zeros(4)}
@@ -539,13 +559,17 @@ def test_changing_requires_grad_after_init_is_a_clear_error():
 
 
 def test_a_loss_whose_total_or_count_is_not_a_scalar_is_named_and_counts_stay_exact_in_bf16():
-    step = af.train_step(lambda m, b: af.Loss(m(b).sum(), (b != 0).sum(-1)), af.optim.sgd(0.1))  # .sum() forgotten
+    step = af.train_step(
+        lambda m, b: af.Loss(m(b).sum(), (b != 0).sum(-1)), af.optim.sgd(0.1)
+    )  # .sum() forgotten
     state = step.init(torch.nn.Linear(4, 1))
     with pytest.raises(ValueError, match=r"Loss.count must be a scalar .* got a tensor of shape \(3,\)"):
         step(state, torch.ones(3, 4))
     step = af.train_step(lambda m, b: af.Loss(m(b), 3), af.optim.sgd(0.1))
     state = step.init(torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"Loss.total must be a scalar tensor, got a tensor of shape \(3, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"Loss.total must be a scalar tensor, got a tensor of shape \(3, 2\)"
+    ):
         step(state, torch.ones(3, 4))
     # a bf16 total (no .float()): the count of 301 must not round to 300 (it did: the count took total's dtype)
     model = torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16)
@@ -554,7 +578,9 @@ def test_a_loss_whose_total_or_count_is_not_a_scalar_is_named_and_counts_stay_ex
     step = af.train_step(lambda m, b: af.Loss(m(b).sum(), torch.tensor(301)), af.optim.sgd(0.0))
     state = step.init(model)
     _, metrics = step(state, torch.ones(128, 4, dtype=torch.bfloat16))  # a total of 512, exact in bf16
-    torch.testing.assert_close(metrics["loss"].float(), torch.tensor(512 / 301), rtol=1e-3, atol=0)  # not 512 / 300
+    torch.testing.assert_close(
+        metrics["loss"].float(), torch.tensor(512 / 301), rtol=1e-3, atol=0
+    )  # not 512 / 300
 
 
 def test_a_state_of_another_live_training_step_is_refused_naming_it():
@@ -564,7 +590,9 @@ def test_a_state_of_another_live_training_step_is_refused_naming_it():
     old_state = old_step.init(torch.nn.Linear(4, 2))
     new_step = af.train_step(loss, af.optim.adamw(1e-3))
     new_step.init(torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"this state belongs to another training step: its params \['weight', 'bias'\]"):
+    with pytest.raises(
+        ValueError, match=r"this state belongs to another training step: its params \['weight', 'bias'\]"
+    ):
         new_step(old_state, torch.randn(2, 4))
     copy = af.tree.map(torch.clone, old_state)  # the advised way to start from its values
     state, _ = new_step(copy, torch.randn(2, 4))
@@ -643,7 +671,9 @@ def test_a_state_from_another_step_and_a_misfit_mask_fail_early_and_clearly():
     eval_state = evaluate.init(net)
     train = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
     train.init(net)
-    with pytest.raises(ValueError, match="state.opt_state is a tuple, but this step's optimizer keeps a SgdState"):
+    with pytest.raises(
+        ValueError, match="state.opt_state is a tuple, but this step's optimizer keeps a SgdState"
+    ):
         train(eval_state, torch.randn(4, 8))
     frozen = MLP()
     frozen.fc1.bias.requires_grad_(False)
@@ -670,7 +700,9 @@ def test_a_donated_state_passed_again_is_an_error_naming_the_fix(tmp_path):
     newer, _ = step(new, torch.randn(8, 4))
     step(snapshot, torch.randn(8, 4))  # a clone is a state of its own
     # saving or evaluating the donated state would mix the new params with the old step count: refused too
-    with pytest.raises(ValueError, match=r"af.checkpoint.save: this state .* was already passed to a training step"):
+    with pytest.raises(
+        ValueError, match=r"af.checkpoint.save: this state .* was already passed to a training step"
+    ):
         af.checkpoint.save(tmp_path / "old", old)
     assert not (tmp_path / "old").exists()
     with pytest.raises(ValueError, match="af.checkpoint.save_pretrained: this state"):
@@ -681,8 +713,12 @@ def test_a_donated_state_passed_again_is_an_error_naming_the_fix(tmp_path):
         evaluate(old, torch.randn(8, 4))
     evaluate(newer, torch.randn(8, 4))
     af.checkpoint.save(tmp_path / "new", newer)
-    loaded = af.checkpoint.load(tmp_path / "new", like=newer)  # `like` is donated too: its tensors were filled
-    with pytest.raises(ValueError, match=r"was already passed to af.checkpoint.load \(as `like`\), which donated it"):
+    loaded = af.checkpoint.load(
+        tmp_path / "new", like=newer
+    )  # `like` is donated too: its tensors were filled
+    with pytest.raises(
+        ValueError, match=r"was already passed to af.checkpoint.load \(as `like`\), which donated it"
+    ):
         step(newer, torch.randn(8, 4))
     step(loaded, torch.randn(8, 4))
     keep = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.adamw(1e-2), donate=False)
@@ -697,7 +733,9 @@ def test_a_launcher_precision_flag_without_autocast_warns(monkeypatch):
     # silently compute in fp32 (Accelerate applies its flag to every forward): say how to use it
     monkeypatch.setenv("ACCELFN_MIXED_PRECISION", "bf16")
     base = af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.1))
-    with pytest.warns(UserWarning, match=r"ACCELFN_MIXED_PRECISION=bf16 .* has no effect on this step.*af.autocast\(step\)"):
+    with pytest.warns(
+        UserWarning, match=r"ACCELFN_MIXED_PRECISION=bf16 .* has no effect on this step.*af.autocast\(step\)"
+    ):
         base.init(torch.nn.Linear(2, 2))
     import warnings
 

@@ -63,7 +63,9 @@ def test_checkpoints_move_between_tp_fsdp_and_one_process(tmp_path):
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-tp-hf")
     step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
-    state = af.checkpoint.load(tmp_path / "fsdp-tp", like=step.init(AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-tp-hf")))
+    state = af.checkpoint.load(
+        tmp_path / "fsdp-tp", like=step.init(AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-tp-hf"))
+    )
     assert int(state.step) == 2
     for n, p in hf.named_parameters():
         assert torch.equal(state.params[n], p), n
@@ -115,9 +117,15 @@ class _Net(nn.Module):
 
 def test_shard_arguments_are_checked_before_anything_runs():
     base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
-    with af.Mesh({"dp": -1}, device="cpu") as mesh, pytest.raises(ValueError, match="loss_parallel=True needs a tp"):
+    with (
+        af.Mesh({"dp": -1}, device="cpu") as mesh,
+        pytest.raises(ValueError, match="loss_parallel=True needs a tp"),
+    ):
         af.shard(base, mesh, loss_parallel=True)
-    with af.Mesh({"dp": -1}, device="cpu") as mesh, pytest.raises(ValueError, match="tp_plan given, but the mesh"):
+    with (
+        af.Mesh({"dp": -1}, device="cpu") as mesh,
+        pytest.raises(ValueError, match="tp_plan given, but the mesh"),
+    ):
         af.shard(base, mesh, tp_plan={"fc": "colwise"})
     with af.Mesh({"dp": -1, "tp": 1}, device="cpu") as mesh:  # tp=1: nothing to split, plain data parallel
         step = af.shard(base, mesh)
@@ -130,7 +138,9 @@ def test_shard_arguments_are_checked_before_anything_runs():
 def test_sequence_parallel_needs_a_decoder_it_knows():
     from accelfn.transforms.shard.tensor_parallel import match_plan, sequence_parallel_styles
 
-    styles = sequence_parallel_styles(llama(), match_plan(llama(), model_tp_plan(llama()), 2), loss_parallel=False)
+    styles = sequence_parallel_styles(
+        llama(), match_plan(llama(), model_tp_plan(llama()), 2), loss_parallel=False
+    )
     assert type(styles["model.layers.0.input_layernorm"]).__name__ == "SequenceParallel"
     assert type(styles["model.layers.1.mlp"]).__name__ == "PrepareModuleInput"
     with pytest.raises(ValueError, match=r"sequence_parallel=True\) knows Hugging Face decoders"):

@@ -40,8 +40,12 @@ def test_every_module_is_linted_by_ruff():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.fail("ruff is a test dependency (pip install -e '.[test]'); it is not on PATH")
-    out = subprocess.run([ruff, "check", "--show-files", str(PACKAGE)], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [ruff, "check", "--show-files", str(PACKAGE)], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
-    linted = {Path(line.strip()).resolve() for line in out.stdout.splitlines() if line.strip().endswith(".py")}
+    linted = {
+        Path(line.strip()).resolve() for line in out.stdout.splitlines() if line.strip().endswith(".py")
+    }
     missing = [str(p.relative_to(ROOT)) for p in modules() if p.resolve() not in linted]
     assert not missing, f"ruff does not lint {missing}"

@@ -194,7 +194,13 @@ class Model:
 
 def test_flatten_config_turns_any_nesting_into_dotted_scalar_keys():
     config = argparse.Namespace(
-        optim=Optim(), model=Model(), out=pathlib.Path("/tmp/run"), kind=Kind.A, resume=None, seeds=[], fp16=True
+        optim=Optim(),
+        model=Model(),
+        out=pathlib.Path("/tmp/run"),
+        kind=Kind.A,
+        resume=None,
+        seeds=[],
+        fp16=True,
     )
     assert trackers.flatten_config(config) == {
         "optim.lr": 1e-3, "optim.betas.0": 0.9, "optim.betas.1": 0.95, "optim.schedule": "None",
@@ -264,7 +270,9 @@ def wandb_history(run_file: pathlib.Path) -> list[dict]:
             record = pb.Record.FromString(buf)
             buf = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                )
     return rows
 
 
@@ -293,7 +301,9 @@ def test_trackio_run_reads_back_from_its_local_store(tmp_path, monkeypatch):
     from trackio.sqlite_storage import SQLiteStorage
 
     project = f"accelfn-test-{tmp_path.name}"
-    with trackers.open(tmp_path / "run", "trackio", {"lr": 0.1}, options={"trackio": {"project": project}}) as run:
+    with trackers.open(
+        tmp_path / "run", "trackio", {"lr": 0.1}, options={"trackio": {"project": project}}
+    ) as run:
         log_steps(run, range(1, 5))
     logs = SQLiteStorage.get_logs(project, "run")
     assert {r["step"]: r["loss"] for r in logs} == losses(range(1, 5))
@@ -390,7 +400,9 @@ def test_on_error_warn_keeps_training_going_with_a_warning(tmp_path):
 
 
 def test_unknown_tracker_names_are_errors_listing_the_known_ones(tmp_path):
-    with pytest.raises(ValueError, match="unknown tracker 'tensorbord'; known: jsonl, tensorboard, wandb, mlflow"):
+    with pytest.raises(
+        ValueError, match="unknown tracker 'tensorbord'; known: jsonl, tensorboard, wandb, mlflow"
+    ):
         trackers.open(tmp_path, "jsonl,tensorbord")
     with pytest.raises(TypeError, match="'object' is not a tracker: it has no method"):
         trackers.open(tmp_path, [object()])
@@ -454,7 +466,9 @@ def test_under_the_launcher_exactly_one_process_writes_with_the_trackers_it_was_
     pytest.importorskip("tensorboard")
     if os.environ.get("ACCELFN_TEST_TORCHRUN") == "1":
         pytest.skip("--log-with is an `accelfn launch` option")
-    proc = run_workers("trackers_worker.py", 2, str(tmp_path), launch_args=("--log-with", "jsonl,tensorboard"))
+    proc = run_workers(
+        "trackers_worker.py", 2, str(tmp_path), launch_args=("--log-with", "jsonl,tensorboard")
+    )
     assert proc.returncode == 0, output_of(proc)
     infos = sorted((json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
                     if line.startswith("TRACKERS ")), key=lambda i: i["rank"])  # fmt: skip
@@ -474,7 +488,11 @@ def test_nested_metric_dicts_are_logged_under_slash_joined_names(tmp_path):
     with trackers.open(tmp_path, log_with=["jsonl", "tensorboard"]) as run:
         run.log({"eval": {"loss": torch.tensor(0.5), "acc": {"top1": 0.25}}, "lr": 1e-3}, step=1)
     line = jsonl(tmp_path)[0]
-    assert {k: line[k] for k in ("eval/loss", "eval/acc/top1", "lr")} == {"eval/loss": 0.5, "eval/acc/top1": 0.25, "lr": 1e-3}
+    assert {k: line[k] for k in ("eval/loss", "eval/acc/top1", "lr")} == {
+        "eval/loss": 0.5,
+        "eval/acc/top1": 0.25,
+        "lr": 1e-3,
+    }
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))

@@ -50,7 +50,9 @@ def test_a_tracker_that_fails_raises_one_clear_error_and_loses_no_checkpoint(tmp
             weights[int(state.step)] = state.params["weight"].detach().clone()
             run.log({"loss": metrics["loss"]}, step=int(state.step))
             af.checkpoint.save(tmp_path / f"ckpt-{int(state.step)}", state)
-    saved = af.checkpoint.load(af.checkpoint.latest(tmp_path), like=state)  # the last good checkpoint is whole
+    saved = af.checkpoint.load(
+        af.checkpoint.latest(tmp_path), like=state
+    )  # the last good checkpoint is whole
     assert int(saved.step) == 6
     assert torch.equal(saved.params["weight"], weights[6])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -49,8 +49,9 @@ def max_diff(a, b):
 
 # ---- accumulate ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("opt,tol", [(lambda: af.optim.sgd(0.5), 1e-6), (lambda: af.optim.adamw(1e-2), 2e-5)],
-                         ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "opt,tol", [(lambda: af.optim.sgd(0.5), 1e-6), (lambda: af.optim.adamw(1e-2), 2e-5)], ids=["sgd", "adamw"]
+)
 def test_accumulate_equals_the_full_batch_step_with_uneven_token_counts(n, opt, tol):
     batches = [token_batch(seed=s) for s in range(5)]
     full_state, full_losses = run(af.train_step(token_loss, opt()), token_model(), batches)
@@ -98,7 +99,9 @@ def test_accumulate_uneven_weights_micro_batches_by_their_rows():
         return nn.functional.mse_loss(m(b[0]), b[1])
 
     full, _ = run(af.train_step(loss_fn, af.optim.sgd(0.1)), _seeded_mlp(), [(x, y)])
-    acc, _ = run(af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1)), 4, uneven=True), _seeded_mlp(), [(x, y)])
+    acc, _ = run(
+        af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1)), 4, uneven=True), _seeded_mlp(), [(x, y)]
+    )
     assert max_diff(acc.params, full.params) <= 1e-6
 
 
@@ -118,7 +121,9 @@ def test_autocast_bf16_matches_a_plain_autocast_loop_and_keeps_fp32_master_weigh
 
     model = _seeded_mlp()
     ref = copy.deepcopy(model)
-    state, losses = run(af.autocast(af.train_step(loss_fn, af.optim.adamw(1e-2)), torch.bfloat16), model, batches)
+    state, losses = run(
+        af.autocast(af.train_step(loss_fn, af.optim.adamw(1e-2)), torch.bfloat16), model, batches
+    )
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for b in batches:
@@ -172,8 +177,11 @@ def test_fp16_skips_steps_with_inf_gradients_and_halves_the_scale():
 
 def test_fp16_scale_grows_after_the_interval():
     cfg = af.LossScaleConfig(init_scale=8.0, growth_interval=3)
-    step = af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)), torch.float16,
-                       loss_scale=cfg)
+    step = af.autocast(
+        af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)),
+        torch.float16,
+        loss_scale=cfg,
+    )
     state = step.init(MLP())
     scales = []
     for _ in range(7):
@@ -260,12 +268,16 @@ def test_every_pair_and_triple_gives_the_same_result_in_both_orders(names):
         ref_losses.append(loss.item())
     ref_params = {k: p.detach() for k, p in ref.named_parameters()}
     bf16 = "autocast" in names
-    assert relative_update_error(forward_state.params, ref_params, init) <= (0.015 if bf16 else 1e-5)  # bf16: ~3e-3
+    assert relative_update_error(forward_state.params, ref_params, init) <= (
+        0.015 if bf16 else 1e-5
+    )  # bf16: ~3e-3
     assert forward_losses == pytest.approx(ref_losses, abs=2e-2 if bf16 else 1e-5)
 
 
 def test_repr_shows_the_canonical_order():
-    step = af.offload(af.compile(af.accumulate(af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), "bf16"), 4)))
+    step = af.offload(
+        af.compile(af.accumulate(af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), "bf16"), 4))
+    )
     assert repr(step) == (
         "Step(train_step(token_loss) -> accumulate(4) -> autocast(bfloat16) -> compile() -> "
         "offload(optimizer_state=True, params=False))"
@@ -273,8 +285,12 @@ def test_repr_shows_the_canonical_order():
 
 
 def test_fp16_with_fp8_is_an_error_naming_both():
-    step = af.autocast_fp8(af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), torch.float16), emulate=True)
-    with pytest.raises(af.CompositionError, match=r"autocast_fp8\(.*autocast\(float16\)|autocast\(float16\).*autocast_fp8"):
+    step = af.autocast_fp8(
+        af.autocast(af.train_step(token_loss, af.optim.sgd(0.1)), torch.float16), emulate=True
+    )
+    with pytest.raises(
+        af.CompositionError, match=r"autocast_fp8\(.*autocast\(float16\)|autocast\(float16\).*autocast_fp8"
+    ):
         step.init(token_model())
 
 
@@ -351,7 +367,9 @@ def test_regional_compile_compiles_each_block_and_matches_eager():
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks really ran compiled
     eager, eager_losses = run(af.train_step(lm_loss, af.optim.adamw(1e-2)), eager_model, batches)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
-    assert max_diff(state.params, eager.params) <= 5e-5  # AdamW amplifies the fused kernels' round-off (2.1e-5)
+    assert (
+        max_diff(state.params, eager.params) <= 5e-5
+    )  # AdamW amplifies the fused kernels' round-off (2.1e-5)
 
 
 def test_regional_compile_without_blocks_is_a_clear_error():
@@ -503,8 +521,15 @@ def _llama16():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -532,8 +557,11 @@ def test_torchao_fp8_training_tracks_bf16_and_keeps_edges_in_high_precision():
     batches = pattern_batches(50)
     bf16 = af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16)
     _, bf16_losses = run(bf16, _llama16(), batches)
-    fp8 = af.autocast_fp8(af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16),
-                          backend="torchao", emulate=True)
+    fp8 = af.autocast_fp8(
+        af.autocast(af.train_step(_lm_loss, af.optim.adamw(3e-3)), torch.bfloat16),
+        backend="torchao",
+        emulate=True,
+    )
     state, fp8_losses = run(fp8, _llama16(), batches)
     model = fp8.model
     assert not isinstance(model.lm_head, Float8Linear)  # the last Linear stays high precision
@@ -596,7 +624,9 @@ def test_unknown_fp8_recipes_are_clear_errors(fake_te):
     with pytest.raises(ValueError, match=r"torchao recipe must be one of .*'rowwise'.*got 'columnwise'"):
         af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="torchao", recipe="columnwise")
     step = af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="te", recipe="rowwise")
-    with pytest.raises(ValueError, match=r"backend='te'\): recipe must be 'delayed' or 'current', got 'rowwise'"):
+    with pytest.raises(
+        ValueError, match=r"backend='te'\): recipe must be 'delayed' or 'current', got 'rowwise'"
+    ):
         step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
 
 
@@ -608,8 +638,12 @@ def test_torchao_fp8_refuses_cpu_without_emulate():
 
 def test_fp8_module_filter_overrides_the_default():
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
-    step = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="torchao",
-                           emulate=True, module_filter=lambda mod, fqn: isinstance(mod, nn.Linear))
+    step = af.autocast_fp8(
+        af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)),
+        backend="torchao",
+        emulate=True,
+        module_filter=lambda mod, fqn: isinstance(mod, nn.Linear),
+    )
     step.init(net)
     assert [type(m).__name__ for m in step.model] == ["Float8Linear"] * 3
 
@@ -655,8 +689,12 @@ def fake_te(monkeypatch):
     recipe.DelayedScaling = DelayedScaling
     recipe.Format = Format
     recipe.Float8CurrentScaling = lambda: "current"
-    for name, mod in [("transformer_engine", te_pkg), ("transformer_engine.pytorch", te_torch),
-                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)]:
+    for name, mod in [
+        ("transformer_engine", te_pkg),
+        ("transformer_engine.pytorch", te_torch),
+        ("transformer_engine.common", common),
+        ("transformer_engine.common.recipe", recipe),
+    ]:
         monkeypatch.setitem(sys.modules, name, mod)
     return calls
 
@@ -678,12 +716,16 @@ def test_te_backend_swaps_linears_runs_under_fp8_autocast_and_keeps_scaling_stat
 
 def test_te_reduces_amax_over_the_data_and_context_parallel_group(fake_te, monkeypatch):
     with af.Mesh({"dp": -1}, device="cpu") as mesh:
-        base = af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te")
+        base = af.autocast_fp8(
+            af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te"
+        )
         alone = af.shard(base, mesh)  # one process: no group to reduce over
         alone.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
         with alone.plan.forward_context():
             assert fake_te["kwargs"]["fp8_group"] is None
-        monkeypatch.setattr(af.Mesh, "grad_size", property(lambda self: 2))  # as if 2 processes saw other tokens
+        monkeypatch.setattr(
+            af.Mesh, "grad_size", property(lambda self: 2)
+        )  # as if 2 processes saw other tokens
         step = af.shard(base, mesh)
         step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
         with step.plan.forward_context():
@@ -706,7 +748,9 @@ def test_auto_backend_picks_torchao_without_te_and_says_so():
 
 def test_compile_falls_back_to_regions_around_te_modules(fake_te):
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    step = af.compile(af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te"))
+    step = af.compile(
+        af.autocast_fp8(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), backend="te")
+    )
     with pytest.warns(UserWarning, match="Transformer Engine"):
         step.init(net)
     assert "TE modules stay eager" in repr(step)
@@ -763,13 +807,19 @@ def test_fp16_loss_scale_under_accumulate_and_shard_follows_grad_scaler(wrap):
 
 def test_fp16_loss_scale_is_checkpointed_with_the_state(tmp_path):
     cfg = af.LossScaleConfig(init_scale=8.0, growth_interval=2)
-    make = lambda: af.autocast(af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)),  # noqa: E731
-                               torch.float16, loss_scale=cfg)
+    make = lambda: af.autocast(  # noqa: E731
+        af.train_step(lambda m, b: m(b).float().pow(2).mean(), af.optim.sgd(0.01)),
+        torch.float16,
+        loss_scale=cfg,
+    )
     step = make()
     state = step.init(_seeded_mlp())
     for _ in range(3):
         state, _ = step(state, torch.randn(4, 8))
-    assert state.extra["loss_scale"]["scale"].item() == 16.0 and state.extra["loss_scale"]["good_steps"].item() == 1
+    assert (
+        state.extra["loss_scale"]["scale"].item() == 16.0
+        and state.extra["loss_scale"]["good_steps"].item() == 1
+    )
     af.checkpoint.save(tmp_path / "ckpt", state)
     other = make()
     loaded = af.checkpoint.load(tmp_path / "ckpt", like=other.init(_seeded_mlp()))

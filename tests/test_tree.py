@@ -30,12 +30,15 @@ def test_structure_describes_the_nesting_without_the_leaves():
     assert again["a"].y[0] is leaves[1] and isinstance(again["a"], Point)
 
 
-@pytest.mark.parametrize("other", [
-    {"b": [1, {"c": 2}], "a": Point(3, [4])},  # list instead of tuple
-    {"b": [1, {"d": 2}], "a": Point(3, (4,))},  # other key
-    {"b": [1, {"c": 2}, 5], "a": Point(3, (4,))},  # one more leaf
-    {"b": [1, {"c": 2}], "a": (3, (4,))},  # plain tuple instead of the named tuple
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"b": [1, {"c": 2}], "a": Point(3, [4])},  # list instead of tuple
+        {"b": [1, {"d": 2}], "a": Point(3, (4,))},  # other key
+        {"b": [1, {"c": 2}, 5], "a": Point(3, (4,))},  # one more leaf
+        {"b": [1, {"c": 2}], "a": (3, (4,))},  # plain tuple instead of the named tuple
+    ],
+)
 def test_structure_tells_different_trees_apart(other):
     assert af.tree.structure(other) != af.tree.structure(nested())
 
@@ -64,7 +67,10 @@ def test_path_str_names_named_tuple_fields_and_indexes_sequences():
     assert [af.tree.path_str(a) for a in accessors] == ["a.x", "a.y.0", "b.0", "b.1.c"]
     # raw optree paths carry the named tuple's position instead of its field name
     assert [af.tree.path_str(p) for p in optree.tree_paths(nested(), namespace=af.tree.NAMESPACE)] == [
-        "a.0", "a.1.0", "b.0", "b.1.c"
+        "a.0",
+        "a.1.0",
+        "b.0",
+        "b.1.c",
     ]
 
 
@@ -77,8 +83,9 @@ def test_flatten_with_path_pairs_paths_with_leaves_in_leaves_order():
 
 
 def test_flatten_with_path_names_the_fields_of_an_optimizer_state():
-    state = af.train_step(lambda m, b: m(b).sum(), af.optim.chain(af.optim.clip_by_global_norm(1.0),
-                                                                  af.optim.adamw(1e-3))).init(MLP())
+    state = af.train_step(
+        lambda m, b: m(b).sum(), af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.adamw(1e-3))
+    ).init(MLP())
     paths = [p for p, _ in af.tree.flatten_with_path(state)]
     assert "opt_state.1.mu.fc1.weight" in paths and "opt_state.1.nu.fc2.bias" in paths
     assert "params.fc1.weight" in paths and "buffers" not in paths and "step" in paths and "rng" in paths

@@ -154,8 +154,15 @@ def _place(
         need = size + sum(layout.size[p] for p in partners)
         while True:
             if i == len(devices):
-                room = f" (keeping {format_size(reserve)} on {exec_device} to run offloaded layers)" if reserve else ""
-                left = ", ".join(f"{d}: {format_size(max(budgets[d] - used[d], 0))} of {format_size(budgets[d])}" for d in devices)
+                room = (
+                    f" (keeping {format_size(reserve)} on {exec_device} to run offloaded layers)"
+                    if reserve
+                    else ""
+                )
+                left = ", ".join(
+                    f"{d}: {format_size(max(budgets[d] - used[d], 0))} of {format_size(budgets[d])}"
+                    for d in devices
+                )
                 raise ValueError(
                     f"infer_device_map: {name or 'the model'!r} ({format_size(need)}) fits in none of max_memory's "
                     f"devices after the modules before it{room}; left: {left}. Give more memory, or allow "
@@ -214,9 +221,15 @@ def infer_device_map(
     dtype = as_dtype(dtype)
     if no_split is None:
         no_split = getattr(model, "_no_split_modules", None) or ()
-    no_split = {no_split} if isinstance(no_split, str) else set(no_split)  # one class name, as Accelerate takes it
+    no_split = (
+        {no_split} if isinstance(no_split, str) else set(no_split)
+    )  # one class name, as Accelerate takes it
     classes = {type(m).__name__ for m in model.modules()}
-    if no_split and not no_split & classes and no_split != set(getattr(model, "_no_split_modules", None) or ()):
+    if (
+        no_split
+        and not no_split & classes
+        and no_split != set(getattr(model, "_no_split_modules", None) or ())
+    ):
         raise ValueError(  # a typo would let every block be split silently
             f"infer_device_map: no_split={sorted(no_split)} names no class of this model's modules (its classes: "
             f"{', '.join(sorted(classes)[:12])}{', ...' if len(classes) > 12 else ''})"

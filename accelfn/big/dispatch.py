@@ -216,7 +216,9 @@ class _Placer:
 
     def finish(self, model: nn.Module) -> None:
         self.flush()
-        model.__dict__["hf_device_map"] = dict(self.device_map)  # where each part went (Accelerate's attribute)
+        model.__dict__["hf_device_map"] = dict(
+            self.device_map
+        )  # where each part went (Accelerate's attribute)
         if self.files:  # deleted when the model is (or at exit), or by remove_hooks(restore=False)
             model.__dict__[_FILES] = weakref.finalize(model, _delete_files, list(self.files))
         device = torch.device(self.exec_device)

@@ -105,7 +105,9 @@ def remove_hooks(model: nn.Module, *, restore: bool = True) -> None:
         >>> af.big.remove_hooks(model); len(model._forward_pre_hooks), model.weight.device.type
         (0, 'cpu')
     """
-    restored: dict[tuple[Any, ...], torch.Tensor] = {}  # tied weights (one storage) become one Parameter again
+    restored: dict[
+        tuple[Any, ...], torch.Tensor
+    ] = {}  # tied weights (one storage) become one Parameter again
     for module in model.modules():
         for handle in module.__dict__.pop(_HANDLES, []):
             handle.remove()
@@ -113,7 +115,14 @@ def remove_hooks(model: nn.Module, *, restore: bool = True) -> None:
             if not restore:
                 continue
             value = e.fetch().to(dtype=e.placeholder.dtype)
-            key = (e.is_param, value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            key = (
+                e.is_param,
+                value.device,
+                value.data_ptr(),
+                value.dtype,
+                tuple(value.shape),
+                value.stride(),
+            )
             if key not in restored:
                 grad = e.placeholder.requires_grad and value.is_floating_point()
                 restored[key] = nn.Parameter(value, requires_grad=grad) if e.is_param else value

@@ -152,7 +152,13 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

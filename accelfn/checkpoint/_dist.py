@@ -89,11 +89,15 @@ class Comm:
         if debug.enabled():
             debug.check(what, "")
         seconds = float(os.environ.get("ACCELFN_COLLECTIVE_TIMEOUT", "120"))
-        n = next(_ROLL_CALLS)  # the k-th collective call of this process: the same on every rank that keeps step
+        n = next(
+            _ROLL_CALLS
+        )  # the k-th collective call of this process: the same on every rank that keeps step
         store = _store()
         if store is None:  # no c10d store to meet at: rank 0 watches (the others wait out the group timeout)
             try:
-                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+                dist.monitored_barrier(
+                    group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
+                )
             except RuntimeError as e:
                 raise RuntimeError(self._missing(what, seconds, str(e))) from None
             return

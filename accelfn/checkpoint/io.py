@@ -283,7 +283,12 @@ def read_file(
                     continue
                 dtype, shape = _FROM_CODE[info["dtype"]], list(info["shape"])
                 dest = into.get(name) if into is not None else None
-                if dest is None or dest.dtype != dtype or list(dest.shape) != shape or not dest.is_contiguous():
+                if (
+                    dest is None
+                    or dest.dtype != dtype
+                    or list(dest.shape) != shape
+                    or not dest.is_contiguous()
+                ):
                     dest = torch.empty(shape, dtype=dtype)
                 if not platforms.is_host(dest.device):
                     raise ValueError(f"read_file(): into[{name!r}] must be a CPU tensor")

@@ -145,7 +145,9 @@ def load(path: str | os.PathLike[str] | None, like: TrainState, *, loader: Any =
     error: Exception | None = None
     try:
         adapter = adapters.adapter_for(like)
-        if adapter is not None:  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
+        if (
+            adapter is not None
+        ):  # a backend's engine holds part of the state (DeepSpeed): load, then write it back
             out = adapter.restore(like, _load(path, adapter.template(like), loader))
         else:
             out = _load(path, like, loader)
@@ -249,7 +251,9 @@ def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainS
     # files read straight into a tensor's memory bypass torch: count it as an in-place change, so that what
     # watches version counters (af.offload's host mirror of the params) sees the loaded values
     with torch.inference_mode(False):
-        torch.autograd.graph.increment_version([t.local for t in targets.values() if not t.local.is_inference()])
+        torch.autograd.graph.increment_version(
+            [t.local for t in targets.values() if not t.local.is_inference()]
+        )
 
     for p, v in leaves:
         e = saved[p]

@@ -64,7 +64,9 @@ def _check_model(model: nn.Module, adapter_name: str | None, fn: str) -> str:
         )
     name = adapter_name if adapter_name is not None else model.active_adapter
     if name not in model.peft_config:
-        raise ValueError(f"{fn}(): the model has no adapter {name!r}; its adapters are {sorted(model.peft_config)}")
+        raise ValueError(
+            f"{fn}(): the model has no adapter {name!r}; its adapters are {sorted(model.peft_config)}"
+        )
     return str(name)
 
 
@@ -77,9 +79,13 @@ def _named(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch
     return named
 
 
-def _adapter_tensors(model: nn.Module, named: dict[str, torch.Tensor], adapter_name: str) -> dict[str, torch.Tensor]:
+def _adapter_tensors(
+    model: nn.Module, named: dict[str, torch.Tensor], adapter_name: str
+) -> dict[str, torch.Tensor]:
     """`{key in PEFT's file: tensor}`: PEFT's own selection and renaming (adapter name removed), values as given."""
-    out: dict[str, torch.Tensor] = _peft().get_peft_model_state_dict(model, state_dict=named, adapter_name=adapter_name)
+    out: dict[str, torch.Tensor] = _peft().get_peft_model_state_dict(
+        model, state_dict=named, adapter_name=adapter_name
+    )
     return out
 
 
@@ -158,7 +164,11 @@ def _untied_if_diverged(config: Any, merged: dict[str, torch.Tensor], base: Any)
     """`config`, or a copy with `tie_word_embeddings=False` when the merge gave the tied input and output
     embeddings different values (an adapter on `lm_head` or `embed_tokens` of a tied model): a loader that
     re-ties them (older transformers, vLLM, ...) would otherwise drop one of the merged weights."""
-    if config is None or not getattr(config, "tie_word_embeddings", False) or not hasattr(base, "get_input_embeddings"):
+    if (
+        config is None
+        or not getattr(config, "tie_word_embeddings", False)
+        or not hasattr(base, "get_input_embeddings")
+    ):
         return config
     inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
     if inputs is None or outputs is None:
@@ -217,7 +227,7 @@ def _base_name(name: str, tuners: dict[str, Any], wrappers: dict[str, Any], adap
         keep = f"modules_to_save.{adapter}."
     else:  # another adapter's modules_to_save: this adapter keeps the original module
         keep = "original_module."
-    return f"{owner}.{rest[len(keep):]}" if rest.startswith(keep) else None
+    return f"{owner}.{rest[len(keep) :]}" if rest.startswith(keep) else None
 
 
 @contextlib.contextmanager
@@ -281,7 +291,9 @@ def load_adapter(
     weights = folder / ADAPTER_WEIGHTS
     if not weights.exists():
         if (folder / "adapter_model.bin").exists():
-            raise ValueError(f"'{folder}' holds a pickled adapter_model.bin; only {ADAPTER_WEIGHTS} is read (no pickle)")
+            raise ValueError(
+                f"'{folder}' holds a pickled adapter_model.bin; only {ADAPTER_WEIGHTS} is read (no pickle)"
+            )
         raise FileNotFoundError(f"no adapter at '{folder}': {ADAPTER_WEIGHTS} is missing")
     config_file = folder / ADAPTER_CONFIG
     if config_file.exists():
@@ -290,7 +302,9 @@ def load_adapter(
         peft_model: Any = model
         ours = str(peft_model.peft_config[name].peft_type.value)
         if stored is not None and stored != ours:
-            raise CheckpointMismatchError(f"the adapter at '{folder}' is a {stored} adapter, the model's {name!r} is {ours}")
+            raise CheckpointMismatchError(
+                f"the adapter at '{folder}' is a {stored} adapter, the model's {name!r} is {ours}"
+            )
         _check_config(folder, saved_config, peft_model.peft_config[name], name)
     params = like.params if isinstance(like, TrainState) else like
     named = _named(model, params)
@@ -300,7 +314,9 @@ def load_adapter(
     where: dict[str, str] = {}
     for key, t in keys.items():
         if id(t) not in names:
-            raise CheckpointMismatchError(f"load_adapter(): adapter tensor {key!r} is not among the params of `like`")
+            raise CheckpointMismatchError(
+                f"load_adapter(): adapter tensor {key!r} is not among the params of `like`"
+            )
         targets[key], where[key] = params[names[id(t)]], names[id(t)]
     try:
         loaded = load_pretrained(weights, like=targets)

@@ -131,7 +131,9 @@ def save_pretrained(
     Comm().barrier()
 
 
-def gather_full(named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pretrained") -> dict[str, torch.Tensor] | None:
+def gather_full(
+    named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pretrained"
+) -> dict[str, torch.Tensor] | None:
     """Full (detached) tensors on rank 0, None elsewhere; sharded (DTensor) ones are gathered, a collective
     every rank joins (with the same names, in the same order): `what` names the call when a rank is missing."""
     comm = Comm()
@@ -179,7 +181,12 @@ def write_weights(
         io.fsync_path(folder / "config.json")
     generation = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", None)
-    if generation is not None and hasattr(generation, "save_pretrained") and callable(can_generate) and can_generate():
+    if (
+        generation is not None
+        and hasattr(generation, "save_pretrained")
+        and callable(can_generate)
+        and can_generate()
+    ):
         generation.save_pretrained(folder)
         io.fsync_path(folder / "generation_config.json")
 
@@ -190,7 +197,9 @@ def _as_written(config: Any, full: dict[str, torch.Tensor], module: nn.Module | 
     import copy
 
     config = copy.deepcopy(config)
-    if module is not None and hasattr(module, "config") and hasattr(module, "can_generate"):  # a transformers model
+    if (
+        module is not None and hasattr(module, "config") and hasattr(module, "can_generate")
+    ):  # a transformers model
         config.architectures = [type(module).__name__]
     dtype = next((t.dtype for t in full.values() if t.is_floating_point()), None)
     if dtype is not None:

@@ -145,7 +145,9 @@ def _split(
     return [(file_name(base, i + 1, len(chunks), rank=rank), c) for i, c in enumerate(chunks)]
 
 
-def _write(contents: _Contents, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None) -> None:
+def _write(
+    contents: _Contents, comm: Comm, tmp: Path, final: Path, loader_state: Any, keep_last: int | None
+) -> None:
     """Write this rank's files, then (rank 0) state.json, and commit. Runs in any thread."""
     records = {
         name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json()
@@ -164,7 +166,8 @@ def _write(contents: _Contents, comm: Comm, tmp: Path, final: Path, loader_state
             }
             if len(set(weight_map.values())) > 1:
                 total = sum(
-                    contents.files[f][k].numel() * contents.files[f][k].element_size() for k, f in weight_map.items()
+                    contents.files[f][k].numel() * contents.files[f][k].element_size()
+                    for k, f in weight_map.items()
                 )
                 (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
                 io.fsync_path(tmp / HF_INDEX)
@@ -282,7 +285,9 @@ def save(
     if not async_save:
         _write_or_clean(contents, comm, tmp, final, loader_state, keep_last)
         return SaveHandle(str(final))
-    return async_.start(lambda: _write_or_clean(contents, comm, tmp, final, loader_state, keep_last), str(final))
+    return async_.start(
+        lambda: _write_or_clean(contents, comm, tmp, final, loader_state, keep_last), str(final)
+    )
 
 
 def _finish_device_work(state: TrainState) -> None:
@@ -294,7 +299,9 @@ def _finish_device_work(state: TrainState) -> None:
     devices = {t.device for t in tensors if not platforms.is_host(t.device) and not t.is_meta}
     for device in devices:
         platforms.synchronize(device)
-    if not devices and any(platforms.is_host(t.device) and not is_dtensor(t) and t.is_pinned() for t in tensors):
+    if not devices and any(
+        platforms.is_host(t.device) and not is_dtensor(t) and t.is_pinned() for t in tensors
+    ):
         torch.accelerator.synchronize()  # pinned host tensors only: the copies come from the current accelerator
 
 

@@ -84,16 +84,25 @@ def _run(args: argparse.Namespace) -> int:
 
     path = Path(args.config_file) if args.config_file else default_config_path()
     if path.is_dir():
-        print(f"accelfn config: {path} is a folder; --config-file takes a file path, e.g. {path / 'accelfn.yaml'}", file=sys.stderr)
+        print(
+            f"accelfn config: {path} is a folder; --config-file takes a file path, e.g. {path / 'accelfn.yaml'}",
+            file=sys.stderr,
+        )
         return 2
     if args.default and path.exists() and not args.force:
-        print(f"accelfn config: {path} exists; not replaced by the defaults (--force replaces it)", file=sys.stderr)
+        print(
+            f"accelfn config: {path} exists; not replaced by the defaults (--force replaces it)",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = Config() if args.default else ask()
     except (EOFError, KeyboardInterrupt) as e:  # input closed (Ctrl-D, no terminal) or Ctrl-C
         why = "end of input" if isinstance(e, EOFError) else "interrupted"
-        print(f"\naccelfn config: {why}; nothing written (--default writes the defaults without asking)", file=sys.stderr)
+        print(
+            f"\naccelfn config: {why}; nothing written (--default writes the defaults without asking)",
+            file=sys.stderr,
+        )
         return 1
     replaced = path.exists()
     try:

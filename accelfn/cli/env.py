@@ -53,7 +53,9 @@ def report(config_file: str | None = None) -> dict[str, Any]:
         memory = []
         for i in range(plat.device_count()):
             total = plat.memory_stats(plat.device(i)).get("total")
-            memory.append(f"{plat.device(i)}: {total / 2**30:.1f} GiB" if total else f"{plat.device(i)}: unknown")
+            memory.append(
+                f"{plat.device(i)}: {total / 2**30:.1f} GiB" if total else f"{plat.device(i)}: unknown"
+            )
         info["device memory"] = ", ".join(memory)
     info["available kinds"] = ", ".join(p.kind for p in platforms.available())
     info["cpu cores"] = _cpu_count()

@@ -64,7 +64,8 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
     o = p.add_argument_group("output")
     o.add_argument(
-        "--log-dir", help="folder for each rank's error file, and its logs with --tee (default: a temp folder)"
+        "--log-dir",
+        help="folder for each rank's error file, and its logs with --tee (default: a temp folder)",
     )
     o.add_argument(
         "--tee",
@@ -110,7 +111,9 @@ def launch(opts: Any) -> int:
     try:
         plan = resolve(opts)
         if not opts.module and not os.path.isfile(opts.script):
-            raise ConfigError(f"{opts.script}: no such file (give the training script's path, or -m for a module)")
+            raise ConfigError(
+                f"{opts.script}: no such file (give the training script's path, or -m for a module)"
+            )
     except (ConfigError, ValueError) as e:
         print(f"accelfn launch: error: {e}", file=sys.stderr)
         return 2
@@ -133,6 +136,9 @@ def add_parser(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.script is None:  # argparse's own message also named the optional script arguments as required
-        print("accelfn launch: error: SCRIPT is required: the training script's path (or a module with -m)", file=sys.stderr)
+        print(
+            "accelfn launch: error: SCRIPT is required: the training script's path (or a module with -m)",
+            file=sys.stderr,
+        )
         return 2
     return launch(options_from_args(args, args.script, args.script_args, args.module))

@@ -34,7 +34,13 @@ class _VersionAction(argparse.Action):
     """``--version``: print `version_line` and exit 0 (computed only when asked: it imports torch)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kw: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the versions of accelfn and torch, and exit")
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="print the versions of accelfn and torch, and exit",
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
         print(version_line())
@@ -45,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The full parser (every command registers its own subparser)."""
     parser = argparse.ArgumentParser(prog="accelfn", description="Functional training for PyTorch.")
     parser.add_argument("-V", "--version", action=_VersionAction)
-    sub = parser.add_subparsers(dest="command", metavar="{config,env,test,launch,estimate-memory,plot}", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{config,env,test,launch,estimate-memory,plot}", required=True
+    )
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

@@ -52,7 +52,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise PlotError(f"{run_dir}: no such run folder")
     if not file.is_file():
-        raise PlotError(f"{run_dir}: no metrics.jsonl in this folder (is it a run folder written by af.trackers?)")
+        raise PlotError(
+            f"{run_dir}: no metrics.jsonl in this folder (is it a run folder written by af.trackers?)"
+        )
     lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
@@ -110,7 +112,11 @@ def plot_runs(
     data = [read_metrics(r) for r in runs]  # every folder is checked before anything is drawn
     Figure = _matplotlib_figure()
     if out is None:
-        out = (runs[0] if runs[0].is_dir() else runs[0].parent) / "plot.png" if len(runs) == 1 else Path("plot.png")
+        out = (
+            (runs[0] if runs[0].is_dir() else runs[0].parent) / "plot.png"
+            if len(runs) == 1
+            else Path("plot.png")
+        )
     out = Path(out)
 
     columns = 1 if len(metrics) == 1 else 2
@@ -129,7 +135,15 @@ def plot_runs(
                 if not xs:
                     continue
                 name = label if len(keys) == 1 else f"{label} {key}"
-                ax.plot(xs, ys, style, color=color, label=name, linewidth=1.4, marker="." if len(xs) < 30 else None)
+                ax.plot(
+                    xs,
+                    ys,
+                    style,
+                    color=color,
+                    label=name,
+                    linewidth=1.4,
+                    marker="." if len(xs) < 30 else None,
+                )
                 drawn = True
         ax.set_title(ylabel)
         ax.set_xlabel("step")
@@ -137,8 +151,10 @@ def plot_runs(
         if drawn:
             ax.legend(fontsize="small")
         else:
-            ax.text(0.5, 0.5, f"no '{metric}' in these runs", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[len(metrics):]:
+            ax.text(
+                0.5, 0.5, f"no '{metric}' in these runs", ha="center", va="center", transform=ax.transAxes
+            )
+    for ax in axes[len(metrics) :]:
         ax.set_visible(False)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
@@ -161,7 +177,9 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", metavar="RUN_DIR", nargs="+", help="run folders holding metrics.jsonl")
-    p.add_argument("-o", "--output", default=None, help="the PNG to write (default: RUN_DIR/plot.png, or ./plot.png)")
+    p.add_argument(
+        "-o", "--output", default=None, help="the PNG to write (default: RUN_DIR/plot.png, or ./plot.png)"
+    )
     p.add_argument(
         "--metrics", default=",".join(DEFAULT_METRICS),
         help=f"comma-separated panels (default: {','.join(DEFAULT_METRICS)}); any key of the records works",

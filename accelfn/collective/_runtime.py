@@ -10,7 +10,15 @@ import torch.distributed as dist
 from .. import platforms
 from ..mesh import Mesh
 
-__all__ = ["rank", "world_size", "local_rank", "is_main_process", "is_local_main_process", "active", "comm_device"]
+__all__ = [
+    "rank",
+    "world_size",
+    "local_rank",
+    "is_main_process",
+    "is_local_main_process",
+    "active",
+    "comm_device",
+]
 
 
 def _env(name: str, default: int) -> int:

@@ -16,9 +16,22 @@ from .. import tree as _tree
 from . import debug
 from ._runtime import active, comm_device, world_size
 
-__all__ = ["gather", "gather_object", "all_reduce", "broadcast", "broadcast_object", "barrier", "tensor_leaves"]
+__all__ = [
+    "gather",
+    "gather_object",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object",
+    "barrier",
+    "tensor_leaves",
+]
 
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def tensor_leaves(fn: str, tree: Any) -> list[tuple[str, torch.Tensor]]:
@@ -178,4 +191,6 @@ def barrier() -> None:
 def _check_src(fn: str, src: int) -> None:
     n = world_size()
     if not isinstance(src, int) or not 0 <= src < n:
-        raise ValueError(f"af.dist.{fn}: src={src!r} is not a rank of this world of {n} processes (0..{n - 1})")
+        raise ValueError(
+            f"af.dist.{fn}: src={src!r} is not a rank of this world of {n} processes (0..{n - 1})"
+        )

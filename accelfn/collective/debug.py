@@ -40,7 +40,8 @@ def check(op: str, signature: Any) -> None:
     for r, (other_op, sig) in enumerate(everyone):
         groups.setdefault(f"{_name(other_op)}({_fmt(sig)})", []).append(r)
     lines = "\n".join(
-        f"  {'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {text}" for text, rs in groups.items()
+        f"  {'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {text}"
+        for text, rs in groups.items()
     )
     raise CollectiveMismatchError(
         f"{_name(op)} on rank {dist.get_rank()}: the ranks disagree on what they pass, so the collective "

@@ -39,9 +39,12 @@ def pad_across_processes(tree: Any, dim: int = 0, pad_index: int | float = 0, pa
         return tree
     if debug.enabled():
         debug.check(
-            f"pad_across_processes[dim={dim}]", [(p, debug.describe(t, free_dim=d)) for (p, t), d in zip(items, dims)]
+            f"pad_across_processes[dim={dim}]",
+            [(p, debug.describe(t, free_dim=d)) for (p, t), d in zip(items, dims)],
         )
-    sizes = torch.tensor([t.shape[d] for (_, t), d in zip(items, dims)], dtype=torch.int64, device=comm_device())
+    sizes = torch.tensor(
+        [t.shape[d] for (_, t), d in zip(items, dims)], dtype=torch.int64, device=comm_device()
+    )
     everyone = [torch.empty_like(sizes) for _ in range(world_size())]
     dist.all_gather(everyone, sizes)
     target = torch.stack(everyone).amax(dim=0).tolist()

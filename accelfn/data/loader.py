@@ -240,7 +240,9 @@ class DataLoader:
             return batch
 
         def move(x: Any) -> Any:
-            if isinstance(x, Mapping) and not isinstance(x, dict):  # a pytree leaf: Hugging Face's BatchEncoding
+            if isinstance(x, Mapping) and not isinstance(
+                x, dict
+            ):  # a pytree leaf: Hugging Face's BatchEncoding
                 moved = {k: _tree.map(move, v) for k, v in x.items()}
                 kind: Any = type(x)
                 try:

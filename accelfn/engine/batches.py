@@ -38,9 +38,13 @@ def split_batch(batch: Any, parts: int, uneven: bool = False) -> list[Any]:
         at = where(path)
         n = leaf.shape[0] if leaf.dim() > 0 else None
         if n is None:
-            raise ValueError(f"accumulate({parts}): {at} is a 0-d tensor; every leaf needs a batch dimension 0")
+            raise ValueError(
+                f"accumulate({parts}): {at} is a 0-d tensor; every leaf needs a batch dimension 0"
+            )
         if seen is not None and n != seen:
-            raise ValueError(f"accumulate({parts}): {at} has {n} rows along dim 0 but other leaves have {seen}")
+            raise ValueError(
+                f"accumulate({parts}): {at} has {n} rows along dim 0 but other leaves have {seen}"
+            )
         seen = n
         if n % parts and not uneven:
             raise ValueError(
@@ -155,7 +159,9 @@ def _metric(key: str, value: Any) -> torch.Tensor:
     if isinstance(value, bool | int | float):
         return torch.tensor(float(value))
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"aux[{key!r}] is a {type(value).__name__}; aux values must be scalar tensors or numbers")
+        raise TypeError(
+            f"aux[{key!r}] is a {type(value).__name__}; aux values must be scalar tensors or numbers"
+        )
     if value.numel() != 1:
         raise ValueError(
             f"aux[{key!r}] has shape {tuple(value.shape)}; aux values are metrics, averaged over micro-batches "

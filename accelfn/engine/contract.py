@@ -111,5 +111,7 @@ class Updater:
     ) -> tuple[Any, dict[str, Any]]:
         raise NotImplementedError
 
-    def overlapped(self, tx: GradientTransformation, state: TrainState) -> contextlib.AbstractContextManager[Any]:
+    def overlapped(
+        self, tx: GradientTransformation, state: TrainState
+    ) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()

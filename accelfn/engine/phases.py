@@ -110,13 +110,17 @@ class TrainPhases:
     # ---- split --------------------------------------------------------------------------------------------------
     def split(self, run: StepRun) -> None:
         plan = run.plan
-        run.micro = [run.batch] if plan.microbatches == 1 else split_batch(run.batch, plan.microbatches, plan.uneven)
+        run.micro = (
+            [run.batch] if plan.microbatches == 1 else split_batch(run.batch, plan.microbatches, plan.uneven)
+        )
 
     # ---- forward and backward ---------------------------------------------------------------------------------
     def forward_backward(self, run: StepRun) -> None:
         plan, sync, params, micro = run.plan, run.sync, run.params, run.micro
         assert plan.slots is not None and plan.loss_call is not None and run.step_key is not None
-        for n in plan.slots.trainable:  # drop gradients another step's backward may have left (a GAN's other half)
+        for n in (
+            plan.slots.trainable
+        ):  # drop gradients another step's backward may have left (a GAN's other half)
             params[n].grad = None
         run.scaler = run.state.extra.get("loss_scale") if plan.loss_scale is not None else None
         run.exact = len(micro) == 1 and plan.grad_sync is None
@@ -132,19 +136,26 @@ class TrainPhases:
                 )
             if run.exact:
                 objective = total / count.clamp_min(1) if count is not None else total  # no valid element: 0
-                run.loss_sum, run.count_sum = local_tensor(objective.detach()), None  # loss-parallel: replicated
+                run.loss_sum, run.count_sum = (
+                    local_tensor(objective.detach()),
+                    None,
+                )  # loss-parallel: replicated
             else:
                 if count is None:  # a mean over this micro-batch: weight it by its size
                     count = torch.tensor(float(rows(mb)), device=total.device)
                     total = total * count
                 objective = total
-                value = local_tensor(total.detach())  # a loss-parallel loss is a replicated DTensor: its value
+                value = local_tensor(
+                    total.detach()
+                )  # a loss-parallel loss is a replicated DTensor: its value
                 run.loss_sum = value if run.loss_sum is None else run.loss_sum + value
                 run.count_sum = count.detach() if run.count_sum is None else run.count_sum + count.detach()
             if run.scaler is not None:
                 if not run.exact and run.norm is None:
                     assert count is not None
-                    run.norm = sync.max_over_ranks(count.detach().float().clamp_min(1).reshape(()) * len(micro))
+                    run.norm = sync.max_over_ranks(
+                        count.detach().float().clamp_min(1).reshape(()) * len(micro)
+                    )
                 scale = run.scaler["scale"].to(objective.device)
                 norm = run.norm
                 objective = objective * (scale / norm.to(objective.device) if norm is not None else scale)
@@ -195,13 +206,19 @@ class TrainPhases:
                 assert run.norm is not None
                 inv_scale = inv_scale * (inv * run.norm.to(inv)).to(inv_scale)
             found_inf = torch.zeros((), device=g_leaves[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_([local_tensor(g) for g in g_leaves], found_inf, inv_scale)
-            found_inf = run.sync.any_rank(found_inf)  # sharded gradients: inf in one rank's shard skips everywhere
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [local_tensor(g) for g in g_leaves], found_inf, inv_scale
+            )
+            found_inf = run.sync.any_rank(
+                found_inf
+            )  # sharded gradients: inf in one rank's shard skips everywhere
             run.skipped = bool(found_inf.item())
             run.metrics["skipped"] = found_inf
             run.metrics["loss_scale"] = scaler["scale"]
         elif inv is not None:
-            local = [local_tensor(g) for g in g_leaves]  # elementwise: act on shards, skipping DTensor dispatch
+            local = [
+                local_tensor(g) for g in g_leaves
+            ]  # elementwise: act on shards, skipping DTensor dispatch
             torch._foreach_mul_(local, inv.to(local[0].device, local[0].dtype))
 
     # ---- clip ---------------------------------------------------------------------------------------------------
@@ -227,7 +244,9 @@ class TrainPhases:
             apply = apply_gradients_on_shards if plan.update_on_shards else apply_gradients
             run.opt_state = apply(plan.optimizer, run.grads, run.opt_state, trainable)
         else:
-            run.opt_state, run.extra = plan.updater(plan.optimizer, run.grads, run.opt_state, trainable, run.extra)
+            run.opt_state, run.extra = plan.updater(
+                plan.optimizer, run.grads, run.opt_state, trainable, run.extra
+            )
         for hook in plan.after_update:
             hook(plan.module)
 
@@ -239,7 +258,11 @@ class TrainPhases:
         if lr is not None:
             metrics["lr"] = lr
         n_micro = len(run.micro)
-        aux = {k: v / n_micro if n_micro > 1 else v for k, v in run.aux_sum.items() if isinstance(v, torch.Tensor)}
+        aux = {
+            k: v / n_micro if n_micro > 1 else v
+            for k, v in run.aux_sum.items()
+            if isinstance(v, torch.Tensor)
+        }
         metrics.update(run.sync.reduce_metrics(aux) if plan.grad_sync is not None else aux)
         extra = run.extra
         if run.scaler is not None:
@@ -266,14 +289,20 @@ STANDARD = TrainPhases()
 
 def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One training step: the strategy's phases (the standard ones unless its backend owns some)."""
-    phases = plan.grad_sync.phases if plan.grad_sync is not None and plan.grad_sync.phases is not None else STANDARD
+    phases = (
+        plan.grad_sync.phases
+        if plan.grad_sync is not None and plan.grad_sync.phases is not None
+        else STANDARD
+    )
     with exclusive(plan, state):
         if not plan.donate:
             state = _clone_state(state)
         if plan.updater is None:
             return phases.run(plan, state, batch)
         assert plan.optimizer is not None
-        with plan.updater.overlapped(plan.optimizer, state):  # an update running during this forward and backward
+        with plan.updater.overlapped(
+            plan.optimizer, state
+        ):  # an update running during this forward and backward
             return phases.run(plan, state, batch)
 
 
@@ -283,7 +312,9 @@ def _clone_state(state: TrainState) -> TrainState:
     return _tree.map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
 
 
-def _next_scale(scaler: dict[str, torch.Tensor], found_inf: bool, cfg: LossScaleConfig) -> dict[str, torch.Tensor]:
+def _next_scale(
+    scaler: dict[str, torch.Tensor], found_inf: bool, cfg: LossScaleConfig
+) -> dict[str, torch.Tensor]:
     scale, good = scaler["scale"], scaler["good_steps"]
     if found_inf:
         return {"scale": scale * cfg.backoff_factor, "good_steps": torch.zeros_like(good)}
@@ -295,13 +326,15 @@ def _next_scale(scaler: dict[str, torch.Tensor], found_inf: bool, cfg: LossScale
 
 def _check_trainable(params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
     """The params that train are fixed at `step.init` (the optimizer state is built for them)."""
-    if all(params[n].requires_grad for n in trainable) and sum(p.requires_grad for p in params.values()) == len(
-        trainable
-    ):
+    if all(params[n].requires_grad for n in trainable) and sum(
+        p.requires_grad for p in params.values()
+    ) == len(trainable):
         return
     frozen = [n for n in trainable if not params[n].requires_grad]
     thawed = [n for n, p in params.items() if p.requires_grad and n not in trainable]
-    what = f"frozen after step.init(): {frozen[:3]}" if frozen else f"unfrozen after step.init(): {thawed[:3]}"
+    what = (
+        f"frozen after step.init(): {frozen[:3]}" if frozen else f"unfrozen after step.init(): {thawed[:3]}"
+    )
     raise ValueError(
         f"params {what}. The trainable params (and the optimizer state built for them) are fixed when a step is "
         "initialised: set requires_grad before step.init() (a new step.init(step.model) starts from the current "

@@ -85,7 +85,9 @@ class Plan:
     rank_key: int | None = None
     notes: list[str] = attrs.Factory(list)
     transforms: list[Any] = attrs.Factory(list)
-    stages: list[tuple[str, tuple[str, ...]]] = attrs.Factory(list)  # (combinator, its notes), in lowering order
+    stages: list[tuple[str, tuple[str, ...]]] = attrs.Factory(
+        list
+    )  # (combinator, its notes), in lowering order
     slots: Slots | None = None
     devices: list[torch.device] = attrs.Factory(list)
     opt_state_type: type | None = None  # what `init` built: a state from another step is refused
@@ -95,7 +97,9 @@ class Plan:
     # run on, not the host it was built on.
     device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
     input_device: torch.device | None = None  # where host batch tensors are moved (None: left where they are)
-    fp8_skipped: dict[str, str] = attrs.Factory(dict)  # Linear layers autocast_fp8 kept in high precision, and why
+    fp8_skipped: dict[str, str] = attrs.Factory(
+        dict
+    )  # Linear layers autocast_fp8 kept in high precision, and why
     # trainable params mixing DTensors with plain tensors (tensor parallel): the update runs on local shards
     update_on_shards: bool = False
     _frozen: bool = attrs.field(default=False, init=False, repr=False)
@@ -174,8 +178,11 @@ def exclusive(plan: Plan, state: TrainState | None = None) -> Iterator[None]:
         return
     own = {id(p) for p in plan.module.parameters()}
     frozen = [
-        p for other in list(_TRAINING) if other is not plan
-        for p in other.module.parameters() if p.requires_grad and id(p) not in own
+        p
+        for other in list(_TRAINING)
+        if other is not plan
+        for p in other.module.parameters()
+        if p.requires_grad and id(p) not in own
     ]
     if state is not None and frozen:
         theirs = {id(p) for p in frozen}
@@ -196,6 +203,7 @@ def exclusive(plan: Plan, state: TrainState | None = None) -> Iterator[None]:
 
 
 def init_loss_scale(cfg: LossScaleConfig) -> dict[str, torch.Tensor]:
-    return {"scale": torch.tensor(cfg.init_scale, dtype=torch.float32), "good_steps": torch.zeros((), dtype=torch.int64)}
-
-
+    return {
+        "scale": torch.tensor(cfg.init_scale, dtype=torch.float32),
+        "good_steps": torch.zeros((), dtype=torch.int64),
+    }

@@ -40,7 +40,9 @@ def _rich_traceback(exc: BaseException, plain: str) -> str:
     except ImportError:
         return plain + "(ACCELFN_RICH is set but rich is not installed: pip install 'accelfn[rich]')\n"
     tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename
+    ):
         tb = tb.tb_next
     console = Console(file=io.StringIO(), width=110, color_system=None, record=True)
     console.print(Traceback.from_exception(type(exc), exc, tb, show_locals=mode == "locals", width=110))

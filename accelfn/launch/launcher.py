@@ -268,7 +268,9 @@ def _failure_report(err: Any, prog: str = "accelfn launch") -> str:
         if isinstance(message, dict):
             callstack = message.get("extraInfo", {}).get("py_callstack", "")
             summary = message.get("message", "")
-        elif isinstance(message, str) and message != "<NONE>":  # torch's placeholder when no error file exists
+        elif (
+            isinstance(message, str) and message != "<NONE>"
+        ):  # torch's placeholder when no error file exists
             summary = message
         elif failure.exitcode < 0:
             summary = f"killed by signal {failure.signal_name()}"

@@ -61,4 +61,3 @@ def try_fused(kernel: str, device: torch.device, fn: Callable[[], None]) -> bool
 
 def zeros_like_tree(params: Any) -> Any:
     return _tree.map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params)
-

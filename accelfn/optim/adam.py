@@ -38,7 +38,13 @@ class AdamState(NamedTuple):
 
 
 def _adam(
-    lr: ScheduleLike, b1: float, b2: float, eps: float, weight_decay: float, mask: MaskLike | None, decoupled: bool
+    lr: ScheduleLike,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    mask: MaskLike | None,
+    decoupled: bool,
 ) -> GradientTransformation:
     schedule = as_schedule(lr)
     name = "adamw" if decoupled else "adam"
@@ -46,7 +52,9 @@ def _adam(
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{name}: {what} must be in [0, 1), got {value}")
     if not eps >= 0.0 or not weight_decay >= 0.0:
-        raise ValueError(f"{name}: eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}")
+        raise ValueError(
+            f"{name}: eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}"
+        )
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def init(params: Any) -> AdamState:
@@ -110,8 +118,19 @@ def _adam(
         def run() -> None:
             for grp, wd in calls:
                 kernel(
-                    pick(p, grp), pick(g, grp), pick(m, grp), pick(v, grp), [], [step_f] * len(grp),
-                    lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                    pick(p, grp),
+                    pick(g, grp),
+                    pick(m, grp),
+                    pick(v, grp),
+                    [],
+                    [step_f] * len(grp),
+                    lr=lr_t,
+                    beta1=b1,
+                    beta2=b2,
+                    weight_decay=wd,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
                 )
 
         if p and try_fused(name, p[0].device, run):
@@ -120,7 +139,15 @@ def _adam(
         torch._foreach_add_(p, _tree.leaves(updates))
         return new_state
 
-    hyperparams = {"name": name, "lr": lr, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "mask": mask}
+    hyperparams = {
+        "name": name,
+        "lr": lr,
+        "b1": b1,
+        "b2": b2,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "mask": mask,
+    }
     return GradientTransformation(init, update, apply, hyperparams)
 
 

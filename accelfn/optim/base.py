@@ -59,6 +59,7 @@ class EmptyState(NamedTuple):
 
 def identity() -> GradientTransformation:
     """Pass updates through unchanged."""
+
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
@@ -132,7 +133,9 @@ def _names(hyperparams: Any) -> list[str]:
 
 
 @torch.no_grad()
-def apply_gradients_on_shards(tx: GradientTransformation, grads: Updates, state: OptState, params: Params) -> OptState:
+def apply_gradients_on_shards(
+    tx: GradientTransformation, grads: Updates, state: OptState, params: Params
+) -> OptState:
     """`apply_gradients` on each rank's local shards, for params that mix DTensors with plain tensors (tensor
     parallel: multi-tensor kernels refuse such lists); the state keeps its DTensors. A transformation that reduces over all elements would see
     only this rank's shards, so it is refused."""
@@ -151,7 +154,9 @@ def apply_gradients_on_shards(tx: GradientTransformation, grads: Updates, state:
         originals[id(view)] = t
         return view
 
-    new_state = apply_gradients(tx, _tree.map(local, grads), _tree.map(local, state), _tree.map(local, params))
+    new_state = apply_gradients(
+        tx, _tree.map(local, grads), _tree.map(local, state), _tree.map(local, params)
+    )
     return _tree.map(lambda x: originals.get(id(x), x), new_state)
 
 

@@ -32,7 +32,11 @@ class LionState(NamedTuple):
 
 @checked
 def lion(
-    lr: ScheduleLike, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: MaskLike | None = None
+    lr: ScheduleLike,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    mask: MaskLike | None = None,
 ) -> GradientTransformation:
     """Lion: `p -= lr * (sign(b1*m + (1-b1)*g) + weight_decay*p)`; then `m = b2*m + (1-b2)*g`."""
     for what, value in (("b1", b1), ("b2", b2)):
@@ -59,7 +63,9 @@ def lion(
             if params is None:
                 raise ValueError("lion with weight_decay needs params in update(grads, state, params)")
             p = _tree.leaves(params)
-            dec = [i for i, f in enumerate(mask_leaves(mask, params, "lion") if mask else [True] * len(p)) if f]
+            dec = [
+                i for i, f in enumerate(mask_leaves(mask, params, "lion") if mask else [True] * len(p)) if f
+            ]
             if dec:
                 torch._foreach_add_(pick(c, dec), pick(p, dec), alpha=weight_decay)
         torch._foreach_mul_(c, -lr_t)

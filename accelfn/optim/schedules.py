@@ -115,7 +115,9 @@ def as_schedule(lr: ScheduleLike) -> Callable[[torch.Tensor], torch.Tensor]:
         raise TypeError("learning rate must be a float or a schedule, got bool")
     if isinstance(lr, (int, float)):
         if not lr >= 0:  # also NaN
-            raise ValueError(f"learning rate must be >= 0, got {lr} (the update already subtracts lr * direction)")
+            raise ValueError(
+                f"learning rate must be >= 0, got {lr} (the update already subtracts lr * direction)"
+            )
         return constant(float(lr))
     if isinstance(lr, Schedule):
         return lr

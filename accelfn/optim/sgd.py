@@ -40,7 +40,9 @@ def sgd(
 ) -> GradientTransformation:
     """Stochastic gradient descent; `weight_decay` is an L2 penalty added to the gradient (as in torch)."""
     if not momentum >= 0.0 or not weight_decay >= 0.0:  # as torch.optim.SGD (NaN included)
-        raise ValueError(f"sgd: momentum and weight_decay must be >= 0, got momentum={momentum}, weight_decay={weight_decay}")
+        raise ValueError(
+            f"sgd: momentum and weight_decay must be >= 0, got momentum={momentum}, weight_decay={weight_decay}"
+        )
     if nesterov and momentum <= 0:
         raise ValueError(f"sgd: nesterov=True needs momentum > 0, got momentum={momentum}")
     schedule = as_schedule(lr)
@@ -75,9 +77,16 @@ def sgd(
         def run() -> None:
             for grp in groups(p):
                 torch._fused_sgd_(
-                    pick(p, grp), pick(g, grp), pick(buf, grp) if momentum else [],
-                    weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=0.0,
-                    nesterov=nesterov, maximize=False, is_first_step=False,
+                    pick(p, grp),
+                    pick(g, grp),
+                    pick(buf, grp) if momentum else [],
+                    weight_decay=weight_decay,
+                    momentum=momentum,
+                    lr=lr_t,
+                    dampening=0.0,
+                    nesterov=nesterov,
+                    maximize=False,
+                    is_first_step=False,
                 )
 
         if p and try_fused("sgd", p[0].device, run):
@@ -86,5 +95,11 @@ def sgd(
         torch._foreach_add_(p, _tree.leaves(updates))
         return new_state
 
-    hyperparams = {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
+    hyperparams = {
+        "name": "sgd",
+        "lr": lr,
+        "momentum": momentum,
+        "nesterov": nesterov,
+        "weight_decay": weight_decay,
+    }
     return GradientTransformation(init, update, apply, hyperparams)

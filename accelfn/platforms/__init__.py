@@ -53,7 +53,8 @@ ENV_VAR = ACCELFN_DEVICE
 """Environment variable that forces a device kind (read by `detect`)."""
 
 _PLATFORMS: dict[str, Platform] = {
-    p.kind: p for p in (CpuPlatform(), CudaPlatform(), XlaPlatform(), XpuPlatform(), NpuPlatform(), MluPlatform())
+    p.kind: p
+    for p in (CpuPlatform(), CudaPlatform(), XlaPlatform(), XpuPlatform(), NpuPlatform(), MluPlatform())
 }
 KINDS: tuple[str, ...] = tuple(_PLATFORMS)
 DETECTION_ORDER: tuple[str, ...] = ("xla", "cuda", "xpu", "npu", "mlu", "cpu")
@@ -104,7 +105,9 @@ def for_device(device: torch.device | str) -> Platform:
     platform = _find(device)
     if platform is None:
         kind = torch.device(device).type
-        raise ValueError(f"no accelfn platform for device type {kind!r}; the kinds are: {', '.join(_PLATFORMS)}")
+        raise ValueError(
+            f"no accelfn platform for device type {kind!r}; the kinds are: {', '.join(_PLATFORMS)}"
+        )
     return platform
 
 
@@ -144,7 +147,9 @@ def is_host(device: torch.device | str) -> bool:
         >>> af.platforms.is_host(torch.device("cpu")), af.platforms.is_host("cuda:0")
         (True, False)
     """
-    return (device if isinstance(device, torch.device) else torch.device(device)).type == CpuPlatform.device_type
+    return (
+        device if isinstance(device, torch.device) else torch.device(device)
+    ).type == CpuPlatform.device_type
 
 
 def count_dtype(device: torch.device | str) -> torch.dtype:

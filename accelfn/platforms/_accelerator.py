@@ -61,7 +61,11 @@ class TorchAccelerator(Platform):
             "reserved": int(mod.memory_reserved(device)),
         }
         props = getattr(mod, "get_device_properties", None)
-        total = getattr(props(device if device is not None else mod.current_device()), "total_memory", None) if props else None
+        total = (
+            getattr(props(device if device is not None else mod.current_device()), "total_memory", None)
+            if props
+            else None
+        )
         if total is not None:
             stats["total"] = int(total)
         return stats

@@ -45,7 +45,9 @@ def tune_host_allocator() -> bool:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = getattr(libc, "mallopt", None)
             if mallopt is not None:  # glibc (musl and macOS have no mallopt)
-                ok = bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 256 << 20))
+                ok = bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(
+                    mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+                )
         except OSError:
             ok = False
     _TUNED.append(ok)
@@ -66,7 +68,11 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     backend = "gloo"
     visible_devices_env = None
-    oom_messages = ("defaultcpuallocator: can't allocate memory", "defaultcpuallocator: not enough memory", "out of memory")
+    oom_messages = (
+        "defaultcpuallocator: can't allocate memory",
+        "defaultcpuallocator: not enough memory",
+        "out of memory",
+    )
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         """Also Python's own `MemoryError` (a host allocation outside torch)."""

@@ -67,7 +67,10 @@ class XlaPlatform(Platform):
             if "peak_bytes_used" in info:
                 out["peak_allocated"] = int(info["peak_bytes_used"])
             return out
-        return {"allocated": int(info["kb_total"] - info["kb_free"]) * 1024, "total": int(info["kb_total"]) * 1024}
+        return {
+            "allocated": int(info["kb_total"] - info["kb_free"]) * 1024,
+            "total": int(info["kb_total"]) * 1024,
+        }
 
     def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(int(self._xm().get_rng_state(device)), dtype=torch.int64)

@@ -145,7 +145,9 @@ def open(
             except TrackerError:
                 raise
             except Exception as e:
-                raise TrackerError(item, f"could not open in {str(run_path)!r}: {type(e).__name__}: {e}") from e
+                raise TrackerError(
+                    item, f"could not open in {str(run_path)!r}: {type(e).__name__}: {e}"
+                ) from e
         run = Run(trackers, log_every=log_every, active=True, on_error=on_error)
     except BaseException:
         for t in trackers:
@@ -167,4 +169,3 @@ def __getattr__(name: str) -> Any:
         if cls_name == name:
             return getattr(importlib.import_module(module), cls_name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -55,8 +55,8 @@ class TrackerError(RuntimeError):
 def missing_package(backend: str, package: str, extra: str, cause: BaseException) -> TrackerError:
     """The one error for a backend whose package is not installed."""
     return TrackerError(
-        backend, f"the package {package!r} is not installed ({cause}); install it with "
-        f"pip install 'accelfn[{extra}]'"
+        backend,
+        f"the package {package!r} is not installed ({cause}); install it with pip install 'accelfn[{extra}]'",
     )
 
 

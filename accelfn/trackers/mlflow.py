@@ -54,8 +54,12 @@ class MLflowTracker:
             else:
                 exp_name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "accelfn"
                 exp = client.get_experiment_by_name(exp_name)
-                exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-                    exp_name, artifact_location=(run_dir / "mlartifacts").as_uri()
+                exp_id = (
+                    exp.experiment_id
+                    if exp is not None
+                    else client.create_experiment(
+                        exp_name, artifact_location=(run_dir / "mlartifacts").as_uri()
+                    )
                 )
                 run_id = client.create_run(exp_id, run_name=run_name or run_dir.name).info.run_id
                 id_file.write_text(run_id + "\n")

@@ -86,7 +86,9 @@ class WandbTracker:
                 **init_kwargs,
             )
         except Exception as e:
-            raise TrackerError(self.name, f"wandb.init failed in mode {mode!r}: {type(e).__name__}: {e}") from e
+            raise TrackerError(
+                self.name, f"wandb.init failed in mode {mode!r}: {type(e).__name__}: {e}"
+            ) from e
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)

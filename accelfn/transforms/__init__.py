@@ -8,4 +8,14 @@ from .offload import apply_pending_update, offload
 from .remat import remat
 from .shard import shard
 
-__all__ = ["apply_pending_update", "accumulate", "autocast", "autocast_fp8", "compile", "offload", "remat", "shard", "LossScaleConfig"]
+__all__ = [
+    "apply_pending_update",
+    "accumulate",
+    "autocast",
+    "autocast_fp8",
+    "compile",
+    "offload",
+    "remat",
+    "shard",
+    "LossScaleConfig",
+]

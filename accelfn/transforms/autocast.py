@@ -83,7 +83,9 @@ def _resolve(dtype: Any) -> torch.dtype | None:
 
 
 @checked
-def autocast(step: Step, dtype: torch.dtype | str = "auto", *, loss_scale: LossScaleConfig | None = None) -> Step:
+def autocast(
+    step: Step, dtype: torch.dtype | str = "auto", *, loss_scale: LossScaleConfig | None = None
+) -> Step:
     """Run the forward in `dtype` (torch.bfloat16 / torch.float16, or "bf16"/"fp16"/"no"/"auto").
 
     `"auto"` follows `accelfn launch --mixed-precision` (`fp8` there also adds `af.autocast_fp8`).
@@ -99,7 +101,9 @@ def autocast(step: Step, dtype: torch.dtype | str = "auto", *, loss_scale: LossS
         from .fp8 import autocast_fp8
 
         step = autocast_fp8(
-            step, backend=os.environ.get(ACCELFN_FP8_BACKEND) or "auto", recipe=os.environ.get(ACCELFN_FP8_RECIPE) or None
+            step,
+            backend=os.environ.get(ACCELFN_FP8_BACKEND) or "auto",
+            recipe=os.environ.get(ACCELFN_FP8_RECIPE) or None,
         )
     if resolved is None:
         return step

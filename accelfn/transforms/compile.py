@@ -86,7 +86,9 @@ class Compile(TransformBase):
 
     def check(self, others: Sequence[Transform]) -> None:
         shard, tp = find(others, "shard"), find(others, "tensor_parallel")
-        if tp is not None and (self.regions == "blocks" or getattr(shard, "strategy", None) in ("fsdp", "hsdp")):
+        if tp is not None and (
+            self.regions == "blocks" or getattr(shard, "strategy", None) in ("fsdp", "hsdp")
+        ):
             raise conflict(
                 self,
                 shard,
@@ -100,7 +102,10 @@ class Compile(TransformBase):
         kwargs = dict(self.options)
         eager = _untraceable(plan.module)
         shard = next((t for t in plan.transforms if t.kind == "shard"), None)
-        fsdp = getattr(shard, "strategy", None) in ("fsdp", "hsdp") and getattr(shard, "backend", "torch") == "torch"
+        fsdp = (
+            getattr(shard, "strategy", None) in ("fsdp", "hsdp")
+            and getattr(shard, "backend", "torch") == "torch"
+        )
         if fsdp and self.regions is None:
             plan.notes.append("compile per block under fsdp")
             Compile(self.options, "blocks").lower(plan)

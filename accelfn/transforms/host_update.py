@@ -95,7 +95,9 @@ class HostUpdater(Updater):
         with torch.no_grad():
             host_grads = self._grads_to_host(grads)
             host_params, _ = self._host_params(params, extra)
-            if not platforms.is_host(device):  # the copies into host memory must have landed before the update
+            if not platforms.is_host(
+                device
+            ):  # the copies into host memory must have landed before the update
                 platforms.synchronize(device)
             new_state = self._update(tx, host_grads, opt_state, host_params)
             self._upload(params, host_params)
@@ -224,7 +226,9 @@ class DelayedHostUpdater(HostUpdater):
         with torch.no_grad():
             host_params, refreshed = self._host_params(params, state.extra)
         device = next(iter(params.values())).device
-        if refreshed and not platforms.is_host(device):  # a first step, a loaded state, donate=False: wait for the mirror
+        if refreshed and not platforms.is_host(
+            device
+        ):  # a first step, a loaded state, donate=False: wait for the mirror
             platforms.synchronize(device)
         copied, grads, opt_state = self._copied, pending["grads"], state.opt_state
 

@@ -100,7 +100,9 @@ def find_remat_blocks(module: nn.Module, classes: Sequence[str] | None = None) -
             return "/".join(sorted({type(b).__name__ for b in found})), found
         if classes:
             names = sorted({type(m).__name__ for m in module.modules()})
-            raise ValueError(f"remat: no module of class {list(classes)} in the model; its classes are {names}")
+            raise ValueError(
+                f"remat: no module of class {list(classes)} in the model; its classes are {names}"
+            )
     from .compile import find_blocks
 
     try:
@@ -148,7 +150,9 @@ def _policy_fn(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
-def _cache_dropper(forward: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+def _cache_dropper(
+    forward: Callable[..., Any],
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
     """For a Hugging Face layer: a function that removes its key/value cache from a call's arguments (passed
     by name or by position). The recomputation would append the keys and values to the cache a second time and
     attend over both (transformers turns `use_cache` off under gradient checkpointing for the same reason); in
@@ -231,7 +235,11 @@ class Remat(TransformBase):
     kind: str = "activation_checkpointing"
 
     def _policy_name(self) -> str:
-        return repr(self.policy) if isinstance(self.policy, str) else getattr(self.policy, "__name__", "callable")
+        return (
+            repr(self.policy)
+            if isinstance(self.policy, str)
+            else getattr(self.policy, "__name__", "callable")
+        )
 
     def describe(self) -> str:
         if self.memory_budget is not None:
@@ -247,7 +255,11 @@ class Remat(TransformBase):
         if self.memory_budget is not None and find(others, "compile") is None:
             raise conflict_without_compile(self)
         shard = find(others, "shard")
-        if shard is not None and getattr(shard, "backend", "torch") == "deepspeed" and self.memory_budget is not None:
+        if (
+            shard is not None
+            and getattr(shard, "backend", "torch") == "deepspeed"
+            and self.memory_budget is not None
+        ):
             raise conflict(self, shard, "DeepSpeed runs the step eagerly; a memory budget needs af.compile")
 
     def lower(self, plan: Plan) -> None:
@@ -262,7 +274,9 @@ class Remat(TransformBase):
             budget = functools.partial(functorch_config.patch, activation_memory_budget=self.memory_budget)
             plan.forward_contexts.append(budget)
             plan.backward_contexts.append(budget)
-            plan.notes.append(f"activation memory budget {self.memory_budget} (the compiler chooses what to save)")
+            plan.notes.append(
+                f"activation memory budget {self.memory_budget} (the compiler chooses what to save)"
+            )
             return
         what, blocks = find_remat_blocks(plan.module, self.blocks)
         chosen = [b for i, b in enumerate(blocks) if (i + 1) % self.every == 0]
@@ -303,9 +317,13 @@ def remat(
         raise ValueError(f"remat: every must be >= 1 (checkpoint every n-th block), got {every}")
     if memory_budget is not None:
         if not 0 < memory_budget <= 1:
-            raise ValueError(f"remat: memory_budget must be in (0, 1] (a fraction of the activations), got {memory_budget}")
+            raise ValueError(
+                f"remat: memory_budget must be in (0, 1] (a fraction of the activations), got {memory_budget}"
+            )
         if policy != "full" or every != 1 or blocks:
-            raise ValueError("remat: memory_budget lets the compiler choose what to save; do not also pass policy, every or blocks")
+            raise ValueError(
+                "remat: memory_budget lets the compiler choose what to save; do not also pass policy, every or blocks"
+            )
     if isinstance(blocks, str):
         blocks = [blocks]
     return step.with_transform(Remat(policy, every, tuple(blocks) if blocks else None, memory_budget))

@@ -29,7 +29,9 @@ print(f"AGREE rank={rank} tried={tried} all_reduced={total}", flush=True)
 # rank 1 never fits: every rank raises the clear error, none waits alone
 tried = []
 try:
-    find_executable_batch_size(attempt(tried, 0 if rank == 1 else 10**9), starting_batch_size=8, min_batch_size=2)()
+    find_executable_batch_size(
+        attempt(tried, 0 if rank == 1 else 10**9), starting_batch_size=8, min_batch_size=2
+    )()
 except RuntimeError as e:
     print(f"EXHAUSTED rank={rank} tried={tried} msg={str(e).splitlines()[0]}", flush=True)
 

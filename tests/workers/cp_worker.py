@@ -125,7 +125,9 @@ def check(mesh, kind, options):
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind, options), seed=3)
     assert f"context parallel over cp={mesh.axis_size('cp')}" in repr(step), repr(step)
-    assert f"{strategy} over {mesh.world_size} ranks" in repr(step), repr(step)  # gradients summed over dp x cp
+    assert f"{strategy} over {mesh.world_size} ranks" in repr(step), repr(
+        step
+    )  # gradients summed over dp x cp
     if "eager" in options:
         assert "attention switched from 'eager' to 'sdpa'" in repr(step), repr(step)
     if "loader" in options:  # each data rank reads its rows; the cp ranks of one data rank the same ones
@@ -179,7 +181,9 @@ def check_errors(mesh):
     step = af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, inputs="global")
     state = step.init(make_model("llama"))
     odd = {k: v[:, :-2] for k, v in b.items()}  # 14 positions: not a multiple of 2 x cp
-    expect(lambda: step(state, odd), "batch['input_ids'] has 14 positions along dim 1, not divisible by 2 x cp")
+    expect(
+        lambda: step(state, odd), "batch['input_ids'] has 14 positions along dim 1, not divisible by 2 x cp"
+    )
     sliced = af.shard(af.train_step(
         lambda m, b: af.losses.cross_entropy(m(input_ids=b["input_ids"][:, :-1]).logits, b["labels"][:, 1:]),
         af.optim.sgd(0.1)), mesh, inputs="global")  # fmt: skip
@@ -202,12 +206,17 @@ def check_errors(mesh):
     s4 = no_sdpa.init(nn.Linear(SEQ // mesh.axis_size("cp"), 2))
     expect(lambda: no_sdpa(s4, b), "called no torch.nn.functional.scaled_dot_product_attention")
     if mesh.data_size > 1:
-        expect(lambda: af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, strategy="hsdp"), "HSDP over a cp axis")
+        expect(
+            lambda: af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, strategy="hsdp"),
+            "HSDP over a cp axis",
+        )
     expect(lambda: af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, backend="deepspeed"),
            "DeepSpeed splits no sequence")  # fmt: skip
     gc = make_model("llama")
     gc.gradient_checkpointing_enable()
-    expect(lambda: af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh).init(gc), "use af.remat(step) instead")
+    expect(
+        lambda: af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh).init(gc), "use af.remat(step) instead"
+    )
     print(f"rank {mesh.rank}: OK errors", flush=True)
 
 

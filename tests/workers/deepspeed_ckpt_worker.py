@@ -90,10 +90,15 @@ def check(name):
     # a fresh DeepSpeed step resumes from the files and ends where the uninterrupted run ended
     second = ds()
     resumed = af.checkpoint.load(folder, like=second.init(model()))
-    assert int(resumed.step) == SPLIT and int(resumed.opt_state.count) == SPLIT, (resumed.step, resumed.opt_state)
+    assert int(resumed.step) == SPLIT and int(resumed.opt_state.count) == SPLIT, (
+        resumed.step,
+        resumed.opt_state,
+    )
     resumed = run(second, resumed, data[SPLIT:])
     diff = max_diff(full_params(second, resumed), whole)
-    assert diff <= 1e-6, f"rank {mesh.rank}: resumed DeepSpeed run differs from the uninterrupted one by {diff}"
+    assert diff <= 1e-6, (
+        f"rank {mesh.rank}: resumed DeepSpeed run differs from the uninterrupted one by {diff}"
+    )
 
     # the same files resume a backend="torch" ddp step (fp32 masters, moments, count, schedule)
     compare, tol = (update_error, 0.1) if "bf16" in extra else (max_diff, 1e-4)
@@ -108,7 +113,9 @@ def check(name):
     third = ds()
     from_ddp = run(third, af.checkpoint.load(folder + "-ddp", like=third.init(model())), data[SPLIT:])
     diff_back = compare(full_params(third, from_ddp), whole)
-    assert diff_back <= tol, f"rank {mesh.rank}: DeepSpeed resumed from a ddp checkpoint differs by {diff_back}"
+    assert diff_back <= tol, (
+        f"rank {mesh.rank}: DeepSpeed resumed from a ddp checkpoint differs by {diff_back}"
+    )
     print(f"rank {mesh.rank}: OK {name} (resume {diff:.1e}, into ddp {diff_ddp:.1e}, from ddp {diff_back:.1e})",
           flush=True)  # fmt: skip
 

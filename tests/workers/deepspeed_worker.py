@@ -52,10 +52,12 @@ def batches(kind, rows=8):
 
 def make_loss(kind, teacher):
     if kind == "gpt2":
+
         def loss_fn(model, b):
             logits = model(input_ids=b["input_ids"]).logits
             return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
     elif kind == "distill":  # a frozen teacher used inside the student's loss: KL to its soft labels
+
         def loss_fn(model, b):
             with torch.no_grad():
                 soft = torch.softmax(teacher(b["x"]) / 2.0, dim=-1)
@@ -63,8 +65,10 @@ def make_loss(kind, teacher):
             kl = torch.nn.functional.kl_div(log_p, soft, reduction="batchmean")
             return kl + 0.5 * af.losses.cross_entropy(model(b["x"]), b["y"]).total / b["x"].shape[0]
     else:
+
         def loss_fn(model, b):
             return af.losses.cross_entropy(model(b["x"]), b["y"])
+
     return loss_fn
 
 
@@ -110,7 +114,9 @@ def check(mesh, stage, kind, extra):
         return af.shard(step, mesh, inputs="global", **shard_kw)
 
     ref_state, ref_losses, _ = run(build(strategy="ddp"), model_kind, data)
-    ds_step = build(backend="deepspeed", zero_stage=stage, offload_optimizer=True if "offload" in extra else None)
+    ds_step = build(
+        backend="deepspeed", zero_stage=stage, offload_optimizer=True if "offload" in extra else None
+    )
     state, losses, metrics = run(ds_step, model_kind, data)
 
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -130,9 +136,14 @@ def check(mesh, stage, kind, extra):
         ref_update = torch.cat([(ref_state.params[k] - init[k]).flatten() for k in params])
         update = torch.cat([(params[k] - init[k]).flatten() for k in params])
         diff = ((update - ref_update).norm() / ref_update.norm()).item()
-        print(f"rank {mesh.rank}: bf16 update error {diff:.3f} (|ref update| {ref_update.norm():.3f})", flush=True)
+        print(
+            f"rank {mesh.rank}: bf16 update error {diff:.3f} (|ref update| {ref_update.norm():.3f})",
+            flush=True,
+        )
     # bf16: measured 0.033; a run that skipped one of the 5 updates would be ~0.2, no training 1.0
-    assert diff <= (0.1 if "bf16" in extra else 1e-4), f"rank {mesh.rank}: params differ from the ddp run by {diff}"
+    assert diff <= (0.1 if "bf16" in extra else 1e-4), (
+        f"rank {mesh.rank}: params differ from the ddp run by {diff}"
+    )
     assert int(state.step) == STEPS and int(state.opt_state.count) == STEPS, (state.step, state.opt_state)
     assert "grad_norm" in metrics and "lr" in metrics, sorted(metrics)
     if stage == 3:  # the state's params are the engine's own partitioned parameters
@@ -158,7 +169,9 @@ try:
         make_model("mlp")
     )
 except ValueError as e:
-    assert f"data-parallel over all {mesh.world_size} processes" in str(e) and "af.Mesh({'dp': -1})" in str(e), e
+    assert f"data-parallel over all {mesh.world_size} processes" in str(e) and "af.Mesh({'dp': -1})" in str(
+        e
+    ), e
 else:
     raise AssertionError("a tp-only mesh was accepted by shard(backend='deepspeed')")
 del tp_mesh

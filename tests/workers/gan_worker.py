@@ -48,8 +48,13 @@ def train(shard):
         ds, dm = d_step(ds, b)
         gs, gm = g_step(gs, b)
         losses.append((dm["loss"].item(), gm["loss"].item()))
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-            for k, v in {**{f"g.{k}": v for k, v in gs.params.items()}, **{f"d.{k}": v for k, v in ds.params.items()}}.items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for k, v in {
+            **{f"g.{k}": v for k, v in gs.params.items()},
+            **{f"d.{k}": v for k, v in ds.params.items()},
+        }.items()
+    }
     return losses, full
 
 

@@ -36,7 +36,15 @@ for _ in range(4):
     state, metrics = meter(state, {"ids": torch.randint(0, 32, (4, 16))})
 
 calls = {"n": 0}
-for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce", "gather"):
+for name in (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "broadcast",
+    "reduce",
+    "gather",
+):
     if not hasattr(dist, name):
         continue
     original = getattr(dist, name)

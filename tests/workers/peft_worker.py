@@ -23,7 +23,9 @@ def make_model(dtype: torch.dtype, extra: set[str]) -> torch.nn.Module:
     torch.manual_seed(1)
     # "norms": trainable copies of the norms in the base dtype beside fp32 LoRA params in one block
     more = {"modules_to_save": ["input_layernorm"]} if "norms" in extra else {}
-    model = get_peft_model(base, LoraConfig(**LORA, **more))  # adapters in fp32 (PEFT's autocast_adapter_dtype)
+    model = get_peft_model(
+        base, LoraConfig(**LORA, **more)
+    )  # adapters in fp32 (PEFT's autocast_adapter_dtype)
     g = torch.Generator().manual_seed(2)
     for n, p in model.named_parameters():
         if "lora_B" in n:  # PEFT starts B at 0; give it values so every LoRA weight gets a gradient
@@ -60,8 +62,12 @@ def check(strategy: str, dtype_name: str, extra: set[str], mesh: af.Mesh) -> Non
 
     lora = sorted(n for n, p in state.params.items() if p.requires_grad)  # LoRA (+ modules_to_save copies)
     n_lora = sum("lora_" in n for n in state.params)
-    assert n_lora == 12 and len(lora) == n_lora + ("norms" in extra) * 2, lora  # 2 layers x 3 modules x (A, B)
-    moments = [path for path, _ in af.tree.flatten_with_path(state.opt_state) if path.startswith(("mu.", "nu."))]
+    assert n_lora == 12 and len(lora) == n_lora + ("norms" in extra) * 2, (
+        lora
+    )  # 2 layers x 3 modules x (A, B)
+    moments = [
+        path for path, _ in af.tree.flatten_with_path(state.opt_state) if path.startswith(("mu.", "nu."))
+    ]
     assert sorted(moments) == sorted(f"{m}.{n}" for m in ("mu", "nu") for n in lora), moments  # only LoRA's
     frozen = {n: full(p).clone() for n, p in state.params.items() if n not in lora}
     for n, p in state.params.items():  # the sharded frozen base keeps its dtype (Accelerate #3844 upcast it)
@@ -104,15 +110,20 @@ def check(strategy: str, dtype_name: str, extra: set[str], mesh: af.Mesh) -> Non
             want = ref_model(input_ids=ids).logits.float()
             got = peft(input_ids=ids).logits.float()
             got_merged = merged(input_ids=ids).logits.float()
-        assert (got - want).abs().max() <= (1e-6 if "compile" in extra else 0), (got - want).abs().max()  # compiled blocks round apart
+        assert (got - want).abs().max() <= (1e-6 if "compile" in extra else 0), (
+            (got - want).abs().max()
+        )  # compiled blocks round apart
         assert merged.dtype == dtype and (got_merged - want).abs().max() <= (1e-5 if exact else 0.1), (
-            (got_merged - want).abs().max())
+            (got_merged - want).abs().max()
+        )
     # and back into a fresh sharded state
     step2, state2, _ = build(strategy, dtype, extra, mesh)
     state2 = af.checkpoint.load_adapter(f"{OUT}/{tag}", like=state2, model=step2.model)
     for n in lora:
         assert torch.equal(full(state2.params[n]), full(state.params[n])), n
-    print(f"rank {mesh.rank}: OK {tag} loss {losses[0]:.4f} -> {losses[-1]:.4f} max diff {diff:.1e}/{pdiff:.1e}")
+    print(
+        f"rank {mesh.rank}: OK {tag} loss {losses[0]:.4f} -> {losses[-1]:.4f} max diff {diff:.1e}/{pdiff:.1e}"
+    )
 
 
 mesh = af.Mesh({"dp": -1}, device="cpu")

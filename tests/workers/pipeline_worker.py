@@ -37,7 +37,10 @@ def main() -> None:
         logits = af.pipeline(lm, ["transformer.h.1"], mesh, example_args=(ids,), microbatches=2)(ids)
         assert torch.allclose(logits, want, atol=1e-5), (logits - want).abs().max()
         assert lm.config.use_cache == tiny_gpt2().config.use_cache  # the user's model is left as it was
-        print(f"rank {mesh.rank}: PIPELINE GPT-2 OK max diff {(logits - want).abs().max().item():.2e}", flush=True)
+        print(
+            f"rank {mesh.rank}: PIPELINE GPT-2 OK max diff {(logits - want).abs().max().item():.2e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,11 @@ torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 data = {"x": torch.randn(200, 8, generator=g), "y": torch.randint(0, 4, (200,), generator=g)}
 loader = af.data.DataLoader(data, batch_size=4, mesh=mesh, shuffle=True, seed=7)
-step = af.shard(af.accumulate(af.train_step(loss_fn, af.optim.adamw(1e-2), clip_grad_norm=1.0), 2), mesh,
-                strategy=strategy)
+step = af.shard(
+    af.accumulate(af.train_step(loss_fn, af.optim.adamw(1e-2), clip_grad_norm=1.0), 2),
+    mesh,
+    strategy=strategy,
+)
 state = step.init(Net(), seed=3)
 if mode == "rest":
     state = af.checkpoint.load(ckpt, like=state, loader=loader)

@@ -19,7 +19,10 @@ state = step.init(torch.nn.Linear(4, 2))
 state, _ = step(state, torch.randn(8, 4))
 what, call = {
     "save": ("af.checkpoint.save", lambda: af.checkpoint.save(f"{out}/ckpt", state)),
-    "save_pretrained": ("af.checkpoint.save_pretrained", lambda: af.checkpoint.save_pretrained(f"{out}/hf", state.params)),
+    "save_pretrained": (
+        "af.checkpoint.save_pretrained",
+        lambda: af.checkpoint.save_pretrained(f"{out}/hf", state.params),
+    ),
 }[which]
 if len(sys.argv) > 4 and sys.argv[4] == "debug":  # ACCELFN_DEBUG=1: the caller saves, the other trains on
     from accelfn.collective.debug import CollectiveMismatchError

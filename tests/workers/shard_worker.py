@@ -57,7 +57,9 @@ def check_fp16_skip(strategy, mesh):
         loss = model(b["x"]).float().pow(2).mean()
         return loss * float("inf") if mesh.rank == 1 else loss
 
-    step = af.shard(af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), torch.float16), mesh, strategy=strategy)
+    step = af.shard(
+        af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), torch.float16), mesh, strategy=strategy
+    )
     torch.manual_seed(0)
     state = step.init(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5)))
     before = full(state.params)
@@ -72,11 +74,16 @@ def check_frozen_differently(strategy, mesh):
     """Ranks that froze different layers (same shapes) are refused at init, on every rank, naming the param."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[mesh.rank].weight.requires_grad_(False)
-    step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy)
+    step = af.shard(
+        af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy
+    )
     try:
         step.init(model)
     except ValueError as e:
-        assert "the ranks' models differ: '0.weight': frozen [4, 4] on rank 0, trainable [4, 4] on rank 1" in str(e), e
+        assert (
+            "the ranks' models differ: '0.weight': frozen [4, 4] on rank 0, trainable [4, 4] on rank 1"
+            in str(e)
+        ), e
         print(f"rank {mesh.rank}: OK {strategy} frozen-differently")
     else:
         raise AssertionError(f"rank {mesh.rank}: models that differ were accepted")
@@ -90,9 +97,13 @@ def check_bf16_count(strategy, mesh):
     step = af.shard(af.train_step(lambda m, b: af.Loss(m(b).sum(), torch.tensor(151 - mesh.rank)), af.optim.sgd(0.0)),
                     mesh, strategy=strategy, inputs="local")  # fmt: skip
     state = step.init(model)
-    _, m = step(state, torch.ones(64, 4, dtype=torch.bfloat16))  # 256 per rank: the total 512 is exact in bf16
+    _, m = step(
+        state, torch.ones(64, 4, dtype=torch.bfloat16)
+    )  # 256 per rank: the total 512 is exact in bf16
     got = m["loss"].float().item()
-    assert abs(got - 512 / 301) <= 1e-3 * 512 / 301, f"rank {mesh.rank}: loss {got}, expected 512/301 (512/300 = {512 / 300})"
+    assert abs(got - 512 / 301) <= 1e-3 * 512 / 301, (
+        f"rank {mesh.rank}: loss {got}, expected 512/301 (512/300 = {512 / 300})"
+    )
     print(f"rank {mesh.rank}: OK {strategy} bf16-count")
 
 
@@ -226,7 +237,9 @@ def check_bn_buffers(mesh, strategy):
     g = torch.Generator().manual_seed(6)
     data = [torch.randn(8, 4, generator=g) * (1 + i) for i in range(3)]
     local = [x[mesh.data_rank * 4 : (mesh.data_rank + 1) * 4] for x in data]
-    step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy)
+    step = af.shard(
+        af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh, strategy=strategy
+    )
     state = step.init(net())
     for x in local:
         state, _ = step(state, x)
@@ -240,7 +253,9 @@ def check_bn_buffers(mesh, strategy):
     diff = max((state.buffers[k].float() - want[k].float()).abs().max().item() for k in want)
     params = full(state.params)
     pdiff = max((params[k] - p).abs().max().item() for k, p in ref.module.named_parameters())
-    assert diff <= 1e-6 and pdiff <= 1e-6, f"rank {mesh.rank}: buffers differ from torch DDP by {diff}, params {pdiff}"
+    assert diff <= 1e-6 and pdiff <= 1e-6, (
+        f"rank {mesh.rank}: buffers differ from torch DDP by {diff}, params {pdiff}"
+    )
     del ref
     print(f"rank {mesh.rank}: OK {strategy} bn-buffers ({diff:.1e})", flush=True)
 
@@ -267,7 +282,9 @@ def check_fsdp_guards(mesh):
         else:
             raise AssertionError(f"expected an error containing {text!r}")
 
-    kept = af.shard(af.train_step(loss_fn, af.optim.sgd(0.1), donate=False), mesh, strategy="fsdp", inputs="global")
+    kept = af.shard(
+        af.train_step(loss_fn, af.optim.sgd(0.1), donate=False), mesh, strategy="fsdp", inputs="global"
+    )
     state = kept.init(net())
     expect(lambda: kept(state, data[0]), "are not the FSDP module's own parameters")
 
@@ -325,7 +342,9 @@ def check(strategy, extra, mesh):
     if "remat" in extra:  # activation checkpointing per block changes memory, never results
         step = af.remat(step, "selective" if "compile" in extra else "full")
     step = af.shard(step, mesh, strategy=strategy, **kw)
-    if "compile" in extra:  # under fsdp: each block compiled in place before FSDP2 shards it (aot_eager: no C++ build)
+    if (
+        "compile" in extra
+    ):  # under fsdp: each block compiled in place before FSDP2 shards it (aot_eager: no C++ build)
         step = af.compile(step, backend="aot_eager")
 
     def local_part(b):  # inputs="local": each rank passes only its own rows (what a sharded loader yields)
@@ -370,7 +389,9 @@ def check(strategy, extra, mesh):
         buckets = len(step.plan.grad_sync.buckets)
         assert buckets > 5 if "smallbuckets" in extra else buckets == 1, buckets
         assert per_step_calls == [buckets + 1] * len(data), (per_step_calls, buckets)
-        expected = buckets * len(data) if "overlap" in extra else 0  # buckets started during the backward pass
+        expected = (
+            buckets * len(data) if "overlap" in extra else 0
+        )  # buckets started during the backward pass
         assert step.plan.grad_sync.overlapped == expected, (step.plan.grad_sync.overlapped, expected)
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))

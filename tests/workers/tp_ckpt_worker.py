@@ -41,10 +41,14 @@ with af.Mesh({"dp": 2, "tp": 2}, device="cpu") as mesh:
     state = step.init(make_model("llama"), seed=3)
     for b in batches("llama", n=2):
         state, _ = step(state, b)
-    strided = [k for k, v in state.params.items() if any(type(p).__name__ == "_StridedShard" for p in v.placements)]
+    strided = [
+        k for k, v in state.params.items() if any(type(p).__name__ == "_StridedShard" for p in v.placements)
+    ]
     assert strided, [v.placements for v in state.params.values()][:3]  # FSDP over TP: what was refused before
     af.checkpoint.save(ROOT / "fsdp-tp", state)
-    af.checkpoint.save_pretrained(ROOT / "fsdp-tp-hf", state, config=step.model.config)  # for the test's check
+    af.checkpoint.save_pretrained(
+        ROOT / "fsdp-tp-hf", state, config=step.model.config
+    )  # for the test's check
     saved = values(state)
     ddp_tp = build(mesh, "ddp")
     loaded = af.checkpoint.load(ROOT / "fsdp-tp", like=ddp_tp.init(make_model("llama"), seed=3))

@@ -54,7 +54,9 @@ def batches(kind, n=4, rows=8):
     out = []
     for _ in range(n):
         if kind == "mlp":
-            out.append({"x": torch.randn(rows, 8, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)})
+            out.append(
+                {"x": torch.randn(rows, 8, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)}
+            )
         else:
             ids = torch.randint(0, VOCAB, (rows, 12), generator=g)
             labels = ids.clone()
@@ -83,7 +85,9 @@ def check(mesh, kind, options):
     data = batches(kind)
     loss_fn = loss_for(kind)
     opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
-    fp8 = "fp8" in options  # torchao float8 (emulated on CPU), torchao's float8 TP styles: vs fp8 in one process
+    fp8 = (
+        "fp8" in options
+    )  # torchao float8 (emulated on CPU), torchao's float8 TP styles: vs fp8 in one process
 
     def maybe_fp8(s):
         return af.autocast_fp8(s, backend="torchao", recipe="tensorwise", emulate=True,
@@ -117,13 +121,17 @@ def check(mesh, kind, options):
     lp = "lossparallel" in options  # logits split over the vocabulary, the loss on the shards
     inputs = "local" if "loader" in options else "global"
     sp = "seqparallel" in options  # the residual stream split over the sequence between the TP regions
-    step = af.shard(step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp, sequence_parallel=sp)
+    step = af.shard(
+        step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp, sequence_parallel=sp
+    )
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind), seed=3)
     assert "tensor parallel tp=" in repr(step), repr(step)
     assert ("loss on vocabulary shards (lm_head)" in repr(step)) == lp, repr(step)
-    assert ("float8 tensor-parallel styles (torchao) on 14 modules" in repr(step)) == (fp8 and not sp), repr(step)
+    assert ("float8 tensor-parallel styles (torchao) on 14 modules" in repr(step)) == (fp8 and not sp), repr(
+        step
+    )
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip
     assert split, f"no parameter is split: {repr(step)}"
@@ -143,7 +151,9 @@ def check(mesh, kind, options):
     seen = []
     if sp:  # the residual stream between the layers really is split over the sequence
         step.model.model.layers[0].register_forward_hook(
-            lambda mod, args, out: seen.append(getattr(out[0] if isinstance(out, tuple) else out, "placements", None))
+            lambda mod, args, out: seen.append(
+                getattr(out[0] if isinstance(out, tuple) else out, "placements", None)
+            )
         )
     losses, norms = [], []
     for b in data:
@@ -187,7 +197,9 @@ def check(mesh, kind, options):
         if opt_.startswith("save="):
             af.checkpoint.save(opt_[5:], state)
             af.checkpoint.save_pretrained(opt_[5:] + "-hf", state, config=step.model.config)
-            af.checkpoint.save_pretrained(opt_[5:] + "-ref", ref, config=ref_step.model.config)  # every rank joins
+            af.checkpoint.save_pretrained(
+                opt_[5:] + "-ref", ref, config=ref_step.model.config
+            )  # every rank joins
     print(f"rank {mesh.rank}: OK {kind} {sorted(o for o in options if not o.startswith('save='))} "
           f"param diff {diff:.1e} loss diff {loss_diff:.1e} {split[:1]}", flush=True)  # fmt: skip
 
@@ -208,7 +220,9 @@ if __name__ == "__main__":
         world = mesh.world_size
     if world == 4:
         with af.Mesh({"dp": 2, "tp": 2}, device="cpu") as mesh:  # refused, not silently different
-            step = af.compile(af.shard(af.train_step(loss_for("llama"), af.optim.sgd(0.1)), mesh, strategy="fsdp"))
+            step = af.compile(
+                af.shard(af.train_step(loss_for("llama"), af.optim.sgd(0.1)), mesh, strategy="fsdp")
+            )
             try:
                 step.init(make_model("llama"))
             except af.CompositionError as e:

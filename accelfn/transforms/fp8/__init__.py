@@ -67,8 +67,13 @@ def gains_from_fp8(in_features: int, out_features: int, recipe: str = "tensorwis
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
-def default_filter(model: nn.Module, recipe: str = "tensorwise", *, speed: bool = False,
-                   skipped: dict[str, str] | None = None) -> ModuleFilter:
+def default_filter(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    *,
+    speed: bool = False,
+    skipped: dict[str, str] | None = None,
+) -> ModuleFilter:
     """Linear layers whose dims are divisible by 16, except the first and the last Linear of the model; with
     `speed`, only those whose shape gains from FP8 (`gains_from_fp8`). Why a layer stays in high precision is
     recorded in `skipped` (name -> reason)."""

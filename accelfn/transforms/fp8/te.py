@@ -31,8 +31,9 @@ def _te() -> Any:
 def _recipe(name: str | None) -> Any:
     recipe_mod = importlib.import_module("transformer_engine.common.recipe")
     if name in (None, "delayed"):
-        return recipe_mod.DelayedScaling(fp8_format=recipe_mod.Format.HYBRID, amax_history_len=16,
-                                         amax_compute_algo="max")
+        return recipe_mod.DelayedScaling(
+            fp8_format=recipe_mod.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+        )
     if name in ("current", "tensorwise"):
         return recipe_mod.Float8CurrentScaling()
     raise ValueError(f"autocast_fp8(backend='te'): recipe must be 'delayed' or 'current', got {name!r}")
@@ -49,8 +50,13 @@ def convert(plan: Plan, keep: ModuleFilter, recipe_name: str | None) -> int:
             if isinstance(child, nn.Linear) and keep(child, full):
                 # TE layers live where the model will compute (a host-built model moves there under af.shard)
                 device = plan.device if child.weight.device.type in ("cpu", "meta") else child.weight.device
-                new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                params_dtype=child.weight.dtype, device=device)
+                new = te.Linear(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    params_dtype=child.weight.dtype,
+                    device=device,
+                )
                 with torch.no_grad():
                     new.weight.copy_(child.weight)
                     if child.bias is not None:
@@ -61,8 +67,11 @@ def convert(plan: Plan, keep: ModuleFilter, recipe_name: str | None) -> int:
     shard = next((t for t in plan.transforms if t.kind == "shard"), None)
     group = shard.mesh.grad_group() if shard is not None and shard.mesh.grad_size > 1 else None
     plan.forward_contexts.append(
-        lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
-        if hasattr(te, "fp8_autocast") else contextlib.nullcontext()
+        lambda: (
+            te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+            if hasattr(te, "fp8_autocast")
+            else contextlib.nullcontext()
+        )
     )
     return swapped
 

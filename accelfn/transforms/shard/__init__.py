@@ -201,16 +201,22 @@ def shard(
     foreign = [k for k, v in given.items() if v is not None and k not in row.options]
     if foreign:
         owners = sorted({r.backend for r in TABLE if set(foreign) <= set(r.options)})
-        raise ValueError(f"shard: {', '.join(DEEPSPEED_OPTIONS[:-1])} and {DEEPSPEED_OPTIONS[-1]} apply to backend={owners[0]!r} only")
+        raise ValueError(
+            f"shard: {', '.join(DEEPSPEED_OPTIONS[:-1])} and {DEEPSPEED_OPTIONS[-1]} apply to backend={owners[0]!r} only"
+        )
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if inputs not in ("local", "global"):
-        raise ValueError(f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}")
+        raise ValueError(
+            f"shard: inputs must be 'local' (each rank passes its shard) or 'global', got {inputs!r}"
+        )
     _check_axes(mesh)
     tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
     cp = mesh.axis_size("cp") if "cp" in mesh.axis_names else 1
     if not mesh.grad_axes and tp == 1:
-        raise ValueError(f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}")
+        raise ValueError(
+            f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}"
+        )
     if cp > 1:
         why = f"tensor parallel (tp={tp}) is not combined with it in this version" if tp > 1 else None
         why = why or (row.cp if isinstance(row.cp, str) else None)
@@ -220,7 +226,9 @@ def shard(
         if value and tp == 1:
             raise ValueError(f"shard: {flag}=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if tp_plan is not None and tp == 1:
-        raise ValueError(f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})")
+        raise ValueError(
+            f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})"
+        )
     if tp > 1 and isinstance(row.tp, str):
         raise ValueError(
             f"af.shard(backend={backend!r}) runs data-parallel over all {mesh.world_size} processes and does not "
@@ -234,7 +242,9 @@ def shard(
         )
     if row.needs and not set(row.needs) <= set(mesh.axis_names):
         axes = " and ".join(repr(a) for a in row.needs)
-        raise ValueError(f"shard(strategy={strategy!r}) needs a {len(row.needs)}-D mesh with axes {axes}; got {mesh.axis_names}")
+        raise ValueError(
+            f"shard(strategy={strategy!r}) needs a {len(row.needs)}-D mesh with axes {axes}; got {mesh.axis_names}"
+        )
     step = step.with_transform(
         Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
     )

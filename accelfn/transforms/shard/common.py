@@ -21,7 +21,9 @@ def batch_transform(mesh: Mesh, inputs: str) -> Callable[[Any], Any]:
 
     def take(batch: Any) -> Any:
         def one(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-            if inputs == "global" and t.dim():  # 0-d leaves (a temperature, a flag) go to every rank as they are
+            if (
+                inputs == "global" and t.dim()
+            ):  # 0-d leaves (a temperature, a flag) go to every rank as they are
                 rows = t.shape[0]
                 if rows % n:
                     where = "batch" + "".join(f"[{p!r}]" for p in path)
@@ -87,7 +89,11 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
     dist.all_gather_object(everyone, mine, group=group)
 
     def what(params: dict[str, Any], name: str) -> str:
-        return "missing" if name not in params else f"{'trainable' if params[name][1] else 'frozen'} {params[name][0]}"
+        return (
+            "missing"
+            if name not in params
+            else f"{'trainable' if params[name][1] else 'frozen'} {params[name][0]}"
+        )
 
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs == everyone[0]:
@@ -95,7 +101,11 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
         a, b = ({n: (shape, grad) for n, shape, grad in ps} for ps in (everyone[0], theirs))
         rank0, rank = (dist.get_global_rank(group, i) if group is not None else i for i in (0, r))
         diff = next(
-            (f"{n!r}: {what(a, n)} on rank {rank0}, {what(b, n)} on rank {rank}" for n in [*a, *b] if a.get(n) != b.get(n)),
+            (
+                f"{n!r}: {what(a, n)} on rank {rank0}, {what(b, n)} on rank {rank}"
+                for n in [*a, *b]
+                if a.get(n) != b.get(n)
+            ),
             "the params are in another order",
         )
         raise ValueError(
@@ -108,6 +118,6 @@ def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> 
     """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(local_tensor(t.data), src=src, group=group)  # a tensor-parallel shard: among its replicas
-
-
+        dist.broadcast(
+            local_tensor(t.data), src=src, group=group
+        )  # a tensor-parallel shard: among its replicas

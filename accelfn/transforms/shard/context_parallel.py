@@ -105,7 +105,9 @@ class _Runtime:
         if key not in self._masks:
             self._masks.clear()  # one length at a time: a new length replaces the old mask
             # the gathered keys: rank 0's tokens, then rank 1's, ...
-            keys = torch.cat([chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)])
+            keys = torch.cat(
+                [chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)]
+            )
             self._masks[key] = causal_mask(self.positions(device), keys)
         return self._masks[key]
 
@@ -213,7 +215,9 @@ def _batch_split(runtime: _Runtime, inner: Any) -> Any:
 
         out = optree.tree_map_with_path(one, batch, namespace=_tree.NAMESPACE)
         if not lengths:
-            raise ValueError("context parallel: the batch has no tensor with a sequence dimension (dim 1) to split")
+            raise ValueError(
+                "context parallel: the batch has no tensor with a sequence dimension (dim 1) to split"
+            )
         if len(set(lengths.values())) > 1:
             raise ValueError(
                 f"context parallel: the batch's sequences differ in length ({lengths}); every tensor with two or "
@@ -230,7 +234,9 @@ def _hf_position_hook(runtime: _Runtime, module: nn.Module) -> Any:
     sig = inspect.signature(module.forward)
     names = list(sig.parameters)
 
-    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def hook(
+        mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         mask = kwargs.get("attention_mask")
         if mask is None and "attention_mask" in names and len(args) > names.index("attention_mask"):
             mask = args[names.index("attention_mask")]
@@ -314,7 +320,9 @@ class ContextParallel(TransformBase):
             if taker is not None:
                 taker.register_forward_pre_hook(_hf_position_hook(runtime, taker), with_kwargs=True)
             else:
-                plan.notes.append("context parallel: no module takes position_ids: positions must come from the batch")
+                plan.notes.append(
+                    "context parallel: no module takes position_ids: positions must come from the batch"
+                )
 
         @contextlib.contextmanager
         def forward() -> Iterator[None]:
@@ -329,4 +337,6 @@ class ContextParallel(TransformBase):
                 )
 
         plan.forward_contexts.append(forward)  # af.remat re-enters the mode for its recomputation
-        plan.notes.append(f"context parallel over cp={runtime.size} (all-gathered keys and values, head-tail chunks)")
+        plan.notes.append(
+            f"context parallel over cp={runtime.size} (all-gathered keys and values, head-tail chunks)"
+        )

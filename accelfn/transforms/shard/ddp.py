@@ -180,12 +180,16 @@ def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
 
     mesh = shard.mesh
     plan.module.to(mesh.device)
-    group = mesh.grad_group()  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
+    group = (
+        mesh.grad_group()
+    )  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
     check_same_model(plan.module, group)
     broadcast_from_first(plan.module, group)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)
     sync.build(plan.module, slots_of(plan.module).trainable)
-    plan.notes.append(f"ddp over {mesh.grad_size} ranks, {len(sync.buckets)} bucket(s)"
-                      + (", overlapped with backward" if overlap else ""))
+    plan.notes.append(
+        f"ddp over {mesh.grad_size} ranks, {len(sync.buckets)} bucket(s)"
+        + (", overlapped with backward" if overlap else "")
+    )
     return sync

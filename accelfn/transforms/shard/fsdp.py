@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from . import Shard
 
 
-
 @attrs.define(eq=False)
 class FSDPSync(GradSync):
     """FSDP2 has already summed (reduce-scattered) the gradients; only the scalars remain to meet."""
@@ -97,7 +96,11 @@ class FSDPSync(GradSync):
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         local = [local_tensor(g) for g in grads]
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local]).sum() if local else torch.zeros(())
+        sq = (
+            torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local]).sum()
+            if local
+            else torch.zeros(())
+        )
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.shard_group)
         return sq.sqrt()
 
@@ -177,11 +180,14 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
         fsdp_mesh = mesh.submesh("dp", "fsdp")
     else:
         grad_mesh = mesh.grad_mesh()
-        assert grad_mesh is not None  # a mesh without data or cp axes is tensor parallel alone: not lowered here
+        assert (
+            grad_mesh is not None
+        )  # a mesh without data or cp axes is tensor parallel alone: not lowered here
         fsdp_mesh = grad_mesh
     mp = MixedPrecisionPolicy()
     if plan.autocast_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
+
     def shard_unit(module: nn.Module) -> None:
         for part in uniform_dtype_parts(module):
             fully_shard(part, mesh=fsdp_mesh, mp_policy=mp)

@@ -45,7 +45,14 @@ from .common import max_over
 if TYPE_CHECKING:
     from ...engine import Plan
 
-__all__ = ["TensorParallel", "model_tp_plan", "expand_plan", "match_plan", "sequence_parallel_styles", "tensor_parallel_norm"]
+__all__ = [
+    "TensorParallel",
+    "model_tp_plan",
+    "expand_plan",
+    "match_plan",
+    "sequence_parallel_styles",
+    "tensor_parallel_norm",
+]
 
 SUPPORTED = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
@@ -176,9 +183,14 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
     from ..remat import find_remat_blocks
 
     def name_of(target: nn.Module | None) -> str | None:
-        return next((n for n, m in module.named_modules() if m is target), None) if target is not None else None
+        return (
+            next((n for n, m in module.named_modules() if m is target), None) if target is not None else None
+        )
 
-    get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
+    get_in, get_out = (
+        getattr(module, "get_input_embeddings", None),
+        getattr(module, "get_output_embeddings", None),
+    )
     embed = name_of(get_in()) if callable(get_in) else None
     head = name_of(get_out()) if callable(get_out) else None
     base = getattr(module, getattr(module, "base_model_prefix", ""), module)
@@ -194,7 +206,9 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
             "entries and torch styles instead"
         )
     styles = {n: _style(st) if isinstance(st, str) else st for n, st in named.items()}
-    styles[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    styles[embed] = RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+    )
     styles[norm] = SequenceParallel()
     styles[head] = ColwiseParallel(
         input_layouts=Shard(1),
@@ -206,9 +220,12 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
         styles[f"{layer}.input_layernorm"] = SequenceParallel()
         styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
         styles[f"{layer}.self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
-        styles[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        styles[f"{layer}.mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
         for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
             if n.startswith(f"{layer}.") and st in ("rowwise", "rowwise_rep", "rowwise_split_input"):
                 styles[n] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
@@ -223,7 +240,11 @@ def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
         if style.startswith("colwise"):
             size, what = sub.embedding_dim, "embedding_dim"
     elif isinstance(sub, nn.Linear):
-        size, what = (sub.out_features, "out_features") if style.startswith("colwise") else (sub.in_features, "in_features")
+        size, what = (
+            (sub.out_features, "out_features")
+            if style.startswith("colwise")
+            else (sub.in_features, "in_features")
+        )
     else:
         raise ValueError(
             f"tp_plan: module {name!r} is a {type(sub).__name__}; the style {style!r} splits nn.Linear and "
@@ -238,7 +259,9 @@ def _check_heads(module: nn.Module, tp: int) -> None:
     for field in _HEAD_FIELDS:
         n = getattr(config, field, None)
         if isinstance(n, int) and n % tp:
-            raise ValueError(f"tp={tp} does not divide the model's {field} = {n} (config): each rank takes whole heads")
+            raise ValueError(
+                f"tp={tp} does not divide the model's {field} = {n} (config): each rank takes whole heads"
+            )
 
 
 def _tied_groups(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -282,7 +305,9 @@ class TensorParallel(TransformBase):
         return self.mesh.axis_size("tp")
 
     def describe(self) -> str:
-        extra = (", user plan" if self.plan is not None else "") + (", loss_parallel" if self.loss_parallel else "")
+        extra = (", user plan" if self.plan is not None else "") + (
+            ", loss_parallel" if self.loss_parallel else ""
+        )
         extra += ", sequence_parallel" if self.sequence_parallel else ""
         return f"tensor_parallel(tp={self.size}{extra})"
 
@@ -325,7 +350,6 @@ class TensorParallel(TransformBase):
         _retie(tied)
         plan.notes.append(f"tensor parallel tp={self.size} on {len(styles)} modules ({source})")
 
-
     @staticmethod
     def _vocabulary_parallel_head(module: nn.Module, styles: dict[str, Any], keep: bool = False) -> str:
         """Make the output layer leave its logits split over the vocabulary (a DTensor `Shard(-1)`), for the
@@ -361,7 +385,6 @@ def _splits(placement: Any) -> bool:
     return bool(placement.is_shard()) or type(placement).__name__ == "_StridedShard"
 
 
-
 def tensor_parallel_norm(grads: list[torch.Tensor], world: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global L2 norm of tensors split any way over the ranks (TP, FSDP, both, or replicated): each rank's
     local squares weighted by (pieces / ranks), summed over the world in one all-reduce."""
@@ -381,7 +404,9 @@ class TensorParallelSync(GradSync):
     """The gradient sync under tensor parallel: the data-parallel one (`inner`, or none when the mesh has no
     data axis) for the sums; the norm and the overflow check over every rank, since each holds other shards."""
 
-    inner: GradSync = LOCAL  # the data-parallel strategy's (LOCAL: tp ranks read the same batch, nothing to sum)
+    inner: GradSync = (
+        LOCAL  # the data-parallel strategy's (LOCAL: tp ranks read the same batch, nothing to sum)
+    )
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         self.inner.prepare(params)

@@ -42,6 +42,7 @@ def run_of(plan: Plan) -> DeepSpeedRun:
     assert isinstance(plan.grad_sync, DeepSpeedSync)
     return plan.grad_sync.run
 
+
 # accelfn optimizer-state field -> the key of the same tensor in torch's optimizer state
 _MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "momentum": "momentum_buffer"}
 
@@ -179,11 +180,15 @@ class DeepSpeedStateAdapter:
                     return count.detach().clone().to(leaf.dtype)
                 if field == "lr":
                     return lr.detach().clone().to(leaf.dtype)
-                raise CheckpointError(f"cannot export opt_state.{path} of a DeepSpeed step (no engine counterpart)")
+                raise CheckpointError(
+                    f"cannot export opt_state.{path} of a DeepSpeed step (no engine counterpart)"
+                )
             key, name = moment
             p = module.get_parameter(name)
             value = safe_get_full_optimizer_state(p, key)
-            if value is None:  # ZeRO-0: the torch optimizer's own per-param state (none before the first step)
+            if (
+                value is None
+            ):  # ZeRO-0: the torch optimizer's own per-param state (none before the first step)
                 value = base.state.get(p, {}).get(key)
             return leaf if value is None else value.to("cpu", leaf.dtype, copy=True).reshape(leaf.shape)
 

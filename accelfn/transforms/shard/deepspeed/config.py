@@ -22,7 +22,14 @@ from .types import Settings
 if TYPE_CHECKING:
     from ....step import Step
 
-__all__ = ["STRATEGY_STAGE", "build_config", "config_for", "load_user_config", "make_optimizer", "split_optimizer"]
+__all__ = [
+    "STRATEGY_STAGE",
+    "build_config",
+    "config_for",
+    "load_user_config",
+    "make_optimizer",
+    "split_optimizer",
+]
 
 STRATEGY_STAGE = {"ddp": 1, "fsdp": 3}
 _NOMINAL_MICRO_BATCH = 1  # DeepSpeed needs one; it only uses it for its own data loader and logs
@@ -36,11 +43,15 @@ def load_user_config(ds_config: Mapping[str, Any] | str | Path | None) -> dict[s
     if isinstance(ds_config, (str, Path)):
         path = Path(ds_config)
         if not path.is_file():
-            raise FileNotFoundError(f"shard(backend='deepspeed'): ds_config file {str(path)!r} does not exist")
+            raise FileNotFoundError(
+                f"shard(backend='deepspeed'): ds_config file {str(path)!r} does not exist"
+            )
         with path.open() as f:
             loaded = json.load(f)
         if not isinstance(loaded, dict):
-            raise ValueError(f"shard(backend='deepspeed'): {str(path)!r} holds a {type(loaded).__name__}, not a JSON object")
+            raise ValueError(
+                f"shard(backend='deepspeed'): {str(path)!r} holds a {type(loaded).__name__}, not a JSON object"
+            )
         return loaded
     return copy.deepcopy(dict(ds_config))
 
@@ -81,7 +92,10 @@ def build_config(settings: Settings) -> dict[str, Any]:
             )
         clip = chain_clip
 
-    for key, what in (("optimizer", "the step's optimizer"), ("scheduler", "the optimizer's learning-rate schedule")):
+    for key, what in (
+        ("optimizer", "the step's optimizer"),
+        ("scheduler", "the optimizer's learning-rate schedule"),
+    ):
         if key in user:
             name = opt_hp.get("name") if opt_hp else None
             raise CompositionError(
@@ -129,16 +143,23 @@ def build_config(settings: Settings) -> dict[str, Any]:
         "bf16.enabled": (dtype == torch.bfloat16, f"autocast({_dtype_name(dtype)})"),
         "fp16.enabled": (dtype == torch.float16, f"autocast({_dtype_name(dtype)})"),
         "zero_optimization.stage": (stage, f"zero_stage={stage}"),
-        "zero_optimization.offload_optimizer.device": ("cpu" if offload else "none", f"offload_optimizer={offload}"),
+        "zero_optimization.offload_optimizer.device": (
+            "cpu" if offload else "none",
+            f"offload_optimizer={offload}",
+        ),
     }
     for dotted, (want, who) in decided.items():
         have = _get(user, dotted)
         if have is None or have == "auto":
             continue
-        if dotted == "zero_optimization.offload_optimizer.device" and (have in ("cpu", "nvme")) == bool(offload):
+        if dotted == "zero_optimization.offload_optimizer.device" and (have in ("cpu", "nvme")) == bool(
+            offload
+        ):
             continue
         if have != want:
-            raise CompositionError(f"ds_config[{dotted!r}] = {have!r} conflicts with {who} (which needs {want!r})")
+            raise CompositionError(
+                f"ds_config[{dotted!r}] = {have!r} conflicts with {who} (which needs {want!r})"
+            )
     if "train_batch_size" not in user:
         generated["train_micro_batch_size_per_gpu"] = _NOMINAL_MICRO_BATCH
     generated["steps_per_print"] = 2**31 - 1  # DeepSpeed's periodic log lines, unless the user asks for them
@@ -225,25 +246,38 @@ def make_optimizer(
         groups = [g for g in groups if g["params"]]
     if offload:
         if name not in ("adam", "adamw"):
-            raise CompositionError(f"DeepSpeed optimizer offload needs adam or adamw (DeepSpeedCPUAdam), got {name}")
+            raise CompositionError(
+                f"DeepSpeed optimizer offload needs adam or adamw (DeepSpeedCPUAdam), got {name}"
+            )
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         opt: torch.optim.Optimizer = DeepSpeedCPUAdam(
-            groups, lr=lr, betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=wd, adamw_mode=name == "adamw"
+            groups,
+            lr=lr,
+            betas=(hp["b1"], hp["b2"]),
+            eps=hp["eps"],
+            weight_decay=wd,
+            adamw_mode=name == "adamw",
         )
     elif name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=wd)
     elif name == "adam":
         opt = torch.optim.Adam(groups, lr=lr, betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=wd)
     elif name == "sgd":
-        opt = torch.optim.SGD(groups, lr=lr, momentum=hp["momentum"], nesterov=hp["nesterov"], weight_decay=wd)
+        opt = torch.optim.SGD(
+            groups, lr=lr, momentum=hp["momentum"], nesterov=hp["nesterov"], weight_decay=wd
+        )
     else:
-        raise CompositionError(f"shard(backend='deepspeed') supports the optimizers adamw, adam and sgd, not {name}")
+        raise CompositionError(
+            f"shard(backend='deepspeed') supports the optimizers adamw, adam and sgd, not {name}"
+        )
     return opt, schedule
 
 
 def _lambda_lr(schedule: Any) -> Any:
     def make(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: float(schedule(torch.tensor(k, dtype=torch.int64))))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: float(schedule(torch.tensor(k, dtype=torch.int64)))
+        )
 
     return make

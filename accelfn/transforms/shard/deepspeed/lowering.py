@@ -31,7 +31,9 @@ class DeepSpeedSync(GradSync):
         self.phases = DeepSpeedPhases(run)
 
     def init_opt_state(self, trainable: dict[str, torch.Tensor]) -> Any:
-        return DeepSpeedState(torch.zeros((), dtype=torch.int64), torch.tensor(current_lr(self.run.engine), dtype=torch.float32))
+        return DeepSpeedState(
+            torch.zeros((), dtype=torch.int64), torch.tensor(current_lr(self.run.engine), dtype=torch.float32)
+        )
 
     def describe(self) -> str:
         zero = self.run.config["zero_optimization"]
@@ -54,9 +56,13 @@ def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
             f"af.shard(backend='deepspeed') needs DeepSpeed: pip install 'accelfn[deepspeed]' ({e})"
         ) from None
     if plan.kind != "train":
-        raise ValueError("af.shard(backend='deepspeed') applies to training steps; shard eval steps with backend='torch'")
+        raise ValueError(
+            "af.shard(backend='deepspeed') applies to training steps; shard eval steps with backend='torch'"
+        )
     if not plan.donate:
-        raise ValueError("af.shard(backend='deepspeed') updates the engine's parameters in place: use donate=True")
+        raise ValueError(
+            "af.shard(backend='deepspeed') updates the engine's parameters in place: use donate=True"
+        )
     mesh = shard.mesh
     if mesh.data_size != mesh.world_size:
         raise ValueError(

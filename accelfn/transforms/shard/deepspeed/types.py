@@ -37,7 +37,9 @@ class Settings:
     clip_grad_norm: float | None
     optimizer: GradientTransformation | None
     user_config: Mapping[str, Any] | None
-    pin_memory: bool = False  # ZeRO-Offload's host buffers pinned (where the mesh's platform pins host copies)
+    pin_memory: bool = (
+        False  # ZeRO-Offload's host buffers pinned (where the mesh's platform pins host copies)
+    )
 
 
 @attrs.define

@@ -18,6 +18,7 @@ both sides of an impossible combination (e.g. fp16 autocast with fp8). Each stag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -123,7 +124,7 @@ def describe(plan: Plan, head: str) -> str:
         (getattr(t, "mesh", None) for t in plan.transforms if getattr(t, "mesh", None) is not None), None
     )
     if mesh is not None:
-        lines.append(f"  mesh: {dict(mesh.shape)} (world {mesh.world_size})")
+        lines.append(f"  mesh: {dict(mesh.shape)} (world {math.prod(mesh.shape.values())})")
     if plan.grad_sync is not None:
         lines.append(f"  strategy: {plan.grad_sync.describe()}")
     lines.append("  stages (in lowering order):" if plan.stages else "  stages: none")

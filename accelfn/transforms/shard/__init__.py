@@ -71,6 +71,7 @@ class Strategy:
     options: tuple[str, ...] = ()
     tp: bool | str = True
     cp: bool | str = True
+    note: str = ""  # what the name means under this backend, for messages (e.g. "ZeRO-1")
 
     def lower_fn(self) -> Callable[[Shard, Plan], GradSync]:
         module, _, function = self.lower.partition(":")
@@ -88,11 +89,11 @@ TABLE: tuple[Strategy, ...] = (
     ),
     Strategy(
         "ddp", "deepspeed", "deepspeed.lowering:lower_deepspeed", options=DEEPSPEED_OPTIONS, tp=_NO_DS_TP,
-        cp="DeepSpeed splits no sequence",
+        cp="DeepSpeed splits no sequence", note="ZeRO-1",
     ),
     Strategy(
         "fsdp", "deepspeed", "deepspeed.lowering:lower_deepspeed", options=DEEPSPEED_OPTIONS, tp=_NO_DS_TP,
-        cp="DeepSpeed splits no sequence",
+        cp="DeepSpeed splits no sequence", note="ZeRO-3",
     ),
 )  # fmt: skip
 STRATEGIES = tuple(dict.fromkeys(s.name for s in TABLE))
@@ -108,7 +109,9 @@ def strategy_for(name: str, backend: str) -> Strategy:
     for row in TABLE:
         if (row.name, row.backend) == (name, backend):
             return row
-    have = " or ".join(repr(r.name) for r in TABLE if r.backend == backend)
+    have = " or ".join(
+        repr(r.name) + (f" ({r.note})" if r.note else "") for r in TABLE if r.backend == backend
+    )
     raise ValueError(f"shard(backend={backend!r}) supports strategy {have}, not {name!r}")
 
 

@@ -121,3 +121,11 @@ def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> 
         dist.broadcast(
             local_tensor(t.data), src=src, group=group
         )  # a tensor-parallel shard: among its replicas
+
+
+def group_size(group: dist.ProcessGroup | None) -> int | str:
+    """The size of `group` for descriptions ("?" once the process group is gone, e.g. after `mesh.close()`)."""
+    try:
+        return dist.get_world_size(group)
+    except (RuntimeError, ValueError):
+        return "?"

@@ -30,6 +30,7 @@ from .common import (
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
+    group_size,
     max_over,
     mean_metrics,
 )
@@ -163,7 +164,7 @@ class DDPSync(GradSync):
 
     def describe(self) -> str:
         when = "during the backward" if self.overlap else "after the backward"
-        return f"ddp: {len(self.buckets)} bucket(s) all-reduced over {dist.get_world_size(self.group)} ranks {when}"
+        return f"ddp: {len(self.buckets)} bucket(s) all-reduced over {group_size(self.group)} ranks {when}"
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_norm(grads)  # gradients are identical on every rank after the sum

@@ -27,6 +27,7 @@ from .common import (
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
+    group_size,
     max_over,
     mean_metrics,
 )
@@ -108,8 +109,8 @@ class FSDPSync(GradSync):
         return mean_metrics(values, self.data_group)
 
     def describe(self) -> str:
-        shard, data = dist.get_world_size(self.shard_group), dist.get_world_size(self.data_group)
-        replicas = f", {data // shard} replicas" if data != shard else ""
+        shard, data = group_size(self.shard_group), group_size(self.data_group)
+        replicas = f", {data // shard} replicas" if data != shard and shard != "?" else ""
         return f"FSDP2: params and gradients sharded over {shard} ranks{replicas}"
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,7 @@ def test_bad_arguments_are_named():
 def test_memory_budget_is_handed_to_the_compiler_and_scoped_to_its_step():
     import torch._functorch.config as functorch_config
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     before = functorch_config.activation_memory_budget
@@ -178,7 +179,8 @@ def test_memory_budget_is_handed_to_the_compiler_and_scoped_to_its_step():
         seen.append(functorch_config.activation_memory_budget)
         return min_cut_rematerialization_partition(*args, **kwargs)
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition)
+    boxed = lambda gm, _: make_boxed_func(gm.forward)  # noqa: E731  # run the traced graphs as they are
+    backend = aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
     data = data_for(64, n=2)
     plain = lambda: (torch.manual_seed(0), tiny_gpt2(n_layer=3))[1]  # noqa: E731  # no dropout: compiled RNG differs
     want, want_losses = train(af.train_step(lm_loss, af.optim.sgd(0.1)), plain(), data)

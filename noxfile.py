@@ -48,6 +48,7 @@ def bench(session: nox.Session) -> None:
         "checkpoint_io.py",
         "big_model.py",
         "offload_overlap.py",
+        "engine_ab.py",
     ]
     for script in session.posargs or [f"benchmarks/{s}" for s in scripts]:
         session.run("python", script)

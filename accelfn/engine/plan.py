@@ -33,7 +33,7 @@ from ..module import Slots, slots_of
 from ..optim import GradientTransformation
 from ..optim.base import is_dtensor
 from ..state import TrainState
-from .contract import GradSync, Updater
+from .contract import LOCAL, GradSync, Updater
 
 __all__ = ["Plan", "LossScaleConfig", "init_loss_scale", "exclusive"]
 
@@ -146,8 +146,6 @@ class Plan:
     @property
     def sync(self) -> GradSync:
         """The gradient sync the engine calls (a world of one's when the step is not sharded)."""
-        from .contract import LOCAL
-
         return self.grad_sync if self.grad_sync is not None else LOCAL
 
     @contextlib.contextmanager

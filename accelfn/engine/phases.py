@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from .. import random as _random
+from .. import tree as _tree
 from ..dtensor import local_tensor
 from ..module import bind, read_buffers
 from ..optim import apply_gradients, learning_rate
@@ -307,8 +308,6 @@ def run_train(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, di
 
 
 def _clone_state(state: TrainState) -> TrainState:
-    from .. import tree as _tree
-
     return _tree.map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
 
 

@@ -203,9 +203,9 @@ def shard(
     given = {"ds_config": ds_config, "zero_stage": zero_stage, "offload_optimizer": offload_optimizer}
     foreign = [k for k, v in given.items() if v is not None and k not in row.options]
     if foreign:
-        owners = sorted({r.backend for r in TABLE if set(foreign) <= set(r.options)})
+        owner = next(r.backend for r in TABLE if foreign[0] in r.options)
         raise ValueError(
-            f"shard: {', '.join(DEEPSPEED_OPTIONS[:-1])} and {DEEPSPEED_OPTIONS[-1]} apply to backend={owners[0]!r} only"
+            f"shard: ds_config, zero_stage and offload_optimizer apply to backend={owner!r} only"
         )
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")

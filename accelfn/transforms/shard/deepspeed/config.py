@@ -17,6 +17,7 @@ from ....lowering import CompositionError
 from ....optim import GradientTransformation
 from ....optim._kernels import mask_leaves
 from ....optim.schedules import as_schedule
+from ..._base import find
 from .types import Settings
 
 if TYPE_CHECKING:
@@ -190,10 +191,6 @@ def _merge(base: dict[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _find(transforms: Any, kind: str) -> Any:
-    return next((t for t in transforms if t.kind == kind), None)
-
-
 def config_for(step: Step) -> dict[str, Any]:
     """The DeepSpeed config that `step` (an `af.shard(..., backend="deepspeed")` step) will run with.
 
@@ -207,10 +204,10 @@ def config_for(step: Step) -> dict[str, Any]:
         (4, 1.0, 2)
         >>> mesh.close()
     """
-    shard = _find(step.transforms, "shard")
+    shard = find(step.transforms, "shard")
     if shard is None or shard.backend != "deepspeed":
         raise ValueError("config_for(step): the step has no af.shard(..., backend='deepspeed')")
-    acc, cast = _find(step.transforms, "accumulate"), _find(step.transforms, "autocast")
+    acc, cast = find(step.transforms, "accumulate"), find(step.transforms, "autocast")
     return build_config(
         Settings(
             zero_stage=shard.zero_stage, strategy=shard.strategy, offload_optimizer=shard.offload_optimizer,

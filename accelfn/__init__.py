@@ -26,6 +26,7 @@ from .big import (
     pipeline,
 )
 from .collective import progress
+from .dryrun import dry_run
 from .launch.notebook import notebook_launch
 from .losses import Loss
 from .lowering import CompositionError
@@ -87,6 +88,7 @@ __all__ = [
     "cpu_offload",
     "pipeline",
     "Meter",
+    "dry_run",
     "profile",
     "trackers",
     "find_executable_batch_size",

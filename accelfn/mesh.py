@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import platforms
+from . import dry_mode, platforms
 from ._typecheck import checked
 from .launch_env import ACCELFN_MESH, parse_mesh
 from .platforms import Platform
@@ -202,9 +202,10 @@ class Mesh:
             raise
         self._local_rank = _env_int("LOCAL_RANK", 0)
         self._device = self._platform.device(self._local_rank)
-        self._mesh: DeviceMesh | None = init_device_mesh(
-            self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
-        )
+        with dry_mode.real_tensors():  # a DeviceMesh reads its rank map on the host
+            self._mesh: DeviceMesh | None = init_device_mesh(
+                self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
+            )
         self._flat: dict[tuple[str, ...], DeviceMesh] = {}  # flattened sub-meshes over several axes
         if (
             dist.get_world_size() > 1 and dist.get_backend() != "fake"
@@ -318,7 +319,8 @@ class Mesh:
             raise ValueError(f"submesh() needs axis names; this mesh has {self.axis_names}")
         for n in names:
             self._check_axis(n)
-        return self.torch_mesh[names if len(names) > 1 else names[0]]
+        with dry_mode.real_tensors():
+            return self.torch_mesh[names if len(names) > 1 else names[0]]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of the processes that share every coordinate but `name` with this one."""
@@ -385,7 +387,8 @@ class Mesh:
         if len(axes) == 1:
             return self.submesh(axes[0])
         if axes not in self._flat:
-            self._flat[axes] = self.submesh(*axes)._flatten("_".join(axes))
+            with dry_mode.real_tensors():
+                self._flat[axes] = self.submesh(*axes)._flatten("_".join(axes))
         return self._flat[axes]
 
     def _check_axis(self, name: str) -> str:

@@ -22,7 +22,7 @@ import attrs
 import torch
 from torch import nn
 
-__all__ = ["partition", "bind", "Slots", "slots_of"]
+__all__ = ["partition", "bind", "Slots", "slots_of", "move"]
 
 Slot = tuple[nn.Module, str]
 
@@ -146,3 +146,22 @@ def _is_bound(given: Any, slots: dict[str, list[Slot]], store: str) -> bool:
 def read_buffers(slots: Slots) -> dict[str, torch.Tensor]:
     """The module's current buffers (a forward may have replaced them, e.g. running stats)."""
     return {name: aliases[0][0]._buffers[aliases[0][1]] for name, aliases in slots.buffers.items()}  # type: ignore[misc]
+
+
+def move(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module.to(device)` when a parameter or buffer is elsewhere; else nothing (no tensor swapped: fake
+    tensors, as in a dry run, cannot be swapped in place).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> move(m, torch.device("cpu")) is m
+        True
+    """
+    device = torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(
+        t.device != device and not (t.device.type == device.type and device.index is None) for t in tensors
+    ):
+        module.to(device)
+    return module

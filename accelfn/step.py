@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import dry_mode
 from . import random as _random
 from ._typecheck import checked
 from .engine import Plan, check_batch, loss_parts, run_eval, run_train
@@ -184,7 +185,11 @@ class Step:
         check_not_donated(state)
         if plan.grad_sync is not None:
             _debug_check_step(state)
-        out = run_train(plan, state, batch)
+        watcher = dry_mode.active()
+        if watcher is not None:
+            out = watcher.train_call(self, state, batch, lambda: run_train(plan, state, batch))
+        else:
+            out = run_train(plan, state, batch)
         if plan.donate and out[0] is not state:
             mark_donated(state)
         return out

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import dry_mode
 from .._typecheck import checked
 from ..state import TrainState, check_not_donated
 from . import atomic, io
@@ -119,6 +120,8 @@ def save_pretrained(
     if isinstance(model_or_params, TrainState):
         check_not_donated(model_or_params, "af.checkpoint.save_pretrained")
     named = _named_tensors(model_or_params, model)
+    if dry_mode.skip(f"af.checkpoint.save_pretrained({str(path)!r})"):
+        return
     source = model if model is not None else model_or_params
     module = source if isinstance(source, nn.Module) else None
     if config is None and module is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import dry_mode
 from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState, check_not_donated
@@ -256,6 +257,8 @@ def save(
         raise ValueError(f"save(): keep_last must be >= 1 or None, got {keep_last}")
     check_not_donated(state, "af.checkpoint.save")
     size = parse_size(max_shard_size)
+    if dry_mode.skip(f"af.checkpoint.save({str(path)!r})"):
+        return SaveHandle(str(Path(path).absolute()))
     wait()
     comm = Comm()
     comm.roll_call("af.checkpoint.save")  # a call on some ranks only: a clear error, not a hang

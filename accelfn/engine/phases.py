@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from .. import dry_mode
 from .. import random as _random
 from .. import tree as _tree
 from ..dtensor import local_tensor
@@ -76,12 +77,19 @@ class TrainPhases:
 
     def run(self, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         run = self.start(plan, state, batch)
+        mark = dry_mode.phase  # a no-op unless a dry run watches
+        mark("check", run)
         self.check(run)
         self.split(run)
+        mark("forward_backward", run)
         self.forward_backward(run)
+        mark("reduce", run)
         self.reduce(run)
+        mark("clip", run)
         self.clip(run)
+        mark("update", run)
         self.update(run)
+        mark("metrics", run)
         return self.metrics(run)
 
     def start(self, plan: Plan, state: TrainState, batch: Any) -> StepRun:

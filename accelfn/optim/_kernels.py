@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import dry_mode
 from .. import tree as _tree
 
 MaskLike = Any  # a pytree of bools matching params, or a callable params -> such a pytree
@@ -48,6 +49,11 @@ def try_fused(kernel: str, device: torch.device, fn: Callable[[], None]) -> bool
     key = (kernel, device.type)
     if key in _NO_FUSED:
         return False
+    if dry_mode.active() is not None:
+        # fake tensors: torch has no fake version of the fused optimizer kernels (it would run them on real zeros
+        # of every input); they update in place and allocate nothing, so skipping them changes no shape or memory
+        dry_mode.note(f"fused optimizer kernel {kernel} skipped (in place: no memory, negligible FLOPs)")
+        return True
     try:
         fn()
         return True

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .. import dry_mode
 from .. import random as _random
 from ..launch_env import ACCELFN_DEVICE
 from .base import Platform
@@ -65,7 +66,7 @@ def get(kind: str) -> Platform:
     if not isinstance(kind, str):
         raise TypeError(f"af.platforms.get(): argument 'kind' must be a str, got {type(kind).__name__}")
     try:
-        return _PLATFORMS[kind.strip().lower()]
+        return _PLATFORMS[dry_mode.device_kind(kind.strip().lower())]
     except KeyError:
         raise ValueError(f"unknown device kind {kind!r}; the kinds are: {', '.join(KINDS)}") from None
 

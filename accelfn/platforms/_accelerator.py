@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import specs
 from .base import Platform, import_optional
 
 __all__ = ["TorchAccelerator"]
@@ -52,6 +53,17 @@ class TorchAccelerator(Platform):
     def supports_bf16(self) -> bool:
         fn = getattr(self._mod(), "is_bf16_supported", None)
         return bool(fn()) if fn is not None else True
+
+    def peak_tflops(self, dtype: torch.dtype, device: torch.device | None = None) -> float | None:
+        # the device table's row for `get_device_name()` (cuda: NVIDIA, and AMD under ROCm), if it is of this kind
+        if not self.is_available():
+            return None
+        name = getattr(self.module(), "get_device_name", None)
+        try:
+            row = specs.find(str(name(device))) if name is not None else None
+        except (RuntimeError, AssertionError):
+            return None
+        return specs.peak_tflops(row, dtype) if row is not None and row.kind == self.kind else None
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         mod = self._mod()

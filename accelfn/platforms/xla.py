@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import specs
 from .base import Platform, import_optional
 
 __all__ = ["XlaPlatform"]
@@ -55,6 +56,17 @@ class XlaPlatform(Platform):
         xr = self._runtime()
         count = getattr(xr, "addressable_runtime_device_count", None)
         return int(count()) if count is not None else len(self._xm().get_xla_supported_devices())
+
+    def peak_tflops(self, dtype: torch.dtype, device: torch.device | None = None) -> float | None:
+        # the device table's row for PJRT's device kind ("TPU v5 lite", "TPU v5")
+        if not self.is_available():
+            return None
+        kind = getattr(self._xm(), "xla_device_kind", None)
+        try:
+            row = specs.find(str(kind(device))) if kind is not None else None
+        except RuntimeError:
+            return None
+        return specs.peak_tflops(row, dtype) if row is not None and row.kind == self.kind else None
 
     def process_group_kwargs(self) -> dict[str, Any]:
         importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" backend

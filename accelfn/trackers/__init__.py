@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import dry_mode
 from ..launch_env import ACCELFN_LOG_WITH as LOG_WITH_ENV
 from ..launch_env import parse_log_with as parse_names
 from .base import Tracker, TrackerError, flatten_config, to_plain
@@ -117,6 +118,8 @@ def open(
     if resume_step is not None and (isinstance(resume_step, bool) or not isinstance(resume_step, int)):
         raise TypeError(f"resume_step must be an int (the checkpoint's step) or None, got {resume_step!r}")
     is_main = _is_main(mesh)
+    if dry_mode.skip(f"af.trackers.open({str(run_dir)!r}): no tracker writes"):
+        return Run([], log_every=log_every, active=False, on_error=on_error)
     if not (is_main or not main_only):
         return Run([], log_every=log_every, active=False, on_error=on_error)
     run_path = Path(run_dir)

@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import nn
 
+from .. import dry_mode
 from .._typecheck import checked
 from ..step import Step
 from ._base import TransformBase, conflict, find
@@ -99,6 +100,12 @@ class Compile(TransformBase):
             )
 
     def lower(self, plan: Plan) -> None:
+        if dry_mode.active() is not None:
+            plan.notes.append("eager in the dry run")
+            dry_mode.note(
+                "af.compile ran eagerly (fake tensors are not compiled): activations as in eager mode"
+            )
+            return
         kwargs = dict(self.options)
         eager = _untraceable(plan.module)
         shard = next((t for t in plan.transforms if t.kind == "shard"), None)

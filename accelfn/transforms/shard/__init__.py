@@ -42,6 +42,7 @@ import attrs
 from ..._typecheck import checked
 from ...engine.contract import LOCAL, GradSync
 from ...mesh import GRAD_AXES, Mesh
+from ...module import move
 from ...step import Step
 from .._base import TransformBase
 from .common import batch_transform
@@ -147,7 +148,7 @@ class Shard(TransformBase):
         if mesh.grad_axes:
             sync = strategy_for(self.strategy, self.backend).lower_fn()(self, plan)
         else:  # tensor parallel alone (af.Mesh({"tp": 2}))
-            plan.module.to(mesh.device)
+            move(plan.module, mesh.device)
         if any(t.kind == "tensor_parallel" for t in plan.transforms):
             from .tensor_parallel import TensorParallelSync
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ...dtensor import local_tensor
 from ...engine.contract import GradSync
+from ...module import move
 from ...optim.clip import global_norm
 from .common import (
     broadcast_buffers,
@@ -180,7 +181,7 @@ def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
     from ...module import slots_of
 
     mesh = shard.mesh
-    plan.module.to(mesh.device)
+    move(plan.module, mesh.device)
     group = (
         mesh.grad_group()
     )  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...dtensor import local_tensor
 from ...engine.contract import GradSync
+from ...module import move
 from ..compile import find_blocks
 from .common import (
     broadcast_buffers,
@@ -174,7 +175,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
         return FSDPSync(plan.module, data_group, shard_group)
-    plan.module.to(mesh.device)
+    move(plan.module, mesh.device)
     check_same_model(plan.module, data_group)
     broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":

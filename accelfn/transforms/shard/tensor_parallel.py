@@ -39,6 +39,7 @@ from torch import nn
 from ...dtensor import local_tensor
 from ...engine.contract import LOCAL, GradSync
 from ...mesh import Mesh
+from ...module import move
 from .._base import TransformBase
 from .common import max_over
 
@@ -341,7 +342,7 @@ class TensorParallel(TransformBase):
             plan.forward_contexts.append(loss_parallel)
             plan.backward_contexts.append(loss_parallel)
             plan.notes.append(f"loss on vocabulary shards ({head})")
-        module.to(self.mesh.device)
+        move(module, self.mesh.device)
         fp8 = [n for n, st in styles.items() if type(st).__name__.startswith("Float8")]
         if fp8:
             plan.notes.append(f"float8 tensor-parallel styles (torchao) on {len(fp8)} modules")

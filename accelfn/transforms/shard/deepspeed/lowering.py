@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .... import platforms
 from ....engine.contract import GradSync
+from ....module import move
 from .config import _get, _lambda_lr, build_config, load_user_config, make_optimizer
 from .phases import DeepSpeedPhases, current_lr
 from .types import DeepSpeedRun, DeepSpeedState, Settings
@@ -79,7 +80,7 @@ def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
     config = build_config(settings)
     offload = _get(config, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
 
-    module = plan.module.to(mesh.device)
+    module = move(plan.module, mesh.device)
     with torch.no_grad():  # every rank starts from rank 0's weights, as with backend="torch"
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src=0)

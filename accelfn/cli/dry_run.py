@@ -1,0 +1,106 @@
+"""``accelfn dry-run``: your training script as one rank of the full job (64-1024 ranks) on this machine's
+CPU, over torch's fake process group with every tensor fake; prints memory per rank, communication per mesh
+axis, FLOPs, a predicted step time, and whether it fits.
+
+Exit codes: 0 it fits, 3 it does not fit (the breakdown says why), 1 the script failed as its first real step
+would (the same error), 2 bad arguments.
+
+Example:
+    $ accelfn dry-run --nproc-per-node 8 --nnodes 8 --gpu h100 examples/train_llama.py --model 8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+NOT_FITTING = 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "dry-run",
+        help="run a training script as one rank of a large job on fake tensors: memory, communication, time",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--device", default="cuda", help="device kind the job runs on (default cuda)")
+    p.add_argument(
+        "--gpu", default=None, help="row of the device table (default h100-sxm for cuda); see docs/devices.md"
+    )
+    p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    p.add_argument("--rank", default="0", help="the rank to run as, or 'worst' (ranks 0, middle, last)")
+    p.add_argument(
+        "--mesh", default=None, help="the mesh as `accelfn launch --mesh` takes it, e.g. dp=8,tp=8"
+    )
+    p.add_argument(
+        "--json", dest="json_path", default=None, metavar="FILE", help="also write the report as JSON"
+    )
+    p.add_argument("--no-search", action="store_true", help="skip the search for the largest micro-batch")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..dryrun import dry_run
+
+    rank: int | str = args.rank
+    if rank != "worst":
+        try:
+            rank = int(rank)
+        except ValueError:
+            print(
+                f"accelfn dry-run: --rank must be an integer or 'worst', got {args.rank!r}", file=sys.stderr
+            )
+            return 2
+    if not Path(args.script).is_file():
+        print(f"accelfn dry-run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    try:
+        report = dry_run(
+            args.script,
+            args.script_args,
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            device=args.device,
+            gpu=args.gpu,
+            steps=args.steps,
+            rank=rank,
+            mesh=args.mesh,
+            search=not args.no_search,
+        )
+    except ValueError as e:
+        if "af.dry_run:" in str(e) or "device table" in str(e):
+            print(f"accelfn dry-run: {e}", file=sys.stderr)
+            return 2
+        return _failed(e, args)
+    except Exception as e:  # noqa: BLE001 - the script's own error, reported as its first step would raise it
+        return _failed(e, args)
+    print(report)
+    if args.json_path:
+        Path(args.json_path).write_text(report.to_json() + "\n")
+    return NOT_FITTING if report.fits is False else 0
+
+
+def _failed(e: BaseException, args: argparse.Namespace) -> int:
+    world = args.nproc_per_node * args.nnodes
+    traceback.print_exception(e, file=sys.stderr)
+    print(
+        f"\naccelfn dry-run: the script fails as rank {args.rank} of {world} "
+        f"({args.nproc_per_node} x {args.nnodes}): {type(e).__name__}: {e}",
+        file=sys.stderr,
+    )
+    if args.json_path:
+        import json
+
+        Path(args.json_path).write_text(
+            json.dumps({"world_size": world, "errors": [f"{type(e).__name__}: {e}"], "fits": None}, indent=2)
+            + "\n"
+        )
+    return 1

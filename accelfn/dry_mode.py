@@ -1,0 +1,96 @@
+"""The hooks a dry run (`accelfn dry-run`, `af.dry_run`) uses to watch a script from outside.
+
+In a normal run no watcher is installed and every hook is one `None` check. During a dry run the engine
+reports its phases, training calls go through the watcher (which measures them and stops the script after
+the steps asked for), checkpoint saves and tracker writes are skipped and listed, `af.compile` runs eagerly,
+and every device kind executes as fake CPU tensors.
+
+Example:
+    >>> from accelfn import dry_mode
+    >>> dry_mode.active() is None, dry_mode.skip("a checkpoint save")
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Watcher", "active", "watching", "skip", "note", "phase", "device_kind", "real_tensors"]
+
+
+class Watcher:
+    """What a dry run observes; the defaults do what a normal run does."""
+
+    def __init__(self) -> None:
+        self.skipped: list[str] = []
+        self.notes: list[str] = []
+        self.requested_kinds: list[str] = []
+
+    def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
+        """One call of a training step: `call()` runs it."""
+        return call()
+
+    def phase(self, name: str, run: Any) -> None:
+        """The engine starts phase `name` of a training step (`run` is its `StepRun`)."""
+
+    def device_kind(self, kind: str) -> str:
+        """The device kind that executes when the script asks for `kind`."""
+        return kind
+
+    def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose tensors must be real (small host-side bookkeeping, e.g. a DeviceMesh's rank map)."""
+        return contextlib.nullcontext()
+
+
+_watcher: Watcher | None = None
+
+
+def active() -> Watcher | None:
+    """The installed watcher, or None outside a dry run."""
+    return _watcher
+
+
+@contextlib.contextmanager
+def watching(watcher: Watcher) -> Iterator[Watcher]:
+    """Install `watcher` for the duration of the block (one at a time)."""
+    global _watcher
+    if _watcher is not None:
+        raise RuntimeError("a dry run is already running in this process (they do not nest)")
+    _watcher = watcher
+    try:
+        yield watcher
+    finally:
+        _watcher = None
+
+
+def skip(what: str) -> bool:
+    """True (and `what` listed) in a dry run: the caller skips the side effect, e.g. a checkpoint save."""
+    if _watcher is None:
+        return False
+    if what not in _watcher.skipped:
+        _watcher.skipped.append(what)
+    return True
+
+
+def note(text: str) -> None:
+    """Record how the dry run differs from the real run here (no-op outside one)."""
+    if _watcher is not None and text not in _watcher.notes:
+        _watcher.notes.append(text)
+
+
+def phase(name: str, run: Any) -> None:
+    """The engine's phase marker (no-op outside a dry run)."""
+    if _watcher is not None:
+        _watcher.phase(name, run)
+
+
+def real_tensors() -> contextlib.AbstractContextManager[Any]:
+    """A block that computes with real tensors even in a dry run (whose tensors are otherwise fake)."""
+    return contextlib.nullcontext() if _watcher is None else _watcher.real_tensors()
+
+
+def device_kind(kind: str) -> str:
+    """The device kind to execute for a requested `kind` (itself outside a dry run)."""
+    return kind if _watcher is None else _watcher.device_kind(kind)

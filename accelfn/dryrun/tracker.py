@@ -1,0 +1,460 @@
+"""What one training step allocates, communicates and computes, seen from the dispatcher.
+
+`StepTracker` is a `TorchDispatchMode` that runs on real or fake tensors alike (the dry run and the
+validation of the dry run against a real run use the same one):
+
+- memory: every new storage an op returns is an allocation (freed when its storage dies; FSDP's
+  `UntypedStorage.resize_` frees and re-allocates are followed too). After the step each allocation gets a
+  category (params, buffers, optimizer, grads, comm_buffers, activations, temporary) and one sweep over the
+  events gives the peak, the breakdown at the peak and each category's own peak;
+- communication: each c10d or functional collective, its group (mapped to mesh axes later) and the bytes
+  of its full buffer, as nccl-tests counts them;
+- FLOPs: torch's `flop_counter` formulas (and accelfn's for the CPU attention kernel).
+
+DTensor ops are handed back to DTensor (`NotImplemented`), so the tracker sees the local ops and the
+collectives DTensor lowers them to, as `CommDebugMode` does.
+
+Example:
+    >>> import torch
+    >>> from accelfn.dryrun.tracker import StepTracker
+    >>> with StepTracker() as t:
+    ...     y = torch.ones(256, 256) @ torch.ones(256, 256)
+    >>> t.flops, t.peak_bytes
+    (33554432, 786432)
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..meter import _CPU_ATTENTION
+
+__all__ = ["StepTracker", "Collective", "CATEGORIES", "bus_bytes"]
+
+CATEGORIES = ("params", "buffers", "optimizer", "grads", "comm_buffers", "activations", "temporary")
+
+# collective kind -> bus-bandwidth factor given the group size n (nccl-tests' PERFORMANCE.md)
+_BUS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+def bus_bytes(kind: str, size: int, n: int) -> int:
+    """nccl-tests' bus bytes of a collective over `n` ranks whose full buffer is `size` bytes.
+
+    Example:
+        >>> bus_bytes("all_reduce", 1000, 4), bus_bytes("all_gather", 1000, 4)
+        (1500, 750)
+    """
+    return round(_BUS[kind](n) * size) if n > 0 else 0
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def _group_of(x: Any) -> tuple[str, int] | None:
+    """(group name, size) of a ProcessGroup argument."""
+    if isinstance(x, torch.ScriptObject):  # how the dispatcher passes a ProcessGroup
+        try:
+            x = torch.distributed.ProcessGroup.unbox(x)
+        except Exception:  # noqa: BLE001 - another script object (a ReduceOp)
+            return None
+    name = getattr(x, "group_name", None)
+    if name is None or not callable(getattr(x, "size", None)):
+        return None
+    return str(name), int(x.size())
+
+
+def _named_group(name: str) -> tuple[str, int]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return name, int(_resolve_process_group(name).size())
+
+
+# c10d op name -> (kind, how the full buffer is found: "out" the first arg, "in" the second, "args" all
+# tensors of the first arg, "times_n" the first arg's bytes times the group size)
+_C10D = {
+    "allreduce_": ("all_reduce", "first"),
+    "allreduce_coalesced_": ("all_reduce", "first"),
+    "_allgather_base_": ("all_gather", "first"),
+    "allgather_": ("all_gather", "second_times_n"),
+    "allgather_coalesced_": ("all_gather", "second_times_n"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "first"),
+    "_reduce_scatter_base_": ("reduce_scatter", "second"),
+    "reduce_scatter_": ("reduce_scatter", "first_times_n"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "second"),
+    "alltoall_base_": ("all_to_all", "second"),
+    "alltoall_": ("all_to_all", "second"),
+    "broadcast_": ("broadcast", "first"),
+    "reduce_": ("reduce", "first"),
+    "gather_": ("gather", "second_times_n"),
+    "scatter_": ("scatter", "first_times_n"),
+    "send": ("send_recv", "first"),
+    "recv_": ("send_recv", "first"),
+    "barrier": ("barrier", "none"),
+}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+@attrs.define
+class Collective:
+    """One collective call: its kind, process group (name, size) and full buffer in bytes."""
+
+    kind: str
+    group: str
+    size: int
+    nbytes: int
+
+    @property
+    def bus_bytes(self) -> int:
+        return bus_bytes(self.kind, self.nbytes, self.size)
+
+
+def _collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> Collective | None:
+    ns = func.namespace
+    name = func._overloadpacket.__name__
+    if ns == "c10d" and name in _C10D:
+        kind, rule = _C10D[name]
+        group = next((g for g in map(_group_of, args) if g is not None), None)
+        if group is None:
+            return None
+        n = group[1]
+        first = _nbytes(args[0]) if args else 0
+        second = _nbytes(args[1]) if len(args) > 1 else 0
+        size = {
+            "first": first,
+            "second": second,
+            "first_times_n": first * n,
+            "second_times_n": second * n,
+            "none": 0,
+        }[rule]
+        return Collective(kind, group[0], n, size)
+    if ns == "_c10d_functional" and name in _FUNCTIONAL:
+        kind = _FUNCTIONAL[name]
+        group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
+        if group_name is None:
+            return None
+        group, n = _named_group(group_name)
+        size = _nbytes(args[0])  # all-reduce, reduce-scatter, all-to-all: the input
+        if kind == "all_gather":  # the output
+            size = _nbytes(kwargs["out"]) if "out" in kwargs else _nbytes(out) or _nbytes(args[0]) * n
+        return Collective(kind, group, n, size)
+    return None
+
+
+def fake_scalar(x: torch.Tensor) -> bool | int | float | None:
+    """What a host read (`.item()`, `.tolist()`, `float()`) of a fake tensor gives in a dry run: zero of its
+    type (None for a real tensor: read it)."""
+    if getattr(x, "fake_mode", None) is None and x.device.type != "meta":
+        return None
+    if x.dtype == torch.bool:
+        return False
+    return 0.0 if x.dtype.is_floating_point or x.dtype.is_complex else 0
+
+
+class HostReads(TorchDispatchMode):
+    """Host reads of fake tensors return zero (counted) instead of failing: a script's `loss.item()`,
+    `starts.tolist()` or `if found_inf:` runs on in a dry run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            value = fake_scalar(args[0])
+            if value is not None:
+                self.count += 1
+                return value
+        return func(*args, **(kwargs or {}))
+
+
+# DTensor's sharding propagation builds example tensors of the global shape from its metadata, under the fake
+# mode that is running (and keeps them in its cache): shapes, not memory the step holds
+_SHAPE_ONLY = frozenset(
+    {"_rebuild_tensor_from_dtensor_meta", "gen_fake_args", "_propagate_tensor_meta_non_cached"}
+)
+
+
+def _in_shape_propagation() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _SHAPE_ONLY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def module_pattern(name: str) -> str:
+    """A module path without its root's class name and with block numbers folded, for the report.
+
+    Example:
+        >>> module_pattern("FSDPLlamaForCausalLM.model.layers.3.mlp")
+        'model.layers.*.mlp'
+    """
+    if not name:
+        return "(outside modules)"
+    _, _, rest = name.partition(".")
+    return re.sub(r"\.\d+(?=\.|$)", ".*", rest or name)
+
+
+@attrs.define(eq=False)
+class _Alloc:
+    nbytes: int
+    phase: str
+    module: str
+    comm: bool = False
+    resized: bool = False
+    ref: Any = None
+    category: str | None = None
+
+
+_SKIP_OPS = {
+    torch.ops.aten.size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.numel.default,
+    torch.ops.aten.dim.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
+
+class StepTracker(TorchDispatchMode):
+    """Memory, collectives and FLOPs of the ops run inside it (one training step; see the module docs).
+
+    `phase` is the engine phase allocations are tagged with (set by the dry run's watcher); `module` a
+    callable naming the module running now (or None); `host_read` what `.item()` returns on fake tensors
+    (None: run the op).
+    """
+
+    def __init__(
+        self, *, module_name: Any = None, fake_host_reads: bool = False, fake_mode: Any = None
+    ) -> None:
+        super().__init__()
+        self._fake_mode = fake_mode  # the run's own FakeTensorMode (others, e.g. DTensor's shape propagation's, hold no memory)
+        self.phase = "start"
+        self._module_name = module_name
+        self._fake_host_reads = fake_host_reads
+        self.host_reads = 0
+        self.flops = 0
+        self.collectives: list[Collective] = []
+        self.events: list[tuple[int, int, _Alloc]] = []  # (seq, delta bytes, allocation)
+        self._live: dict[int, _Alloc] = {}
+        self._live_bytes = 0
+        self.peak_bytes = 0
+        self._seq = 0
+        self._registry = {
+            **flop_counter.flop_registry,
+            **{k: flop_counter.shape_wrapper(f) for k, f in _CPU_ATTENTION.items()},
+        }
+        self._orig_resize: Any = None
+
+    # ---- allocations -------------------------------------------------------------------------------------------
+    def _event(self, delta: int, rec: _Alloc) -> None:
+        self._seq += 1
+        self.events.append((self._seq, delta, rec))
+        self._live_bytes += delta
+        if self._live_bytes > self.peak_bytes:
+            self.peak_bytes = self._live_bytes
+
+    def _freed(self, key: int) -> None:
+        rec = self._live.pop(key, None)
+        if rec is not None and rec.nbytes:
+            self._event(-rec.nbytes, rec)
+
+    def _see(self, t: torch.Tensor, *, comm: bool = False) -> _Alloc | None:
+        mode = getattr(t, "fake_mode", None)
+        if t.device.type == "meta" or (mode is not None and mode is not self._fake_mode):
+            return None  # shapes only: torch's own shape propagation, not memory the run holds
+        try:
+            st = t.untyped_storage()
+        except Exception:  # noqa: BLE001 - sparse or other storage-less tensors
+            return None
+        key = st._cdata
+        rec = self._live.get(key)
+        if rec is not None:
+            rec.comm = rec.comm or comm
+            return rec
+        module = self._module_name() if self._module_name is not None else ""
+        rec = _Alloc(st.nbytes(), self.phase, module, comm)
+        try:
+            rec.ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+        except TypeError:  # pragma: no cover - storages without weak references
+            return None
+        self._live[key] = rec
+        if rec.nbytes:
+            self._event(rec.nbytes, rec)
+        return rec
+
+    def _resize(self, st: torch.UntypedStorage, size: int) -> Any:
+        key = st._cdata
+        rec = self._live.get(key)
+        before = st.nbytes()
+        out = self._orig_resize(st, size)
+        after = st.nbytes()
+        if rec is None:
+            rec = _Alloc(0, self.phase, "", resized=True)
+            try:
+                rec.ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+            except TypeError:  # pragma: no cover
+                return out
+            self._live[key] = rec
+            before = 0
+        rec.resized = True
+        if after != before:
+            rec.nbytes = after
+            self._event(after - before, rec)
+        return out
+
+    def __enter__(self) -> StepTracker:
+        self._orig_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            return tracker._resize(st, size)
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    # ---- dispatch ----------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # DTensor lowers it to local ops and collectives, which come back here
+        if func in _SKIP_OPS:
+            return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and self._fake_host_reads:
+            value = fake_scalar(args[0])
+            if value is not None:
+                self.host_reads += 1
+                return value
+        out = func(*args, **kwargs)
+        coll = _collective(func, args, kwargs, out)
+        if coll is not None:
+            self.collectives.append(coll)
+            for t in tree_flatten((args, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    self._see(t, comm=True)
+            return out
+        if not types and _in_shape_propagation():  # a factory called by DTensor's propagation
+            return out
+        packet = func._overloadpacket
+        formula = self._registry.get(packet)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+    # ---- after the step ----------------------------------------------------------------------------------------
+    def label(self, tensors: Iterable[Any], category: str) -> int:
+        """Give the storages of `tensors` (live now) `category`; returns their bytes, each storage once."""
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            rec = self._see(t)
+            if rec is None or id(rec) in seen:
+                continue
+            seen.add(id(rec))
+            total += rec.nbytes
+            if rec.category is None or category in ("params", "buffers", "optimizer"):
+                rec.category = category
+        return total
+
+    def _category(self, rec: _Alloc) -> str:
+        if rec.category is not None:
+            return rec.category
+        if rec.comm or rec.resized:
+            return "comm_buffers"
+        return "activations" if rec.phase == "forward_backward" else "temporary"
+
+    def breakdown(self) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
+        """(peak bytes, bytes by category at the peak, each category's own peak, activation bytes live at the
+        peak by module, numbers folded: `layers.3.mlp` -> `layers.*.mlp`)."""
+        live: dict[str, int] = defaultdict(int)
+        own_peak: dict[str, int] = defaultdict(int)
+        total = peak = peak_seq = 0
+        at_peak: dict[str, int] = {}
+        for seq, delta, rec in self.events:
+            c = self._category(rec)
+            live[c] += delta
+            total += delta
+            own_peak[c] = max(own_peak[c], live[c])
+            if total > peak:
+                peak, peak_seq = total, seq
+                at_peak = dict(live)
+        alive: dict[int, tuple[_Alloc, int]] = {}
+        for seq, delta, rec in self.events:
+            if seq > peak_seq:
+                break
+            if self._category(rec) == "activations":
+                alive[id(rec)] = (rec, alive.get(id(rec), (rec, 0))[1] + delta)
+        by_module: dict[str, int] = defaultdict(int)
+        for rec, size in alive.values():
+            if size > 0:
+                by_module[module_pattern(rec.module)] += size
+        return (
+            peak,
+            {c: max(0, at_peak.get(c, 0)) for c in CATEGORIES},
+            {c: own_peak.get(c, 0) for c in CATEGORIES},
+            dict(by_module),
+        )
+
+    def collectives_by_group(self) -> dict[tuple[str, str], dict[str, int]]:
+        """{(kind, group name): {"count", "bytes", "bus_bytes", "size"}} over the step."""
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for c in self.collectives:
+            row = out.setdefault((c.kind, c.group), {"count": 0, "bytes": 0, "bus_bytes": 0, "size": c.size})
+            row["count"] += 1
+            row["bytes"] += c.nbytes
+            row["bus_bytes"] += c.bus_bytes
+        return out

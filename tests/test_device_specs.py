@@ -1,0 +1,255 @@
+"""The device table (`accelfn.platforms.specs`): its rows, name lookup, dtype mapping, and that the platforms and
+`af.Meter` read it (cuda, ROCm and xla against fake modules, as in test_platforms.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import accelfn as af
+from accelfn.meter import Meter
+from accelfn.platforms import specs
+from accelfn.platforms.cuda import peak_tflops_of
+
+# what torch (`torch.cuda.get_device_name()`, torch_xla's device kind, `torch.hpu`) calls each row's device
+DEVICE_NAMES = {
+    "b200": "NVIDIA B200",
+    "h200-nvl": "NVIDIA H200 NVL",
+    "h200-sxm": "NVIDIA H200",
+    "h100-nvl": "NVIDIA H100 NVL",
+    "h100-pcie": "NVIDIA H100 PCIe",
+    "h100-sxm": "NVIDIA H100 80GB HBM3",
+    "a100-40gb": "NVIDIA A100-SXM4-40GB",
+    "a100-80gb": "NVIDIA A100-SXM4-80GB",
+    "l40s": "NVIDIA L40S",
+    "l4": "NVIDIA L4",
+    "a10g": "NVIDIA A10G",
+    "mi325x": "AMD Instinct MI325X",
+    "mi300x": "AMD Instinct MI300X",
+    "gaudi3": "GAUDI3",
+    "tpu-v5p": "TPU v5",
+    "tpu-v5e": "TPU v5 lite",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELFN_DEVICE", raising=False)
+
+
+@pytest.fixture
+def matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+# ---- the rows ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("row", specs.DEVICES, ids=[d.key for d in specs.DEVICES])
+def test_every_row_is_complete(row: specs.DeviceSpec) -> None:
+    assert row.tflops["bf16"] > 0 and all(v > 0 for v in row.tflops.values())
+    assert set(row.tflops) <= set(specs.TFLOPS_KEYS)
+    assert row.memory_gib > 0 and row.memory_bytes == int(row.memory_gib * 2**30)
+    assert row.memory_gbs > 0 and row.intra_node_gbs > 0 and row.inter_node_gbs > 0
+    assert row.devices_per_node >= 1
+    assert row.kind in (*af.platforms.KINDS, "hpu")
+    assert row.key == row.key.lower() and specs.spec(row.key) is row
+    if row.key == "cpu":  # nominal figures: no data sheet, and no device name matches it
+        assert row.pattern == "" and row.source == ""
+    else:
+        assert row.source.startswith("https://"), row.key
+        assert row.pattern and specs.find(DEVICE_NAMES[row.key]) is row
+
+
+def test_keys_are_unique_and_every_row_has_a_device_name_here() -> None:
+    keys = [d.key for d in specs.DEVICES]
+    assert len(set(keys)) == len(keys)
+    assert set(DEVICE_NAMES) == set(keys) - {"cpu"}
+
+
+def test_rows_are_frozen() -> None:
+    row = specs.spec("h100")
+    with pytest.raises(AttributeError):
+        row.memory_gib = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        row.tflops["bf16"] = 1.0  # type: ignore[index]
+    with pytest.raises(ValueError, match="unknown keys"):
+        specs.DeviceSpec("x", "X", "cuda", "", {"int8": 1.0}, 1.0, 1.0, 1.0, 1.0, 1, "")
+
+
+def test_the_table_agrees_with_the_meters_figures_of_before() -> None:
+    # the figures `peak_tflops_of` had before the table moved here
+    assert specs.spec("h100-sxm").tflops == {
+        "fp32": 67.0,
+        "tf32": 494.7,
+        "bf16": 989.0,
+        "fp16": 989.0,
+        "fp8": 1979.0,
+    }
+    assert specs.spec("h100-pcie").tflops["bf16"] == 756.0 and specs.spec("h100-nvl").tflops["bf16"] == 835.0
+    assert specs.spec("a100-80gb").tflops == specs.spec("a100-40gb").tflops
+    assert specs.spec("l40s").tflops["fp8"] == 733.0 and specs.spec("a10g").tflops["tf32"] == 62.5
+
+
+# ---- names -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("h100", "h100-sxm"),
+        ("H100", "h100-sxm"),
+        ("H100 SXM", "h100-sxm"),
+        ("h100_pcie", "h100-pcie"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("nvidia h100 pcie", "h100-pcie"),
+        ("h200", "h200-sxm"),
+        ("H200 NVL", "h200-nvl"),
+        ("a100", "a100-80gb"),
+        ("A100-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("mi300x", "mi300x"),
+        ("AMD MI300X", "mi300x"),
+        ("AMD Instinct MI325X", "mi325x"),
+        ("Gaudi 3", "gaudi3"),
+        ("tpu-v5p", "tpu-v5p"),
+        ("v5p", "tpu-v5p"),
+        ("TPU v5p", "tpu-v5p"),
+        ("v5e", "tpu-v5e"),
+        ("v5litepod", "tpu-v5e"),
+        (" CPU ", "cpu"),
+    ],
+)
+def test_spec_takes_keys_aliases_and_device_names(name: str, key: str) -> None:
+    assert specs.spec(name).key == key
+
+
+def test_spec_rejects_unknown_names_listing_the_keys() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown device 'rtx9090'; the keys are: .*h100-sxm.*mi300x.*tpu-v5p"
+    ):
+        specs.spec("rtx9090")
+    with pytest.raises(ValueError, match="unknown device ''"):
+        specs.spec("")
+    with pytest.raises(TypeError, match="must be a str"):
+        specs.spec(100)  # type: ignore[arg-type]
+
+
+def test_find_prefers_the_specific_row() -> None:
+    assert specs.find("NVIDIA H100 PCIe").key == "h100-pcie"
+    assert specs.find("NVIDIA H100 NVL").key == "h100-nvl"
+    assert specs.find("NVIDIA H100 80GB HBM3").key == "h100-sxm"
+    assert specs.find("NVIDIA H200 NVL").key == "h200-nvl"
+    assert specs.find("NVIDIA H200").key == "h200-sxm"
+    assert specs.find("NVIDIA L40S").key == "l40s" and specs.find("NVIDIA L4").key == "l4"
+    assert specs.find("NVIDIA A100-PCIE-40GB").key == "a100-40gb"
+    assert specs.find("TPU v5 lite").key == "tpu-v5e" and specs.find("TPU v5").key == "tpu-v5p"
+
+
+def test_find_matches_device_names_only() -> None:
+    for name in ("h100", "a100", "v5p", "cpu", "", "NVIDIA GH200 480GB", "NVIDIA GB200", "NVIDIA A10"):
+        assert specs.find(name) is None, name
+
+
+# ---- dtypes ------------------------------------------------------------------------------------------------
+def test_peak_tflops_maps_dtypes_to_table_keys() -> None:
+    h100 = specs.spec("h100")
+    assert specs.peak_tflops(h100, torch.bfloat16) == 989.0
+    assert specs.peak_tflops("h100", torch.float16) == 989.0
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz):
+        assert specs.peak_tflops(h100, fp8) == 1979.0
+    assert specs.peak_tflops("a100", torch.float8_e4m3fn) is None  # no fp8 on Ampere
+    assert specs.peak_tflops("gaudi3", torch.float16) == 1835.0  # fp16 falls back to bf16
+    assert specs.peak_tflops("h100", torch.int8) is None and specs.peak_tflops("h100", torch.float64) is None
+    with pytest.raises(ValueError, match="unknown device"):
+        specs.peak_tflops("rtx9090", torch.bfloat16)
+
+
+def test_peak_tflops_for_float32_follows_torchs_matmul_precision(matmul_precision) -> None:
+    matmul_precision("highest")
+    assert specs.peak_tflops("a100", torch.float32) == 19.5
+    assert specs.peak_tflops("tpu-v5e", torch.float32) is None
+    matmul_precision("high")
+    assert specs.peak_tflops("a100", torch.float32) == 156.0
+    matmul_precision("medium")
+    assert specs.peak_tflops("mi300x", torch.float32) == 653.7
+    assert specs.peak_tflops("cpu", torch.float32) is None  # no tf32 figure for the nominal cpu
+
+
+def test_cuda_peak_tflops_of_reads_the_table_for_gpus_only() -> None:
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.0
+    assert peak_tflops_of("AMD Instinct MI300X", torch.bfloat16) == 1307.4
+    assert peak_tflops_of("TPU v5", torch.bfloat16) is None  # an xla row
+    assert peak_tflops_of("GAUDI3", torch.bfloat16) is None  # an hpu row
+
+
+# ---- platforms and the meter read it -----------------------------------------------------------------------
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, name: str, *, rocm: bool = False) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    monkeypatch.setattr(torch.version, "cuda", None if rocm else "12.8")
+    monkeypatch.setattr(torch.version, "hip", "6.4" if rocm else None, raising=False)
+
+
+@pytest.mark.parametrize(
+    "key", ["h100-sxm", "h100-pcie", "h200-nvl", "b200", "a100-40gb", "l4", "mi300x", "mi325x"]
+)
+def test_cuda_platform_reads_the_table(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    fake_cuda(monkeypatch, DEVICE_NAMES[key], rocm=key.startswith("mi"))
+    cuda = af.platforms.get("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32):
+        assert cuda.peak_tflops(dtype) == specs.peak_tflops(key, dtype)
+
+
+def test_cuda_platform_knows_no_peak_without_a_gpu_or_for_an_unknown_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert af.platforms.get("cuda").peak_tflops(torch.bfloat16) is None
+    fake_cuda(monkeypatch, "NVIDIA GeForce GT 710")
+    assert af.platforms.get("cuda").peak_tflops(torch.bfloat16) is None
+    assert af.platforms.get("cpu").peak_tflops(torch.bfloat16) is None  # the nominal cpu row is not read
+
+
+def test_meter_mfu_divides_by_the_tables_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    step = af.train_step(lambda m, b: m(b).float().mean(), af.optim.sgd(0.1))
+    step.init(torch.nn.Linear(4, 4).to(torch.bfloat16))
+    meter = Meter(step)
+    fake_cuda(monkeypatch, "AMD Instinct MI300X", rocm=True)
+    assert meter.peak() is None  # on the cpu platform
+    monkeypatch.setattr(Meter, "_platform", property(lambda self: af.platforms.get("cuda")))
+    assert meter.peak() == specs.spec("mi300x").tflops["bf16"] == 1307.4
+    assert Meter(step, peak_tflops=2.0).peak() == 2.0  # the override still wins
+
+
+def install_fake_torch_xla(monkeypatch: pytest.MonkeyPatch, device_kind: str | None) -> None:
+    names = ("torch_xla", "torch_xla.runtime", "torch_xla.core", "torch_xla.core.xla_model")
+    mods = {name: types.ModuleType(name) for name in names}
+    mods["torch_xla.runtime"].device_type = lambda: "TPU"  # type: ignore[attr-defined]
+    if device_kind is not None:  # older torch_xla has no xla_device_kind
+        mods["torch_xla.core.xla_model"].xla_device_kind = lambda d=None: device_kind  # type: ignore[attr-defined]
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.parametrize(
+    ("device_kind", "bf16"), [("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v9", None), (None, None)]
+)
+def test_xla_platform_reads_the_table_by_device_kind(
+    monkeypatch: pytest.MonkeyPatch, device_kind: str | None, bf16: float | None
+) -> None:
+    install_fake_torch_xla(monkeypatch, device_kind)
+    assert af.platforms.get("xla").peak_tflops(torch.bfloat16) == bf16
+
+
+def test_other_accelerator_kinds_read_only_rows_of_their_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.xpu, "get_device_name", lambda d=None: "Intel(R) Data Center GPU Max 1550")
+    xpu = af.platforms.get("xpu")
+    assert xpu.peak_tflops(torch.bfloat16) is None
+    monkeypatch.setattr(torch.xpu, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert xpu.peak_tflops(torch.bfloat16) is None  # a cuda row: not for xpu

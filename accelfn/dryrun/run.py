@@ -8,6 +8,7 @@ and stops the script after `steps` of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import runpy
 import sys
@@ -254,7 +255,12 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
     os.environ.update(env)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with _object_collectives(), FakeTensorMode(allow_non_fake_inputs=True), HostReads() as reads:
+        with (
+            _object_collectives(),
+            _real_device_meshes(),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            HostReads() as reads,
+        ):
             yield reads
     finally:
         _mesh.destroy_process_group()
@@ -311,6 +317,37 @@ def _object_collectives() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+# A DeviceMesh keeps its rank map as a (host) tensor and reads it (`tolist`) to find its coordinates; under the
+# fake mode that tensor would be fake. Meshes made inside torch (FSDP over TP concatenates the dp and tp meshes,
+# slicing and flattening make sub-meshes) are built with real tensors in the dry run.
+_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "_unflatten", "_concatenate")
+
+
+@contextlib.contextmanager
+def _real_device_meshes() -> Iterator[None]:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def real(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+
+        return functools.wraps(fn)(wrapper)
+
+    saved = {name: DeviceMesh.__dict__[name] for name in _MESH_METHODS if name in DeviceMesh.__dict__}
+    for name, attr in saved.items():
+        if isinstance(attr, staticmethod):
+            setattr(DeviceMesh, name, staticmethod(real(attr.__func__)))
+        else:
+            setattr(DeviceMesh, name, real(attr))
+    try:
+        yield
+    finally:
+        for name, attr in saved.items():
+            setattr(DeviceMesh, name, attr)
 
 
 @contextlib.contextmanager
@@ -547,8 +584,8 @@ def dry_run(
         ...     state = step.init(torch.nn.Linear(1024, 1024))
         ...     step(state, torch.randn(8, 1024))
         >>> report = af.dry_run(main, nproc_per_node=64, device="cpu", search=False)
-        >>> report.world_size, report.per_rank["optimizer"] == 2 * report.per_rank["params"]
-        (64, True)
+        >>> report.world_size, report.per_rank["params"], report.comm["all_reduce"]["dp"]["count"]
+        (64, 4198400, 2)
     """
     from ..platforms import specs
 

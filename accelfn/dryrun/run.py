@@ -258,12 +258,14 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
         with (
             _object_collectives(),
             _real_device_meshes(),
-            FakeTensorMode(allow_non_fake_inputs=True),
+            FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            _swappable_fakes(mode),
             HostReads() as reads,
         ):
             yield reads
     finally:
         _mesh.destroy_process_group()
+        _clear_dtensor_caches()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -348,6 +350,44 @@ def _real_device_meshes() -> Iterator[None]:
     finally:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by the mesh's layout, not its process groups: a second fake
+    world in the same process (a second dry run, `--rank worst`, the micro-batch search's fresh world) would get
+    plans naming the first world's groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    with contextlib.suppress(AttributeError):
+        torch._C._clear_DTensor_sharding_propagator_cache()  # the native dispatch's cache
+    with contextlib.suppress(AttributeError):
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    with contextlib.suppress(AttributeError):
+        _redistribute._gen_transform_infos.cache_clear()
+    with contextlib.suppress(AttributeError):
+        _redistribute._planner_cache.clear()
+
+
+# `module.to(...)` swaps fake parameters (`torch.utils.swap_tensors`), which refuses tensors with weak references;
+# the fake mode's own memo holds one to each fake tensor it made. Drop the memo's entry for the two tensors first.
+@contextlib.contextmanager
+def _swappable_fakes(mode: Any) -> Iterator[None]:
+    import torch.utils
+
+    original = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
+            memo.pop(key, None)
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
 
 
 @contextlib.contextmanager
@@ -500,6 +540,53 @@ def _report(
 
 
 # ---- the entry point ---------------------------------------------------------------------------------------------
+def _execute(
+    script: str | os.PathLike[str] | Callable[[], Any], args: Sequence[str], session: Session
+) -> None:
+    """Run the script (as `python script.py args` would) until the session stops it."""
+    try:
+        if callable(script):
+            script()
+        else:
+            path = str(Path(script).absolute())
+            with _argv([path, *args], str(Path(path).parent)):
+                runpy.run_path(path, run_name="__main__")
+    except StopDryRun:
+        pass
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    if not session.measured:
+        raise RuntimeError(
+            "af.dry_run: the script ended without calling a training step (af.train_step, possibly under "
+            "af.shard and other combinators): nothing to measure"
+        )
+
+
+def measure_real(
+    script: str | os.PathLike[str] | Callable[[], Any], args: Sequence[str] = (), *, steps: int = 1
+) -> Report:
+    """The dry run's measurements on a real run (this process, in a job started by `accelfn launch`): the same
+    tracker on real tensors, for validating the dry run against the real thing. Stops the script after `steps`."""
+    session = Session(steps, None, False)
+    start = time.perf_counter()
+    with dry_mode.watching(session):
+        _execute(script, list(args), session)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        report = _report(
+            session,
+            world=world,
+            rank=rank,
+            nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            device="cpu",
+            spec=None,
+            assumptions=Assumptions(),
+        )
+    report.elapsed_s = time.perf_counter() - start
+    return report
+
+
 def _run_once(
     script: str | os.PathLike[str] | Callable[[], Any],
     args: Sequence[str],
@@ -518,27 +605,11 @@ def _run_once(
     session = Session(steps, capacity, search)
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
-        try:
-            if callable(script):
-                script()
-            else:
-                path = str(Path(script).absolute())
-                with _argv([path, *args], str(Path(path).parent)):
-                    runpy.run_path(path, run_name="__main__")
-        except StopDryRun:
-            pass
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
+        _execute(script, args, session)
         if reads.count or any(m.host_reads for m in session.measured):
             session.notes.append(
                 "host reads of fake values (.item(), .tolist(), float()) returned 0: "
                 f"{reads.count + sum(m.host_reads for m in session.measured)} of them"
-            )
-        if not session.measured:
-            raise RuntimeError(
-                "af.dry_run: the script ended without calling a training step (af.train_step, possibly under "
-                "af.shard and other combinators): nothing to measure"
             )
         report = _report(
             session,

@@ -1,0 +1,275 @@
+"""`af.dry_run` / `accelfn dry-run`: checked against real runs (2 and 4 processes over gloo, the same tracker
+on real tensors), against the published formulas (ZeRO memory and communication, Korthikanti et al.'s
+activations, 6N FLOPs per token), and used as a harness: every strategy and combinator the suite runs at 2
+ranks, lowered at 8-64 fake ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn import mesh as _mesh
+from accelfn.dryrun.tracker import StepTracker, bus_bytes
+from tests._launch import ROOT, output_of, run_workers
+
+LLAMA = ROOT / "examples" / "train_llama.py"
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> None:
+    _mesh.destroy_process_group()  # a dry run starts its own (fake) one
+
+
+def _dry(*args: str, nproc: int, mesh: str, steps: int = 1, timeout: float = 120) -> dict:
+    """`accelfn dry-run --json` in a fresh process (as users run it); the report as a dict."""
+    out = Path(f"/tmp/accelfn-dry-{time.monotonic_ns()}.json")
+    cmd = [sys.executable, "-m", "accelfn.cli.main", "dry-run", "--no-search", "--device", "cpu",
+           "--nproc-per-node", str(nproc), "--mesh", mesh, "--json", str(out), str(LLAMA), *args,
+           "--steps", str(steps)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, output_of(proc)
+    return json.loads(out.read_text())
+
+
+# ---- the tracker -------------------------------------------------------------------------------------------------
+def test_bus_bytes_follow_nccl_tests() -> None:
+    assert bus_bytes("all_reduce", 1000, 8) == 1750
+    assert bus_bytes("all_gather", 1000, 8) == bus_bytes("reduce_scatter", 1000, 8) == 875
+    assert bus_bytes("all_to_all", 1000, 4) == 750
+    assert bus_bytes("all_reduce", 1000, 1) == 0
+
+
+def test_tracker_counts_memory_and_flops_of_real_ops() -> None:
+    with StepTracker() as t:
+        a = torch.ones(128, 64)
+        b = torch.ones(64, 32)
+        c = a @ b
+        del a
+        d = c.sum()
+    assert t.flops == 2 * 128 * 64 * 32
+    peak, at_peak, own, _ = t.breakdown()
+    assert peak == 4 * (128 * 64 + 64 * 32 + 128 * 32)  # a, b and c live together
+    assert at_peak["temporary"] == peak and own["temporary"] == peak
+    assert d.item() == 64 * 128 * 32
+
+
+# ---- against the published formulas, at 64 fake ranks ----------------------------------------------------------
+def _mlp_script(strategy: str, width: int = 512, blocks: int = 4):
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)])
+        step = af.shard(
+            af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3)), mesh, strategy=strategy
+        )
+        state = step.init(model)
+        step(state, torch.zeros(8, width))
+
+    return main
+
+
+def test_zero_memory_and_communication_formulas_at_64_ranks() -> None:
+    """Rajbhandari et al. 2020 with fp32 Adam: ddp holds 4Psi + 4Psi + 8Psi bytes per rank and all-reduces 2Psi
+    (bus); ZeRO-3 (fsdp) holds 16Psi/N and moves 3Psi (all-gather forward and backward, reduce-scatter)."""
+    n, width, blocks = 64, 512, 4
+    psi = blocks * (width * width + width)
+    ddp = af.dry_run(_mlp_script("ddp"), nproc_per_node=n, device="cpu", search=False)
+    assert ddp.per_rank["params"] == ddp.per_rank["grads"] == 4 * psi
+    assert 8 * psi <= ddp.per_rank["optimizer"] <= 8 * psi + 64  # + Adam's step counter
+    grads_bus = ddp.comm["all_reduce"]["dp"]["bus_bytes"]
+    assert grads_bus == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=1e-4)  # + the loss and count
+    fsdp = af.dry_run(_mlp_script("fsdp"), nproc_per_node=n, device="cpu", search=False)
+    assert fsdp.per_rank["params"] == fsdp.per_rank["grads"] == 4 * psi // n
+    assert 8 * psi // n <= fsdp.per_rank["optimizer"] <= 8 * psi // n + 64
+    moved = fsdp.comm["all_gather"]["dp"]["bus_bytes"] + fsdp.comm["reduce_scatter"]["dp"]["bus_bytes"]
+    assert moved == pytest.approx(3 * (n - 1) / n * 4 * psi, rel=1e-6)
+    assert (
+        fsdp.comm["all_gather"]["dp"]["count"] == 2 * blocks
+        and fsdp.comm["reduce_scatter"]["dp"]["count"] == blocks
+    )
+
+
+def _gpt_script(layers: int, remat: bool, s: int = 512, b: int = 4, h: int = 256):
+    from train_lm import TinyGPT, loss_fn
+
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        model = TinyGPT(h, layers, heads=8, seq_len=s, dropout=0.1).to(torch.bfloat16)
+        step = af.train_step(loss_fn, af.optim.adamw(1e-3))
+        step = af.shard(af.remat(step) if remat else step, mesh)
+        state = step.init(model)
+        step(state, {"ids": torch.zeros(b, s + 1, dtype=torch.long)})
+
+    return main
+
+
+def test_activations_per_layer_match_korthikanti() -> None:
+    """Korthikanti et al. 2022: a GPT layer keeps ~34·s·b·h bytes of 16-bit activations for its backward with a
+    fused attention (no s² terms), 2·s·b·h with full recomputation (its input only)."""
+    s, b, h = 512, 4, 256
+    for remat, per_layer in ((False, 34 * s * b * h), (True, 2 * s * b * h)):
+        two, six = (
+            af.dry_run(_gpt_script(layers, remat), nproc_per_node=1, device="cpu", search=False)
+            for layers in (2, 6)
+        )
+        measured = (six.per_rank["activations"] - two.per_rank["activations"]) / 4
+        assert measured == pytest.approx(per_layer, rel=0.15), (remat, measured / (s * b * h))
+
+
+def test_flops_are_6n_per_token_plus_attention() -> None:
+    s, b, h, layers = 512, 4, 256, 6
+    report = af.dry_run(_gpt_script(layers, False), nproc_per_node=1, device="cpu", search=False)
+    tokens = s * b
+    n_matmul = layers * 12 * h * h + h * 256  # qkv, proj, mlp per layer; the (tied) head
+    # torch counts the flash backward's recomputation of QK^T: 2 attention matmuls forward, 5 backward
+    attention = 14 * layers * h * s * tokens // 2 * 2
+    assert report.flops_per_step == pytest.approx(6 * n_matmul * tokens + attention, rel=0.03)
+    # the usual 6N + 12·L·h·s per token (no recomputation) is within 5%
+    assert report.flops_per_step == pytest.approx(
+        6 * n_matmul * tokens + 12 * layers * h * s * tokens, rel=0.05
+    )
+
+
+# ---- the harness: every strategy x combinator at scale ------------------------------------------------------------
+SCALE = [
+    ("dp=64", ("--strategy", "fsdp")),  # uneven shards: 344 rows over 64 ranks
+    ("dp=64", ("--strategy", "ddp", "--bf16", "--accumulate", "2")),
+    ("dp=8,fsdp=8", ("--strategy", "hsdp", "--remat")),
+    ("dp=32,tp=2", ("--strategy", "fsdp", "--bf16")),
+    ("dp=16,tp=2", ("--strategy", "ddp",)),
+    ("dp=4,fsdp=4,tp=2", ("--strategy", "hsdp", "--remat", "--bf16")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh, args", SCALE, ids=[f"{m}-{'-'.join(a)}" for m, a in SCALE])
+def test_every_strategy_lowers_at_scale(mesh: str, args: tuple[str, ...]) -> None:
+    world = 1
+    for part in mesh.split(","):
+        world *= int(part.split("=")[1])
+    report = af.dry_run(LLAMA, ["--model", "tiny", "--steps", "2", *args], nproc_per_node=8, nnodes=world // 8,
+                        device="cpu", mesh=mesh, search=False)  # fmt: skip
+    assert report.world_size == world and report.mesh == dict(
+        (k, int(v)) for k, v in (p.split("=") for p in mesh.split(","))
+    )
+    full = sum(p.numel() for p in _tiny_llama().parameters()) * 4
+    if "ddp" in args and "tp" not in mesh:
+        assert report.per_rank["params"] == full
+    else:
+        assert report.per_rank["params"] < full  # sharded (fsdp) or split (tp)
+    assert report.per_rank["peak"] > report.per_rank["params"] + report.per_rank["optimizer"]
+    assert report.flops_per_step > 0 and report.total_bus_bytes > 0
+    if "tp" in mesh:
+        assert "tp" in {axis for by_axis in report.comm.values() for axis in by_axis}
+
+
+def _tiny_llama() -> nn.Module:
+    from train_llama import build
+
+    return build("tiny", 128)
+
+
+def test_wrong_configurations_fail_at_64_ranks_in_seconds() -> None:
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="heads"):  # tiny has 4 heads, 2 kv heads
+        af.dry_run(LLAMA, ["--model", "tiny"], nproc_per_node=8, nnodes=8, device="cpu", mesh="dp=16,tp=4")
+    with pytest.raises(ValueError, match="64"):  # 3 x 8 is not the world
+        af.dry_run(LLAMA, ["--model", "tiny"], nproc_per_node=8, nnodes=8, device="cpu", mesh="dp=3,tp=8")
+    assert time.perf_counter() - start < 60
+    assert not torch.distributed.is_initialized()
+
+
+def test_saves_and_trackers_are_skipped_and_listed(tmp_path: Path) -> None:
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        step = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.sgd(0.1)), mesh)
+        state = step.init(nn.Linear(8, 8))
+        run = af.trackers.open(tmp_path / "run", "jsonl")
+        state, metrics = step(state, torch.zeros(4, 8))
+        run.log({"loss": metrics["loss"]}, step=1)
+        af.checkpoint.save(tmp_path / "ckpt", state)
+        assert float(metrics["loss"]) == 0.0  # a host read of a fake value
+        step(state, torch.zeros(4, 8))
+
+    report = af.dry_run(main, nproc_per_node=4, device="cpu", steps=2, search=False)
+    assert report.steps == 2
+    assert any("checkpoint.save" in s for s in report.skipped) and any(
+        "trackers.open" in s for s in report.skipped
+    )
+    assert not list(tmp_path.iterdir())
+    assert any("host reads" in n for n in report.notes)
+
+
+def test_script_without_a_step_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="without calling a training step"):
+        af.dry_run(lambda: None, nproc_per_node=2, device="cpu")
+
+
+def test_rank_worst_and_micro_batch_search() -> None:
+    report = af.dry_run(LLAMA, ["--model", "tiny"], nproc_per_node=4, device="cpu", gpu="l4", rank="worst",
+                        mesh="dp=4")  # fmt: skip
+    assert report.ranks_tried == [0, 2, 3]
+    searched = af.dry_run(
+        LLAMA, ["--model", "tiny", "--seq-len", "2048"], nproc_per_node=4, device="cpu", gpu="l4"
+    )
+    assert (
+        searched.fits
+        and searched.max_micro_batch is not None
+        and searched.max_micro_batch > searched.micro_batch
+    )
+
+
+@pytest.mark.slow
+def test_cli_exit_code_3_when_it_does_not_fit(tmp_path: Path) -> None:
+    """An 8B model under plain ddp needs 16 bytes per parameter per GPU: 128 GB > an H100's 80."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelfn.cli.main", "dry-run", "--no-search", "--nproc-per-node", "8", "--nnodes", "8",
+         "--json", str(out), str(LLAMA), "--model", "8b", "--strategy", "ddp", "--seq-len", "256", "--batch-size", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 3, output_of(proc)
+    assert "DOES NOT FIT" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["fits"] is False and report["headroom_bytes"] < 0
+    assert report["per_rank"]["optimizer"] > 60 * 2**30
+
+
+# ---- against real runs: 2 and 4 processes over gloo ---------------------------------------------------------------
+VALIDATE = [
+    (2, "dp=2", ("--strategy", "ddp")),
+    (2, "dp=2", ("--strategy", "fsdp")),
+    (2, "dp=2", ("--strategy", "fsdp", "--remat", "--bf16")),
+    (2, "dp=2", ("--strategy", "ddp", "--accumulate", "2")),
+    (4, "dp=2,fsdp=2", ("--strategy", "hsdp")),
+    (4, "dp=2,tp=2", ("--strategy", "fsdp")),
+]  # fmt: skip
+
+
+def _counts(report: dict) -> dict:
+    return {(k, a): (v["count"], v["bus_bytes"]) for k, by in report["comm"].items() for a, v in by.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, mesh, args", VALIDATE, ids=[f"{m}-{'-'.join(a)}" for _, m, a in VALIDATE])
+def test_dry_run_matches_the_real_run(tmp_path: Path, nproc: int, mesh: str, args: tuple[str, ...]) -> None:
+    """Params, grads and optimizer bytes exactly; every collective's count and bus bytes exactly; the activation
+    peak within 10% (the same tracker on the real run's tensors)."""
+    script_args = ("--model", "tiny", "--seq-len", "256", "--steps", "3", *args)
+    proc = run_workers("dry_run_worker.py", nproc, str(tmp_path), mesh, "--", *script_args, timeout=240)
+    assert proc.returncode == 0, output_of(proc)
+    real = json.loads((tmp_path / "rank0.json").read_text())
+    dry = _dry(*script_args, nproc=nproc, mesh=mesh)
+    for key in ("params", "buffers", "grads", "optimizer"):
+        assert dry["per_rank"][key] == real["per_rank"][key], key
+    assert _counts(dry) == _counts(real)
+    assert dry["per_rank"]["activations"] == pytest.approx(real["per_rank"]["activations"], rel=0.10)
+    assert dry["per_rank"]["peak"] == pytest.approx(real["per_rank"]["peak"], rel=0.10)
+    assert dry["flops_per_step"] == pytest.approx(real["flops_per_step"], rel=0.01)

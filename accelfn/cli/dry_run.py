@@ -59,6 +59,14 @@ def _run(args: argparse.Namespace) -> int:
                 f"accelfn dry-run: --rank must be an integer or 'worst', got {args.rank!r}", file=sys.stderr
             )
             return 2
+    if args.gpu is not None:
+        from ..platforms import specs
+
+        try:
+            specs.spec(args.gpu)
+        except ValueError as e:
+            print(f"accelfn dry-run: --gpu: {e}", file=sys.stderr)
+            return 2
     if not Path(args.script).is_file():
         print(f"accelfn dry-run: no such script: {args.script}", file=sys.stderr)
         return 2

@@ -356,8 +356,7 @@ def _clear_dtensor_caches() -> None:
     """DTensor caches sharding and redistribution plans by the mesh's layout, not its process groups: a second fake
     world in the same process (a second dry run, `--rank worst`, the micro-batch search's fresh world) would get
     plans naming the first world's groups."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     with contextlib.suppress(AttributeError):
         torch._C._clear_DTensor_sharding_propagator_cache()  # the native dispatch's cache

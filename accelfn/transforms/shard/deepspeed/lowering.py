@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .... import platforms
+from .... import dry_mode, platforms
 from ....engine.contract import GradSync
 from ....module import move
 from .config import _get, _lambda_lr, build_config, load_user_config, make_optimizer
@@ -50,6 +50,12 @@ def engine_of(step: Step) -> Any:
 
 
 def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
+    if dry_mode.active() is not None:
+        raise NotImplementedError(
+            "the dry run does not run DeepSpeed's engine (it builds real flat buffers and swaps module tensors, "
+            "which fake tensors do not allow): dry-run the same script with backend='torch', whose per-rank "
+            "memory and communication are ZeRO's: strategy='fsdp' is ZeRO-3, 'ddp' is plain data parallel"
+        )
     try:
         import deepspeed
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -295,3 +295,12 @@ def test_cli_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert bad_gpu.returncode == 2 and "--gpu" in bad_gpu.stderr and "h100" in bad_gpu.stderr
     assert cli(str(tmp_path / "missing.py")).returncode == 2
     assert cli("--rank", "first", str(LLAMA)).returncode == 2
+
+
+def test_value_dependent_data_is_a_clear_error() -> None:
+    def main() -> None:
+        labels = torch.randint(0, 2, (64,))
+        labels.nonzero()  # its shape depends on the values
+
+    with pytest.raises(RuntimeError, match=r"test_dry_run.py:\d+: `aten.nonzero.default` needs the values"):
+        af.dry_run(main, nproc_per_node=2, device="cpu")

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from .. import dry_mode
 from .. import tree as _tree
@@ -555,11 +556,32 @@ def _execute(
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        where = _script_line(e, script)
+        raise RuntimeError(
+            f"af.dry_run: {where}`{e.func}` needs the values of a tensor (the shape of its result depends on them); "
+            "in a dry run every tensor is fake and has no values. Compute such data outside the dry run, or give "
+            "it a fixed shape (e.g. masks instead of nonzero / boolean indexing)"
+        ) from e
     if not session.measured:
         raise RuntimeError(
             "af.dry_run: the script ended without calling a training step (af.train_step, possibly under "
             "af.shard and other combinators): nothing to measure"
         )
+
+
+def _script_line(e: BaseException, script: Any) -> str:
+    """`file:line: ` of the script's innermost frame in `e`'s traceback (empty when not found)."""
+    import traceback
+
+    path = str(Path(script).absolute()) if not callable(script) else None
+    frames = traceback.extract_tb(e.__traceback__)
+    library = (str(Path(torch.__file__).parent.parent), str(Path(__file__).parent.parent))
+    mine = [f for f in frames if f.filename == path or (path is None and not f.filename.startswith(library))]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f"{Path(f.filename).name}:{f.lineno}: "
 
 
 def measure_real(

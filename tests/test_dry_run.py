@@ -304,3 +304,34 @@ def test_value_dependent_data_is_a_clear_error() -> None:
 
     with pytest.raises(RuntimeError, match=r"test_dry_run.py:\d+: `aten.nonzero.default` needs the values"):
         af.dry_run(main, nproc_per_node=2, device="cpu")
+
+
+@pytest.mark.parametrize("combinator", ["offload", "fp8", "compile"])
+def test_combinators_run_in_the_dry_run(combinator: str) -> None:
+    from train_llama import loss_fn
+
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        step = af.train_step(loss_fn, af.optim.adamw(1e-3))
+        if combinator == "fp8":
+            step = af.autocast_fp8(step, backend="torchao", emulate=True)
+        if combinator == "offload":
+            step = af.offload(step)
+        step = af.shard(step, mesh, strategy="ddp" if combinator == "offload" else "fsdp")
+        if combinator == "compile":
+            step = af.compile(step)
+        state = step.init(_tiny_llama())
+        step(state, torch.zeros(4, 129, dtype=torch.long))
+
+    report = af.dry_run(main, nproc_per_node=16, device="cpu", search=False)
+    assert report.world_size == 16 and report.flops_per_step > 0
+    if combinator == "compile":
+        assert any("compile ran eagerly" in n for n in report.notes)
+
+
+def test_context_parallel_lowers_at_64_ranks() -> None:
+    report = af.dry_run(ROOT / "examples" / "long_context.py", [], nproc_per_node=8, nnodes=8, device="cpu",
+                        mesh="dp=8,cp=8", search=False)  # fmt: skip
+    assert report.mesh == {"dp": 8, "cp": 8}
+    assert report.comm["all_gather"]["cp"]["count"] > 0  # the ring's keys and values
+    assert report.comm["all_reduce"]["dpxcp"]["intra_node"] is False  # gradients over all 64 ranks

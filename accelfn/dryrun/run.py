@@ -178,34 +178,31 @@ class Session(dry_mode.Watcher):
         return m.peak <= self.capacity, m.peak
 
     def _search(self, step: Any, state: Any, batch: Any, m: Measured) -> int | None:
-        """The largest per-rank micro-batch that fits: peak is close to linear in the rows, so two points
-        predict it, and the dry run checks the prediction and its neighbours."""
+        """The largest per-rank micro-batch that fits. The peak is close to linear in the rows: each probe is the
+        secant through the last two measurements, kept strictly between the largest size known to fit and the
+        smallest known not to, until they are adjacent (2-4 extra steps in practice)."""
         assert self.capacity is not None and m.rows
         micro = max(1, step.plan.microbatches)
-        rows = m.rows
-        self.micro_batch = rows // micro
-        ok2, peak2 = self._fits(step, state, batch, rows, 2 * rows)
-        per_row = max(1.0, (peak2 - m.peak) / rows)
-        guess = max(1, int(rows + (self.capacity - m.peak) / per_row) // micro)
-        lo, hi = 0, None  # largest known to fit, smallest known not to (in micro-batch rows)
-        for known_rows, peak in ((rows, m.peak), (2 * rows, peak2)):
-            if peak <= self.capacity:
-                lo = max(lo, known_rows // micro)
-            else:
-                hi = known_rows // micro if hi is None else min(hi, known_rows // micro)
-        for _ in range(8):
+        self.micro_batch = m.rows // micro
+        points = [(self.micro_batch, m.peak)]  # (micro-batch rows, peak)
+        lo, hi = 0, None  # the largest size known to fit, the smallest known not to
+        probe = 2 * self.micro_batch
+        for _ in range(10):
+            _, peak = self._fits(step, state, batch, m.rows, probe * micro)
+            points.append((probe, peak))
+            for size, p in points[-2:]:
+                if p <= self.capacity:
+                    lo = max(lo, size)
+                elif hi is None or size < hi:
+                    hi = size
             if hi is not None and hi - lo <= 1:
                 break
-            probe = guess if (guess > lo and (hi is None or guess < hi)) else None
-            if probe is None:
-                probe = (lo + hi) // 2 if hi is not None else max(lo * 2, 1)
-            fits, _ = self._fits(step, state, batch, rows, probe * micro)
-            if fits:
-                lo = probe
-                guess = probe + 1
-            else:
-                hi = probe
-                guess = probe - 1
+            (r1, p1), (r2, p2) = sorted(points[-2:])
+            slope = (p2 - p1) / (r2 - r1) if r2 != r1 and p2 > p1 else max(1.0, p2 / max(r2, 1))
+            guess = int(r2 + (self.capacity - p2) / slope)
+            probe = max(guess, lo + 1) if hi is None else min(max(guess, lo + 1), hi - 1)
+            if probe > 1 << 20:  # fits at any sensible size
+                return probe
         return lo or None
 
 

@@ -202,7 +202,7 @@ class Mesh:
             raise
         self._local_rank = _env_int("LOCAL_RANK", 0)
         self._device = self._platform.device(self._local_rank)
-        with dry_mode.real_tensors():  # a DeviceMesh reads its rank map on the host
+        with dry_mode.real_tensors():  # its rank map is read on the host (sub-meshes: see accelfn.dryrun)
             self._mesh: DeviceMesh | None = init_device_mesh(
                 self._platform.device_type, tuple(self._shape.values()), mesh_dim_names=tuple(self._shape)
             )
@@ -319,8 +319,7 @@ class Mesh:
             raise ValueError(f"submesh() needs axis names; this mesh has {self.axis_names}")
         for n in names:
             self._check_axis(n)
-        with dry_mode.real_tensors():
-            return self.torch_mesh[names if len(names) > 1 else names[0]]
+        return self.torch_mesh[names if len(names) > 1 else names[0]]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of the processes that share every coordinate but `name` with this one."""
@@ -387,8 +386,7 @@ class Mesh:
         if len(axes) == 1:
             return self.submesh(axes[0])
         if axes not in self._flat:
-            with dry_mode.real_tensors():
-                self._flat[axes] = self.submesh(*axes)._flatten("_".join(axes))
+            self._flat[axes] = self.submesh(*axes)._flatten("_".join(axes))
         return self._flat[axes]
 
     def _check_axis(self, name: str) -> str:

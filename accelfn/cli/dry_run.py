@@ -84,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
             search=not args.no_search,
         )
     except ValueError as e:
-        if "af.dry_run:" in str(e) or "device table" in str(e):
+        if "af.dry_run:" in str(e):
             print(f"accelfn dry-run: {e}", file=sys.stderr)
             return 2
         return _failed(e, args)

@@ -73,7 +73,7 @@ def predict(
         for row in by_axis.values():
             bw = bandwidth_gbs[bool(row["intra_node"])] * 1e9 * assumptions.comm_efficiency
             comm_s += row["bus_bytes"] / bw if bw else 0.0
-    exposed = max(0.0, comm_s - assumptions.overlap * compute) if assumptions.overlap else comm_s
+    exposed = max(0.0, comm_s - assumptions.overlap * compute)
     step = compute + exposed
     tokens = tokens_per_step / step if tokens_per_step and step > 0 else None
     mfu = flops / (step * peak_tflops * 1e12) if peak_tflops and step > 0 else None

@@ -96,8 +96,8 @@ def _named_group(name: str) -> tuple[str, int]:
     return name, int(_resolve_process_group(name).size())
 
 
-# c10d op name -> (kind, how the full buffer is found: "out" the first arg, "in" the second, "args" all
-# tensors of the first arg, "times_n" the first arg's bytes times the group size)
+# c10d op name -> (kind, where its full buffer is: the bytes of the first or second argument (a tensor or a list
+# of them), "_times_n" that times the group size (a per-rank piece), "none" no bytes)
 _C10D = {
     "allreduce_": ("all_reduce", "first"),
     "allreduce_coalesced_": ("all_reduce", "first"),
@@ -262,20 +262,15 @@ _SKIP_OPS = {
 class StepTracker(TorchDispatchMode):
     """Memory, collectives and FLOPs of the ops run inside it (one training step; see the module docs).
 
-    `phase` is the engine phase allocations are tagged with (set by the dry run's watcher); `module` a
-    callable naming the module running now (or None); `host_read` what `.item()` returns on fake tensors
-    (None: run the op).
+    `phase` is the engine phase allocations are tagged with (set by the dry run's watcher); `module_name` a
+    callable naming the module running now (or None); `fake_mode` the run's own FakeTensorMode.
     """
 
-    def __init__(
-        self, *, module_name: Any = None, fake_host_reads: bool = False, fake_mode: Any = None
-    ) -> None:
+    def __init__(self, *, module_name: Any = None, fake_mode: Any = None) -> None:
         super().__init__()
         self._fake_mode = fake_mode  # the run's own FakeTensorMode (others, e.g. DTensor's shape propagation's, hold no memory)
         self.phase = "start"
         self._module_name = module_name
-        self._fake_host_reads = fake_host_reads
-        self.host_reads = 0
         self.flops = 0
         self.collectives: list[Collective] = []
         self.events: list[tuple[int, int, _Alloc]] = []  # (seq, delta bytes, allocation)
@@ -369,11 +364,6 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented  # DTensor lowers it to local ops and collectives, which come back here
         if func in _SKIP_OPS:
             return func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default and self._fake_host_reads:
-            value = fake_scalar(args[0])
-            if value is not None:
-                self.host_reads += 1
-                return value
         out = func(*args, **kwargs)
         coll = _collective(func, args, kwargs, out)
         if coll is not None:

@@ -382,3 +382,37 @@ def test_the_failing_ranks_traceback_stays_last_with_trackers_running(tmp_path):
     assert last.strip() == "ValueError: rank one fails", r.stderr[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()  # written by rank 0 only
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
+
+
+def test_the_root_cause_is_named_first_when_a_peer_dies_of_it_in_the_same_second(tmp_path):
+    # torch orders failures by whole-second timestamps and breaks ties by rank: rank 0, which died of
+    # rank 1's crash ("Connection closed by peer"), was named as the cause (a CI flake)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from accelfn.launch.launcher import _failure_report
+
+    def failure(rank: int, message: str, mtime_ns: int) -> ProcessFailure:
+        path = tmp_path / f"error_{rank}.json"
+        data = {"message": message, "extraInfo": {"py_callstack": f"Traceback {rank}", "timestamp": "100"}}
+        path.write_text(json.dumps({"message": data}))
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+        return ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=1, error_file=str(path))
+
+    peer = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:20367."
+    # same second, the cause wrote its error file first
+    err = ChildFailedError(
+        "w", {0: failure(0, peer, 2_000_000_000), 1: failure(1, "ValueError: boom", 1_000)}
+    )
+    assert err.get_first_failure()[0] == 0  # torch's choice: the tie goes to rank 0
+    report = _failure_report(err)
+    assert "rank 1 failed: ValueError: boom" in report
+    assert "rank 0 also failed (after rank 1, below)" in report
+    assert report.rstrip().endswith("Traceback 1")
+    # a peer-connection error is a consequence even when its file is older
+    err = ChildFailedError("w", {0: failure(0, peer, 1_000), 1: failure(1, "ValueError: boom", 2_000)})
+    assert "rank 1 failed: ValueError: boom" in _failure_report(err)
+    # otherwise the earlier error file wins, whatever the rank
+    err = ChildFailedError("w", {0: failure(0, "KeyError: b", 2_000), 1: failure(1, "OSError: a", 1_000)})
+    assert "rank 1 failed: OSError: a" in _failure_report(err)
+    err = ChildFailedError("w", {0: failure(0, "KeyError: b", 1_000), 1: failure(1, "OSError: a", 2_000)})
+    assert "rank 0 failed: KeyError: b" in _failure_report(err)

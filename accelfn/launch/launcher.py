@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -256,11 +257,37 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     )
 
 
+# Messages a rank raises because another rank died first (gloo, NCCL, the store): never the root cause
+# when some other rank failed too.
+_PEER_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe"
+    r"|remote process exited|NCCL communicator was aborted|failed to recv, got 0 bytes"
+)
+
+
+def _first_failure(err: Any) -> int:
+    """The rank that failed first. torch's `get_first_failure` compares whole-second timestamps and breaks
+    ties by rank, so a rank that died of its peer's crash in the same second was named instead of the peer.
+    Here a failure caused by a dead peer comes after any other, then the error file's write time (ns)."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        try:
+            when = os.stat(failure.error_file).st_mtime_ns / 1e9
+        except (OSError, TypeError):
+            when = float(failure.timestamp)
+        message = failure.message
+        message = message.get("message", "") if isinstance(message, dict) else str(message)
+        return (bool(_PEER_FAILURE.search(message)), when, rank)
+
+    return min(err.failures.items(), key=key)[0]
+
+
 def _failure_report(err: Any, prog: str = "accelfn launch") -> str:
     """A short line for each later failure, then the first failed rank's summary line and its traceback: the
     root cause is the last thing printed, where the terminal shows it."""
     lines = []
-    first = err.get_first_failure()[0]
+    first = _first_failure(err)
     for rank, failure in sorted(err.failures.items(), key=lambda kv: (kv[0] == first, kv[0])):
         data = failure.error_file_data or {}
         message = data.get("message") if isinstance(data, dict) else None

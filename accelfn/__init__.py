@@ -23,7 +23,6 @@ from .big import (
     init_empty,
     init_on_device,
     load_and_dispatch,
-    pipeline,
 )
 from .collective import progress
 from .dryrun import dry_run
@@ -44,6 +43,7 @@ from .transforms import (
     autocast_fp8,
     compile,
     offload,
+    pipeline,
     remat,
     shard,
 )

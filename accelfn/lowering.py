@@ -6,7 +6,7 @@ Users write combinators in any order — `shard(accumulate(step, 4), mesh)` and
 applied once to the model and the plan. `ORDER` is the whole order, in one list: run-time settings first
 (accumulate, autocast: no model rewrite), then the model rewrites in torchtitan's `parallelize` order:
 
-    fp8 layer swap -> tensor parallel -> activation checkpointing -> compile regions
+    fp8 layer swap -> pipeline stages -> tensor parallel -> activation checkpointing -> compile regions
         -> FSDP/DDP/DeepSpeed wrapping -> context parallel -> offload
 
 (tensor parallel is `af.shard` over a `tp` mesh axis, activation checkpointing is `af.remat`, context parallel
@@ -33,6 +33,7 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("accumulate", "split each batch into micro-batches"),
     ("autocast", "mixed precision of the forward"),
     ("fp8", "swap Linear layers for fp8 ones"),
+    ("pipeline", "keep this rank's pipeline stages of the model"),
     ("tensor_parallel", "shard layers over the tp axis"),
     ("activation_checkpointing", "recompute blocks in the backward"),
     ("compile", "torch.compile the step or its blocks"),

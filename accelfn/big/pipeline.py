@@ -12,6 +12,7 @@ from torch import nn
 
 from .._typecheck import checked
 from ..mesh import Mesh
+from ..stages import balanced_split, split_at
 
 __all__ = ["pipeline"]
 
@@ -19,7 +20,7 @@ __all__ = ["pipeline"]
 @checked
 def pipeline(
     model: nn.Module,
-    split_points: Sequence[str],
+    split_points: Sequence[str] | None,
     mesh: Mesh,
     *,
     example_args: tuple[Any, ...],
@@ -27,7 +28,8 @@ def pipeline(
     axis: str = "pp",
     broadcast: bool = True,
 ) -> Callable[..., Any]:
-    """Split `model` before each module named in `split_points` into `len(split_points) + 1` stages, one per
+    """Split `model` before each module named in `split_points` (None: a Hugging Face decoder's layers, balanced
+    by parameter count, as `accelfn.stages.balanced_split`) into `len(split_points) + 1` stages, one per
     rank of `mesh`'s `axis`, and return `run(*inputs) -> output` that runs a batch through them as a GPipe
     schedule of `microbatches` microbatches.
 
@@ -45,15 +47,14 @@ def pipeline(
     from torch.distributed.pipelining import pipeline as trace
 
     n_stages = mesh.axis_size(axis)
+    if split_points is None:  # the same automatic split as training: decoder layers, balanced by params
+        split_points = balanced_split(model, n_stages).points
     if len(split_points) + 1 != n_stages:
         raise ValueError(
             f"af.pipeline: {len(split_points)} split points make {len(split_points) + 1} stages, but mesh axis "
             f"{axis!r} has {n_stages} processes; give {n_stages - 1} split points"
         )
-    names = {n for n, _ in model.named_modules()}
-    unknown = [p for p in split_points if p not in names]
-    if unknown:
-        raise ValueError(f"af.pipeline: split point {unknown[0]!r} is not a module of the model")
+    split_at(model, split_points)  # names, order and non-empty stages, as for training
     for x in example_args:
         if isinstance(x, torch.Tensor) and x.shape[0] % microbatches:
             raise ValueError(

@@ -5,6 +5,7 @@ from .autocast import LossScaleConfig, autocast
 from .compile import compile
 from .fp8 import autocast_fp8
 from .offload import apply_pending_update, offload
+from .pipeline import pipeline
 from .remat import remat
 from .shard import shard
 
@@ -15,6 +16,7 @@ __all__ = [
     "autocast_fp8",
     "compile",
     "offload",
+    "pipeline",
     "remat",
     "shard",
     "LossScaleConfig",

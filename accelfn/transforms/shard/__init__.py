@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["shard", "STRATEGIES"]
 
-NOT_SPLIT = {"pp": "pipeline parallel under shard (see af.pipeline)", "ep": "expert parallel"}
+NOT_SPLIT = {"ep": "expert parallel"}
 DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
 
 
@@ -153,7 +153,18 @@ class Shard(TransformBase):
             from .tensor_parallel import TensorParallelSync
 
             sync = TensorParallelSync(sync if sync is not None else LOCAL)
+        pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
+        if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
+            sync = pipeline.wrap(sync if sync is not None else LOCAL)
         plan.grad_sync = sync
+
+    def check(self, others: Sequence[Any]) -> None:
+        pp = self.mesh.axis_size("pp") if "pp" in self.mesh.axis_names else 1
+        if pp > 1 and not any(t.kind == "pipeline" for t in others):
+            raise ValueError(
+                f"shard: the mesh has a 'pp' axis of size {pp}, but the step has no af.pipeline: its ranks would all "
+                "compute the same thing. Wrap the step: af.pipeline(step, mesh, microbatches=...)"
+            )
 
 
 @checked
@@ -272,7 +283,7 @@ def _check_axes(mesh: Mesh) -> None:
                 f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
                 f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
             )
-    known = (*GRAD_AXES, "tp")
+    known = (*GRAD_AXES, "tp", "pp")
     for axis in mesh.axis_names:
         if axis in NOT_SPLIT or axis in known or mesh.axis_size(axis) == 1:
             continue

@@ -1,0 +1,692 @@
+"""`af.pipeline(step, microbatches, schedule)`: pipeline-parallel training over the mesh's `pp` axis.
+
+The model is cut into stages (`accelfn.stages`: a Hugging Face decoder by its layers, balanced by parameter
+count; any model by `split_points`); each rank of the `pp` axis keeps its stage's modules (the others become
+param-free stand-ins), so its state holds only its stage's params and optimizer state, under their Hugging
+Face names. torch's `torch.distributed.pipelining` runs the schedule (`PipelineStage` and its GPipe, 1F1B,
+interleaved, looped-BFS and zero-bubble schedules); each stage runs *your loss function* on the whole model,
+entering at its first module (the previous stage's activation replaces that module's input) and leaving at
+the next stage's first module, so `loss_fn(model, batch)` is written once, as for one process.
+
+Every rank of a pipeline group reads the same batch (`mesh.data_rank` counts only the data axes); the batch is
+split into `microbatches` (times `af.accumulate`'s count) equal micro-batches. Gradients are summed over
+micro-batches and divided by the global token count, as everywhere in accelfn: pp x dp gives the update of one
+process on the global batch. The loss, the count and the metrics, computed by the last stage, reach every
+rank; clipping uses the norm over all stages; a weight tied between stages (GPT-2's head and embedding) has its
+gradient summed between them.
+
+Example (on 2 processes started by `accelfn launch --nproc-per-node 2`):
+    mesh = af.Mesh({"pp": 2})
+    step = af.pipeline(af.train_step(loss_fn, af.optim.adamw(3e-4)), mesh, microbatches=4, schedule="1f1b")
+    state = step.init(model)            # this rank's stage
+    state, metrics = step(state, batch)  # the same batch on every rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import dry_mode
+from .. import random as _random
+from ..dtensor import local_tensor
+from ..engine.batches import loss_parts, rows, split_batch
+from ..engine.contract import LOCAL, GradSync
+from ..engine.phases import StepRun, TrainPhases
+from ..mesh import Mesh
+from ..step import Step
+from ..module import move
+from .._typecheck import checked
+from ..stages import Split, balanced_split, bypass_forward, carve, split_at
+from ._base import TransformBase, conflict, find
+
+if TYPE_CHECKING:
+    from ..engine import Plan
+    from ..lowering import Transform
+
+__all__ = ["pipeline", "pipeline_step", "Pipeline", "PipelineSync", "SCHEDULES", "bubble_fraction"]
+
+
+@attrs.frozen
+class ScheduleInfo:
+    torch_name: str
+    stages_per_rank: int  # default (and, for the V schedules, required) number of stages per rank
+    placement: str  # "single", "loop" (stage s on rank s % pp) or "v" (rank r: stages r and 2pp-1-r)
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "gpipe": ScheduleInfo("ScheduleGPipe", 1, "single"),
+    "1f1b": ScheduleInfo("Schedule1F1B", 1, "single"),
+    "interleaved_1f1b": ScheduleInfo("ScheduleInterleaved1F1B", 2, "loop"),
+    "looped_bfs": ScheduleInfo("ScheduleLoopedBFS", 2, "loop"),
+    "interleaved_zb": ScheduleInfo("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": ScheduleInfo("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ScheduleInfo("ScheduleDualPipeV", 2, "v"),
+}
+
+
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle fraction of a 1F1B/GPipe-style schedule: (p-1)/(m+p-1) for p stages and m micro-batches,
+    the bubble divided by v for v interleaved stages per rank (Narayanan et al. 2021).
+
+    Example:
+        >>> round(bubble_fraction(4, 8), 3), round(bubble_fraction(4, 8, 2), 3)
+        (0.273, 0.158)
+    """
+    bubble = (pp - 1) / stages_per_rank
+    return bubble / (microbatches + bubble)
+
+
+class _StageDone(Exception):
+    """Raised by the hook on the next stage's first module: this stage's output is its input."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.value = value
+
+
+def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    if args:
+        return args[0]
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]  # type: ignore[no-any-return]
+    raise TypeError("af.pipeline: a split point module was called without its hidden state as first argument")
+
+
+@attrs.define(eq=False)
+class _Layout:
+    """This rank's part of the pipeline, built at lowering."""
+
+    split: Split
+    pp: int
+    rank: int
+    stages: tuple[int, ...]  # the stage indices this rank runs
+    microbatches: int  # per step (times accumulate's count)
+    schedule: str
+    tied: dict[str, tuple[int, ...]]  # tied weight name -> stages holding it
+    units: dict[int, list[str]]  # stage -> outermost modules of that stage on this rank (bypassed when idle)
+
+    @property
+    def n_stages(self) -> int:
+        return self.split.n_stages
+
+    @property
+    def holds_last(self) -> bool:
+        return self.n_stages - 1 in self.stages
+
+
+@attrs.define(eq=False)
+class PipelineSync(GradSync):
+    """The pipeline's sync: the data-parallel strategy's (`inner`) over the data axes, then the sums over the
+    `pp` group that make loss, count, metrics and the gradient norm global."""
+
+    inner: GradSync
+    mesh: Mesh
+    layout: _Layout
+    plan: Plan
+    group: Any = None  # the pp process group
+    tied_groups: dict[str, Any] = attrs.Factory(dict)
+    aux_keys: tuple[str, ...] | None = None
+    cache: dict[Any, Any] = attrs.Factory(dict)  # micro-batch shapes -> (stages, schedule)
+    run: StepRun | None = None
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = attrs.Factory(dict)
+    active: int | None = None  # the stage running now on this rank
+    received: torch.Tensor | None = None
+    hooks_on: Any = None
+    phases: Any = attrs.field(factory=lambda: PipelinePhases())
+
+    # ---- the engine's protocol ----------------------------------------------------------------------------
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        self.inner.prepare(params)
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum, count = self.inner.reduce(grads, loss_sum, count)
+        both = torch.stack([loss_sum.detach().double().reshape(()), count.detach().double().reshape(())])
+        dist.all_reduce(both, group=self.group)  # only the last stage has them
+        assert self.plan.slots is not None
+        names = self.plan.slots.trainable
+        for name, group in self.tied_groups.items():
+            g = local_tensor(grads[names.index(name)])
+            dist.all_reduce(g, group=group)  # the stages that use a tied weight sum their gradients
+        return both[0].to(torch.float32), both[1].to(count.dtype)
+
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        flag = self.inner.any_rank(flag).clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inner.max_over_ranks(x).clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def norm_of(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The L2 norm over every stage's gradients (a tied weight counted once, on its first stage)."""
+        layout = self.layout
+        mine = [g for n, g in grads.items() if n not in layout.tied or layout.tied[n][0] in layout.stages]
+        local = self.inner.norm(mine) if mine else torch.zeros((), device=self.mesh.device)
+        sq = local.detach().double().pow(2).reshape(1)
+        dist.all_reduce(sq, group=self.group)
+        return sq.sqrt().to(torch.float32).reshape(())
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.aux_keys is None:  # which metrics the last stage's loss returns (once)
+            last = dist.get_global_rank(self.group, self._rank_of(self.layout.n_stages - 1))
+            box = [tuple(sorted(values)) if self.layout.holds_last else None]
+            if dry_mode.active() is not None:
+                box = [tuple(sorted(values))]
+            else:
+                dist.broadcast_object_list(box, src=last, group=self.group)
+            self.aux_keys = box[0]
+        if not self.aux_keys:
+            return {}
+        device = self.mesh.device
+        flat = torch.stack(
+            [
+                values[k].detach().double().reshape(()).to(device)
+                if self.layout.holds_last
+                else torch.zeros((), dtype=torch.float64, device=device)
+                for k in self.aux_keys
+            ]
+        )
+        dist.all_reduce(flat, group=self.group)
+        out = {k: v.to(torch.float32) for k, v in zip(self.aux_keys, flat.unbind(0))}
+        return self.inner.reduce_metrics(out)
+
+    def init_opt_state(self, trainable: dict[str, torch.Tensor]) -> Any:
+        return self.inner.init_opt_state(trainable)
+
+    def describe(self) -> str:
+        lo = self.layout
+        return (
+            f"pipeline({lo.schedule}, pp={lo.pp}, stages {list(lo.stages)} of {lo.n_stages}, "
+            f"{lo.microbatches} micro-batches) over {self.inner.describe()}"
+        )
+
+    # ---- running the schedule ---------------------------------------------------------------------------------
+    def _rank_of(self, stage: int) -> int:
+        lo = self.layout
+        info = SCHEDULES[lo.schedule]
+        if info.placement == "v":
+            return stage if stage < lo.pp else 2 * lo.pp - 1 - stage
+        return stage % lo.pp
+
+    def install_hooks(self) -> None:
+        """Hooks on every split point: entering a stage replaces its first module's input by the received
+        activation; reaching the next stage's first module ends the stage (found on the module as lowered, so
+        that remat's recomputation sees the injected input)."""
+        if self.hooks_on is self.plan.module:
+            return
+        points = self.layout.split.points
+        for k, name in enumerate(points):
+            module = self.plan.module.get_submodule(name)
+
+            def enter(mod: nn.Module, args: Any, kwargs: Any, stage: int = k + 1) -> Any:
+                if self.active == stage and self.received is not None:
+                    if args:
+                        return (self.received, *args[1:]), kwargs
+                    return args, {**kwargs, "hidden_states": self.received}
+                if self.active == stage - 1:  # the end of the running stage
+                    raise _StageDone(_hidden(args, kwargs))
+                return None
+
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+        self.hooks_on = self.plan.module
+
+    @contextlib.contextmanager
+    def _only(self, stages: Sequence[int]) -> Iterator[None]:
+        """While one of this rank's stages runs, its other stages' modules compute nothing."""
+        patched = []
+        for s, names in self.layout.units.items():
+            if s in stages:
+                continue
+            for name in names:
+                m = self.plan.module.get_submodule(name)
+                patched.append((m, m.__dict__.get("forward")))
+                object.__setattr__(m, "forward", bypass_forward(m))
+        try:
+            yield
+        finally:
+            for m, fwd in patched:
+                if fwd is None:
+                    del m.__dict__["forward"]
+                else:
+                    object.__setattr__(m, "forward", fwd)
+
+    def run_stage(self, stage: int, *args: Any, idx: torch.Tensor) -> torch.Tensor:
+        """One micro-batch through one stage: the user's loss function on the whole model, entered at the
+        stage's first module and left at the next stage's (the last stage returns the loss sum)."""
+        run, plan = self.run, self.plan
+        assert run is not None and run.step_key is not None and plan.loss_call is not None
+        i = int(idx.reshape(-1)[0])
+        mb = run.micro[i]
+        key = run.step_key if len(run.micro) == 1 else _random.fold_in(run.step_key, i)
+        self.active, self.received = stage, (args[0] if stage > 0 else None)
+        try:
+            with self._only([stage]), _random.seeded(key, plan.devices), plan.forward_context():
+                out = plan.loss_call(plan.module, mb)
+        except _StageDone as done:
+            return done.value
+        finally:
+            self.active, self.received = None, None
+        if stage != self.layout.n_stages - 1:
+            raise RuntimeError(
+                f"af.pipeline: stage {stage} ran to the end of the loss without reaching split point "
+                f"{self.layout.split.points[stage]!r}: the loss function must run the model's modules in order"
+            )
+        total, count, aux = loss_parts(out)
+        if count is None:  # a mean over the micro-batch: weight it by its rows
+            count = torch.tensor(float(rows(mb)), device=total.device)
+            total = total * count
+        self.results[i] = (
+            local_tensor(total.detach()),
+            count.detach(),
+            {k: v.detach() for k, v in aux.items() if isinstance(v, torch.Tensor)},
+        )
+        return total.float().reshape(1)  # 1-d: the schedule concatenates the last stage's outputs
+
+    def _probe(self, mb: Any, stage: int) -> torch.Tensor:
+        """The activation entering `stage` (its shape and dtype), found by running the loss function with every
+        module of this rank bypassed, up to the stage's first module: no computation, no communication."""
+        plan = self.plan
+        assert plan.loss_call is not None
+        self.active = stage - 1
+        try:
+            with torch.no_grad(), self._only([]), plan.forward_context():
+                plan.loss_call(plan.module, mb)
+        except _StageDone as done:
+            return done.value.detach().clone().requires_grad_(True)
+        finally:
+            self.active = None
+        raise RuntimeError(
+            f"af.pipeline: the loss function never reached split point {self.layout.split.points[stage - 1]!r}"
+        )
+
+    def schedule_for(self, micro: list[Any]) -> Any:
+        """torch's schedule over this rank's stages, built for these micro-batch shapes (and kept)."""
+        import optree
+
+        from .. import tree as _tree
+
+        leaves = optree.tree_leaves(micro[0], namespace=_tree.NAMESPACE)
+        key = tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+        if key in self.cache:
+            return self.cache[key]
+        from torch.distributed import pipelining
+
+        lo = self.layout
+        device = self.mesh.device
+        self.install_hooks()
+        stages = []
+        for s in lo.stages:
+            first = s == 0
+            inputs = torch.zeros(1, dtype=torch.int64, device=device) if first else self._probe(micro[0], s)
+            outputs = (
+                torch.zeros(1, dtype=torch.float32, device=device)
+                if s == lo.n_stages - 1
+                else self._probe(micro[0], s + 1)
+            )
+            stages.append(
+                _Stage(self, self.plan.module, s, lo.n_stages, device, inputs, outputs, group=self.group)
+            )
+        cls = getattr(pipelining, SCHEDULES[lo.schedule].torch_name)
+        target = stages[0] if SCHEDULES[lo.schedule].placement == "single" else stages
+        schedule = cls(target, n_microbatches=lo.microbatches, loss_fn=_loss_is_output, scale_grads=False)
+        self.cache[key] = schedule
+        return schedule
+
+
+def _loss_is_output(output: torch.Tensor, target: Any = None) -> torch.Tensor:
+    return output.sum()  # the last stage's forward already returns the loss sum (as a 1-element tensor)
+
+
+def _make_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):  # type: ignore[misc]
+        """torch's `PipelineStage` whose forward is the pipeline's `run_stage`; its shapes are given, so the
+        warm-up vote (a round of point-to-point messages deciding whether to infer shapes) is not needed."""
+
+        def __init__(self, sync: PipelineSync, module: nn.Module, index: int, n: int, device: Any, *meta: Any,
+                     group: Any) -> None:  # fmt: skip
+            inputs, outputs = meta
+            super().__init__(module, index, n, device, input_args=inputs, output_args=outputs, group=group)
+            self._sync = sync
+
+        def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+            return self._sync.run_stage(self.stage_index, *args, **kwargs)
+
+        def _warmup_forward_vote(self, has_backward: bool, received_acc: Any = None) -> torch.Tensor:
+            with dry_mode.real_tensors():
+                return torch.ones(1, dtype=torch.int32)
+
+        def _warmup_backward_result(self, received_result: Any = None) -> torch.Tensor:
+            with dry_mode.real_tensors():
+                return torch.ones(1, dtype=torch.int32)
+
+    return Stage
+
+
+def _Stage(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - built on first use (pipelining imports late)
+    global _STAGE_CLASS
+    if _STAGE_CLASS is None:
+        _STAGE_CLASS = _make_stage_class()
+    return _STAGE_CLASS(*args, **kwargs)
+
+
+_STAGE_CLASS: type | None = None
+
+
+class PipelinePhases(TrainPhases):
+    """The engine's phases with the forward and backward run by torch's pipeline schedule."""
+
+    def split(self, run: StepRun) -> None:
+        sync = run.plan.sync
+        assert isinstance(sync, PipelineSync)
+        m = sync.layout.microbatches
+        import optree
+
+        from .. import tree as _tree
+
+        for path, leaf in zip(*optree.tree_flatten_with_path(run.batch, namespace=_tree.NAMESPACE)[:2]):
+            n = leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.dim() else None
+            if n is None or n % m:
+                where = "batch" + "".join(f"[{p!r}]" for p in path)
+                raise ValueError(
+                    f"af.pipeline: {where} has {n} rows, which do not split into {m} equal micro-batches "
+                    f"(microbatches x accumulate): use a batch size divisible by {m}"
+                )
+        run.micro = split_batch(run.batch, m)
+
+    def forward_backward(self, run: StepRun) -> None:
+        plan, params = run.plan, run.params
+        sync = plan.sync
+        assert isinstance(sync, PipelineSync) and plan.slots is not None
+        for n in plan.slots.trainable:
+            params[n].grad = None
+        if plan.loss_scale is not None:
+            raise ValueError("af.pipeline: fp16 loss scaling is not supported; use af.autocast(step, 'bf16')")
+        run.exact = False
+        schedule = sync.schedule_for(run.micro)
+        sync.run, sync.results = run, {}
+        idx = torch.arange(len(run.micro), device=sync.mesh.device)
+        try:
+            with contextlib.ExitStack() as stack:
+                for make in plan.backward_contexts:
+                    stack.enter_context(make())
+                schedule.step(idx, target=idx, idx=idx)  # target: unused (the stage returns its loss)
+        finally:
+            sync.run = None
+        device = sync.mesh.device
+        if sync.layout.holds_last:
+            got = [sync.results[i] for i in range(len(run.micro))]
+            run.loss_sum = torch.stack([t.float().reshape(()) for t, _, _ in got]).sum()
+            run.count_sum = torch.stack([c.float().reshape(()) for _, c, _ in got]).sum()
+            for _, _, aux in got:
+                for k, v in aux.items():
+                    run.aux_sum[k] = v if k not in run.aux_sum else run.aux_sum[k] + v
+        else:
+            run.loss_sum = torch.zeros((), device=device)
+            run.count_sum = torch.zeros((), device=device)
+        sync.results = {}
+        self.collect(run)
+
+    def clip(self, run: StepRun) -> None:
+        limit = run.plan.clip_grad_norm
+        if limit is None or run.skipped:
+            return
+        from ..optim.clip import clip_
+
+        sync = run.plan.sync
+        assert isinstance(sync, PipelineSync)
+        norm = sync.norm_of(run.grads)
+        clip_([local_tensor(g) for g in run.grads.values()], norm, limit)
+        run.metrics["grad_norm"] = norm
+
+
+@attrs.frozen(eq=False)
+class Pipeline(TransformBase):
+    mesh: Mesh | None
+    microbatches: int
+    schedule: str = "1f1b"
+    split_points: tuple[str, ...] | None = None
+    stages_per_rank: int | None = None
+    kind: str = "pipeline"
+    _built: dict[str, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+
+    def describe(self) -> str:
+        pp = f", pp={self.mesh.axis_size('pp')}" if self.mesh is not None else ""
+        return f"pipeline({self.schedule}{pp}, microbatches={self.microbatches})"
+
+    def mesh_of(self, others: Sequence[Any]) -> Mesh:
+        mesh = self.mesh
+        if mesh is None:
+            shard = find(others, "shard")
+            mesh = getattr(shard, "mesh", None)
+        if mesh is None:
+            raise ValueError(
+                "af.pipeline needs a mesh with a 'pp' axis: pass it, af.pipeline(step, mesh, ...), or compose with "
+                "af.shard(step, mesh)"
+            )
+        if "pp" not in mesh.axis_names:
+            raise ValueError(f"af.pipeline: the mesh has no 'pp' axis; its axes are {mesh.axis_names}")
+        return mesh
+
+    @property
+    def v(self) -> int:
+        return self.stages_per_rank or SCHEDULES[self.schedule].stages_per_rank
+
+    def check(self, others: Sequence[Transform]) -> None:
+        self.mesh_of(others)
+        shard = find(others, "shard")
+        if shard is not None and getattr(shard, "backend", "torch") != "torch":
+            raise conflict(
+                self, shard, "DeepSpeed runs its own engine; pipeline parallel needs backend='torch'"
+            )
+        if shard is not None and self.v > 1 and getattr(shard, "strategy", "") in ("fsdp", "hsdp"):
+            raise conflict(
+                self, shard, f"{self.v} stages per rank under FSDP are not supported in this version: use "
+                "schedule='1f1b' or 'gpipe' with fsdp, or ddp with the interleaved schedules",
+            )  # fmt: skip
+        compile_ = find(others, "compile")
+        if compile_ is not None and getattr(compile_, "regions", "blocks") != "blocks":
+            raise conflict(self, compile_, "compile the blocks (regions='blocks'), not the whole step")
+        cp = find(others, "context_parallel")
+        if cp is not None:
+            raise conflict(
+                self, cp, "context parallel inside pipeline stages is not supported in this version"
+            )
+
+    def lower(self, plan: Plan) -> None:
+        if plan.kind != "train":
+            raise ValueError("af.pipeline(step, ...) applies to training steps")
+        mesh = self.mesh_of(plan.transforms)
+        pp, rank, v = mesh.axis_size("pp"), mesh.axis_rank("pp"), self.v
+        n_stages = pp * v
+        if self.split_points is not None:
+            if len(self.split_points) + 1 != n_stages:
+                raise ValueError(
+                    f"af.pipeline: {len(self.split_points)} split points make {len(self.split_points) + 1} stages, "
+                    f"but pp={pp} x {v} stages per rank needs {n_stages}: give {n_stages - 1} split points"
+                )
+            split = split_at(plan.module, self.split_points)
+        else:
+            split = balanced_split(plan.module, n_stages)
+        info = SCHEDULES[self.schedule]
+        if info.placement == "v":
+            stages: tuple[int, ...] = (rank, 2 * pp - 1 - rank)
+        else:
+            stages = tuple(rank + k * pp for k in range(v))
+        m = self.microbatches * plan.microbatches
+        _check_microbatches(self.schedule, m, pp, n_stages)
+        units = _units(plan.module, split, stages)
+        tied = carve(plan.module, split, stages)
+        layout = _Layout(split, pp, rank, stages, m, self.schedule, tied, units)
+        plan.microbatches = 1  # the schedule splits the batch
+        plan.notes.append(
+            f"pipeline {self.schedule} over pp={pp}: stages {list(stages)} of {n_stages} on this rank, "
+            f"{m} micro-batches, bubble {bubble_fraction(pp, m, v):.0%}"
+        )
+        plan.notes.extend(split.describe().splitlines())
+        sync = PipelineSync(LOCAL, mesh, layout, plan, group=mesh.group("pp"))
+        sync.tied_groups = _tied_groups(mesh, layout, tied)
+        self._built["sync"] = sync
+        if not any(t.kind == "shard" for t in plan.transforms):  # pipeline alone: place and feed it here
+            from .shard.common import batch_transform
+
+            move(plan.module, mesh.device)
+            plan.batch_transform = batch_transform(mesh, "local")
+            plan.rank_key = mesh.grad_rank if mesh.grad_axes else 0
+            plan.grad_sync = sync
+
+    def wrap(self, inner: GradSync) -> PipelineSync:
+        """The pipeline's sync over the data-parallel strategy's (called by `af.shard`'s lowering)."""
+        sync: PipelineSync = self._built["sync"]
+        sync.inner = inner
+        return sync
+
+
+def _check_microbatches(schedule: str, m: int, pp: int, n_stages: int) -> None:
+    if schedule == "1f1b" and m < pp:
+        raise ValueError(
+            f"af.pipeline(schedule='1f1b'): {m} micro-batches are fewer than the {pp} stages; 1F1B needs at least "
+            f"one per stage (and many more for a small bubble): use microbatches >= {pp}"
+        )
+    if schedule in ("interleaved_1f1b", "interleaved_zb") and m % pp:
+        raise ValueError(
+            f"af.pipeline(schedule={schedule!r}): {m} micro-batches must be a multiple of pp={pp}"
+        )
+    if schedule in ("zbv", "dualpipev") and m < n_stages:
+        raise ValueError(
+            f"af.pipeline(schedule={schedule!r}): {m} micro-batches are fewer than its {n_stages} stages"
+        )
+
+
+def _units(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[int, list[str]]:
+    """For each stage of this rank, the outermost modules wholly of that stage (bypassed while another runs)."""
+    out: dict[int, list[str]] = {s: [] for s in stages}
+
+    def under(prefix: str) -> set[int]:
+        return {s for n, s in split.owner.items() if n == prefix or n.startswith(prefix + ".")}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child, sub in module.named_children():
+            name = f"{prefix}.{child}" if prefix else child
+            owners = under(name)
+            if len(owners) == 1:
+                (s,) = owners
+                if s in out:
+                    out[s].append(name)
+            elif owners:
+                visit(name, sub)
+
+    visit("", model)
+    return out
+
+
+def _tied_groups(mesh: Mesh, layout: _Layout, tied: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """A process group per tied weight: the ranks of this pipeline group holding a stage that uses it (every
+    process creates every such group, in the same order, as `new_group` requires)."""
+    if not tied:
+        return {}
+    import numpy as np
+
+    names = mesh.axis_names
+    grid = np.asarray(mesh.torch_mesh.mesh.tolist())
+    axis = names.index("pp")
+    moved = np.moveaxis(grid, axis, -1).reshape(-1, layout.pp)  # one row per pipeline group
+    me = dist.get_rank()
+    groups: dict[str, Any] = {}
+    for name, stages in sorted(tied.items()):
+        ranks_in_row = sorted({_place(layout, s) for s in stages})
+        for row in moved:
+            members = [int(row[r]) for r in ranks_in_row]
+            group = dist.new_group(members) if len(members) > 1 else None
+            if me in members and group is not None:
+                groups[name] = group
+    return groups
+
+
+def _place(layout: _Layout, stage: int) -> int:
+    if SCHEDULES[layout.schedule].placement == "v":
+        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
+    return stage % layout.pp
+
+
+@checked
+def pipeline_step(
+    step: Step,
+    mesh: Mesh | None = None,
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    split_points: Sequence[str] | None = None,
+    stages_per_rank: int | None = None,
+) -> Step:
+    """Train `step` pipeline-parallel over `mesh`'s `pp` axis (see the module docs); `af.pipeline(step, ...)`.
+
+    `microbatches` per step (times `af.accumulate`'s count); `schedule` one of `SCHEDULES` ("gpipe", "1f1b",
+    "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"); `split_points` the first module of
+    each stage but the first (default: a Hugging Face decoder's layers, balanced by parameters);
+    `stages_per_rank` (v) for the interleaved schedules (default 2; the V schedules need 2). `mesh` may be left
+    out when the step is also `af.shard`-ed over a mesh with the `pp` axis.
+
+    Example (2 processes: `accelfn launch --nproc-per-node 2 train.py`):
+        mesh = af.Mesh({"pp": 2})
+        step = af.pipeline(af.train_step(loss_fn, af.optim.adamw(1e-3)), mesh, microbatches=4)
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"af.pipeline: schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if microbatches < 1:
+        raise ValueError(f"af.pipeline: microbatches must be >= 1, got {microbatches}")
+    info = SCHEDULES[schedule]
+    if stages_per_rank is not None:
+        if stages_per_rank < 1:
+            raise ValueError(f"af.pipeline: stages_per_rank must be >= 1, got {stages_per_rank}")
+        if info.placement == "single" and stages_per_rank != 1:
+            raise ValueError(
+                f"af.pipeline(schedule={schedule!r}) runs one stage per rank; for {stages_per_rank} use "
+                "schedule='interleaved_1f1b' (or 'looped_bfs', 'interleaved_zb')"
+            )
+        if info.placement == "v" and stages_per_rank != 2:
+            raise ValueError(f"af.pipeline(schedule={schedule!r}) runs exactly 2 stages per rank (a V)")
+    if mesh is not None and "pp" not in mesh.axis_names:
+        raise ValueError(
+            f"af.pipeline: the mesh has no 'pp' axis; its axes are {mesh.axis_names} (e.g. af.Mesh({{'pp': 2, 'dp': -1}}))"
+        )
+    points = tuple(split_points) if split_points is not None else None
+    return step.with_transform(Pipeline(mesh, microbatches, schedule, points, stages_per_rank))
+
+
+def pipeline(target: Step | nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Pipeline parallelism over a mesh's `pp` axis, for training or inference, by what it is given:
+
+    - `af.pipeline(step, mesh, microbatches=m, schedule="1f1b")`: a training `Step` (`pipeline_step`);
+    - `af.pipeline(model, split_points, mesh, example_args=...)`: inference, `run(*inputs) -> output`
+      (`accelfn.big.pipeline.pipeline`).
+
+    Both cut the model with `accelfn.stages` (the same split points, the same automatic split).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> try:
+        ...     af.pipeline(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), microbatches=2, schedule="x")
+        ... except ValueError as e:
+        ...     print(str(e)[:40])
+        af.pipeline: schedule must be one of ['g
+    """
+    if isinstance(target, Step):
+        return pipeline_step(target, *args, **kwargs)
+    if isinstance(target, nn.Module):
+        from ..big.pipeline import pipeline as inference
+
+        return inference(target, *args, **kwargs)
+    raise TypeError(f"af.pipeline: expected a training Step or an nn.Module, got {type(target).__name__}")

@@ -1,0 +1,134 @@
+"""Worker: pipeline-parallel training == one process on the global batch (run by tests/test_pipeline.py).
+
+    accelfn launch --nproc-per-node 2 --cpu tests/workers/pp_train_worker.py pp=2 llama:1f1b gpt2:gpipe
+
+The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
+gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp (af.shard
+over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
+(explicit split points), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it).
+Each rank checks its stage's params, and every step's loss and grad norm, against one process.
+"""
+
+import sys
+
+import torch
+
+import accelfn as af
+from accelfn.launch_env import parse_mesh
+from accelfn.transforms.pipeline import SCHEDULES
+
+VOCAB = 64
+
+
+def make_model(kind):
+    torch.manual_seed(0)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                          tie_word_embeddings=False)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def batches(n=3, rows=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (rows, 12), generator=g)
+        labels = ids.clone()
+        for r in range(rows):  # uneven valid-token counts per row, so per micro-batch
+            labels[r, (r * 3) % 11 + 1 :] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def lm_loss(model, b):
+    logits = model(input_ids=b["input_ids"]).logits
+    loss = af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
+    return loss, {"tokens": loss.count.float()}
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def check(mesh, kind, options):
+    data = batches()
+    opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
+    schedule = next((o for o in options if o in SCHEDULES), "1f1b")
+    m = int(next((o[2:] for o in options if o.startswith("m=")), "4"))
+    load = next((o[5:] for o in options if o.startswith("load=")), None)
+
+    ref_step = af.train_step(lm_loss, opt(), clip_grad_norm=0.5)
+    if "remat" in options:
+        ref_step = af.remat(ref_step, "full")
+    ref = ref_step.init(make_model(kind), seed=3)
+    if load:
+        ref = af.checkpoint.load(load + "-ref", like=ref)
+    ref_losses, ref_norms, ref_tokens = [], [], []
+    for b in data:
+        ref, met = ref_step(ref, b)
+        ref_losses.append(met["loss"].item())
+        ref_norms.append(met["grad_norm"].item())
+        ref_tokens.append(met["tokens"].item())
+
+    step = af.train_step(lm_loss, opt(), clip_grad_norm=0.5)
+    micro = m
+    if "accumulate" in options:
+        step = af.accumulate(step, 2)
+        micro = m // 2
+    if "remat" in options:
+        step = af.remat(step, "full")
+    split = ["model.layers.1"] if "split" in options and kind == "llama" else None
+    step = af.pipeline(step, mesh, microbatches=micro, schedule=schedule, split_points=split,
+                       stages_per_rank=1 if split else None)  # fmt: skip
+    if "ddp" in options or "fsdp" in options or "tp" in mesh.axis_names:
+        strategy = "fsdp" if "fsdp" in options else "ddp"
+        step = af.shard(step, mesh, strategy=strategy, inputs="global")
+    else:
+        assert mesh.data_size == 1
+    state = step.init(make_model(kind), seed=3)
+    if load:
+        state = af.checkpoint.load(load, like=state)
+    assert "pipeline" in str(step), str(step)
+    losses, norms, tokens = [], [], []
+    for b in data:
+        state, met = step(state, b)
+        losses.append(met["loss"].item())
+        norms.append(met["grad_norm"].item())
+        tokens.append(met["tokens"].item())
+    assert len(state.params) < len(ref.params), "a stage holds the whole model"
+    diff = max((full(v) - ref.params[k]).abs().max().item() for k, v in state.params.items())
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    # aux metrics are averaged over micro-batches (as under af.accumulate): m of them here
+    tok_diff = max(abs(a * m - b) for a, b in zip(tokens, ref_tokens))
+    where = f"rank {mesh.rank} {kind}:{':'.join(options)}"
+    assert loss_diff <= 2e-5, f"{where}: losses {losses} vs one process {ref_losses}"
+    assert norm_diff <= 1e-5, f"{where}: grad norms {norms} vs one process {ref_norms}"
+    assert tok_diff <= 1e-3, f"{where}: tokens {tokens} vs one process {ref_tokens}"
+    assert diff <= 2e-5, f"{where}: params differ from one process by {diff}"
+    for o in options:
+        if o.startswith("save="):
+            af.checkpoint.save(o[5:], state)
+            if mesh.rank == 0:
+                af.checkpoint.save(o[5:] + "-ref", ref)
+    print(f"{where}: PP OK loss diff {loss_diff:.1e} param diff {diff:.1e}", flush=True)
+
+
+def main():
+    shape = parse_mesh(sys.argv[1])
+    with af.Mesh(shape, device="cpu") as mesh:
+        for config in sys.argv[2:]:
+            kind, *options = config.split(":")
+            check(mesh, kind, options)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,15 +35,15 @@ from torch import nn
 
 from .. import dry_mode
 from .. import random as _random
+from .._typecheck import checked
 from ..dtensor import local_tensor
 from ..engine.batches import loss_parts, rows, split_batch
 from ..engine.contract import LOCAL, GradSync
 from ..engine.phases import StepRun, TrainPhases
 from ..mesh import Mesh
-from ..step import Step
 from ..module import move
-from .._typecheck import checked
 from ..stages import Split, balanced_split, bypass_forward, carve, split_at
+from ..step import Step
 from ._base import TransformBase, conflict, find
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ class PipelineSync(GradSync):
     active: int | None = None  # the stage running now on this rank
     received: torch.Tensor | None = None
     hooks_on: Any = None
+    own_hooks: set[int] = attrs.Factory(set)
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
 
     # ---- the engine's protocol ----------------------------------------------------------------------------
@@ -238,7 +239,8 @@ class PipelineSync(GradSync):
                     raise _StageDone(_hidden(args, kwargs))
                 return None
 
-            module.register_forward_pre_hook(enter, with_kwargs=True)
+            handle = module.register_forward_pre_hook(enter, with_kwargs=True)
+            self.own_hooks.add(handle.id)
         self.hooks_on = self.plan.module
 
     @contextlib.contextmanager
@@ -250,16 +252,26 @@ class PipelineSync(GradSync):
                 continue
             for name in names:
                 m = self.plan.module.get_submodule(name)
-                patched.append((m, m.__dict__.get("forward")))
+                hooks = (dict(m._forward_pre_hooks), dict(m._forward_hooks))
+                patched.append((m, m.__dict__.get("forward"), hooks))
                 object.__setattr__(m, "forward", bypass_forward(m))
+                # other combinators' hooks (tensor parallel's layouts, FSDP's all-gathers) expect the real
+                # forward: off while bypassed; the pipeline's own boundary hooks stay
+                for table in (m._forward_pre_hooks, m._forward_hooks):
+                    for key in [k for k in table if k not in self.own_hooks]:
+                        del table[key]
         try:
             yield
         finally:
-            for m, fwd in patched:
+            for m, fwd, (pre, post) in patched:
                 if fwd is None:
                     del m.__dict__["forward"]
                 else:
                     object.__setattr__(m, "forward", fwd)
+                m._forward_pre_hooks.clear()
+                m._forward_pre_hooks.update(pre)
+                m._forward_hooks.clear()
+                m._forward_hooks.update(post)
 
     def run_stage(self, stage: int, *args: Any, idx: torch.Tensor) -> torch.Tensor:
         """One micro-batch through one stage: the user's loss function on the whole model, entered at the

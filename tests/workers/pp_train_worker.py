@@ -108,7 +108,7 @@ def check(mesh, kind, options):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     # aux metrics are averaged over micro-batches (as under af.accumulate): m of them here
-    tok_diff = max(abs(a * m - b) for a, b in zip(tokens, ref_tokens))
+    tok_diff = max(abs(a * m * mesh.data_size - b) for a, b in zip(tokens, ref_tokens))  # and ranks
     where = f"rank {mesh.rank} {kind}:{':'.join(options)}"
     assert loss_diff <= 2e-5, f"{where}: losses {losses} vs one process {ref_losses}"
     assert norm_diff <= 1e-5, f"{where}: grad norms {norms} vs one process {ref_norms}"

@@ -141,7 +141,12 @@ def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str,
     `expand_plan`)."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    names = [n for n, _ in module.named_modules() if n]
+    from ...stages import Skip
+
+    # another pipeline stage's modules (stand-ins, and what is inside them) are not split here
+    skipped = [n for n, m in module.named_modules() if isinstance(m, Skip)]
+    every = [n for n, _ in module.named_modules() if n]
+    names = [n for n in every if not any(n == s or n.startswith(s + ".") for s in skipped)]
     out: dict[str, Any] = {}
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle) and style not in SUPPORTED:
@@ -151,6 +156,8 @@ def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str,
             )
         regex = _pattern(key)
         matched = [n for n in names if regex.match(n)]
+        if not matched and any(regex.match(n) for n in skipped):
+            continue  # the entry is for modules of another pipeline stage
         if not matched:
             near = [n for n in names if n.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:3]
             hint = f"; modules with that last name: {near}" if near else f"; some module names: {names[:6]}"

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,16 @@ import attrs
 import torch
 from torch import nn
 
-__all__ = ["Split", "balanced_split", "split_at", "decoder_layers", "carve", "Skip", "bypass_forward"]
+__all__ = [
+    "holds_stage_params",
+    "Split",
+    "balanced_split",
+    "split_at",
+    "decoder_layers",
+    "carve",
+    "Skip",
+    "bypass_forward",
+]
 
 
 @attrs.frozen
@@ -186,6 +196,18 @@ def _min_max_partition(cost: list[int], parts: int) -> list[int]:
     return sorted(out)[1:]
 
 
+_CARVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models cut down to some pipeline stages
+
+
+def holds_stage_params(params: dict[str, Any]) -> bool:
+    """Whether `params` (a state's) are those of a model cut down to its pipeline stages: such a state holds a
+    part of a checkpoint's leaves (the other stages' are in the same checkpoint, for the other ranks)."""
+    if not _CARVED:
+        return False
+    ids = {id(p) for m in list(_CARVED) for p in m.parameters()}
+    return any(id(v) in ids for v in params.values())
+
+
 # ---- stand-ins for other stages' modules ------------------------------------------------------------------------
 def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     """A forward that costs nothing and returns what the model's next module expects in shape: zeros of the
@@ -279,4 +301,5 @@ def carve(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[str, tu
             module.register_module(child, Skip(sub, keep))
 
     visit("", model)
+    _CARVED.add(model)
     return tied

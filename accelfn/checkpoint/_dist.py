@@ -35,18 +35,19 @@ def is_sharded(t: Any) -> bool:
     return is_dtensor(t) and any(p.is_shard() for p in t.placements)
 
 
-def writes_piece(t: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes its part of `t`: rank 0 for plain tensors; for a DTensor, the ranks at
-    coordinate 0 of every replicated mesh dimension, in the copy of its mesh that holds rank 0 (each distinct
+def writes_piece(t: torch.Tensor, rank: int, first: int = 0) -> bool:
+    """Whether this rank writes its part of `t`: for plain tensors, `first` (the lowest rank holding this leaf:
+    rank 0, or under pipeline parallel the first rank of the stage that holds it); for a DTensor, the ranks at
+    coordinate 0 of every replicated mesh dimension, in the copy of its mesh that holds `first` (each distinct
     piece is written once)."""
     if not is_dtensor(t):
-        return rank == 0
+        return rank == first
     coord = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
     if coord is None:
         return False
     # a DTensor on a sub-mesh (FSDP's data axis under tensor parallel) is replicated over the other axes: of the
-    # sub-mesh's copies (which partition the world), the one holding global rank 0 writes
-    if 0 not in t.device_mesh.mesh.flatten().tolist():  # type: ignore[attr-defined]
+    # sub-mesh's copies (which partition the world), the one holding `first` writes
+    if first not in t.device_mesh.mesh.flatten().tolist():  # type: ignore[attr-defined]
         return False
     for dim, p in enumerate(t.placements):  # type: ignore[attr-defined]
         if p.is_partial():

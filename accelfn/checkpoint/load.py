@@ -28,6 +28,7 @@ import torch
 from .. import platforms
 from .. import tree as _tree
 from .._typecheck import checked
+from ..stages import holds_stage_params
 from ..state import TrainState, mark_donated
 from . import adapters, io
 from ._dist import Comm, is_dtensor, region
@@ -188,6 +189,8 @@ def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainS
     missing = [p for p in like_paths if p not in saved]
     known = set(like_paths)
     unexpected = [p for p in saved if p not in known]
+    if unexpected and not missing and holds_stage_params(like.params):
+        unexpected = []  # a pipeline stage's state: the other stages' leaves are for the other ranks
     if missing or unexpected:
         parts = []
         if missing:

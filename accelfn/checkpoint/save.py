@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -48,7 +49,7 @@ from .format import (
     read_state_json,
     step_of_name,
 )
-from .leaves import JSON_TYPES, alias_key, dtype_name, flatten, split_path
+from .leaves import JSON_TYPES, alias_key, dtype_name, dtype_of, flatten, split_path
 
 __all__ = ["save", "latest", "wait", "SaveHandle", "checkpoints"]
 
@@ -58,7 +59,14 @@ class _Contents:
 
     def __init__(self, state: TrainState, comm: Comm, max_shard_size: int, snapshot: bool) -> None:
         leaves, _ = flatten(state)
-        self.multi = comm.world > 1 and any(is_sharded(v) for _, v in leaves)
+        first: dict[str, int] = {}
+        self.divided = False  # the ranks hold different leaves (pipeline stages): each describes its own
+        if comm.world > 1:
+            everyone = comm.all_gather_json([p for p, v in leaves if isinstance(v, torch.Tensor)])
+            self.divided = any(paths != everyone[0] for paths in everyone)
+            for r, paths in reversed(list(enumerate(everyone))):
+                first.update(dict.fromkeys(paths, r))
+        self.multi = comm.world > 1 and (self.divided or any(is_sharded(v) for _, v in leaves))
         self.entries: dict[str, dict[str, Any]] = {}
         self.files: dict[str, dict[str, torch.Tensor]] = {}  # file name -> {key: tensor} (this rank)
         self.pieces: dict[str, list[dict[str, Any]]] = {}  # path -> pieces written by this rank
@@ -84,7 +92,7 @@ class _Contents:
                         f"state paths {owner[f'{field}/{key}']!r} and {path!r} have the same name"
                     )
                 owner[f"{field}/{key}"] = path
-                if not writes_piece(v, comm.rank):
+                if not writes_piece(v, comm.rank, first.get(path, 0)):
                     continue
                 local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
                 offset, shape = region(v)
@@ -111,6 +119,12 @@ class _Contents:
                 for key in chunk:
                     self.pieces[key_to_path[(field, key)]][0]["file"] = name
         self.step = _int_step(state.step)
+
+
+def is_sharded_entry(entry: dict[str, Any]) -> bool:
+    """A tensor leaf written in pieces (a DTensor's shards) rather than whole."""
+    pieces = entry.get("pieces", [])
+    return entry.get("kind") == "tensor" and (len(pieces) != 1 or pieces[0]["shape"] != entry["shape"])
 
 
 def _inline(path: str, v: Any) -> dict[str, Any]:
@@ -154,13 +168,33 @@ def _write(
         name: io.write_file(tmp / name, tensors, {"format": "pt"}).to_json()
         for name, tensors in contents.files.items()
     }
-    everyone = comm.all_gather_json({"files": records, "pieces": contents.pieces})
+    mine = {"files": records, "pieces": contents.pieces}
+    if contents.divided:
+        mine["entries"] = contents.entries
+    everyone = comm.all_gather_json(mine)
     if comm.rank == 0:
         files: dict[str, Any] = {}
+        for part in everyone:
+            for path, entry in part.get("entries", {}).items():
+                contents.entries.setdefault(path, entry)  # a leaf of another pipeline stage
         for part in everyone:
             files.update(part["files"])
             for path, pieces in part["pieces"].items():
                 contents.entries[path].setdefault("pieces", []).extend(pieces)
+        if contents.divided and not any(is_sharded_entry(e) for e in contents.entries.values()):
+            # whole tensors in several ranks' files (pipeline stages): the Hugging Face index over all of them
+            weight_map = {
+                e["pieces"][0]["key"]: e["pieces"][0]["file"]
+                for p, e in contents.entries.items()
+                if p.startswith("params.") and e.get("kind") == "tensor"
+            }
+            total = sum(
+                math.prod(e["shape"]) * dtype_of(e["dtype"]).itemsize
+                for p, e in contents.entries.items()
+                if p.startswith("params.") and e.get("kind") == "tensor"
+            )
+            (tmp / HF_INDEX).write_text(hf_index(weight_map, total))
+            io.fsync_path(tmp / HF_INDEX)
         if not contents.multi:
             weight_map = {
                 pc[0]["key"]: pc[0]["file"] for p, pc in contents.pieces.items() if p.startswith("params.")

@@ -1,0 +1,197 @@
+"""Pipeline-parallel training (`af.pipeline(step, mesh, ...)`): the split, the errors, and real runs over gloo
+through our launcher checked against one process on the global batch (tests/workers/pp_train_worker.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn.stages import balanced_split, carve, split_at
+from accelfn.transforms.pipeline import SCHEDULES, bubble_fraction
+from tests._launch import output_of, run_workers
+from tests.models import tiny_gpt2
+
+
+def llama(layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def lm_loss(model, b):
+    logits = model(input_ids=b["input_ids"]).logits
+    return af.losses.cross_entropy(logits[:, :-1], b["input_ids"][:, 1:])
+
+
+# ---- the split ------------------------------------------------------------------------------------------------
+def test_a_decoder_splits_by_layers_balanced_by_parameters_with_embeddings_first_and_head_last():
+    model = llama(4)
+    split = balanced_split(model, 2)
+    assert split.points == ("model.layers.2",)
+    assert sum(split.stage_params) == sum(p.numel() for p in model.parameters())
+    assert split.owner["model.embed_tokens"] == 0 and split.owner["lm_head"] == 1
+    assert "stage 0: model.embed_tokens" in split.describe() and "stage 1:" in split.describe()
+    four = balanced_split(model, 4)
+    assert len(four.points) == 3 and max(four.stage_params) < 1.3 * min(four.stage_params)
+
+
+def test_carving_keeps_a_stage_under_its_hugging_face_names_and_ties_the_head_between_stages():
+    model = tiny_gpt2(n_layer=4)
+    names = {n for n, _ in model.named_parameters()}
+    split = balanced_split(model, 2)
+    tied = carve(model, split, [1])
+    kept = {n for n, _ in model.named_parameters()}
+    assert kept < names and "transformer.h.0.attn.c_attn.weight" not in kept
+    assert "transformer.h.3.attn.c_attn.weight" in kept and "transformer.ln_f.weight" in kept
+    assert tied == {"transformer.wte.weight": (0, 1)}  # the head's weight, held by both end stages
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert type(model.transformer.h[0]).__name__ == "Skip"
+
+
+def test_bad_splits_are_named_errors_before_any_step():
+    model = llama(2)
+    with pytest.raises(ValueError, match="split point 'model.layer.1' is not a module.*model.layers.1"):
+        split_at(model, ["model.layer.1"])
+    with pytest.raises(ValueError, match="distinct and in forward"):
+        split_at(model, ["model.layers.1", "model.layers.0"])
+    with pytest.raises(ValueError, match="4 pipeline stages but the model has only 2 decoder layers"):
+        balanced_split(model, 4)
+    with pytest.raises(ValueError, match="stage 1 of 2 has no parameters"):
+        split_at(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), ["1"])
+
+
+def test_bubble_arithmetic():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(1.5 / 9.5)
+    assert bubble_fraction(1, 8) == 0
+
+
+def test_bad_arguments_are_named_errors():
+    step = af.train_step(lm_loss, af.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        af.pipeline(step, microbatches=2, schedule="pipedream")
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        af.pipeline(step, microbatches=2, schedule="1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        af.pipeline(step, microbatches=2, schedule="zbv", stages_per_rank=3)
+    with (
+        af.Mesh({"dp": 1}, device="cpu") as mesh,
+        pytest.raises(ValueError, match="the mesh has no 'pp' axis"),
+    ):
+        af.pipeline(step, mesh, microbatches=2)
+    with pytest.raises(TypeError, match="expected a training Step or an nn.Module"):
+        af.pipeline("model", microbatches=2)
+    with pytest.raises(ValueError, match="needs a mesh with a 'pp' axis"):
+        af.pipeline(step, microbatches=2).init(llama(2))
+
+
+def test_one_stage_pipeline_equals_the_plain_step_and_checks_micro_batches():
+    data = {"input_ids": torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))}
+    plain = af.train_step(lm_loss, af.optim.adamw(1e-3), clip_grad_norm=1.0)
+    ref = plain.init(llama(2), seed=1)
+    ref, ref_m = plain(ref, data)
+    with af.Mesh({"pp": 1}, device="cpu") as mesh:
+        step = af.pipeline(af.train_step(lm_loss, af.optim.adamw(1e-3), clip_grad_norm=1.0), mesh, microbatches=4,
+                           schedule="gpipe")  # fmt: skip
+        state = step.init(llama(2), seed=1)
+        assert "pipeline gpipe over pp=1" in str(step)
+        state, m = step(state, data)
+        torch.testing.assert_close(m["loss"], ref_m["loss"], rtol=1e-6, atol=1e-6)
+        for k, v in state.params.items():
+            torch.testing.assert_close(v, ref.params[k], rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match=r"batch\['input_ids'\] has 6 rows, which do not split into 4"):
+            step(state, {"input_ids": data["input_ids"][:6]})
+
+
+def test_a_pp_axis_without_a_pipeline_is_refused_by_shard():
+    with af.Mesh({"pp": 1, "dp": 1}, device="cpu") as mesh:
+        af.shard(af.train_step(lm_loss, af.optim.sgd(0.1)), mesh).init(llama(2))  # pp=1: nothing to split
+    from accelfn.transforms.shard import Shard
+
+    class FakeMesh:
+        axis_names = ("pp", "dp")
+
+        def axis_size(self, name):
+            return 2
+
+    with pytest.raises(ValueError, match="'pp' axis of size 2, but the step has no af.pipeline"):
+        Shard(FakeMesh()).check([])
+
+
+def test_1f1b_needs_a_micro_batch_per_stage():
+    from accelfn.transforms.pipeline import _check_microbatches
+
+    with pytest.raises(ValueError, match="2 micro-batches are fewer than the 4 stages; 1F1B needs"):
+        _check_microbatches("1f1b", 2, 4, 4)
+    with pytest.raises(ValueError, match="must be a multiple of pp=4"):
+        _check_microbatches("interleaved_1f1b", 6, 4, 8)
+    _check_microbatches("gpipe", 1, 4, 4)
+
+
+def test_every_schedule_is_a_torch_schedule():
+    from torch.distributed import pipelining
+
+    for info in SCHEDULES.values():
+        assert hasattr(pipelining, info.torch_name)
+
+
+# ---- real processes -------------------------------------------------------------------------------------------
+SCHEDULE_CONFIGS = ["llama:gpipe", "llama:1f1b", "gpt2:1f1b", "gpt2:interleaved_1f1b", "llama:looped_bfs",
+                    "llama:interleaved_zb", "llama:zbv", "llama:dualpipev", "llama:remat", "llama:accumulate",
+                    "llama:split:gpipe"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp2_every_schedule_remat_and_accumulate_equal_one_process():
+    proc = run_workers("pp_train_worker.py", 2, "pp=2", *SCHEDULE_CONFIGS, timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 2 * len(SCHEDULE_CONFIGS), output_of(proc)
+
+
+@pytest.mark.slow
+def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_equal_one_process():
+    proc = run_workers("pp_train_worker.py", 4, "pp=2,dp=2", "llama:ddp", "gpt2:fsdp", "llama:fsdp:remat",
+                       "gpt2:ddp:accumulate", timeout=600)  # fmt: skip
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 16, output_of(proc)
+    proc = run_workers("pp_train_worker.py", 4, "pp=2,tp=2", "llama", timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 4, output_of(proc)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_pp2_one_process_pp4_and_pp2_x_dp2_fsdp(tmp_path):
+    ck = str(tmp_path / "pp2")
+    proc = run_workers("pp_train_worker.py", 2, "pp=2", f"llama:save={ck}", timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    # one process reads the pipeline's checkpoint whole (every stage's params and optimizer state)
+    plain = af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=0.5)
+    whole = af.checkpoint.load(ck, like=plain.init(llama(4), seed=3))
+    ref = af.checkpoint.load(ck + "-ref", like=plain.init(llama(4), seed=3))
+    assert sorted(whole.params) == sorted(ref.params)
+    for k in ref.params:
+        torch.testing.assert_close(whole.params[k], ref.params[k], rtol=0, atol=2e-5)
+    assert int(whole.step) == 3
+    # its model files are the Hugging Face layout (an index over both stages' files): transformers reads them
+    index = json.loads((tmp_path / "pp2" / "model.safetensors.index.json").read_text())
+    assert {"model-rank00000.safetensors", "model-rank00001.safetensors"} == set(index["weight_map"].values())
+    from transformers import LlamaForCausalLM
+
+    llama(4).config.save_pretrained(ck)
+    loaded, info = LlamaForCausalLM.from_pretrained(ck, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, whole.params[k])
+    # and it resumes on pp2 (exactly as one process goes on from the same state), pp4 and pp2 x dp2 with fsdp
+    for nproc, mesh, extra in ((2, "pp=2", ""), (4, "pp=4", ""), (4, "pp=2,dp=2", ":fsdp")):
+        proc = run_workers("pp_train_worker.py", nproc, mesh, f"llama:load={ck}{extra}", timeout=300)
+        assert proc.returncode == 0, output_of(proc)
+        assert proc.stdout.count("PP OK") == nproc, output_of(proc)

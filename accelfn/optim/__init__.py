@@ -20,7 +20,20 @@ from .clip import clip_by_global_norm, global_norm
 from .freeze import freeze, set_to_zero
 from .lion import LionState, lion
 from .masked import MaskedState, masked
-from .schedules import Schedule, as_schedule, constant, cosine, linear, warmup_cosine
+from .schedules import (
+    Schedule,
+    as_schedule,
+    constant,
+    cosine,
+    from_lambda,
+    inverse_sqrt,
+    linear,
+    warmup_constant,
+    warmup_cosine,
+    warmup_cosine_restarts,
+    warmup_linear,
+    warmup_polynomial,
+)
 from .sgd import SgdState, sgd
 
 __all__ = [
@@ -50,4 +63,10 @@ __all__ = [
     "linear",
     "cosine",
     "warmup_cosine",
+    "warmup_linear",
+    "warmup_constant",
+    "warmup_polynomial",
+    "warmup_cosine_restarts",
+    "inverse_sqrt",
+    "from_lambda",
 ]

@@ -58,11 +58,12 @@ class Split:
         return len(self.points) + 1
 
     def describe(self) -> str:
-        """One line per stage: its first and last module and its parameter count (printed at lowering)."""
+        """One line per stage: where it starts and ends and its parameter count (printed at lowering)."""
         lines = []
         for s, (mods, n) in enumerate(zip(self.stage_modules, self.stage_params)):
-            span = f"{mods[0]} .. {mods[-1]}" if len(mods) > 1 else (mods[0] if mods else "-")
-            lines.append(f"stage {s}: {span} ({len(mods)} modules, {n / 1e6:.2f}M params)")
+            start = self.points[s - 1] if s > 0 else (mods[0] if mods else "-")
+            end = f"before {self.points[s]}" if s < len(self.points) else (mods[-1] if mods else "-")
+            lines.append(f"stage {s}: {start} .. {end} ({n / 1e6:.2f}M params)")
         return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ full scale before the job is queued.
     accelfn launch --nproc-per-node 2 --cpu examples/train_llama.py --model tiny --steps 5
     accelfn dry-run --nproc-per-node 8 --nnodes 8 examples/train_llama.py --model 8b --strategy fsdp
     accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=8,tp=8 examples/train_llama.py --model 70b --remat
+    accelfn dry-run --nproc-per-node 8 --nnodes 16 --mesh pp=4,dp=4,tp=8 examples/train_llama.py --model 405b
 
 `--mesh` (or `accelfn launch --mesh`) names the axes: `dp=-1` (default), `dp=8,tp=8`, `dp=2,fsdp=-1` (hsdp).
 The sizes of `--model` are Llama 3's (8b, 70b, 405b), the 0.89B model of docs/benchmarks.md (`0.9b`) and a
@@ -61,6 +62,8 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule, with a pp axis in --mesh")
+    p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches per step (pp axis)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -73,6 +76,8 @@ def main() -> None:
         step = af.remat(step)
     if args.accumulate > 1:
         step = af.accumulate(step, args.accumulate)
+    if "pp" in mesh.axis_names:  # pipeline parallel: every rank of a pipeline reads the same batch
+        step = af.pipeline(step, mesh, microbatches=args.microbatches, schedule=args.schedule)
     step = af.shard(step, mesh, strategy=args.strategy)
     state = step.init(model)
     af.dist.print(step)

@@ -146,6 +146,8 @@ SCALE = [
     ("dp=32,tp=2", ("--strategy", "fsdp", "--bf16")),
     ("dp=16,tp=2", ("--strategy", "ddp",)),
     ("dp=4,fsdp=4,tp=2", ("--strategy", "hsdp", "--remat", "--bf16")),
+    ("pp=2,dp=32", ("--strategy", "fsdp", "--microbatches", "2")),  # pipeline parallel (1F1B) x fsdp
+    ("pp=2,dp=16,tp=2", ("--strategy", "ddp", "--schedule", "gpipe", "--microbatches", "2")),
 ]  # fmt: skip
 
 
@@ -168,6 +170,8 @@ def test_every_strategy_lowers_at_scale(mesh: str, args: tuple[str, ...]) -> Non
     assert report.flops_per_step > 0 and report.total_bus_bytes > 0
     if "tp" in mesh:
         assert "tp" in {axis for by_axis in report.comm.values() for axis in by_axis}
+    if "pp" in mesh:  # activations go between the stages point to point
+        assert report.comm["send_recv"]["pp"]["bus_bytes"] > 0, report.comm
 
 
 def _tiny_llama() -> nn.Module:

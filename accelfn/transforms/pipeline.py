@@ -140,6 +140,7 @@ class PipelineSync(GradSync):
     received: torch.Tensor | None = None
     hooks_on: Any = None
     own_hooks: set[int] = attrs.Factory(set)
+    next_micro: dict[int, int] = attrs.Factory(dict)  # stage -> the micro-batch its next forward runs
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
 
     # ---- the engine's protocol ----------------------------------------------------------------------------
@@ -273,12 +274,14 @@ class PipelineSync(GradSync):
                 m._forward_hooks.clear()
                 m._forward_hooks.update(post)
 
-    def run_stage(self, stage: int, *args: Any, idx: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, stage: int, *args: Any) -> torch.Tensor:
         """One micro-batch through one stage: the user's loss function on the whole model, entered at the
-        stage's first module and left at the next stage's (the last stage returns the loss sum)."""
+        stage's first module and left at the next stage's (the last stage returns the loss sum). Every torch
+        schedule runs a stage's forwards in micro-batch order, so a counter per stage says which one."""
         run, plan = self.run, self.plan
         assert run is not None and run.step_key is not None and plan.loss_call is not None
-        i = int(idx.reshape(-1)[0])
+        i = self.next_micro.get(stage, 0)
+        self.next_micro[stage] = i + 1
         mb = run.micro[i]
         key = run.step_key if len(run.micro) == 1 else _random.fold_in(run.step_key, i)
         self.active, self.received = stage, (args[0] if stage > 0 else None)
@@ -356,6 +359,17 @@ class PipelineSync(GradSync):
         return schedule
 
 
+class _Static:
+    """The outcome of torch's warm-up vote when every stage's shapes are given: static (`.item() == 1`), known
+    on every rank without a message (and without a tensor, which a dry run's fake mode could not read)."""
+
+    def item(self) -> int:
+        return 1
+
+
+_STATIC = _Static()
+
+
 def _loss_is_output(output: torch.Tensor, target: Any = None) -> torch.Tensor:
     return output.sum()  # the last stage's forward already returns the loss sum (as a 1-element tensor)
 
@@ -376,13 +390,11 @@ def _make_stage_class() -> type:
         def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
             return self._sync.run_stage(self.stage_index, *args, **kwargs)
 
-        def _warmup_forward_vote(self, has_backward: bool, received_acc: Any = None) -> torch.Tensor:
-            with dry_mode.real_tensors():
-                return torch.ones(1, dtype=torch.int32)
+        def _warmup_forward_vote(self, has_backward: bool, received_acc: Any = None) -> Any:
+            return _STATIC
 
-        def _warmup_backward_result(self, received_result: Any = None) -> torch.Tensor:
-            with dry_mode.real_tensors():
-                return torch.ones(1, dtype=torch.int32)
+        def _warmup_backward_result(self, received_result: Any = None) -> Any:
+            return _STATIC
 
     return Stage
 
@@ -428,13 +440,15 @@ class PipelinePhases(TrainPhases):
             raise ValueError("af.pipeline: fp16 loss scaling is not supported; use af.autocast(step, 'bf16')")
         run.exact = False
         schedule = sync.schedule_for(run.micro)
-        sync.run, sync.results = run, {}
-        idx = torch.arange(len(run.micro), device=sync.mesh.device)
+        sync.run, sync.results, sync.next_micro = run, {}, {}
+        idx = torch.arange(
+            len(run.micro), device=sync.mesh.device
+        )  # the first stage's input: one per micro-batch
         try:
             with contextlib.ExitStack() as stack:
                 for make in plan.backward_contexts:
                     stack.enter_context(make())
-                schedule.step(idx, target=idx, idx=idx)  # target: unused (the stage returns its loss)
+                schedule.step(idx, target=idx)  # target: unused (the last stage returns its loss)
         finally:
             sync.run = None
         device = sync.mesh.device

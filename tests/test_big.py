@@ -769,3 +769,27 @@ def test_no_split_takes_one_class_name_as_a_string_and_refuses_names_of_no_modul
     assert af.infer_device_map(model, max_memory=budget, no_split=type(model.blocks[0]).__name__) == as_list
     with pytest.raises(ValueError, match=r"no_split=\['Blokc'\] names no class of this model's modules"):
         af.infer_device_map(model, max_memory=budget, no_split=["Blokc"])
+
+
+def test_load_and_dispatch_with_no_disk_budget_never_offloads_to_disk(tmp_path):
+    # max_memory={"disk": 0}: nothing goes to disk; a model that does not fit elsewhere is an error naming
+    # max_memory (Accelerate ignores the value of its "disk" key and offloads to disk anyway)
+    from accelerate import infer_auto_device_map
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=4).eval()
+    _save_sharded(model, tmp_path / "ckpt")
+    total = layout_of(model).size[""]
+    tight = {"cpu": total // 2, "disk": 0}
+    with pytest.raises(ValueError, match=r"fits in none of max_memory's devices .*disk: 0 B of 0 B.*'disk'"):
+        af.load_and_dispatch(_skeleton(model), tmp_path / "ckpt", max_memory=tight)
+    assert "disk" in infer_auto_device_map(_skeleton(model), max_memory=tight).values()  # Accelerate's
+    big = af.load_and_dispatch(
+        _skeleton(model).eval(), tmp_path / "ckpt", max_memory={"cpu": 2 * total, "disk": 0}
+    )
+    assert "disk" not in big.hf_device_map.values()
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(big(ids).logits, model(ids).logits)
+    roomy = af.infer_device_map(_skeleton(model), max_memory={"cpu": total + total // 4, "disk": 0})
+    assert set(roomy.values()) == {"cpu"}  # no room kept for offloaded layers when nothing can be offloaded

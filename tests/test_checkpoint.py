@@ -623,3 +623,125 @@ def test_docstring_examples_run(name):
     )
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0, name
+
+
+# ---- from_pretrained of every layout save_pretrained writes: no missing, unexpected or mismatched key ----------
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def trained_state(model, steps=2):
+    step = af.train_step(lm_loss, af.optim.adamw(1e-2))
+    state = step.init(model)
+    for b in lm_batches(steps):
+        state, _ = step(state, b)
+    return step, state
+
+
+def full_values(state, model):
+    """Our values under every name of `model`'s state_dict (tied names included, DTensors gathered)."""
+    values = {**model.state_dict(), **state.params, **state.buffers}
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in values.items()}
+
+
+def _layout(kind, tmp_path):
+    """Write one layout into tmp_path / "out"; returns the values that folder must load as."""
+    out = tmp_path / "out"
+    if kind in ("llama", "gpt2-tied", "llama-tied", "llama-sharded-files"):
+        model = {"llama": tiny_llama, "gpt2-tied": tiny_gpt2, "llama-tied": tied_llama}.get(
+            kind, tiny_llama
+        )()
+        size = "20KB" if kind == "llama-sharded-files" else "5GB"
+        af.checkpoint.save_pretrained(out, model, max_shard_size=size)
+        return model.state_dict()
+    if kind in ("state", "state-tied"):
+        step, state = trained_state(tiny_llama() if kind == "state" else tied_llama())
+        af.checkpoint.save_pretrained(out, state, model=step.model)
+        return full_values(state, step.model)
+    if kind == "params-and-config":  # a dict with a config naming its class
+        step, state = trained_state(tiny_gpt2())
+        config = step.model.config
+        config.architectures = ["GPT2LMHeadModel"]
+        af.checkpoint.save_pretrained(out, state.params, config=config, max_shard_size="30KB")
+        return full_values(state, step.model)
+    if kind == "fsdp-state":  # DTensor params on a one-process mesh, gathered on save
+        with af.Mesh({"dp": -1}, device="cpu"):
+            step = af.shard(af.train_step(lm_loss, af.optim.adamw(1e-2)), af.Mesh.current(), strategy="fsdp")
+            state = step.init(tied_llama())
+            for b in lm_batches(2):
+                state, _ = step(state, b)
+            assert any(hasattr(p, "full_tensor") for p in state.params.values())
+            af.checkpoint.save_pretrained(out, state, model=step.model, max_shard_size="20KB")
+            return full_values(state, step.model)
+    raise AssertionError(kind)
+
+
+LAYOUTS = ["llama", "gpt2-tied", "llama-tied", "llama-sharded-files", "state", "state-tied", "params-and-config",
+           "fsdp-state"]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Model (has|with) `tie_word_embeddings=True`:UserWarning")
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_every_layout_save_pretrained_writes_loads_in_transformers_with_no_missing_keys(tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    values = _layout(kind, tmp_path)
+    if kind in ("llama-sharded-files", "params-and-config", "fsdp-state"):
+        assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info  # missing_keys, unexpected_keys, mismatched_keys, error_msgs
+    state_dict = loaded.state_dict()
+    assert set(state_dict) <= set(values)
+    for name, t in state_dict.items():
+        assert torch.equal(t, values[name].detach()), name
+
+
+def test_save_pretrained_refuses_weights_that_from_pretrained_would_leave_random(tmp_path):
+    _, state = gpt2_state(steps=0)
+    config = tiny_gpt2().config
+    config.architectures = ["GPT2LMHeadModel"]
+    params = {k: v for k, v in state.params.items() if k != "transformer.h.1.mlp.c_fc.weight"}
+    with pytest.raises(
+        ValueError, match=r"GPT2LMHeadModel .*missing 1: \['transformer.h.1.mlp.c_fc.weight'\]"
+    ):
+        af.checkpoint.save_pretrained(tmp_path / "a", params, config=config)
+    renamed = {f"net.{k}": v for k, v in state.params.items()}
+    with pytest.raises(ValueError, match=r"unexpected \d+: \['net\.transformer"):
+        af.checkpoint.save_pretrained(tmp_path / "b", renamed, config=config)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    af.checkpoint.save_pretrained(tmp_path / "c", renamed)  # no config: the weights alone, no check
+
+
+def test_save_pretrained_takes_a_base_model_s_names_as_transformers_does(tmp_path):
+    # transformers loads GPT2Model's names (no "transformer." prefix) into a GPT2LMHeadModel: not an error here
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_gpt2()
+    config = model.config
+    config.architectures = ["GPT2LMHeadModel"]
+    bare = model.transformer.state_dict()
+    af.checkpoint.save_pretrained(tmp_path / "bare", bare, config=config)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "bare", output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_save_pretrained_of_a_wrapper_around_a_transformers_model_names_the_keys(tmp_path):
+    # torch.compile(model), or a module holding a transformers model and its config: the names carry the
+    # wrapper's prefix, which from_pretrained would not find (a random model); refused, naming the way out
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+    for wrapped, prefix in ((torch.compile(tiny_llama()), "_orig_mod"), (Wrapper(tiny_llama()), "inner")):
+        with pytest.raises(
+            ValueError, match=rf"LlamaForCausalLM at '{prefix}'.*removeprefix\('{prefix}.'\)"
+        ) as e:
+            af.checkpoint.save_pretrained(tmp_path / prefix, wrapped)
+        assert f"'{prefix}.model.embed_tokens.weight'" in str(e.value) and not (tmp_path / prefix).exists()

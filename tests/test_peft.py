@@ -272,3 +272,216 @@ def test_lora_finetune_example_runs(tmp_path):
 
     proc = run_example("lora_finetune.py", "--out", str(tmp_path / "run"))
     _passes(proc, "LoRA loss falls and the saved adapter reloads")
+
+
+# ---- save_pretrained of a PEFT model (the replacement for Accelerate's save_model) ----------------------------
+def named_base_model(tmp_path, **lora):
+    """A PEFT model over a base loaded from a folder (so the adapter names its base, as one from the Hub)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **lora)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def adapter_loading_report(model, folder):
+    """PEFT's own report of loading `folder` into `model` as another adapter: (missing adapter keys, unexpected)."""
+    result = model.load_adapter(folder, adapter_name="check")
+    model.delete_adapter("check")
+    tuner = model.peft_config[model.active_adapter].peft_type.value.lower()
+    return [k for k in result.missing_keys if f"{tuner}_" in k], list(result.unexpected_keys)
+
+
+def test_save_pretrained_of_a_peft_model_writes_what_peft_save_pretrained_writes_and_both_libraries_load_it(
+    tmp_path,
+):
+    # the bug: it wrote the PeftModel's state_dict (base_model.model.*) with config.json, which
+    # AutoModelForCausalLM loaded as a randomly initialised model with no error
+    from transformers import AutoModelForCausalLM
+
+    model = named_base_model(tmp_path)
+    step, state = trained(model)
+    af.checkpoint.save_pretrained(tmp_path / "ours", state, model=step.model)
+    model.save_pretrained(
+        tmp_path / "peft"
+    )  # the reference: PEFT itself (the model holds the trained values)
+    assert sorted(os.listdir(tmp_path / "ours")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "peft")) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    ours, theirs = (
+        af.checkpoint.load_pretrained(tmp_path / d / "adapter_model.safetensors") for d in ("ours", "peft")
+    )
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft")]
+    assert configs[0] == configs[1]
+    for k, v in ours.items():  # the trained values, not the initial ones
+        name = k.replace(".weight", ".default.weight")
+        assert torch.equal(v, state.params[name]), k
+    expected = logits(model)
+    # PEFT: no adapter key missing or unexpected, the same logits
+    assert adapter_loading_report(model, tmp_path / "ours") == ([], [])
+    reloaded = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "ours"
+    )
+    assert torch.equal(logits(reloaded), expected)
+    assert torch.equal(logits(peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "ours")), expected)
+    # transformers: the base from adapter_config.json's base_model_name_or_path, the adapter on it
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.equal(logits(loaded), expected)
+
+
+def test_save_pretrained_of_a_peft_model_with_merge_writes_a_model_transformers_loads_without_missing_keys(
+    tmp_path,
+):
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model()
+    step, state = trained(model)
+    expected = logits(model)
+    af.checkpoint.save_pretrained(
+        tmp_path / "merged", state, model=step.model, merge=True, max_shard_size="40KB"
+    )
+    files = sorted(os.listdir(tmp_path / "merged"))
+    assert "model.safetensors.index.json" in files and not any(f.startswith("adapter") for f in files), files
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info.values()), info
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
+    written = af.checkpoint.load_pretrained(tmp_path / "merged")
+    for (
+        n,
+        p,
+    ) in merged.named_parameters():  # every weight is the merged one written, none initialised at random
+        assert torch.equal(p, written[n]), n
+
+
+def test_save_pretrained_of_the_peft_module_itself_and_of_several_adapters_follows_peft(tmp_path):
+    # the module form (its own values), and a second adapter in a subfolder of its name, as PEFT writes them
+    model = lora_model()
+    model.add_adapter("two", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], lora_dropout=0.0))
+    af.checkpoint.save_pretrained(tmp_path / "ours", model)
+    model.save_pretrained(tmp_path / "peft")
+
+    def tree(root):
+        return sorted(
+            str(p.relative_to(root)) for p in root.rglob("*") if p.name != "README.md"
+        )  # PEFT's card
+
+    assert tree(tmp_path / "ours") == tree(tmp_path / "peft") == [
+        "adapter_config.json", "adapter_model.safetensors",
+        "two", "two/adapter_config.json", "two/adapter_model.safetensors"]  # fmt: skip
+    for sub in ("", "two"):
+        ours = af.checkpoint.load_pretrained(tmp_path / "ours" / sub / "adapter_model.safetensors")
+        theirs = af.checkpoint.load_pretrained(tmp_path / "peft" / sub / "adapter_model.safetensors")
+        assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours), sub
+        configs = [
+            json.loads((tmp_path / d / sub / "adapter_config.json").read_text()) for d in ("ours", "peft")
+        ]
+        assert configs[0] == configs[1], sub
+    torch.manual_seed(0)
+    again = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "ours")
+    again.load_adapter(tmp_path / "ours" / "two", adapter_name="two")
+    for adapter in ("default", "two"):
+        model.set_adapter(adapter)
+        again.set_adapter(adapter)
+        assert torch.equal(logits(again), logits(model)), adapter
+
+
+def test_save_pretrained_replaces_the_model_files_of_an_earlier_save_in_the_folder(tmp_path):
+    # transformers loads a folder holding config.json and an adapter as "that model plus the adapter": an old
+    # model left beside a new adapter (or an old adapter beside new weights) would be applied silently
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    model = named_base_model(tmp_path)
+    af.checkpoint.save_pretrained(out, model, merge=True)  # a merged model first
+    (out / "tokenizer.json").write_text("{}")
+    af.checkpoint.save_pretrained(out, model)  # then the adapter: the merged weights must go
+    assert sorted(os.listdir(out)) == [  # (the generation settings of the base stay)
+        "adapter_config.json", "adapter_model.safetensors", "generation_config.json", "tokenizer.json"]  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(logits(loaded), logits(model))  # base + adapter once, not the merged model + adapter
+    af.checkpoint.save_pretrained(out, model, merge=True)  # and back: the adapter must go
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=1e-5)
+
+
+def test_save_pretrained_refuses_peft_names_under_a_transformers_config_and_merge_without_peft(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = named_base_model(tmp_path)
+    config = AutoModelForCausalLM.from_pretrained(tmp_path / "base").config  # names LlamaForCausalLM
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM .*missing 21: .*unexpected .*save_adapter") as e:
+        af.checkpoint.save_pretrained(tmp_path / "x", dict(model.named_parameters()), config=config)
+    assert "'base_model.model." in str(e.value) and not (tmp_path / "x").exists()
+    with pytest.raises(TypeError, match="merge=True merges a PEFT adapter"):
+        af.checkpoint.save_pretrained(tmp_path / "y", tiny_llama(), merge=True)
+    with pytest.raises(TypeError, match="config= does not go with a PeftModel"):
+        af.checkpoint.save_pretrained(tmp_path / "z", model, config=config)
+
+
+@pytest.mark.filterwarnings("ignore:Model (has|with) `tie_word_embeddings=True`:UserWarning")
+@pytest.mark.parametrize(
+    "targets", [["embed_tokens"], ["embed_tokens", "lm_head"]], ids=["adapted-embedding", "adapted-both"]
+)
+def test_merged_export_with_lora_on_tied_embeddings_writes_both_untied_and_transformers_computes_the_same(
+    tmp_path, targets
+):
+    # LoRA on embed_tokens (and lm_head) of a tied model: merged, the embedding and the head differ
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        LlamaForCausalLM(config), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lora_embedding_B" in n:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    step, state = trained(model, steps=2)
+    expected = logits(model)
+    af.checkpoint.save_pretrained(tmp_path / "merged", state, model=step.model, merge=True)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
+    written = af.checkpoint.load_pretrained(tmp_path / "merged")
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(written)
+    assert not torch.equal(written["model.embed_tokens.weight"], written["lm_head.weight"])
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info.values()), info
+    assert merged.lm_head.weight is not merged.model.embed_tokens.weight
+    for n, p in merged.named_parameters():
+        assert torch.equal(p, written[n]), n
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
+
+
+def test_save_pretrained_of_a_peft_model_from_an_fsdp_state_gathers_the_adapter(tmp_path):
+    model = lora_model()
+    with af.Mesh({"dp": -1}, device="cpu") as mesh:
+        step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-2)), mesh, strategy="fsdp")
+        state = step.init(model)
+        for b in lm_batches(1) * 2:
+            state, _ = step(state, b)
+        assert all(hasattr(p, "full_tensor") for n, p in state.params.items() if "lora_" in n)
+        af.checkpoint.save_pretrained(tmp_path / "adapter", state, model=step.model)
+        expected = logits(step.model)
+    torch.manual_seed(0)
+    reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
+    assert adapter_loading_report(reloaded, tmp_path / "adapter") == ([], [])
+    torch.testing.assert_close(logits(reloaded), expected, rtol=0, atol=1e-6)

@@ -6,6 +6,8 @@ without the adapter name: `base_model.model.model.layers.0.self_attn.q_proj.lora
 base model with the adapter merged into its weights, in the Hugging Face layout `transformers` loads.
 `load_adapter` reads such a folder (ours or PEFT's) into the adapter params of a state. Sharded (DTensor)
 params are gathered on save and sliced on load, as `save_pretrained` / `load_pretrained` do.
+`save_pretrained` of a PeftModel writes through here: all its adapters as `PeftModel.save_pretrained` does,
+or the merged model with `merge=True`.
 
 Example:
     >>> import tempfile, torch, accelfn as af
@@ -24,7 +26,8 @@ import contextlib
 import copy
 import json
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -118,29 +121,87 @@ def save_adapter(
     if merge:
         _save_merged(final, model, named, name, parse_size(max_shard_size))
         return
+    _save_adapters(final, model, named, {name: ""}, _is_adapter_file, "af.checkpoint.save_adapter")
+
+
+def _is_adapter_file(name: str) -> bool:
+    return name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+
+
+def _save_adapters(
+    final: Path,
+    model: Any,
+    named: dict[str, torch.Tensor],
+    folders: dict[str, str],
+    replaced: Callable[[str], bool],
+    what: str,
+) -> None:
+    """Write each adapter of `folders` (`{adapter name: subfolder, "" for final itself}`) in PEFT's layout, in
+    one atomic commit of `final`; `replaced` names the files of an existing `final` that are not kept."""
     atomic.check_replaceable(final, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), keeps_others=True)
-    full = gather_full(_adapter_tensors(model, named, name), "af.checkpoint.save_adapter")
-    if full is not None:
-        peft_model: Any = model
-        config = copy.deepcopy(peft_model.peft_config[name])
-        config.inference_mode = True  # as PeftModel.save_pretrained writes it
-        base_model = peft_model.get_base_model()
-        if getattr(config, "base_model_name_or_path", None) is None:  # as PEFT: the base's name, else None
-            base_config = getattr(base_model, "config", None)
-            config.base_model_name_or_path = getattr(base_config, "_name_or_path", None) or None
-        # as PeftModel.save_pretrained: without a task_type, AutoPeftModel finds the base class from this
-        auto_mapping = None
-        if getattr(config, "task_type", None) is None:
-            base_class = type(base_model)
-            auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    written: list[tuple[str, dict[str, torch.Tensor], Any, dict[str, str] | None]] = []
+    for name, sub in folders.items():  # the same order on every rank: gathering is a collective
+        full = gather_full(_adapter_tensors(model, named, name), what)
+        if full is not None:
+            written.append((sub, full, *_adapter_config(model, name)))
+    if written:
 
         def write(tmp: Path) -> None:
-            io.write_file(tmp / ADAPTER_WEIGHTS, full, {"format": "pt"})
-            config.save_pretrained(tmp, auto_mapping_dict=auto_mapping)
-            io.fsync_path(tmp / ADAPTER_CONFIG)
+            for sub, full, config, auto_mapping in written:
+                folder = tmp / sub if sub else tmp
+                folder.mkdir(exist_ok=True)
+                io.write_file(folder / ADAPTER_WEIGHTS, full, {"format": "pt"})
+                config.save_pretrained(folder, auto_mapping_dict=auto_mapping)
+                io.fsync_path(folder / ADAPTER_CONFIG)
+                if sub:
+                    io.fsync_path(folder)
 
-        write_folder(final, write, lambda f: f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
+        write_folder(final, write, replaced)
     Comm().barrier()
+
+
+def _adapter_config(model: Any, name: str) -> tuple[Any, dict[str, str] | None]:
+    """The adapter's config as `PeftModel.save_pretrained` writes it, and its `auto_mapping` (or None)."""
+    config = copy.deepcopy(model.peft_config[name])
+    config.inference_mode = True  # as PeftModel.save_pretrained writes it
+    base_model = model.get_base_model()
+    if getattr(config, "base_model_name_or_path", None) is None:  # as PEFT: the base's name, else None
+        base_config = getattr(base_model, "config", None)
+        config.base_model_name_or_path = getattr(base_config, "_name_or_path", None) or None
+    # as PeftModel.save_pretrained: without a task_type, AutoPeftModel finds the base class from this
+    auto_mapping = None
+    if getattr(config, "task_type", None) is None:
+        base_class = type(base_model)
+        auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    return config, auto_mapping
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether `model` is a `peft.PeftModel` (without importing peft where nothing did: no PeftModel then)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def save_peft_pretrained(
+    final: Path, params: dict[str, torch.Tensor], model: Any, merge: bool, size: int
+) -> None:
+    """`save_pretrained` of a PeftModel: its adapters as `PeftModel.save_pretrained` writes them ("default" in
+    `final`, any other in `final/<name>`), or with `merge` the base model with the active adapter merged. The
+    model files of an earlier save in `final` go: transformers would load them as the base of the adapter."""
+    name = _check_model(model, None, "save_pretrained")
+    named = _named(model, params)
+    if merge:
+        _save_merged(final, model, named, name, size)
+        return
+    folders = {n: "" if n == "default" else n for n in model.peft_config}
+    _save_adapters(
+        final,
+        model,
+        named,
+        folders,
+        lambda f: _is_adapter_file(f) or _is_weight_file(f) or f == "config.json",
+        "af.checkpoint.save_pretrained",
+    )
 
 
 def _save_merged(final: Path, model: Any, named: dict[str, torch.Tensor], adapter: str, size: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,7 @@ def save_pretrained(
     model: nn.Module | None = None,
     config: Any = None,
     max_shard_size: int | str = "5GB",
+    merge: bool = False,
 ) -> None:
     """Write Hugging Face weights (`model.safetensors`, or shards + `model.safetensors.index.json`) and
     `config.json`: a folder `transformers`' `from_pretrained` loads.
@@ -102,9 +104,23 @@ def save_pretrained(
     `config.json` is the model's `.config`. A state given with neither `model` nor `config` raises a
     `TypeError` (for the weights alone, pass `state.params`).
 
+    A PEFT model (`peft.PeftModel`, given as the module or as `model=`) is written as
+    `PeftModel.save_pretrained` writes it: `adapter_model.safetensors` + `adapter_config.json` (adapters other
+    than `"default"` in subfolders of their name), which `PeftModel.from_pretrained(base, path)` and
+    `AutoPeftModelForCausalLM` load (and `AutoModelForCausalLM` when the base has a name or path). With
+    `merge=True`, instead the base model with the active adapter merged into its weights (as
+    `save_adapter(merge=True)`), which `AutoModelForCausalLM.from_pretrained(path)` loads as a plain model.
+
+    With a transformers config, the names written are checked against the model it describes (the module,
+    or the class its `architectures` names): weights that `from_pretrained` would leave at their random
+    initialisation (or ignore) raise a `ValueError` naming them, before anything is written.
+
     Call on every rank. Saving into an existing model folder replaces the weights (and config) atomically and
-    keeps the other files there (tokenizer, README, ...).
+    keeps the other files there (tokenizer, README, ...); an adapter there goes too (transformers would apply
+    it on top of the weights written).
     """
+    from . import peft_adapters
+
     size = parse_size(max_shard_size)
     if model is not None and not isinstance(model_or_params, TrainState):
         raise TypeError(
@@ -119,19 +135,147 @@ def save_pretrained(
         )
     if isinstance(model_or_params, TrainState):
         check_not_donated(model_or_params, "af.checkpoint.save_pretrained")
-    named = _named_tensors(model_or_params, model)
-    if dry_mode.skip(f"af.checkpoint.save_pretrained({str(path)!r})"):
-        return
     source = model if model is not None else model_or_params
     module = source if isinstance(source, nn.Module) else None
+    if peft_adapters.is_peft_model(module):
+        if config is not None:
+            raise TypeError(
+                "save_pretrained(): config= does not go with a PeftModel (its adapter_config.json is written, "
+                "or with merge=True the base model's config)"
+            )
+        assert module is not None
+        if isinstance(model_or_params, TrainState):
+            _state_tensors(model_or_params, module)  # the state is the model's
+            params = model_or_params.params
+        else:
+            params = dict(module.named_parameters())
+        if dry_mode.skip(f"af.checkpoint.save_pretrained({str(path)!r})"):
+            return
+        peft_adapters.save_peft_pretrained(Path(path).absolute(), params, module, merge, size)
+        return
+    if merge:
+        raise TypeError(
+            "save_pretrained(): merge=True merges a PEFT adapter into its base model, but "
+            f"{type(module or model_or_params).__name__} is not a peft.PeftModel"
+        )
+    named = _named_tensors(model_or_params, model)
     if config is None and module is not None:
         config = getattr(module, "config", None)
+    check_loadable(list(named), module, config)
+    if dry_mode.skip(f"af.checkpoint.save_pretrained({str(path)!r})"):
+        return
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     full = gather_full(named)
     if full is not None:
         write_folder(final, lambda tmp: write_weights(tmp, full, size, config, module), _is_weight_file)
     Comm().barrier()
+
+
+def _transformers() -> Any:
+    """transformers where something imported it (no transformers model or config exists otherwise)."""
+    return sys.modules.get("transformers")
+
+
+def _reference_model(module: nn.Module | None, config: Any) -> tuple[nn.Module, str] | None:
+    """The transformers model that `config.json` makes `from_pretrained` build, and where `module` holds it
+    (`""`: it is the module): the module itself, a transformers model inside it (a wrapper's weights are named
+    after the wrapper), or without a module the class `config.architectures` names, built on the meta device.
+    None where that cannot be told."""
+    transformers = _transformers()
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    base = transformers.PreTrainedModel
+    if module is not None:
+        return next(((m, n) for n, m in module.named_modules() if isinstance(m, base)), None)
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if len(names) == 1 else None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        return None
+    try:  # checkpoints of some model types (MoE experts, ...) are renamed on load: their names are not comparable
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        if any(get_checkpoint_conversion_mapping(k) for k in (cls.__name__, config.model_type)):
+            return None
+    except ImportError:  # pragma: no cover - transformers 4
+        pass
+    try:
+        with torch.device("meta"):
+            return cls(config), ""
+    except Exception:  # a config this class cannot build: nothing to compare with  # noqa: BLE001
+        return None
+
+
+def check_loadable(names: list[str], module: nn.Module | None, config: Any) -> None:
+    """Raise (on every rank, before writing) when transformers' `from_pretrained` of the folder would leave
+    weights of the model `config` describes uninitialised, or ignore weights written: `names` against the
+    model's state_dict, as transformers matches them (tied weights once, its `base_model_prefix` added or
+    stripped, the keys its class says to ignore)."""
+    found = _reference_model(module, config)
+    if found is None:
+        return
+    ref, where = found
+    group_of: dict[str, Any] = {k: alias_key(t) for k, t in ref.state_dict(keep_vars=True).items()}
+    expected = set(group_of)
+    for target, source in (getattr(ref, "all_tied_weights_keys", None) or {}).items():
+        if target in expected and source in expected:  # transformers re-ties these on load
+            old, new = group_of[target], group_of[source]
+            group_of.update({k: new for k, g in group_of.items() if g == old})
+    groups: dict[Any, list[str]] = {}
+    for k, g in group_of.items():
+        groups.setdefault(g, []).append(k)
+    prefix = getattr(ref, "base_model_prefix", "") or ""
+
+    def as_loaded(k: str) -> str | None:
+        if k in expected:
+            return k
+        if prefix and f"{prefix}.{k}" in expected:
+            return f"{prefix}.{k}"
+        if prefix and k.startswith(prefix + ".") and k[len(prefix) + 1 :] in expected:
+            return k[len(prefix) + 1 :]
+        return None
+
+    loaded = {k: as_loaded(k) for k in names}
+    hit = {v for v in loaded.values() if v is not None}
+
+    def ignored(k: str, attr: str) -> bool:
+        return any(re.search(p, k) for p in getattr(ref, attr, None) or ())
+
+    unexpected = [
+        k for k, v in loaded.items() if v is None and not ignored(k, "_keys_to_ignore_on_load_unexpected")
+    ]
+    missing = sorted(
+        {
+            g[0]
+            for g in groups.values()
+            if not hit & set(g) and not any(ignored(k, "_keys_to_ignore_on_load_missing") for k in g)
+        }
+    )
+    if not missing and not unexpected:
+        return
+    cls = type(ref).__name__
+
+    def some(keys: list[str]) -> str:
+        return f"{len(keys)}: {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+
+    if where:
+        hint = (
+            f"the names are those of {type(module).__name__}, which holds the {cls} at {where!r}: pass that model "
+            f"(or its weights under its own names, e.g. {{k.removeprefix({where + '.'!r}): v for k, v in "
+            f"state.params.items()}} with config=...), or state.params alone for the weights without config.json"
+        )
+    elif any(k.startswith("base_model.model.") for k in unexpected):
+        hint = (
+            "these are a PEFT model's names: pass the PeftModel (model=step.model) to write its adapter, or "
+            "af.checkpoint.save_adapter(path, state, model) / save_adapter(..., merge=True) for the merged model"
+        )
+    else:
+        hint = "check that the weights are this model's (or pass config=None to write the weights alone)"
+    raise ValueError(
+        f"save_pretrained(): transformers' {cls} (the model config.json describes) would not load these "
+        f"weights: from_pretrained would initialise the missing ones at random and skip the unexpected ones "
+        f"without an error; missing {some(missing)}, unexpected {some(unexpected)}; {hint}"
+    )
 
 
 def gather_full(
@@ -212,9 +356,13 @@ def _as_written(config: Any, full: dict[str, torch.Tensor], module: nn.Module | 
 
 
 def _is_weight_file(name: str) -> bool:
-    """Files a previous `save_pretrained` wrote that the new one replaces (its weights and their index; a
-    `generation_config.json` it writes replaces the old one, which is otherwise kept)."""
-    return name == HF_INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name) is not None
+    """Files a previous save wrote that writing model weights replaces: its weights and their index, and an
+    adapter (transformers applies an adapter found beside a model's weights on top of them). A
+    `generation_config.json` written replaces the old one, which is otherwise kept."""
+    return (
+        name in (HF_INDEX, "adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+        or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name) is not None
+    )
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -200,6 +200,11 @@ def _min_max_partition(cost: list[int], parts: int) -> list[int]:
 _CARVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models cut down to some pipeline stages
 
 
+def is_carved(model: nn.Module) -> bool:
+    """Whether `model` was cut down to some pipeline stages (its other modules are stand-ins)."""
+    return model in _CARVED
+
+
 def holds_stage_params(params: dict[str, Any]) -> bool:
     """Whether `params` (a state's) are those of a model cut down to its pipeline stages: such a state holds a
     part of a checkpoint's leaves (the other stages' are in the same checkpoint, for the other ranks)."""

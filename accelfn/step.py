@@ -120,6 +120,15 @@ class Step:
             return model
         if not isinstance(model, nn.Module):
             raise TypeError(f"Step.init(): expected an nn.Module or a TrainState, got {type(model).__name__}")
+        if self.kind == "eval":
+            from .stages import is_carved
+
+            if is_carved(model):
+                raise ValueError(
+                    "eval_step: this model is cut into pipeline stages (af.pipeline); this rank holds only its "
+                    "stages, so its forward is not the model's. Evaluate with the training step's loss on held-out "
+                    "batches (a step with a zero learning rate), or load the checkpoint into a whole model"
+                )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"Step.init(): seed must be an int, got {type(seed).__name__}")
         plan = Plan(

@@ -109,6 +109,8 @@ def test_one_stage_pipeline_equals_the_plain_step_and_checks_micro_batches():
             torch.testing.assert_close(v, ref.params[k], rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match=r"batch\['input_ids'\] has 6 rows, which do not split into 4"):
             step(state, {"input_ids": data["input_ids"][:6]})
+        with pytest.raises(ValueError, match="eval_step: this model is cut into pipeline stages"):
+            af.eval_step(lambda m, b: m(b)).init(step.model)
 
 
 def test_a_pp_axis_without_a_pipeline_is_refused_by_shard():

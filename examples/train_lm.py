@@ -8,6 +8,10 @@ process draws its own windows of text (its shard of the global batch of `--batch
 `af.shard` averages the gradients over the processes, so every process holds the same model. Metrics (loss,
 learning rate, tokens/s, step time, memory) go to `--run-dir`/metrics.jsonl through `af.trackers` (add
 `accelfn launch --log-with jsonl,tensorboard` for more), measured by `af.Meter`; `accelfn plot RUN_DIR` draws them.
+At the end it prints a sample continuing "And God said", drawn at `--temperature` 0.8 from the `--top-k` 10
+likeliest bytes (seeded: the same text each run), e.g. 'And God said, and hunto shall the theream, and
+the ...': words, commas and the text's cadence, learned from raw bytes in 400 steps (greedy decoding,
+`--temperature 0`, repeats the likeliest word: 'And God said the the the ...').
 """
 
 from __future__ import annotations
@@ -78,18 +82,46 @@ def windows(
 
 
 @torch.no_grad()
-def sample_tokens(model: nn.Module, ids: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
-    """Greedy continuation of `ids` (host tensor, shape 1 x t) by `n` tokens, computed where the model is."""
+def sample_tokens(
+    model: nn.Module,
+    ids: torch.Tensor,
+    n: int,
+    seq_len: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 10,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Continuation of `ids` (host tensor, shape 1 x t) by `n` tokens, the model run where it is. Each token is
+    drawn from the `top_k` likeliest, their probabilities sharpened by `temperature` (< 1), with a generator
+    seeded by `seed` on the host: the same text on every run, rank and device. `temperature=0` is greedy
+    decoding, which a small model turns into loops ('the the the ...')."""
     device = next(model.parameters()).device
-    ids = ids.to(device)
+    gen = torch.Generator().manual_seed(seed)
+    out = ids.cpu()
     for _ in range(n):
-        logits = model(ids[:, -seq_len:])[:, -1]
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-    return ids.cpu()
+        logits = model(out[:, -seq_len:].to(device))[:, -1].float().cpu()
+        if temperature <= 0:
+            token = logits.argmax(-1, keepdim=True)
+        else:
+            top, index = logits.topk(min(top_k, logits.shape[-1]) if top_k > 0 else logits.shape[-1], dim=-1)
+            choice = torch.multinomial(torch.softmax(top / temperature, dim=-1), 1, generator=gen)
+            token = index.gather(-1, choice)
+        out = torch.cat([out, token], dim=1)
+    return out
 
 
-def generate(model: nn.Module, prompt: str, n: int, seq_len: int) -> str:
-    ids = sample_tokens(model, torch.tensor([list(prompt.encode())]), n, seq_len)
+def generate(
+    model: nn.Module,
+    prompt: str,
+    n: int,
+    seq_len: int,
+    temperature: float = 0.8,
+    top_k: int = 10,
+    seed: int = 0,
+) -> str:
+    prompt_ids = torch.tensor([list(prompt.encode())])
+    ids = sample_tokens(model, prompt_ids, n, seq_len, temperature=temperature, top_k=top_k, seed=seed)
     return bytes(ids[0].tolist()).decode(errors="replace")
 
 
@@ -106,6 +138,8 @@ def main() -> None:
         "--run-dir", default="runs/train_lm", help="where metrics.jsonl (and other trackers) write"
     )
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sample (0: greedy)")
+    p.add_argument("--top-k", type=int, default=10, help="the sample draws from the k likeliest bytes")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
@@ -153,7 +187,8 @@ def main() -> None:
         f"{mesh.world_size} process(es), global batch {args.batch_size * mesh.data_size})"
     )
     af.dist.print(f"validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f} per byte)")
-    af.dist.print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len)))
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed}
+    af.dist.print("sample:", repr(generate(model.eval(), "And God said", 60, args.seq_len, **sampling)))
     af.dist.print(f"metrics: {args.run_dir}/metrics.jsonl; plot them with: accelfn plot {args.run_dir}")
     mesh.close()
 

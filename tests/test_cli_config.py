@@ -20,7 +20,9 @@ def test_config_default_keeps_an_existing_file_unless_forced(tmp_path, capsys):
     path = tmp_path / "cfg.yaml"
     save(Config(num_processes=4), path)
     assert main(["config", "--default", "--config-file", str(path)]) == 2
-    assert f"{path} exists; not replaced by the defaults (--force replaces it)" in capsys.readouterr().err
+    assert (
+        f"{path} exists; not replaced by the defaults (--force or -y replaces it)" in capsys.readouterr().err
+    )
     assert load(path) == Config(num_processes=4)
     assert main(["config", "--default", "--force", "--config-file", str(path)]) == 0
     assert f"replaced {path}" in capsys.readouterr().out
@@ -50,6 +52,67 @@ def test_config_refuses_a_folder_and_writes_nothing_when_input_ends(tmp_path, ca
     monkeypatch.setattr("builtins.input", interrupted)
     assert main(["config", "--config-file", str(path)]) == 1
     assert "interrupted; nothing written" in capsys.readouterr().err and not path.exists()
+
+
+class _Terminal:
+    """stdin as a terminal, for the questions `accelfn config` asks only there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("answer", "code", "replaced"), [("y", 0, True), ("yes", 0, True), ("n", 1, False),
+                                                          ("", 1, False), (EOFError, 1, False)])  # fmt: skip
+def test_config_default_asks_on_a_terminal_before_replacing(
+    tmp_path, capsys, monkeypatch, answer, code, replaced
+):
+    path = save(Config(num_processes=4), tmp_path / "cfg.yaml")
+    asked = []
+
+    def reply(prompt):
+        asked.append(prompt)
+        if answer is EOFError:  # Ctrl-D at the prompt: no, and no traceback
+            raise EOFError
+        return answer
+
+    monkeypatch.setattr("sys.stdin", _Terminal())
+    monkeypatch.setattr("builtins.input", reply)
+    assert main(["config", "--default", "--config-file", str(path)]) == code
+    assert asked == [f"{path} exists. Replace it with the defaults? [y/N]: "]
+    assert load(path) == (Config() if replaced else Config(num_processes=4))
+    assert (f"kept {path}" in capsys.readouterr().err) != replaced
+    asked.clear()
+    save(Config(num_processes=4), path)
+    assert main(["config", "--default", "-y", "--config-file", str(path)]) == 0  # -y: no question
+    assert asked == [] and load(path) == Config()
+
+
+def test_config_file_named_as_a_folder_is_refused_and_nothing_is_created(tmp_path, capsys):
+    where = f"{tmp_path / 'newdir'}/"  # does not exist yet, but the trailing slash says folder
+    assert main(["config", "--default", "--config-file", where]) == 2
+    assert f"{where} is a folder; --config-file takes a file path" in capsys.readouterr().err
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_config_as_a_command_ends_cleanly_without_input_or_on_a_folder(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "accelfn.cli.main", "config", *args],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    path = tmp_path / "c.yaml"
+    proc = cli("--config-file", str(path))  # stdin at end of input at once: the first question gets EOF
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "accelfn config: end of input; nothing written" in proc.stderr and not path.exists()
+    proc = cli("--config-file", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"accelfn config: {tmp_path} is a folder" in proc.stderr
+    save(Config(num_processes=4), path)
+    proc = cli("--default", "--config-file", str(path))  # no terminal to ask on: refused, file kept
+    assert proc.returncode == 2 and "not replaced by the defaults (--force or -y replaces it)" in proc.stderr
+    assert load(path) == Config(num_processes=4)
 
 
 def test_every_field_round_trips(tmp_path):
@@ -178,6 +241,27 @@ def test_env_prints_versions_platform_and_config(tmp_path, capsys):
     import importlib.metadata
 
     assert f"- peft: {importlib.metadata.version('peft')}" in out  # the installed version, read not guessed
+    for name in ("accelerate", "huggingface_hub", "matplotlib", "rich"):  # what else accelfn uses if there
+        assert f"- {name}: {importlib.metadata.version(name.replace('_', '-'))}" in out
+
+
+def test_env_lists_every_tracker_backend_with_its_version(capsys, monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    from accelfn.trackers import BACKENDS
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    assert main(["env"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("- trackers: "))
+    installed, _, missing = line.partition("; not installed: ")
+    assert "jsonl (built in)" in installed and "wandb" in missing.split(", ") and "wandb" not in installed
+    for name in BACKENDS:
+        assert name in line
+    assert f"tensorboard {importlib.metadata.version('tensorboard')}" in line
 
 
 def test_env_reports_an_unusable_device_setting_instead_of_crashing(monkeypatch, capsys):

@@ -114,3 +114,50 @@ def test_long_context_loss_falls_with_the_sequence_or_the_layers_split(mesh):
     _passes(proc, "loss falls")
     kind = "context parallel over cp=2" if mesh == "cp=2" else "tensor parallel tp=2"
     assert kind in proc.stdout, output_of(proc)
+
+
+def _demo():
+    """examples/train_lm.py (the README demo) as a module."""
+    spec = importlib.util.spec_from_file_location("train_lm_demo_sampling", EXAMPLES / "train_lm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_samples_from_the_top_k_seeded_and_greedy_at_temperature_0():
+    import torch
+
+    demo = _demo()
+    torch.manual_seed(0)
+    model = demo.TinyGPT(32, 1, heads=2, seq_len=16, dropout=0.0).eval()
+    prompt = torch.tensor([list(b"And God said")])
+    drawn = demo.sample_tokens(model, prompt, 24, 16, temperature=0.8, top_k=10, seed=0)
+    assert torch.equal(drawn, demo.sample_tokens(model, prompt, 24, 16, temperature=0.8, top_k=10, seed=0))
+    assert not torch.equal(
+        drawn, demo.sample_tokens(model, prompt, 24, 16, seed=1)
+    )  # the seed picks the text
+    with torch.no_grad():
+        for t in range(prompt.shape[1], drawn.shape[1]):  # each byte is one of the 10 likeliest there
+            logits = model(drawn[:, max(0, t - 16) : t])[:, -1]
+            assert drawn[0, t] in logits.topk(10).indices[0]
+        greedy = prompt
+        for _ in range(
+            24
+        ):  # what the demo printed before: argmax, 'And God said the the the ...' once trained
+            greedy = torch.cat([greedy, model(greedy[:, -16:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(demo.sample_tokens(model, prompt, 24, 16, temperature=0), greedy)
+    assert torch.equal(demo.sample_tokens(model, prompt, 24, 16, top_k=1, seed=5), greedy)
+    assert demo.generate(model, "And God said", 24, 16).startswith("And God said")
+
+
+def test_the_readme_demo_prints_a_seeded_sample(tmp_path):
+    args = ("--steps", "10", "--log-every", "5", "--d-model", "32", "--layers", "1")
+    runs = [run_example("train_lm.py", *args, "--run-dir", str(tmp_path / f"run{i}")) for i in range(2)]
+    samples = []
+    for proc in runs:
+        assert proc.returncode == 0, output_of(proc)
+        samples.append(
+            next(line for line in proc.stdout.splitlines() if line.startswith("sample: 'And God said"))
+        )
+    assert samples[0] == samples[1], samples  # seeded: the same text on every run

@@ -1,5 +1,8 @@
 """``accelfn config``: write the launcher's YAML config (questionnaire, or ``--default``).
 
+An existing file is replaced by `--default` only when confirmed at the prompt, or with `-y`/`--force`.
+End of input (Ctrl-D) or Ctrl-C at a question writes nothing (exit 1).
+
 Example:
     $ accelfn config --default --config-file ./accelfn.yaml
 """
@@ -69,32 +72,58 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--default", action="store_true", help="write the defaults without asking")
-    p.add_argument("--force", action="store_true", help="with --default: replace an existing file")
+    p.add_argument("--default", action="store_true", help="write the defaults without the questionnaire")
+    p.add_argument(
+        "-y",
+        "--yes",
+        "--force",
+        dest="force",
+        action="store_true",
+        help="with --default: replace an existing file without asking",
+    )
     p.add_argument(
         "--config-file", help="where to write (default: $XDG_CACHE_HOME/accelfn/default_config.yaml)"
     )
     p.set_defaults(func=_run)
 
 
+def _confirm(question: str) -> bool:
+    """Ask `question` (y/N) on a terminal; anything but yes, end of input or Ctrl-C is no."""
+    try:
+        return input(f"{question} [y/N]: ").strip().lower() in ("y", "yes")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return False
+
+
 def _run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from ..launch.config import Config, default_config_path, save
 
     path = Path(args.config_file) if args.config_file else default_config_path()
-    if path.is_dir():
+    folder_like = bool(args.config_file) and args.config_file.endswith((os.sep, "/"))
+    if path.is_dir() or folder_like:
         print(
-            f"accelfn config: {path} is a folder; --config-file takes a file path, e.g. {path / 'accelfn.yaml'}",
+            f"accelfn config: {args.config_file or path} is a folder; --config-file takes a file path, "
+            f"e.g. {path / 'accelfn.yaml'}",
             file=sys.stderr,
         )
         return 2
     if args.default and path.exists() and not args.force:
-        print(
-            f"accelfn config: {path} exists; not replaced by the defaults (--force replaces it)",
-            file=sys.stderr,
-        )
-        return 2
+        # a careful overwrite: asked on a terminal, refused elsewhere (a script says --yes / --force)
+        if not (sys.stdin is not None and sys.stdin.isatty()):
+            print(
+                f"accelfn config: {path} exists; not replaced by the defaults (--force or -y replaces it)",
+                file=sys.stderr,
+            )
+            return 2
+        if not _confirm(f"{path} exists. Replace it with the defaults?"):
+            print(f"accelfn config: kept {path}", file=sys.stderr)
+            return 1
+    if not args.default and path.exists():
+        print(f"(answers replace {path} when done; Ctrl-D or Ctrl-C keeps it)")
     try:
         cfg = Config() if args.default else ask()
     except (EOFError, KeyboardInterrupt) as e:  # input closed (Ctrl-D, no terminal) or Ctrl-C

@@ -13,7 +13,18 @@ import sys
 from typing import Any
 
 BUILT_ON = ("optree", "attrs", "safetensors", "typeguard")
-OPTIONAL = ("deepspeed", "torchao", "transformer_engine", "transformers", "peft", "accelerate")
+OPTIONAL = (
+    "deepspeed",
+    "torchao",
+    "transformer_engine",
+    "transformers",
+    "peft",
+    "accelerate",
+    "huggingface_hub",
+    "matplotlib",
+    "rich",
+)
+"""Packages accelfn uses when installed (each its own line); the trackers' packages are one line, `trackers`."""
 
 
 def _version(dist: str) -> str:
@@ -21,6 +32,25 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _trackers() -> str:
+    """Each tracker backend of `af.trackers` with its package's version; those not installed last."""
+    import importlib.util
+
+    from ..trackers import BACKENDS
+
+    found, missing = [], []
+    for name, spec in BACKENDS.items():
+        package = spec[2] if len(spec) > 2 else None
+        if package is None:
+            found.append(f"{name} (built in)")
+        elif importlib.util.find_spec(package) is None:
+            missing.append(name)
+        else:
+            version = _version(package)
+            found.append(f"{name} {version if version != 'not installed' else '(version unknown)'}")
+    return ", ".join(found) + (f"; not installed: {', '.join(missing)}" if missing else "")
 
 
 def report(config_file: str | None = None) -> dict[str, Any]:
@@ -39,6 +69,7 @@ def report(config_file: str | None = None) -> dict[str, Any]:
     }
     for name in (*BUILT_ON, *OPTIONAL):
         info[name] = _version(name)
+    info["trackers"] = _trackers()
     from .. import platforms
 
     try:

@@ -9,10 +9,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +22,22 @@ BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float8": 1.0, "int8":
 """Bytes per weight of each dtype `--dtypes` accepts."""
 
 
-def build(spec: str) -> Any:
+def build(spec: str, notes: list[str] | None = None) -> Any:
     """The model `spec` names, on the meta device: a transformers config (a `config.json` or a folder with one)
-    or a factory `pkg.module:function` called with no arguments."""
+    or a factory `pkg.module:function` called with no arguments. What was guessed (e.g. a class named in
+    `architectures` that transformers lacks) is appended to `notes`, one line each."""
     import accelfn as af
 
+    notes = [] if notes is None else notes
     path = Path(spec)
     if path.exists():
-        config = _config_of(path / "config.json" if path.is_dir() else path)
-        with af.init_empty():
-            return _model_of(config)
+        with _quiet():
+            config = _config_of(path / "config.json" if path.is_dir() else path, notes)
+            try:
+                with af.init_empty():
+                    return _model_of(config, notes)
+            except (ValueError, TypeError) as e:  # the config's values do not build its model
+                raise ValueError(f"{path}: {_one_line(e)}") from None
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
         raise ValueError(f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'")
@@ -48,10 +56,55 @@ def build(spec: str) -> Any:
     return model
 
 
-def _config_of(path: Path) -> Any:
-    """The transformers config in the JSON file `path`; an unknown `model_type` is named with the closest known."""
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library chatter while a config's model is built (transformers' advice, optional backends' import
+    warnings) is not the estimate: logging up to WARNING and Python warnings are silenced meanwhile."""
+    import logging
+    import warnings
+
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _architectures(fields: dict[str, Any]) -> list[str]:
+    """The class names in the config's `architectures` (a list, or one name)."""
+    names = fields.get("architectures") or []
+    return [names] if isinstance(names, str) else [str(n) for n in names if n]
+
+
+def _transformers_class(name: str) -> Any:
+    """The transformers model class `name`, or None (not one of transformers', e.g. remote code)."""
+    import transformers
+
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # a lazily imported module that fails to import (a missing optional backend)
+        return None
+    return (
+        cls
+        if isinstance(cls, type) and hasattr(cls, "_from_config") and hasattr(cls, "config_class")
+        else None
+    )
+
+
+def _config_of(path: Path, notes: list[str]) -> Any:
+    """The transformers config in the JSON file `path`. Without `model_type`, the type of the class
+    `architectures` names (as `from_pretrained` of that class would read it); an unknown type is one line
+    naming it with the closest known."""
     import difflib
 
+    import transformers
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -61,34 +114,58 @@ def _config_of(path: Path) -> Any:
         fields = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a JSON config ({e})") from None
-    if not isinstance(fields, dict) or "model_type" not in fields:
-        raise ValueError(f"{path} has no 'model_type': is it a transformers config.json?")
-    model_type = fields.pop("model_type")
-    if model_type not in CONFIG_MAPPING:
-        import transformers
-
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} is not a transformers config.json (a JSON object)")
+    architectures = _architectures(fields)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        known = [c for c in map(_transformers_class, architectures) if c is not None]
+        model_type = getattr(known[0].config_class, "model_type", None) if known else None
+        if not model_type:
+            named = (
+                f" nor an 'architectures' transformers {transformers.__version__} has"
+                if architectures
+                else ""
+            )
+            raise ValueError(f"{path} has no 'model_type'{named}: is it a transformers config.json?")
+        notes.append(
+            f"{path} has no 'model_type': {model_type!r}, the type of {known[0].__name__} (architectures)"
+        )
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        custom = " (custom code? pass a factory pkg.module:function)" if "auto_map" in fields else ""
         raise ValueError(
-            f"{path}: model_type {model_type!r} is not one transformers {transformers.__version__} knows{hint}"
+            f"{path}: model_type {model_type!r} is not one transformers {transformers.__version__} knows"
+            f"{custom}{hint}"
         )
-    return AutoConfig.for_model(model_type, **fields)
+    fields["architectures"] = architectures or None
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # any way a config's values are refused: one line, no traceback
+        raise ValueError(f"{path}: not a valid {model_type!r} config ({_one_line(e)})") from None
 
 
-def _model_of(config: Any) -> Any:
+def _model_of(config: Any, notes: list[str]) -> Any:
     """The model class the config's `architectures` names (as `from_pretrained` would build), else the causal
     LM of its type, else the bare model."""
-    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and hasattr(cls, "_from_config"):
+    names = getattr(config, "architectures", None) or []
+    for name in names:
+        cls = _transformers_class(name)
+        if cls is not None and isinstance(config, cls.config_class):
             return cls._from_config(config)
     try:
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
     except ValueError:  # not a causal LM: the bare model
-        return AutoModel.from_config(config)
+        model = AutoModel.from_config(config)
+    if names:
+        notes.append(
+            f"architectures {', '.join(names)}: not a transformers {config.model_type!r} model class "
+            f"(remote code is not run); estimated {type(model).__name__} instead"
+        )
+    return model
 
 
 def estimate(model: Any, dtypes: list[str]) -> list[dict[str, Any]]:
@@ -142,11 +219,14 @@ def add_parser(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from accelfn.big.memory import format_size
 
+    notes: list[str] = []
     try:
-        model = build(args.model)
+        model = build(args.model, notes)
     except ValueError as e:
         print(f"accelfn estimate-memory: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"accelfn estimate-memory: note: {note}", file=sys.stderr)
     rows = estimate(model, args.dtypes)
     print(f"{args.model}: {type(model).__name__}, {rows[0]['params'] / 1e6:,.2f}M parameters")
     print("| dtype | total size | largest layer | training with AdamW |")

@@ -137,3 +137,10 @@ def test_an_axis_shard_does_not_split_over_is_refused(axes, hint):
     with pytest.raises(ValueError, match="is not one af.shard splits over") as e:
         af.shard(step, mesh)
     assert hint in str(e.value) and repr(next(a for a in axes if axes[a] == 2)) in str(e.value)
+
+
+@pytest.mark.slow
+def test_rank_loss_is_each_ranks_own_rows_and_loss_the_global_mean():
+    proc = run_workers("rank_loss_worker.py", 2)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("RANK LOSS OK") == 4, output_of(proc)

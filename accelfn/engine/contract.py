@@ -47,6 +47,9 @@ class GradSync:
 
     #: the phases of a step under this strategy (None: the engine's standard `TrainPhases`)
     phases: TrainPhases | None = None
+    #: whether the loss summed on this rank is the loss of its own rows (`metrics["rank_loss"]`); not under a
+    #: pipeline, where only the last stage computes it
+    rank_loss: bool = True
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         """Called with the bound params before the step's first forward."""

@@ -11,7 +11,8 @@
   count (exact averaging), unscaled and checked for inf (fp16);
 - `clip`: by the global norm (the strategy's, for sharded gradients);
 - `update`: the optimizer, in place (or the `af.offload` updater), then the `after_update` hooks;
-- `metrics`: loss, grad norm, lr, aux averaged over micro-batches and ranks; the new `TrainState`.
+- `metrics`: loss, grad norm, lr, aux averaged over micro-batches and ranks (under a sharding strategy also
+  `rank_loss`, the loss of this rank's own rows); the new `TrainState`.
 
 A strategy hooks the phases through its `GradSync` (`accelfn.engine.contract`); a backend that owns phases
 (DeepSpeed's engine runs backward, clipping and the update) subclasses `TrainPhases` and overrides those.
@@ -202,6 +203,8 @@ class TrainPhases:
         inv: torch.Tensor | None = None
         if not run.exact:
             assert run.count_sum is not None
+            if run.plan.grad_sync is not None and run.sync.rank_loss:  # this rank's own rows (early stopping)
+                run.metrics["rank_loss"] = (run.loss_sum / run.count_sum.clamp_min(1)).detach()
             run.loss_sum, run.count_sum = run.sync.reduce(g_leaves, run.loss_sum, run.count_sum)
             inv = 1.0 / run.count_sum.clamp_min(1)
             loss_value = run.loss_sum / run.count_sum.clamp_min(1)

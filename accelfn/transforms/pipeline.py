@@ -142,6 +142,7 @@ class PipelineSync(GradSync):
     own_hooks: set[int] = attrs.Factory(set)
     next_micro: dict[int, int] = attrs.Factory(dict)  # stage -> the micro-batch its next forward runs
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
+    rank_loss: bool = False  # only the last stage computes the loss
 
     # ---- the engine's protocol ----------------------------------------------------------------------------
     def prepare(self, params: dict[str, torch.Tensor]) -> None:

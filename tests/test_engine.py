@@ -78,8 +78,9 @@ def test_the_default_hooks_are_a_world_of_one():
     got, got_metrics = run_train(plan, state, BATCH)
     for name in want.params:
         torch.testing.assert_close(got.params[name], want.params[name], rtol=0, atol=0)
-    assert sorted(got_metrics) == sorted(want_metrics)
+    assert sorted(got_metrics) == sorted([*want_metrics, "rank_loss"])  # a sharded step's: this rank's rows
     torch.testing.assert_close(got_metrics["loss"], want_metrics["loss"])
+    torch.testing.assert_close(got_metrics["rank_loss"], want_metrics["loss"])
 
 
 def test_a_lowered_plan_is_frozen():

@@ -40,6 +40,9 @@ class GradSync:
     - `norm(grads)` (clipping only): the global L2 norm of the (possibly sharded) gradients;
     - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks.
 
+    `rank_loss` (a flag) says whether the loss summed on a rank before `reduce` is the loss of its own rows,
+    reported as `metrics["rank_loss"]` (not under a pipeline, where only the last stage has a loss).
+
     A strategy whose backend owns whole phases (DeepSpeed's engine runs backward, clipping and the update)
     sets `phases` to a `TrainPhases` subclass that overrides those phases, and may build its own optimizer
     state with `init_opt_state`. Nothing else of a strategy is called; the defaults are a world of one.

@@ -70,6 +70,25 @@ def test_two_ranks_get_exact_shards_padding_resume_and_gathered_metrics() -> Non
             assert f"rank {r}: gather_for_metrics {total} -> {total}" in proc.stdout, out
 
 
+@pytest.mark.slow
+def test_a_short_last_batch_on_two_ranks_makes_the_updates_of_one_process() -> None:
+    # af.shard(af.accumulate(step, 2, uneven=True)) over epochs whose last global batch is short (13 rows: 7 + 6;
+    # and 1 row: 1 + 0, a rank with an empty batch), ddp and fsdp, against a plain one-process PyTorch loop
+    proc = run_workers("last_batch_worker.py", 2, timeout=300)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for r in range(2):
+        for total in (45, 33):
+            for strategy in ("ddp", "fsdp"):
+                assert (
+                    f"rank {r}: short {total} {strategy} equals one process over 6 updates" in proc.stdout
+                ), out
+            assert (
+                f"rank {r}: short {total} batches, gather_for_metrics, iterable, dispatch" in proc.stdout
+            ), out
+        assert f"rank {r}/2: all last-batch checks passed" in proc.stdout, out
+
+
 # ---- the batching arithmetic -----------------------------------------------------------------------------------
 def test_global_batches_wrap_around_even_when_the_data_is_shorter_than_a_batch() -> None:
     assert list(global_batches(range(2), 5)) == [([0, 1, 0, 1, 0], 3)]
@@ -83,6 +102,24 @@ def test_batches_per_rank_matches_the_batches_yielded() -> None:
             parts = [rank_slices(b, 2, 3) for b, _ in global_batches(range(n), 6, **kw)]
             for r in range(3):
                 assert batches_per_rank(n, 2, 3, r, **kw) == sum(1 for p in parts if p[r]), (n, kw, r)
+        short = [
+            rank_slices(b, 2, 3, balanced=True) for b, _ in global_batches(range(n), 6, even_batches=False)
+        ]
+        for r in range(3):  # "short": every rank gets a batch of every global batch, an empty one included
+            assert batches_per_rank(n, 2, 3, r, last_batch="short") == len(short), (n, r)
+
+
+def test_balanced_slices_split_a_short_batch_as_evenly_as_possible() -> None:
+    for ranks in (1, 2, 3, 4):
+        for size in range(3 * ranks + 1):  # a global batch has at most per_rank * ranks samples
+            parts = rank_slices(list(range(size)), 3, ranks, balanced=True)
+            lengths = [len(p) for p in parts]
+            # in order, each once
+            assert [i for p in parts for i in p] == list(range(size)), (size, ranks, parts)
+            if size < 3 * ranks:
+                assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True), parts
+            else:
+                assert lengths[:-1] == [3] * (ranks - 1), parts
 
 
 # ---- one process ---------------------------------------------------------------------------------------------
@@ -90,6 +127,96 @@ def test_batches_in_order_with_the_last_one_wrapped_around() -> None:
     loader = DL(range(10), 4)
     assert lists(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
     assert len(loader) == 3 and loader.padding == 2 and loader.batch_padding == 2
+
+
+def test_each_last_batch_mode_on_the_issue_example() -> None:
+    # 40 samples in batches of 32: pad repeats 24 samples in the last batch, short keeps 8, drop drops them
+    want = {
+        "pad": [list(range(32)), list(range(32, 40)) + list(range(24))],
+        "short": [list(range(32)), list(range(32, 40))],
+        "drop": [list(range(32))],
+    }
+    for mode, batches in want.items():
+        loader = DL(range(40), 32, last_batch=mode)
+        assert lists(loader) == batches and len(loader) == len(batches), mode
+        assert loader.last_batch_mode == mode and loader.padding == (24 if mode == "pad" else 0)
+        assert loader.last_batch == BatchInfo(
+            len(batches) - 1, 24 if mode == "pad" else 0, (len(batches[-1]),)
+        )
+    assert DL(range(40), 32).last_batch_mode == "pad"  # the default
+    # Accelerate's names are two of the modes
+    assert DL(range(4), 2, drop_last=True).last_batch_mode == "drop"
+    assert DL(range(4), 2, even_batches=True).last_batch_mode == "pad"
+    assert DL(range(4), 2, even_batches=False).last_batch_mode == "uneven"
+
+
+def test_contradicting_last_batch_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="last_batch='short ' is not one of 'pad', 'short', 'drop'"):
+        DL(range(4), 2, last_batch="short ")
+    with pytest.raises(ValueError, match="drop_last=True contradicts last_batch='short'"):
+        DL(range(4), 2, last_batch="short", drop_last=True)
+    with pytest.raises(ValueError, match="even_batches=False contradicts last_batch='short'"):
+        DL(range(4), 2, last_batch="short", even_batches=False)
+    with pytest.raises(ValueError, match="even_batches=True contradicts last_batch='drop'"):
+        DL(range(4), 2, last_batch="drop", even_batches=True)
+    assert DL(range(4), 2, last_batch="drop", drop_last=True).last_batch_mode == "drop"
+
+
+def test_short_last_batch_resumes_and_is_refused_by_a_loader_of_another_mode() -> None:
+    for mode in ("pad", "short", "drop"):
+        full = lists(DL(range(23), 4, shuffle=True, seed=2, last_batch=mode))
+        first = DL(range(23), 4, shuffle=True, seed=2, last_batch=mode)
+        it = iter(first)
+        seen = [next(it).tolist() for _ in range(5)]
+        state = json.loads(json.dumps(first.state_dict()))
+        assert state["last_batch"] == mode
+        resumed = DL(range(23), 4, shuffle=True, seed=2, last_batch=mode)
+        resumed.load_state_dict(state)
+        assert seen + lists(resumed) == full, mode
+    state = DL(range(23), 4, last_batch="short").state_dict()
+    with pytest.raises(ValueError, match="last_batch='short' but this loader has last_batch='pad'"):
+        DL(range(23), 4).load_state_dict(state)
+    del state["last_batch"]  # a state saved before last_batch existed resumes into any mode
+    DL(range(23), 4).load_state_dict(state)
+
+
+def test_a_short_epoch_under_accumulate_makes_the_updates_of_a_plain_loop() -> None:
+    # 45 samples, global batches of 16: updates on 16, 16 and 13 rows; accumulate(2, uneven=True) splits 13 as 7 + 6
+    g = torch.Generator().manual_seed(0)
+    data = {"x": torch.randn(45, 4, generator=g), "y": torch.randn(45, 2, generator=g)}
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    ref = model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(0, 45, 16):
+        x, y = data["x"][k : k + 16], data["y"][k : k + 16]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for loss_fn in (
+        lambda m, b: af.losses.mse(m(b["x"]), b["y"]),  # Loss(total, count)
+        lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),  # a mean: weighted by its rows
+    ):
+        step = af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1)), 2, uneven=True)
+        state = step.init(model())
+        rows = []
+        for batch in DL(data, 16, last_batch="short"):
+            rows.append(len(batch["x"]))
+            state, _ = step(state, batch)
+        assert rows == [16, 16, 13]
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state.params[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_short_batch_not_divisible_by_the_micro_batches_names_uneven_and_last_batch() -> None:
+    step = af.accumulate(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), 2)
+    state = step.init(torch.nn.Linear(3, 1))
+    with pytest.raises(ValueError, match=r"has 5 rows.*not divisible by 2.*uneven=True.*last_batch='short'"):
+        for batch in DL(torch.randn(13, 3), 8, last_batch="short"):
+            state, _ = step(state, batch)
 
 
 def test_even_batches_false_leaves_the_last_batch_short_and_drop_last_drops_it() -> None:
@@ -345,6 +472,45 @@ def test_each_rank_reads_the_global_rows_of_its_shard_and_last_batch_says_how_ma
                 assert short.last_batch == BatchInfo(4, 0, (2, 2, 1, 0)), short.last_batch
 
 
+def test_short_last_batch_is_split_evenly_over_the_shards_and_a_rank_without_rows_gets_an_empty_batch() -> (
+    None
+):
+    shape, world, per_rank = {"dp": 2, "tp": 2, "fsdp": 2}, 8, 2  # 4 shards, global batch of 8
+    for n, sizes in ((37, (2, 1, 1, 1)), (34, (1, 1, 0, 0))):
+        columns = {"x": torch.arange(n * 3.0).reshape(n, 3), "id": torch.arange(n)}
+        starts = [sum(sizes[:d]) for d in range(4)]
+        for g in range(world):
+            d = shard_of(shape, g)
+            with pretend_rank(g, world, shape) as mesh:
+                loader = DL(columns, per_rank, mesh=mesh, last_batch="short")
+                got = list(loader)
+                assert len(got) == len(loader) == 5 and loader.padding == 0
+                assert [b["id"].tolist() for b in got[:4]] == [
+                    list(range(k + 2 * d, k + 2 * d + 2)) for k in range(0, 32, 8)
+                ]
+                last = got[-1]
+                assert last["id"].tolist() == list(range(32 + starts[d], 32 + starts[d] + sizes[d])), (
+                    n,
+                    g,
+                    last,
+                )
+                assert last["x"].shape == (sizes[d], 3) and last["x"].dtype == torch.float32
+                assert loader.last_batch == BatchInfo(4, 0, sizes), loader.last_batch
+
+
+def test_an_empty_batch_keeps_the_structure_of_the_collated_batch() -> None:
+    from accelfn.data.batches import no_rows
+
+    collated = {
+        "ids": torch.ones(1, 4, dtype=torch.long),
+        "text": ["a"],
+        "pair": (torch.zeros(1), torch.ones(1, 2)),
+    }
+    empty = no_rows(collated)
+    assert empty["ids"].shape == (0, 4) and empty["ids"].dtype == torch.long and empty["text"] == []
+    assert isinstance(empty["pair"], tuple) and [t.shape for t in empty["pair"]] == [(0,), (0, 2)]
+
+
 def test_split_batches_in_one_process_keeps_the_whole_batch() -> None:
     loader = DL(range(6), 3, split_batches=True)
     assert loader.batch_size == 3 and lists(loader) == [[0, 1, 2], [3, 4, 5]]
@@ -363,6 +529,14 @@ def test_gather_for_metrics_drops_padding_in_one_process() -> None:
     loader = DL(torch.arange(10), 4)
     outs = [af.data.gather_for_metrics({"p": b.float(), "i": b}, loader) for b in loader]
     assert torch.cat([o["i"] for o in outs]).tolist() == list(range(10))
+
+
+def test_gather_for_metrics_with_each_last_batch_mode_gives_each_sample_once() -> None:
+    for mode, want in (("pad", 10), ("short", 10), ("drop", 8)):
+        loader = DL(torch.arange(10), 4, last_batch=mode)
+        assert torch.cat([af.data.gather_for_metrics(b, loader) for b in loader]).tolist() == list(
+            range(want)
+        )
 
 
 def test_gather_for_metrics_errors_name_the_problem() -> None:

@@ -75,7 +75,37 @@ def test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank() -> None
     )
 
 
+@pytest.mark.slow
+def test_any_all_and_flattened_gather_object_match_accelerate_on_two_processes() -> None:
+    # the worker runs Accelerate's set_trigger/check_trigger and accelerate.utils.gather_object beside ours
+    proc = run_workers("trigger_worker.py", 2)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    for r in range(2):
+        assert f"rank {r}: gather_object flatten == accelerate [0, 1]" in proc.stdout, out
+        assert f"rank {r}: early stop at step 4 (accelerate: 4)" in proc.stdout, out
+        assert f"rank {r}/2: all trigger checks passed" in proc.stdout, out
+
+
 # ---- a single process, no process group ----------------------------------------------------------------------
+def test_any_and_all_in_one_process_are_the_flag_itself() -> None:
+    assert af.dist.any(True) is True and af.dist.any(0) is False and af.dist.all(1) is True
+    assert af.dist.any(torch.tensor(True)) is True and af.dist.all(torch.tensor([0.0])) is False
+    with pytest.raises(ValueError, match=r"af.dist.any: flag is a tensor of shape \(3,\); pass one value"):
+        af.dist.any(torch.ones(3))
+    with af.Mesh.from_env():  # a world of one mesh: no collective either
+        assert af.dist.any(False) is False and af.dist.all(True) is True
+
+
+def test_gather_object_flatten_concatenates_the_ranks_lists() -> None:
+    assert af.dist.gather_object([0]) == [[0]]
+    assert af.dist.gather_object([0], flatten=True) == [0]  # accelerate.utils.gather_object's shape
+    assert af.dist.gather_object(("a", {"b": 1}), flatten=True) == ["a", {"b": 1}]
+    assert af.dist.gather_object([], flatten=True) == []
+    with pytest.raises(TypeError, match="flatten=True concatenates the ranks' lists, but rank 0 passed dict"):
+        af.dist.gather_object({"n": 1}, flatten=True)
+
+
 def test_unlaunched_process_is_a_world_of_one() -> None:
     assert (af.dist.rank(), af.dist.world_size(), af.dist.local_rank(), af.dist.is_main_process()) == (
         0,

@@ -10,6 +10,8 @@ Example:
     (0, 1, True)
     >>> af.dist.all_reduce({"loss": torch.tensor(2.0)}, op="mean")
     {'loss': tensor(2.)}
+    >>> af.dist.any(False), af.dist.gather_object([0], flatten=True)
+    (False, [0])
 """
 
 from ._runtime import is_local_main_process, is_main_process, local_rank, rank, world_size
@@ -20,6 +22,7 @@ from .padding import pad_across_processes
 from .process import main_process_first, print
 from .progress import progress
 from .split import split_between_processes
+from .triggers import all, any  # noqa: A004 - af.dist.any / af.dist.all, as torch.any
 
 __all__ = [
     "rank",
@@ -33,6 +36,8 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "barrier",
+    "any",
+    "all",
     "pad_across_processes",
     "split_between_processes",
     "main_process_first",

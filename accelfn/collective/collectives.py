@@ -140,21 +140,37 @@ def broadcast(tree: Any, src: int = 0) -> Any:
     return _map(one, tree)
 
 
-def gather_object(obj: Any) -> list[Any]:
+def gather_object(obj: Any, *, flatten: bool = False) -> list[Any]:
     """Every rank gets the list of all ranks' (picklable) objects, one entry per rank, in rank order.
+
+    With `flatten=True` each rank passes a list (or tuple) and every rank gets their concatenation in rank
+    order, as Accelerate's `gather_object` returns: `[rank]` on 2 ranks gives `[0, 1]`, not `[[0], [1]]`.
+    A rank passing something else is a `TypeError` on every rank (after the one collective, so none hangs).
 
     Example:
         >>> import accelfn as af
         >>> af.dist.gather_object({"n": 3})
         [{'n': 3}]
+        >>> af.dist.gather_object(["a", "b"], flatten=True)
+        ['a', 'b']
     """
     if not active("gather_object"):
-        return [obj]
-    if debug.enabled():
-        debug.check("gather_object", "object")
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+        out: list[Any] = [obj]
+    else:
+        if debug.enabled():
+            debug.check("gather_object", "object")
+        out = [None] * world_size()
+        dist.all_gather_object(out, obj)
+    if not flatten:
+        return out
+    wrong = {r: type(o).__name__ for r, o in enumerate(out) if not isinstance(o, (list, tuple))}
+    if wrong:
+        which = ", ".join(f"rank {r} passed {name}" for r, name in wrong.items())
+        raise TypeError(
+            f"af.dist.gather_object: flatten=True concatenates the ranks' lists, but {which}; pass a list "
+            "(e.g. [obj]), or flatten=False for one entry per rank"
+        )
+    return [x for part in out for x in part]
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

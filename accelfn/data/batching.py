@@ -1,13 +1,19 @@
-"""The batching arithmetic of a sharded epoch: global batches, per-rank slices, wrap-around padding.
+"""The batching arithmetic of a sharded epoch: global batches, per-rank slices, the last batch.
 
 A stream of samples (dataset indices, or the items of an iterable dataset) is cut into *global batches* of
-`per_rank * ranks` samples; data rank `r` reads slice `r` of each. Pure functions, no torch, no processes.
+`per_rank * ranks` samples; data rank `r` reads slice `r` of each. The last, incomplete global batch is
+handled by the loader's `last_batch` mode (`LAST_BATCH`): `"pad"` wraps around to the first samples,
+`"short"` leaves it smaller and splits it over the ranks as evenly as possible, `"drop"` drops it; and
+`"uneven"` (the loader's `even_batches=False`) leaves it smaller in `per_rank` slices, so the last ranks may
+get no batch at all. Pure functions, no torch, no processes.
 
 Example:
     >>> [(b, pad) for b, pad in global_batches(range(7), 3)]
     [([0, 1, 2], 0), ([3, 4, 5], 0), ([6, 0, 1], 2)]
     >>> rank_slices([6, 0, 1, 2], per_rank=2, ranks=2)
     [[6, 0], [1, 2]]
+    >>> rank_slices([6, 7, 8], per_rank=2, ranks=2, balanced=True)
+    [[6, 7], [8]]
 """
 
 from __future__ import annotations
@@ -18,9 +24,59 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["global_batches", "rank_slices", "batches_per_rank", "epoch_order"]
+__all__ = [
+    "LAST_BATCH",
+    "last_batch_mode",
+    "global_batches",
+    "rank_slices",
+    "batches_per_rank",
+    "epoch_order",
+]
 
 T = TypeVar("T")
+
+LAST_BATCH = ("pad", "short", "drop")
+"""The choices of `DataLoader(last_batch=...)`."""
+
+
+def last_batch_mode(
+    last_batch: str | None, *, drop_last: bool = False, even_batches: bool | None = None
+) -> str:
+    """The loader's mode for the last global batch: one of `LAST_BATCH`, or `"uneven"` (`even_batches=False`).
+
+    `last_batch` is the loader's argument; `drop_last` and `even_batches` are Accelerate's names for two of
+    the modes (`drop_last=True` is `"drop"`, `even_batches=True` is `"pad"`; `even_batches=False` leaves the
+    ranks different numbers of batches). Contradicting arguments are a `ValueError`.
+
+    Example:
+        >>> last_batch_mode(None), last_batch_mode("short"), last_batch_mode(None, drop_last=True)
+        ('pad', 'short', 'drop')
+        >>> last_batch_mode(None, even_batches=False)
+        'uneven'
+    """
+    if last_batch is not None and last_batch not in LAST_BATCH:
+        raise ValueError(
+            f"DataLoader: last_batch={last_batch!r} is not one of {', '.join(map(repr, LAST_BATCH))} "
+            "(wrap around to the first samples / a smaller last batch / drop it)"
+        )
+    if drop_last:
+        if last_batch not in (None, "drop"):
+            raise ValueError(
+                f"DataLoader: drop_last=True contradicts last_batch={last_batch!r}; pass only last_batch="
+            )
+        if even_batches is False:
+            raise ValueError("DataLoader: drop_last=True and even_batches=False: pass only one of them")
+        return "drop"
+    if even_batches is None:
+        return last_batch if last_batch is not None else "pad"
+    wanted = "pad" if even_batches else "uneven"
+    if last_batch is not None and last_batch != wanted:
+        raise ValueError(
+            f"DataLoader: even_batches={even_batches} contradicts last_batch={last_batch!r}; pass only "
+            "last_batch= (even_batches=True is last_batch='pad'; even_batches=False gives the ranks different "
+            "numbers of batches, which last_batch='short' avoids)"
+        )
+    return wanted
 
 
 def global_batches(
@@ -52,31 +108,55 @@ def global_batches(
         return
 
 
-def rank_slices(batch: list[T], per_rank: int, ranks: int) -> list[list[T]]:
-    """Split a global batch into `ranks` consecutive slices of `per_rank` items (the last ones may be short
-    or empty when the batch is).
+def rank_slices(batch: list[T], per_rank: int, ranks: int, *, balanced: bool = False) -> list[list[T]]:
+    """Split a global batch into `ranks` consecutive slices of `per_rank` items. A short batch leaves the last
+    slices short or empty; with `balanced`, it is split as evenly as possible instead (the first
+    `len(batch) % ranks` slices one item longer; empty slices only when there are fewer items than ranks).
 
     Example:
         >>> rank_slices([0, 1, 2, 3, 4], per_rank=3, ranks=2)
         [[0, 1, 2], [3, 4]]
+        >>> rank_slices([0, 1, 2, 3, 4], per_rank=3, ranks=4, balanced=True)
+        [[0, 1], [2], [3], [4]]
+        >>> rank_slices([0], per_rank=3, ranks=2, balanced=True)
+        [[0], []]
     """
-    return [batch[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]
+    if not balanced or len(batch) >= per_rank * ranks:
+        return [batch[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]
+    q, extra = divmod(len(batch), ranks)
+    starts = [r * q + min(r, extra) for r in range(ranks + 1)]
+    return [batch[starts[r] : starts[r + 1]] for r in range(ranks)]
 
 
 def batches_per_rank(
-    n: int, per_rank: int, ranks: int, rank: int, *, drop_last: bool = False, even_batches: bool = True
+    n: int,
+    per_rank: int,
+    ranks: int,
+    rank: int,
+    *,
+    drop_last: bool = False,
+    even_batches: bool = True,
+    last_batch: str | None = None,
 ) -> int:
-    """How many batches data rank `rank` reads from `n` samples (what `global_batches` + `rank_slices` give).
+    """How many batches data rank `rank` reads from `n` samples (what `global_batches` + `rank_slices` give):
+    with `last_batch="pad"` or `"short"` every rank reads one per global batch.
 
     Example:
         >>> [batches_per_rank(21, 3, 2, r, even_batches=False) for r in (0, 1)]
         [4, 3]
+        >>> [batches_per_rank(21, 3, 2, r, last_batch=mode) for mode in ("pad", "short", "drop") for r in (0, 1)]
+        [4, 4, 4, 4, 3, 3]
     """
+    mode = (
+        last_batch
+        if last_batch is not None
+        else ("drop" if drop_last else "pad" if even_batches else "uneven")
+    )
     size = per_rank * ranks
     full, rest = divmod(n, size)
-    if rest == 0 or drop_last:
+    if rest == 0 or mode == "drop":
         return full
-    if even_batches:
+    if mode in ("pad", "short"):
         return full + 1
     return full + (1 if rest > rank * per_rank else 0)
 

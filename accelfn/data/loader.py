@@ -7,6 +7,8 @@ Example:
     ([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]], 3)
     >>> loader.padding                     # the last batch wrapped around to the start
     2
+    >>> [b.tolist() for b in af.data.DataLoader(range(10), batch_size=4, last_batch="short")]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .. import tree as _tree
 from .._typecheck import checked
 from ..mesh import Mesh
 from .batches import BatchInfo, EpochBatches, EpochSpec, keep
-from .batching import batches_per_rank
+from .batching import batches_per_rank, last_batch_mode
 from .layout import DataLayout
 
 __all__ = ["DataLoader", "STATE_VERSION"]
@@ -42,9 +44,16 @@ class DataLoader:
 
     - `shuffle`: a permutation drawn from `torch.Generator().manual_seed(seed + epoch)`: the same on every
       rank and every run. Each new `for` loop over the loader starts the next epoch; `set_epoch(e)` picks one.
-    - The last, short global batch: dropped (`drop_last`), padded by wrapping around to the epoch's first
-      samples so every rank gets as many equal batches (`even_batches`, the default; `padding` and
-      `gather_for_metrics` know which samples repeat), or left short (some ranks get fewer or shorter batches).
+    - `last_batch`: the last, incomplete global batch is
+      - `"pad"` (the default): padded by wrapping around to the epoch's first samples, so every rank gets as
+        many equal batches (`padding` and `gather_for_metrics` know which samples repeat);
+      - `"short"`: left smaller, split over the data ranks as evenly as possible (every rank still gets a
+        batch, with 0 rows when the batch has fewer samples than ranks): each sample once per epoch, and
+        with `af.Loss(total, count)` the last update is exact;
+      - `"drop"`: dropped.
+      Accelerate's names work too: `drop_last=True` is `"drop"`, `even_batches=True` is `"pad"`, and
+      `even_batches=False` leaves the last batch short in `batch_size` slices, so the last ranks may get
+      fewer batches than the others (not for a sharded step, whose ranks must step together).
     - `dataset`: map-style (`len` and `[i]`), a dict of equally long tensors (columns), or an iterable (every
       rank reads the stream and keeps its slices; `dispatch=True`: rank 0 reads it and sends each rank its
       batch). An iterable's `set_epoch(e)` is called at the start of each epoch.
@@ -71,8 +80,9 @@ class DataLoader:
         mesh: Mesh | None = None,
         shuffle: bool = False,
         seed: int = 0,
+        last_batch: str | None = None,
         drop_last: bool = False,
-        even_batches: bool = True,
+        even_batches: bool | None = None,
         split_batches: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
@@ -83,6 +93,7 @@ class DataLoader:
             raise ValueError(f"DataLoader: batch_size={batch_size} must be at least 1")
         if num_workers < 0:
             raise ValueError(f"DataLoader: num_workers={num_workers} must be 0 (no workers) or more")
+        mode = last_batch_mode(last_batch, drop_last=drop_last, even_batches=even_batches)
         self._layout = DataLayout.resolve(mesh)
         ranks = self._layout.data_size
         if split_batches:
@@ -100,7 +111,7 @@ class DataLoader:
                 f"{type(dataset).__name__} is an iterable: shuffle its stream itself (its set_epoch(e) is called)"
             )
         self._per_rank = batch_size
-        self._shuffle, self._seed, self._drop_last, self._even = shuffle, seed, drop_last, even_batches
+        self._shuffle, self._seed, self._mode = shuffle, seed, mode
         self._collate = collate_fn if collate_fn is not None else tud.default_collate
         self._num_workers, self._dispatch = num_workers, dispatch
         self._pin = pin_memory and not platforms.is_host(self._layout.device)
@@ -144,14 +155,20 @@ class DataLoader:
             self._per_rank,
             lay.data_size,
             lay.data_rank,
-            drop_last=self._drop_last,
-            even_batches=self._even,
+            last_batch=self._mode,
         )
+
+    @property
+    def last_batch_mode(self) -> str:
+        """What the last global batch of an epoch becomes: `"pad"`, `"short"`, `"drop"` (the `last_batch=`
+        argument), or `"uneven"` (`even_batches=False`)."""
+        return self._mode
 
     # ---- padding, for gather_for_metrics -------------------------------------------------------------------
     @property
     def last_batch(self) -> BatchInfo | None:
-        """`BatchInfo(step, padding, sizes)` of the batch yielded last (None before the first)."""
+        """`BatchInfo(step, padding, sizes)` of the batch yielded last (None before the first). (The
+        constructor's `last_batch=` mode is `last_batch_mode`.)"""
         return self._last
 
     @property
@@ -164,7 +181,7 @@ class DataLoader:
         """How many samples of this epoch, over all ranks, are wrap-around padding (for an iterable dataset
         without len(): of the batches yielded so far)."""
         n = self._num_samples()
-        if n is None or not self._even or self._drop_last:
+        if n is None or self._mode != "pad":
             return self._padding
         return -n % self.global_batch_size
 
@@ -189,7 +206,7 @@ class DataLoader:
         dispatching = self._dispatch and lay.world_size > 1
         spec = EpochSpec(
             self._per_rank, lay.data_size, None if dispatching else lay.data_rank, self._epoch, self._done,
-            self._shuffle, self._seed, self._drop_last, self._even,
+            self._shuffle, self._seed, self._mode,
         )  # fmt: skip
         source: Iterable[tuple[Any, BatchInfo]]
         if dispatching:
@@ -286,13 +303,14 @@ class DataLoader:
             "global_batch_size": self.global_batch_size,
             "data_size": self._layout.data_size,
             "num_samples": self._num_samples(),
+            "last_batch": self._mode,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at `state` (from `state_dict()`): the next `for` loop yields the rest of its epoch.
 
-        The seed, shuffling, global batch size and dataset length must match; the number of data-parallel
-        ranks may differ when the global batch size is the same.
+        The seed, shuffling, global batch size, dataset length and `last_batch` mode must match; the number
+        of data-parallel ranks may differ when the global batch size is the same.
         """
         missing = [
             k
@@ -308,7 +326,7 @@ class DataLoader:
                 f"DataLoader.load_state_dict: state version {state['version']!r} is not {STATE_VERSION}"
             )
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "global_batch_size", "num_samples"):
+        for key in ("seed", "shuffle", "global_batch_size", "num_samples", "last_batch"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(
                     f"DataLoader.load_state_dict: the state has {key}={state[key]!r} but this loader has "
@@ -330,7 +348,7 @@ class DataLoader:
         lay = self._layout
         return (
             f"DataLoader({type(self._dataset).__name__}, batch_size={self._per_rank} per rank, "
-            f"data rank {lay.data_rank}/{lay.data_size}, epoch {self._epoch})"
+            f"data rank {lay.data_rank}/{lay.data_size}, last_batch={self._mode!r}, epoch {self._epoch})"
         )
 
 

@@ -49,9 +49,10 @@ def split_batch(batch: Any, parts: int, uneven: bool = False) -> list[Any]:
         if n % parts and not uneven:
             raise ValueError(
                 f"accumulate({parts}): {at} has {n} rows along dim 0, not divisible by {parts} micro-batches "
-                f"(use a batch size divisible by {parts}, or accumulate(..., uneven=True))"
+                f"(use a batch size divisible by {parts}, or accumulate(..., uneven=True); a DataLoader with "
+                "last_batch='short' ends each epoch with a smaller batch)"
             )
-        if n < parts:
+        if n < parts and not uneven:  # uneven: empty micro-batches (a short last batch's rank with few rows)
             raise ValueError(f"accumulate({parts}): {at} has only {n} rows, fewer than {parts} micro-batches")
     chunks = [torch.tensor_split(leaf, parts, dim=0) for leaf in leaves]
     return [optree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(parts)]

@@ -153,7 +153,8 @@ class TrainPhases:
             else:
                 if count is None:  # a mean over this micro-batch: weight it by its size
                     count = torch.tensor(float(rows(mb)), device=total.device)
-                    total = total * count
+                    # an empty micro-batch (a short last batch) weighs 0: its mean is NaN, not its weight
+                    total = torch.where(count > 0, total * count, torch.zeros_like(total))
                 objective = total
                 value = local_tensor(
                     total.detach()

@@ -50,7 +50,9 @@ def accumulate(step: Step, microbatches: int, *, uneven: bool = False) -> Step:
     """Split every tensor leaf of the batch along dim 0 into `microbatches` parts; accumulate gradients.
 
     A batch whose size is not divisible by `microbatches` is an error, unless `uneven=True`, which splits
-    it as evenly as possible and weights each part by its count (or its number of rows for mean losses).
+    it as evenly as possible and weights each part by its count (or its number of rows for mean losses); a
+    batch with fewer rows than `microbatches` (the short last batch of an epoch, `DataLoader(last_batch=
+    "short")`, on a rank that got few or no rows) then has empty micro-batches, which add nothing.
 
     Example:
         >>> import torch, accelfn as af

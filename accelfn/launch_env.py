@@ -51,7 +51,19 @@ ACCELFN_VARIABLES = (
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
 MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("auto", "torchao", "te")
-TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")  # accelfn.trackers.BACKENDS
+# accelfn.trackers.BACKENDS; "all" (every installed one) is resolved where the script runs
+TRACKERS = (
+    "jsonl",
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "trackio",
+    "comet_ml",
+    "aim",
+    "clearml",
+    "dvclive",
+    "swanlab",
+)
 # The usual axis names, for messages (any identifier is accepted).
 MESH_AXES = ("dp", "dp_replicate", "dp_shard", "fsdp", "tp", "pp", "cp", "ep")
 
@@ -97,20 +109,21 @@ def format_mesh(axes: Mapping[str, int]) -> str:
 
 
 def parse_log_with(spec: str, *, source: str = ACCELFN_LOG_WITH) -> tuple[str, ...]:
-    """Parse ``"tensorboard, jsonl"`` into tracker names (``"none"``: no tracker); ``source`` names the culprit.
+    """Parse ``"tensorboard, jsonl"`` into tracker names (``"none"``: no tracker; ``"all"``: every tracker
+    installed where the script runs, kept as the name ``"all"``); ``source`` names the culprit.
 
     Example:
-        >>> parse_log_with("TensorBoard,jsonl"), parse_log_with("none")
-        (('tensorboard', 'jsonl'), ())
+        >>> parse_log_with("TensorBoard,jsonl"), parse_log_with("none"), parse_log_with("all")
+        (('tensorboard', 'jsonl'), (), ('all',))
     """
     names: list[str] = []
     for name in (p.strip().lower() for p in spec.split(",")):
         if name and name not in names:
             names.append(name)
     for name in names:
-        if name not in (*TRACKERS, "none"):
+        if name not in (*TRACKERS, "all", "none"):
             raise ValueError(
-                f"{source}={spec!r}: unknown tracker {name!r}; known: {', '.join(TRACKERS)}, none"
+                f"{source}={spec!r}: unknown tracker {name!r}; known: {', '.join(TRACKERS)}, all, none"
             )
     if "none" in names:
         if len(names) > 1:

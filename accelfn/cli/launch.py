@@ -59,7 +59,8 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "--log-with",
         metavar="TRACKERS",
         help="experiment trackers for accelfn.trackers.open(log_with='auto'): a comma list of jsonl, "
-        "tensorboard, wandb, mlflow, trackio, or none (ACCELFN_LOG_WITH)",
+        "tensorboard, wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, swanlab; all (every "
+        "installed one); or none (ACCELFN_LOG_WITH)",
     )
     s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
     o = p.add_argument_group("output")

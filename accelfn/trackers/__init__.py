@@ -1,4 +1,5 @@
-"""Experiment trackers: log metrics to JSONL (default), TensorBoard, W&B, MLflow or Trackio, or your own.
+"""Experiment trackers: log metrics to JSONL (default), TensorBoard, W&B, MLflow, Trackio, Comet, Aim,
+ClearML, DVCLive or SwanLab (``"all"``: every one installed), or your own.
 
 `open` returns a `Run`; ``run.log(metrics, step)`` takes the step's metrics as they come (tensors are
 read in one go every ``log_every`` calls, not once per step). Only the main process writes.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -35,28 +37,42 @@ if TYPE_CHECKING:
 
 __all__ = ["open", "Run", "Tracker", "TrackerError", "flatten_config", "to_plain", "BACKENDS", "LOG_WITH_ENV"]
 
-# name -> (module, class, the package it needs or None, the extra that installs it)
+# name -> (module, class, the package it needs or None); the extra that installs it has the backend's name
 BACKENDS: dict[str, tuple[str, str, str | None]] = {
     "jsonl": ("accelfn.trackers.jsonl", "JSONLTracker", None),
     "tensorboard": ("accelfn.trackers.tensorboard", "TensorBoardTracker", "tensorboard"),
     "wandb": ("accelfn.trackers.wandb", "WandbTracker", "wandb"),
     "mlflow": ("accelfn.trackers.mlflow", "MLflowTracker", "mlflow"),
     "trackio": ("accelfn.trackers.trackio", "TrackioTracker", "trackio"),
+    "comet_ml": ("accelfn.trackers.comet", "CometTracker", "comet_ml"),
+    "aim": ("accelfn.trackers.aim", "AimTracker", "aim"),
+    "clearml": ("accelfn.trackers.clearml", "ClearMLTracker", "clearml"),
+    "dvclive": ("accelfn.trackers.dvclive", "DVCLiveTracker", "dvclive"),
+    "swanlab": ("accelfn.trackers.swanlab", "SwanLabTracker", "swanlab"),
 }
+ALL = "all"  # every backend whose package is installed (Accelerate's log_with="all"), jsonl included
 
 
 def parse_log_with(spec: str | Tracker | Sequence[str | Tracker], *, source: str = "log_with") -> list[Any]:
-    """Backend names (a comma list, ``"auto"``: ``$ACCELFN_LOG_WITH`` else jsonl; ``"none"``) and tracker objects.
+    """Backend names (a comma list; ``"auto"``: ``$ACCELFN_LOG_WITH`` else jsonl; ``"all"``: every installed
+    backend; ``"none"``) and tracker objects, in order, without repeats.
+
+    ``"all"`` is what Accelerate's ``log_with="all"`` picks — every tracker whose package can be imported here
+    (Aim only below 4.0, as in Accelerate) — plus ``jsonl``; it can be combined with tracker objects.
 
     Example:
         >>> parse_log_with("tensorboard, jsonl")
         ['tensorboard', 'jsonl']
+        >>> parse_log_with("all")[0]
+        'jsonl'
     """
     if isinstance(spec, str):
         if spec.strip().lower() == "auto":
             env = os.environ.get(LOG_WITH_ENV, "").strip()
-            return list(parse_names(env, source=LOG_WITH_ENV)) if env else ["jsonl"]
-        items: list[Any] = list(parse_names(spec, source=source))
+            return parse_log_with(list(parse_names(env, source=LOG_WITH_ENV)) if env else ["jsonl"])
+        items: list[Any] = [
+            p for name in parse_names(spec, source=source) for p in (_available() if name == ALL else [name])
+        ]
     elif isinstance(spec, Sequence):
         items = [p for s in spec for p in (parse_log_with(s, source=source) if isinstance(s, str) else [s])]
     else:
@@ -68,12 +84,30 @@ def parse_log_with(spec: str | Tracker | Sequence[str | Tracker], *, source: str
     return seen
 
 
+def _available() -> list[str]:
+    """The backends whose package is installed, in `BACKENDS` order: what ``"all"`` opens."""
+    return [name for name, (_, _, package) in BACKENDS.items() if _installed(package) and _supported(name)]
+
+
 def _installed(package: str | None) -> bool:
     if package is None:
         return True
     if package in sys.modules:
         return sys.modules[package] is not None
-    return importlib.util.find_spec(package) is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _supported(name: str) -> bool:
+    """Accelerate's ``is_aim_available``: Aim 4 is another API, left out of ``"all"``."""
+    if name != "aim":
+        return True
+    try:
+        return int(importlib.metadata.version("aim").split(".")[0]) < 4
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return True
 
 
 def _is_main(mesh: Mesh | None) -> bool:
@@ -97,9 +131,11 @@ def open(
     """Open the trackers of one training run in ``run_dir`` and log ``config``; returns a `Run`.
 
     ``log_with``: backend names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"trackio"``,
-    a comma list, ``"auto"`` for ``$ACCELFN_LOG_WITH`` else jsonl) and/or objects with the `Tracker`
+    ``"comet_ml"``, ``"aim"``, ``"clearml"``, ``"dvclive"``, ``"swanlab"``, a comma list, ``"auto"`` for
+    ``$ACCELFN_LOG_WITH`` else jsonl, ``"all"`` for every installed one) and/or objects with the `Tracker`
     methods. ``resume_step=K``: the run continues from a checkpoint of step K (JSONL drops lines after K,
-    TensorBoard purges events after K, W&B and MLflow continue the run whose id is stored in ``run_dir``).
+    TensorBoard purges events after K, DVCLive drops rows after K, W&B, MLflow, Aim and Comet continue the
+    run whose id is stored in ``run_dir``).
     Only the main process (``mesh.is_main``, else ``$RANK`` unset or 0) writes; with ``main_only=False``
     every rank writes to ``run_dir/rank<R>``. ``options``: keyword arguments per backend, e.g.
     ``{"wandb": {"project": "lm"}}``. Errors opening a backend (package missing, folder unwritable)
@@ -153,7 +189,7 @@ def open(
                 ) from e
         run = Run(trackers, log_every=log_every, active=True, on_error=on_error)
     except BaseException:
-        for t in trackers:
+        for t in reversed(trackers):
             with contextlib.suppress(Exception):  # the error opening is the one to report
                 t.close()
         raise

@@ -8,12 +8,14 @@ Example:
     >>> t.close()
     >>> json.loads((run / "metrics.jsonl").read_text())
     {'step': 1, 'time': 0.0, 'loss': 0.5}
+
+NaN and infinities are written as ``NaN``, ``Infinity`` and ``-Infinity``, the tokens Python's ``json``
+(``json.dumps``'s default), pandas and jq read back as numbers (docs/trackers.md says why not ``null``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -22,11 +24,6 @@ from typing import IO, Any
 from .base import TrackerError, to_plain
 
 __all__ = ["JSONLTracker", "truncate_after"]
-
-
-def _number(value: float) -> Any:
-    """JSON has no NaN/inf: write them as the strings "nan", "inf", "-inf"."""
-    return value if not isinstance(value, float) or math.isfinite(value) else str(value)
 
 
 def truncate_after(path: str | os.PathLike[str], step: int) -> int:
@@ -67,7 +64,7 @@ class JSONLTracker:
 
     The file is line-buffered: each line reaches the OS as it is written, so a crashed process loses no
     line it logged (a power loss may lose the last ones). ``resume_step=K`` first drops lines with step > K.
-    Non-finite values are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no NaN).
+    Non-finite values are written as ``NaN``, ``Infinity``, ``-Infinity`` (read back as floats by ``json.loads``).
     """
 
     name = "jsonl"
@@ -87,8 +84,8 @@ class JSONLTracker:
         if self._file is None:
             raise TrackerError(self.name, f"{str(self.path)!r} is closed")
         record = {"step": step, "time": time.time() if wall_time is None else wall_time}
-        record.update((k, _number(v)) for k, v in metrics.items())
-        self._file.write(json.dumps(record) + "\n")
+        record.update(metrics)
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
 
     def log_config(self, config: dict[str, Any]) -> None:
         tmp = self.config_path.with_name(self.config_path.name + ".tmp")

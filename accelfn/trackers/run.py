@@ -218,7 +218,7 @@ class Run:
         self._call_all("log", write, when=f"writing steps {resolved[0][0]}..{resolved[-1][0]}")
 
     def close(self) -> None:
-        """Flush, then close every tracker (idempotent)."""
+        """Flush, then close every tracker, the last opened first (idempotent)."""
         if self._closed:
             return
         flush_error: TrackerError | None = None
@@ -229,8 +229,8 @@ class Run:
         self._closed = True
         atexit.unregister(self._close_at_exit)
         trackers, self._trackers = self._trackers, []
-        try:
-            self._call_all("close", lambda t: t.close(), when="closing", trackers=trackers)
+        try:  # last opened, first closed: trackers that wrap sys.stdout (Comet, Aim, SwanLab) unwrap in order
+            self._call_all("close", lambda t: t.close(), when="closing", trackers=trackers[::-1])
         except TrackerError:
             if flush_error is None:
                 raise

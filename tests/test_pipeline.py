@@ -170,6 +170,15 @@ def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_equal_one_process():
 
 
 @pytest.mark.slow
+def test_kill_and_resume_on_pp2_x_dp2_is_bit_identical(tmp_path):
+    proc = run_workers(
+        "pp_train_worker.py", 4, "pp=2,dp=2", f"llama:ddp:resume={tmp_path / 'mid'}", timeout=300
+    )
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 4, output_of(proc)
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_pp2_one_process_pp4_and_pp2_x_dp2_fsdp(tmp_path):
     ck = str(tmp_path / "pp2")
     proc = run_workers("pp_train_worker.py", 2, "pp=2", f"llama:save={ck}", timeout=300)

@@ -5,7 +5,8 @@
 The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
 gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp (af.shard
 over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
-(explicit split points), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it).
+(explicit split points), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
+on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
 """
 
@@ -115,6 +116,18 @@ def check(mesh, kind, options):
     assert tok_diff <= 1e-3, f"{where}: tokens {tokens} vs one process {ref_tokens}"
     assert diff <= 2e-5, f"{where}: params differ from one process by {diff}"
     for o in options:
+        if o.startswith("resume="):  # save mid-run, go on; load and redo the same steps: bit-identical
+            af.checkpoint.save(o[7:], state)
+            more = batches(n=2)
+            went_on = state
+            for b in more:
+                went_on, _ = step(went_on, b)
+            again = af.checkpoint.load(o[7:], like=went_on)
+            for b in more:
+                again, _ = step(again, b)
+            for k, v in went_on.params.items():
+                assert torch.equal(full(v), full(again.params[k])), f"{where}: resumed {k} differs"
+            state = again
         if o.startswith("save="):
             af.checkpoint.save(o[5:], state)
             af.checkpoint.save(o[5:] + "-ref", ref)  # the same on every rank: written once

@@ -283,9 +283,9 @@ def _check_axes(mesh: Mesh) -> None:
                 f"shard: the mesh has a {axis!r} axis of size {mesh.axis_size(axis)}, but af.shard does not split over "
                 f"it ({what} is not implemented in this version): its ranks would all compute the same thing"
             )
-    known = (*GRAD_AXES, "tp", "pp")
+    known = (*GRAD_AXES, "tp")
     for axis in mesh.axis_names:
-        if axis in NOT_SPLIT or axis in known or mesh.axis_size(axis) == 1:
+        if axis in NOT_SPLIT or axis in known or axis == "pp" or mesh.axis_size(axis) == 1:  # pp: af.pipeline
             continue
         close = difflib.get_close_matches(axis, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

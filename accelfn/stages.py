@@ -152,8 +152,11 @@ def balanced_split(model: nn.Module, n_stages: int) -> Split:
     if n_stages == 1:
         return split_at(model, [])
     size = [sum(p.numel() for p in model.get_submodule(n).parameters()) for n in layers]
-    whole = split_at(model, [layers[0]])  # params before the first layer
-    before = whole.stage_params[0]
+    position = {n: i for i, n in enumerate(n for n, _ in model.named_modules())}
+    first = position[layers[0]]
+    before = sum(  # params before the first layer (the embeddings)
+        p.numel() for n, m in _holders(model) if position[n] < first for p in m.parameters(recurse=False)
+    )
     after = sum(p.numel() for p in model.parameters()) - before - sum(size)
     if callable(getattr(model, "get_output_embeddings", None)) and _tied_head(model):
         after += model.get_output_embeddings().weight.numel()  # a tied head still costs its matmul

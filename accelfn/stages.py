@@ -57,6 +57,10 @@ class Split:
     def n_stages(self) -> int:
         return len(self.points) + 1
 
+    def stages_under(self, name: str) -> set[int]:
+        """The stages of the parameter-holding modules at or under the module `name`."""
+        return {s for n, s in self.owner.items() if n == name or n.startswith(name + ".")}
+
     def describe(self) -> str:
         """One line per stage: where it starts and ends and its parameter count (printed at lowering)."""
         lines = []
@@ -286,13 +290,10 @@ def carve(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[str, tu
             first, pname, _ = uses[0]
             tied[f"{first}.{pname}" if first else pname] = owners
 
-    def stages_under(prefix: str) -> set[int]:
-        return {s for n, s in split.owner.items() if n == prefix or n.startswith(prefix + ".") or not prefix}
-
     def visit(prefix: str, module: nn.Module) -> None:
         for child, sub in list(module.named_children()):
             name = f"{prefix}.{child}" if prefix else child
-            under = stages_under(name)
+            under = split.stages_under(name)
             if not under or under & mine:
                 if under:
                     visit(name, sub)

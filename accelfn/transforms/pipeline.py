@@ -216,11 +216,7 @@ class PipelineSync(GradSync):
 
     # ---- running the schedule ---------------------------------------------------------------------------------
     def _rank_of(self, stage: int) -> int:
-        lo = self.layout
-        info = SCHEDULES[lo.schedule]
-        if info.placement == "v":
-            return stage if stage < lo.pp else 2 * lo.pp - 1 - stage
-        return stage % lo.pp
+        return _place(self.layout, stage)
 
     def install_hooks(self) -> None:
         """Hooks on every split point: entering a stage replaces its first module's input by the received
@@ -601,13 +597,10 @@ def _units(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[int, l
     """For each stage of this rank, the outermost modules wholly of that stage (bypassed while another runs)."""
     out: dict[int, list[str]] = {s: [] for s in stages}
 
-    def under(prefix: str) -> set[int]:
-        return {s for n, s in split.owner.items() if n == prefix or n.startswith(prefix + ".")}
-
     def visit(prefix: str, module: nn.Module) -> None:
         for child, sub in module.named_children():
             name = f"{prefix}.{child}" if prefix else child
-            owners = under(name)
+            owners = split.stages_under(name)
             if len(owners) == 1:
                 (s,) = owners
                 if s in out:

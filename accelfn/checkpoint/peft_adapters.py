@@ -139,7 +139,7 @@ def _save_adapters(
     """Write each adapter of `folders` (`{adapter name: subfolder, "" for final itself}`) in PEFT's layout, in
     one atomic commit of `final`; `replaced` names the files of an existing `final` that are not kept."""
     atomic.check_replaceable(final, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), keeps_others=True)
-    written: list[tuple[str, dict[str, torch.Tensor], Any, dict[str, str] | None]] = []
+    written: list[tuple[str, dict[str, torch.Tensor], Any, dict[str, Any], dict[str, str] | None]] = []
     for name, sub in folders.items():  # the same order on every rank: gathering is a collective
         full = gather_full(_adapter_tensors(model, named, name), what)
         if full is not None:
@@ -147,11 +147,11 @@ def _save_adapters(
     if written:
 
         def write(tmp: Path) -> None:
-            for sub, full, config, auto_mapping in written:
+            for sub, full, config, changed, auto_mapping in written:
                 folder = tmp / sub if sub else tmp
                 folder.mkdir(exist_ok=True)
                 io.write_file(folder / ADAPTER_WEIGHTS, full, {"format": "pt"})
-                config.save_pretrained(folder, auto_mapping_dict=auto_mapping)
+                _write_config(folder, config, changed, auto_mapping)
                 io.fsync_path(folder / ADAPTER_CONFIG)
                 if sub:
                     io.fsync_path(folder)
@@ -160,20 +160,36 @@ def _save_adapters(
     Comm().barrier()
 
 
-def _adapter_config(model: Any, name: str) -> tuple[Any, dict[str, str] | None]:
-    """The adapter's config as `PeftModel.save_pretrained` writes it, and its `auto_mapping` (or None)."""
-    config = copy.deepcopy(model.peft_config[name])
-    config.inference_mode = True  # as PeftModel.save_pretrained writes it
+def _adapter_config(model: Any, name: str) -> tuple[Any, dict[str, Any], dict[str, str] | None]:
+    """The adapter's config, the fields `PeftModel.save_pretrained` changes before writing it, and its
+    `auto_mapping` (or None). The config object itself is written (not a copy): its sets (`target_modules`)
+    then list in the order PEFT writes them, which a copied set need not keep."""
+    config = model.peft_config[name]
+    changed: dict[str, Any] = {"inference_mode": True}  # as PeftModel.save_pretrained writes it
     base_model = model.get_base_model()
     if getattr(config, "base_model_name_or_path", None) is None:  # as PEFT: the base's name, else None
         base_config = getattr(base_model, "config", None)
-        config.base_model_name_or_path = getattr(base_config, "_name_or_path", None) or None
+        changed["base_model_name_or_path"] = getattr(base_config, "_name_or_path", None) or None
     # as PeftModel.save_pretrained: without a task_type, AutoPeftModel finds the base class from this
     auto_mapping = None
     if getattr(config, "task_type", None) is None:
         base_class = type(base_model)
         auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
-    return config, auto_mapping
+    return config, changed, auto_mapping
+
+
+def _write_config(
+    folder: Path, config: Any, changed: dict[str, Any], auto_mapping: dict[str, str] | None
+) -> None:
+    """`config.save_pretrained(folder)` with the fields of `changed` set while it writes, then restored."""
+    before = {key: getattr(config, key) for key in changed}
+    try:
+        for key, value in changed.items():
+            setattr(config, key, value)
+        config.save_pretrained(folder, auto_mapping_dict=auto_mapping)
+    finally:
+        for key, value in before.items():
+            setattr(config, key, value)
 
 
 def is_peft_model(model: Any) -> bool:

@@ -416,3 +416,11 @@ def test_the_root_cause_is_named_first_when_a_peer_dies_of_it_in_the_same_second
     assert "rank 1 failed: OSError: a" in _failure_report(err)
     err = ChildFailedError("w", {0: failure(0, "KeyError: b", 1_000), 1: failure(1, "OSError: a", 2_000)})
     assert "rank 0 failed: KeyError: b" in _failure_report(err)
+    # a rank stopped by the agent's SIGTERM (no error file) comes after one that exited with a code, and
+    # after one killed by another signal (the OOM killer's SIGKILL)
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=str(tmp_path / "none_0.json"))
+    for code, words in ((3, "exited with code 3"), (-9, "killed by signal SIGKILL")):
+        other = ProcessFailure(local_rank=1, pid=11, exitcode=code, error_file=str(tmp_path / "none_1.json"))
+        other.timestamp = stopped.timestamp + 1  # even when torch stamps it later
+        report = _failure_report(ChildFailedError("w", {0: stopped, 1: other}))
+        assert f"rank 1 failed: {words}" in report and "rank 0 also failed (after rank 1" in report, report

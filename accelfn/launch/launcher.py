@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -268,9 +269,11 @@ _PEER_FAILURE = re.compile(
 def _first_failure(err: Any) -> int:
     """The rank that failed first. torch's `get_first_failure` compares whole-second timestamps and breaks
     ties by rank, so a rank that died of its peer's crash in the same second was named instead of the peer.
-    Here a failure caused by a dead peer comes after any other, then the error file's write time (ns)."""
+    Here consequences come after causes: a rank's own error or exit code first, then a rank killed by a
+    signal (SIGKILL of the OOM killer, SIGSEGV), last a rank stopped by SIGTERM (the agent stops the others
+    that way once one failed) or by a dead peer's connection error; then the error file's write time (ns)."""
 
-    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+    def key(item: tuple[int, Any]) -> tuple[int, float, int]:
         rank, failure = item
         try:
             when = os.stat(failure.error_file).st_mtime_ns / 1e9
@@ -278,7 +281,13 @@ def _first_failure(err: Any) -> int:
             when = float(failure.timestamp)
         message = failure.message
         message = message.get("message", "") if isinstance(message, dict) else str(message)
-        return (bool(_PEER_FAILURE.search(message)), when, rank)
+        if _PEER_FAILURE.search(message) or failure.exitcode == -signal.SIGTERM:
+            order = 2
+        elif failure.exitcode < 0:
+            order = 1
+        else:
+            order = 0
+        return (order, when, rank)
 
     return min(err.failures.items(), key=key)[0]
 

@@ -18,7 +18,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["key", "split", "split_list", "fold_in", "seed_of", "generator", "seeded"]
+__all__ = [
+    "key",
+    "split",
+    "split_list",
+    "fold_in",
+    "seed_of",
+    "generator",
+    "seeded",
+    "generator_states",
+    "set_generator_states",
+]
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -95,6 +105,47 @@ def register_accelerator_rng(resolve: Callable[[torch.device], Any]) -> None:
     _accelerator_rng = resolve
 
 
+def _accelerators(devices: list[torch.device] | None) -> tuple[list[torch.device], Any]:
+    accel = sorted({d for d in devices or [] if d.type not in ("cpu", "meta")}, key=str)
+    if not accel:
+        return [], None
+    if _accelerator_rng is None:
+        raise RuntimeError(f"af.random: no platform adapters are loaded for {accel[0]} (import accelfn)")
+    return accel, _accelerator_rng(accel[0])
+
+
+def generator_states(devices: list[torch.device] | None = None) -> torch.Tensor:
+    """The states of torch's global generators (CPU, then the accelerators among `devices`) as one uint8
+    tensor: what a pipeline stage hands the next one, so that dropout there continues the same stream as in
+    one process. `set_generator_states` puts them back.
+
+    Example:
+        >>> s = generator_states(); a = torch.rand(2); set_generator_states(s); torch.equal(a, torch.rand(2))
+        True
+    """
+    accel, platform = _accelerators(devices)
+    parts = [torch.random.default_generator.get_state()]
+    parts += [platform.get_rng_state(d).cpu() for d in accel]
+    return torch.cat(parts)
+
+
+def set_generator_states(states: torch.Tensor, devices: list[torch.device] | None = None) -> None:
+    """Set torch's global generators from `generator_states(devices)` (the same `devices`)."""
+    states = states.cpu()
+    accel, platform = _accelerators(devices)
+    sizes = [torch.random.default_generator.get_state().numel()]
+    sizes += [platform.get_rng_state(d).numel() for d in accel]
+    if states.numel() != sum(sizes) or states.dtype != torch.uint8:
+        raise ValueError(
+            f"af.random.set_generator_states: {states.numel()} {states.dtype} values for generators of "
+            f"{sizes} bytes (devices {accel or ['cpu']})"
+        )
+    parts = states.split(sizes)
+    torch.random.default_generator.set_state(parts[0].clone())
+    for d, part in zip(accel, parts[1:]):
+        platform.set_rng_state(part.clone(), d)
+
+
 @contextlib.contextmanager
 def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterator[None]:
     """Seed torch's global generators (CPU, and the accelerators among `devices`) from `k` inside the
@@ -103,14 +154,7 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     This is how dropout inside a step draws from the state's key without disturbing the caller's RNG.
     The accelerator's generators are reached through its platform adapter (`af.platforms`).
     """
-    accel = sorted({d for d in devices or [] if d.type not in ("cpu", "meta")}, key=str)
-    platform = None
-    if accel:
-        if _accelerator_rng is None:
-            raise RuntimeError(
-                f"af.random.seeded: no platform adapters are loaded for {accel[0]} (import accelfn)"
-            )
-        platform = _accelerator_rng(accel[0])
+    accel, platform = _accelerators(devices)
     seed = seed_of(k)
     cpu_state = torch.random.default_generator.get_state()
     saved = [(d, platform.get_rng_state(d)) for d in accel] if platform is not None else []

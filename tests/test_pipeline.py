@@ -148,7 +148,7 @@ def test_every_schedule_is_a_torch_schedule():
 # ---- real processes -------------------------------------------------------------------------------------------
 SCHEDULE_CONFIGS = ["llama:gpipe", "llama:1f1b", "gpt2:1f1b", "gpt2:interleaved_1f1b", "llama:looped_bfs",
                     "llama:interleaved_zb", "llama:zbv", "llama:dualpipev", "llama:remat", "llama:accumulate",
-                    "llama:split:gpipe"]  # fmt: skip
+                    "llama:split:gpipe", "llama:dropout:remat", "gpt2:dropout:interleaved_1f1b"]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -277,6 +277,46 @@ def test_seeded_seeds_the_accelerators_among_devices_and_restores_them(monkeypat
     assert torch.equal(torch.rand(4), expected)  # the CPU generator is restored too
 
 
+class BytePlatform:
+    """An accelerator adapter whose generators are 16-byte states (as CUDA's Philox seed and offset)."""
+
+    def __init__(self):
+        self.states = {}
+
+    def get_rng_state(self, device):
+        return self.states.get(device, torch.zeros(16, dtype=torch.uint8))
+
+    def set_rng_state(self, state, device):
+        assert state.dtype == torch.uint8 and state.device.type == "cpu"
+        self.states[device] = state
+
+
+def test_generator_states_round_trip_the_cpu_and_accelerator_generators(monkeypatch):
+    # what a pipeline stage sends the next one: later draws equal those of one process going on
+    fake = BytePlatform()
+    monkeypatch.setattr(af.platforms, "for_device", lambda device: fake)
+    devs = [torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda", 0)]
+    fake.states = {d: torch.full((16,), i + 1, dtype=torch.uint8) for i, d in enumerate(devs[1:])}
+    torch.manual_seed(3)
+    torch.rand(5)
+    states = R.generator_states(devs)
+    cpu = torch.random.default_generator.get_state()
+    assert states.dtype == torch.uint8 and states.numel() == cpu.numel() + 32
+    assert torch.equal(states[: cpu.numel()], cpu)  # the CPU's, then the accelerators' in device order
+    assert states[cpu.numel() :].tolist() == [2] * 16 + [1] * 16
+    going_on = torch.rand(7)
+    torch.manual_seed(99)
+    fake.states = {}
+    R.set_generator_states(states, devs)
+    assert torch.equal(torch.rand(7), going_on)
+    assert fake.states[torch.device("cuda", 1)].tolist() == [1] * 16
+    assert fake.states[torch.device("cuda", 0)].tolist() == [2] * 16
+    with pytest.raises(
+        ValueError, match=r"set_generator_states: 5056 torch.uint8 values for generators of \[5056, 16, 16\]"
+    ):
+        R.set_generator_states(cpu, devs)
+
+
 def test_seeded_without_accelerators_does_not_touch_platforms(monkeypatch):
     monkeypatch.setattr(
         af.platforms, "for_device", lambda d: pytest.fail(f"platforms.for_device({d!r}) called")

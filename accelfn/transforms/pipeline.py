@@ -84,11 +84,13 @@ def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> flo
 
 
 class _StageDone(Exception):
-    """Raised by the hook on the next stage's first module: this stage's output is its input."""
+    """Raised by the hook on the next stage's first module: this stage's output is that module's input, with
+    the generators' states at that point (the next stage continues their streams, as one process would)."""
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, value: torch.Tensor, rng: torch.Tensor) -> None:
         super().__init__("pipeline stage boundary")
         self.value = value
+        self.rng = rng
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -138,6 +140,7 @@ class PipelineSync(GradSync):
     results: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = attrs.Factory(dict)
     active: int | None = None  # the stage running now on this rank
     received: torch.Tensor | None = None
+    received_rng: torch.Tensor | None = None
     hooks_on: Any = None
     own_hooks: set[int] = attrs.Factory(set)
     next_micro: dict[int, int] = attrs.Factory(dict)  # stage -> the micro-batch its next forward runs
@@ -230,11 +233,14 @@ class PipelineSync(GradSync):
 
             def enter(mod: nn.Module, args: Any, kwargs: Any, stage: int = k + 1) -> Any:
                 if self.active == stage and self.received is not None:
+                    if self.received_rng is not None and dry_mode.active() is None:
+                        # dropout from here on draws what one process draws after the earlier stages
+                        _random.set_generator_states(self.received_rng, self.plan.devices)
                     if args:
                         return (self.received, *args[1:]), kwargs
                     return args, {**kwargs, "hidden_states": self.received}
                 if self.active == stage - 1:  # the end of the running stage
-                    raise _StageDone(_hidden(args, kwargs))
+                    raise _StageDone(_hidden(args, kwargs), _random.generator_states(self.plan.devices))
                 return None
 
             handle = module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -271,10 +277,14 @@ class PipelineSync(GradSync):
                 m._forward_hooks.clear()
                 m._forward_hooks.update(post)
 
-    def run_stage(self, stage: int, *args: Any) -> torch.Tensor:
+    def run_stage(self, stage: int, *args: Any) -> Any:
         """One micro-batch through one stage: the user's loss function on the whole model, entered at the
         stage's first module and left at the next stage's (the last stage returns the loss sum). Every torch
-        schedule runs a stage's forwards in micro-batch order, so a counter per stage says which one."""
+        schedule runs a stage's forwards in micro-batch order, so a counter per stage says which one.
+
+        A stage's input and output are (activation, generator states): every stage seeds the generators from
+        the micro-batch's key, and a later stage then takes the states the previous one had at the split
+        point, so dropout draws the numbers of one process running the same micro-batches."""
         run, plan = self.run, self.plan
         assert run is not None and run.step_key is not None and plan.loss_call is not None
         i = self.next_micro.get(stage, 0)
@@ -282,13 +292,14 @@ class PipelineSync(GradSync):
         mb = run.micro[i]
         key = run.step_key if len(run.micro) == 1 else _random.fold_in(run.step_key, i)
         self.active, self.received = stage, (args[0] if stage > 0 else None)
+        self.received_rng = args[1] if stage > 0 else None
         try:
             with self._only([stage]), _random.seeded(key, plan.devices), plan.forward_context():
                 out = plan.loss_call(plan.module, mb)
         except _StageDone as done:
-            return done.value
+            return done.value, done.rng.to(self.mesh.device)
         finally:
-            self.active, self.received = None, None
+            self.active, self.received, self.received_rng = None, None, None
         if stage != self.layout.n_stages - 1:
             raise RuntimeError(
                 f"af.pipeline: stage {stage} ran to the end of the loss without reaching split point "
@@ -305,9 +316,10 @@ class PipelineSync(GradSync):
         )
         return total.float().reshape(1)  # 1-d: the schedule concatenates the last stage's outputs
 
-    def _probe(self, mb: Any, stage: int) -> torch.Tensor:
-        """The activation entering `stage` (its shape and dtype), found by running the loss function with every
-        module of this rank bypassed, up to the stage's first module: no computation, no communication."""
+    def _probe(self, mb: Any, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What enters `stage` (the activation's shape and dtype, and the generator states), found by running
+        the loss function with every module of this rank bypassed, up to the stage's first module: no
+        computation, no communication."""
         plan = self.plan
         assert plan.loss_call is not None
         self.active = stage - 1
@@ -315,7 +327,7 @@ class PipelineSync(GradSync):
             with torch.no_grad(), self._only([]), plan.forward_context():
                 plan.loss_call(plan.module, mb)
         except _StageDone as done:
-            return done.value.detach().clone().requires_grad_(True)
+            return done.value.detach().clone().requires_grad_(True), done.rng.to(self.mesh.device)
         finally:
             self.active = None
         raise RuntimeError(
@@ -567,7 +579,8 @@ class Pipeline(TransformBase):
 
             move(plan.module, mesh.device)
             plan.batch_transform = batch_transform(mesh, "local")
-            plan.rank_key = mesh.grad_rank if mesh.grad_axes else 0
+            # no data axes: every stage draws from the step's key itself, as one process does
+            plan.rank_key = mesh.grad_rank if mesh.grad_axes else None
             plan.grad_sync = sync
 
     def wrap(self, inner: GradSync) -> PipelineSync:

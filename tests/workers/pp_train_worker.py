@@ -5,7 +5,8 @@
 The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
 gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp (af.shard
 over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
-(explicit split points), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
+(explicit split points), dropout (dropout 0.1 everywhere: the reference is one process under
+af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
 on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
 """
@@ -21,19 +22,19 @@ from accelfn.transforms.pipeline import SCHEDULES
 VOCAB = 64
 
 
-def make_model(kind):
+def make_model(kind, p=0.0):
     torch.manual_seed(0)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                          tie_word_embeddings=False)  # fmt: skip
+                          tie_word_embeddings=False, attention_dropout=p)  # fmt: skip
         return LlamaForCausalLM(cfg)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)  # fmt: skip
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=p,
+                     embd_pdrop=p, attn_pdrop=p, tie_word_embeddings=True)  # fmt: skip
     return GPT2LMHeadModel(cfg)
 
 
@@ -66,10 +67,13 @@ def check(mesh, kind, options):
     m = int(next((o[2:] for o in options if o.startswith("m=")), "4"))
     load = next((o[5:] for o in options if o.startswith("load=")), None)
 
+    p = 0.1 if "dropout" in options else 0.0
     ref_step = af.train_step(lm_loss, opt(), clip_grad_norm=0.5)
+    if p:
+        ref_step = af.accumulate(ref_step, m)  # the same micro-batches, so the same dropout masks
     if "remat" in options:
         ref_step = af.remat(ref_step, "full")
-    ref = ref_step.init(make_model(kind), seed=3)
+    ref = ref_step.init(make_model(kind, p), seed=3)
     if load:
         ref = af.checkpoint.load(load + "-ref", like=ref)
     ref_losses, ref_norms, ref_tokens = [], [], []
@@ -94,7 +98,7 @@ def check(mesh, kind, options):
         step = af.shard(step, mesh, strategy=strategy, inputs="global")
     else:
         assert mesh.data_size == 1
-    state = step.init(make_model(kind), seed=3)
+    state = step.init(make_model(kind, p), seed=3)
     if load:
         state = af.checkpoint.load(load, like=state)
     assert "pipeline" in str(step), str(step)
@@ -109,7 +113,8 @@ def check(mesh, kind, options):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     # aux metrics are averaged over micro-batches (as under af.accumulate): m of them here
-    tok_diff = max(abs(a * m * mesh.data_size - b) for a, b in zip(tokens, ref_tokens))  # and ranks
+    per_ref = m * mesh.data_size if not p else mesh.data_size  # the reference averages over its m too
+    tok_diff = max(abs(a * per_ref - b) for a, b in zip(tokens, ref_tokens))  # and ranks
     where = f"rank {mesh.rank} {kind}:{':'.join(options)}"
     assert loss_diff <= 2e-5, f"{where}: losses {losses} vs one process {ref_losses}"
     assert norm_diff <= 1e-5, f"{where}: grad norms {norms} vs one process {ref_norms}"

@@ -2,17 +2,21 @@
 torchtitan way: a stage module per rank, `PipelineStage`, a schedule, `torch.optim.AdamW`), side by side in one
 job; and the measured bubble against (p-1)/(m+p-1).
 
-    accelfn launch --nproc-per-node 2 --cpu benchmarks/pipeline.py [--steps 6] [--microbatches 8]
+    accelfn launch --nproc-per-node 2 --cpu benchmarks/pipeline.py [--steps 10] [--microbatches 8]
+    accelfn launch --nproc-per-node 2 --cpu benchmarks/pipeline.py --hidden 256 --seq 128   # compute-bound
     accelfn launch --nproc-per-node 4 --cpu benchmarks/pipeline.py
 
-Prints, on rank 0, one line per schedule: tokens/s of both, their ratio (goal >= 0.98), and the bubble.
+Prints, on rank 0, one line per schedule: tokens/s of both (median step), the median of the per-pair ratios
+(the two alternate step by step; goal >= 0.98), and the bubble.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,14 +25,15 @@ from torch import nn
 import accelfn as af
 from accelfn.transforms.pipeline import bubble_fraction
 
-VOCAB, SEQ, ROWS = 512, 64, 16
+VOCAB, ROWS = 512, 16
+SEQ, HIDDEN = 64, 128  # --seq, --hidden
 
 
 def build(layers: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=HIDDEN * 43 // 16, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       tie_word_embeddings=False, use_cache=False)  # fmt: skip
     return LlamaForCausalLM(cfg)
@@ -62,7 +67,8 @@ class HandStage(nn.Module):
         return h
 
 
-def hand_written(schedule: str, layers: int, m: int, steps: int, pp: int, rank: int) -> float:
+def hand_written(schedule: str, layers: int, m: int, pp: int, rank: int) -> Callable[[], None]:
+    """One training step of the torchtitan way, as a function."""
     from torch.distributed import pipelining
 
     per = layers // pp
@@ -78,10 +84,8 @@ def hand_written(schedule: str, layers: int, m: int, steps: int, pp: int, rank: 
     cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
     sched = cls(st, n_microbatches=m, loss_fn=loss, scale_grads=False)
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def one() -> None:
         if rank == 0:
             sched.step(ids, target=ids)
         else:
@@ -89,23 +93,29 @@ def hand_written(schedule: str, layers: int, m: int, steps: int, pp: int, rank: 
         torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)  # (local norm: the hand loop is simpler)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+
+    return one
 
 
-def ours(schedule: str, layers: int, m: int, steps: int, mesh: af.Mesh) -> float:
+def ours(schedule: str, layers: int, m: int, mesh: af.Mesh) -> Callable[[], None]:
+    """One training step of `af.pipeline`, as a function."""
     step = af.pipeline(af.train_step(loss_fn, af.optim.adamw(1e-4, weight_decay=0.1), clip_grad_norm=1.0), mesh,
                        microbatches=m, schedule=schedule)  # fmt: skip
-    state = step.init(build(layers))
+    box = [step.init(build(layers))]
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        state, metrics = step(state, ids)
+
+    def one() -> None:
+        box[0], metrics = step(box[0], ids)
         metrics["loss"].item()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+
+    return one
+
+
+def timed(one: Callable[[], None]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    one()
+    return time.perf_counter() - t0
 
 
 def one_stage_time(layers: int, pp: int, m: int) -> float:
@@ -121,23 +131,39 @@ def one_stage_time(layers: int, pp: int, m: int) -> float:
 
 
 def main() -> None:
+    global SEQ, HIDDEN
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="model width (4 heads, MLP 2.7x)")
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per row (16 rows per step)")
     args = p.parse_args()
+    SEQ, HIDDEN = args.seq, args.hidden
     with af.Mesh({"pp": -1}, device="cpu") as mesh:
         pp, rank, m = mesh.world_size, mesh.rank, args.microbatches
         layers = 2 * pp
         busy = one_stage_time(layers, pp, m) * m
         for schedule in ("gpipe", "1f1b"):
-            hand = hand_written(schedule, layers, m, args.steps, pp, rank)
-            mine = ours(schedule, layers, m, args.steps, mesh)
+            hand, mine = hand_written(schedule, layers, m, pp, rank), ours(schedule, layers, m, mesh)
+            hand(), mine()  # warm-up
+            # the two alternate step by step (which goes first alternates too), so that a slower minute of a
+            # shared machine slows both
+            pairs = []
+            for i in range(args.steps):
+                if i % 2:
+                    t_mine = timed(mine)
+                    pairs.append((timed(hand), t_mine))
+                else:
+                    pairs.append((timed(hand), timed(mine)))
+            t_hand = statistics.median(h for h, _ in pairs)
+            t_mine = statistics.median(o for _, o in pairs)
+            ratio = statistics.median(h / o for h, o in pairs)
             tokens = ROWS * SEQ
             if rank == 0:
                 print(
-                    f"pp={pp} {schedule:6s} m={m}: accelfn {tokens / mine:8.0f} tok/s, hand-written "
-                    f"{tokens / hand:8.0f} tok/s, ratio {hand / mine:.3f}; bubble measured "
-                    f"{max(0.0, 1 - busy / mine):.2f}, (p-1)/(m+p-1) = {bubble_fraction(pp, m):.2f}",
+                    f"pp={pp} {schedule:6s} m={m} hidden={HIDDEN} seq={SEQ}: accelfn {tokens / t_mine:8.0f} tok/s, hand-written "
+                    f"{tokens / t_hand:8.0f} tok/s, ratio {ratio:.3f} (median of {args.steps} pairs); bubble "
+                    f"measured {max(0.0, 1 - busy / t_mine):.2f}, (p-1)/(m+p-1) = {bubble_fraction(pp, m):.2f}",
                     flush=True,
                 )
 

@@ -20,7 +20,7 @@ from tests._launch import expect_ok, run_workers
 @pytest.mark.slow
 def test_cp2_alone_equals_one_process():
     configs = ["llama", "starcoder2", "own", "bidir", "llama:eager", "llama:accumulate", "llama:remat",
-               "llama:compile", "llama:lora", "errors"]  # fmt: skip
+               "llama:compile", "llama:lora", "llama:nocache", "errors"]  # fmt: skip
     expect_ok(run_workers("cp_worker.py", 2, "cp=2", *configs, timeout=600), configs, 2)
 
 

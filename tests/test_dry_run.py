@@ -333,6 +333,25 @@ def test_combinators_run_in_the_dry_run(combinator: str) -> None:
         assert any("compile ran eagerly" in n for n in report.notes)
 
 
+def test_pipeline_with_context_parallel_lowers_at_64_ranks() -> None:
+    # pp x dp x cp: the stages' activations go point to point over pp, keys and values are gathered over cp
+    def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> af.Loss:
+        return af.losses.cross_entropy(model(input_ids=b["input_ids"]).logits, b["labels"])
+
+    def main() -> None:
+        mesh = af.Mesh({"pp": 2, "dp": 16, "cp": 2})
+        step = af.pipeline(af.train_step(loss, af.optim.adamw(1e-3)), mesh, microbatches=2)
+        step = af.shard(step, mesh, strategy="fsdp")
+        state = step.init(_tiny_llama())
+        ids = torch.zeros(4, 128, dtype=torch.long)
+        step(state, {"input_ids": ids, "labels": ids})
+
+    report = af.dry_run(main, nproc_per_node=8, nnodes=8, device="cpu", search=False)
+    assert report.mesh == {"pp": 2, "dp": 16, "cp": 2}
+    assert report.comm["send_recv"]["pp"]["bus_bytes"] > 0, report.comm
+    assert report.comm["all_gather"]["cp"]["count"] > 0, report.comm
+
+
 def test_context_parallel_lowers_at_64_ranks() -> None:
     report = af.dry_run(ROOT / "examples" / "long_context.py", [], nproc_per_node=8, nnodes=8, device="cpu",
                         mesh="dp=8,cp=8", search=False)  # fmt: skip

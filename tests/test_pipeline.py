@@ -159,7 +159,7 @@ def test_pp2_every_schedule_remat_and_accumulate_equal_one_process():
 
 
 @pytest.mark.slow
-def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_equal_one_process():
+def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_and_pp2_x_cp2_equal_one_process():
     proc = run_workers("pp_train_worker.py", 4, "pp=2,dp=2", "llama:ddp", "gpt2:fsdp", "llama:fsdp:remat",
                        "gpt2:ddp:accumulate", timeout=600)  # fmt: skip
     assert proc.returncode == 0, output_of(proc)
@@ -167,6 +167,12 @@ def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_equal_one_process():
     proc = run_workers("pp_train_worker.py", 4, "pp=2,tp=2", "llama", timeout=600)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("PP OK") == 4, output_of(proc)
+    # context parallel inside the stages: the stages' activations are this rank's part of the sequence
+    proc = run_workers(
+        "pp_train_worker.py", 4, "pp=2,cp=2", "llama:remat", "gpt2:interleaved_1f1b", timeout=600
+    )
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 8, output_of(proc)
 
 
 @pytest.mark.slow

@@ -534,11 +534,6 @@ class Pipeline(TransformBase):
         compile_ = find(others, "compile")
         if compile_ is not None and getattr(compile_, "regions", "blocks") != "blocks":
             raise conflict(self, compile_, "compile the blocks (regions='blocks'), not the whole step")
-        cp = find(others, "context_parallel")
-        if cp is not None:
-            raise conflict(
-                self, cp, "context parallel inside pipeline stages is not supported in this version"
-            )
 
     def lower(self, plan: Plan) -> None:
         if plan.kind != "train":

@@ -6,7 +6,8 @@ Each config is `model[:option...]`: model in llama (Hugging Face, GQA, RoPE from
 (LayerNorm, biases, tied embeddings), own (a plain model calling SDPA, positions from the batch), bidir (full
 attention: not causal); options: accumulate, fsdp, remat, compile (aot_eager), loader (inputs from
 af.data.DataLoader: the cp ranks of a data rank read the same rows), eager (the HF model built with
-attn_implementation="eager": switched to SDPA), lora (wrapped by PEFT: the positions reach the model inside),
+attn_implementation="eager": switched to SDPA), nocache (use_cache=False: Hugging Face then reads
+position jumps as packed sequences), lora (wrapped by PEFT: the positions reach the model inside),
 save=<folder>.
 """
 
@@ -61,7 +62,7 @@ def make_model(kind, options=()):
 
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                          tie_word_embeddings=False)  # fmt: skip
+                          tie_word_embeddings=False, use_cache="nocache" not in options)  # fmt: skip
         cfg._attn_implementation = attn
         return LlamaForCausalLM(cfg)
     if kind == "starcoder2":

@@ -50,6 +50,18 @@ def batches(n=3, rows=8):
     return out
 
 
+def aligned_loss(model, b):
+    # context parallel splits the sequence: labels come aligned with the inputs (shifted in the batch)
+    loss = af.losses.cross_entropy(model(input_ids=b["input_ids"]).logits, b["labels"])
+    return loss, {"tokens": loss.count.float()}
+
+
+def aligned(b):
+    labels = torch.full_like(b["labels"], -100)
+    labels[:, :-1] = b["labels"][:, 1:]
+    return {"input_ids": b["input_ids"], "labels": labels}
+
+
 def lm_loss(model, b):
     logits = model(input_ids=b["input_ids"]).logits
     loss = af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
@@ -62,13 +74,16 @@ def full(t):
 
 def check(mesh, kind, options):
     data = batches()
+    loss_fn = lm_loss
+    if "cp" in mesh.axis_names:
+        data, loss_fn = [aligned(b) for b in data], aligned_loss
     opt = lambda: af.optim.adamw(1e-3, weight_decay=0.1)  # noqa: E731
     schedule = next((o for o in options if o in SCHEDULES), "1f1b")
     m = int(next((o[2:] for o in options if o.startswith("m=")), "4"))
     load = next((o[5:] for o in options if o.startswith("load=")), None)
 
     p = 0.1 if "dropout" in options else 0.0
-    ref_step = af.train_step(lm_loss, opt(), clip_grad_norm=0.5)
+    ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
     if p:
         ref_step = af.accumulate(ref_step, m)  # the same micro-batches, so the same dropout masks
     if "remat" in options:
@@ -83,7 +98,7 @@ def check(mesh, kind, options):
         ref_norms.append(met["grad_norm"].item())
         ref_tokens.append(met["tokens"].item())
 
-    step = af.train_step(lm_loss, opt(), clip_grad_norm=0.5)
+    step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
     micro = m
     if "accumulate" in options:
         step = af.accumulate(step, 2)
@@ -93,7 +108,7 @@ def check(mesh, kind, options):
     split = ["model.layers.1"] if "split" in options and kind == "llama" else None
     step = af.pipeline(step, mesh, microbatches=micro, schedule=schedule, split_points=split,
                        stages_per_rank=1 if split else None)  # fmt: skip
-    if "ddp" in options or "fsdp" in options or "tp" in mesh.axis_names:
+    if "ddp" in options or "fsdp" in options or "tp" in mesh.axis_names or "cp" in mesh.axis_names:
         strategy = "fsdp" if "fsdp" in options else "ddp"
         step = af.shard(step, mesh, strategy=strategy, inputs="global")
     else:
@@ -113,7 +128,7 @@ def check(mesh, kind, options):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     # aux metrics are averaged over micro-batches (as under af.accumulate): m of them here
-    per_ref = m * mesh.data_size if not p else mesh.data_size  # the reference averages over its m too
+    per_ref = m * mesh.grad_size if not p else mesh.grad_size  # the reference averages over its m too
     tok_diff = max(abs(a * per_ref - b) for a, b in zip(tokens, ref_tokens))  # and ranks
     where = f"rank {mesh.rank} {kind}:{':'.join(options)}"
     assert loss_diff <= 2e-5, f"{where}: losses {losses} vs one process {ref_losses}"

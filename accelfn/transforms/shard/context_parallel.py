@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -265,6 +266,28 @@ def _hf_position_hook(runtime: _Runtime, module: nn.Module) -> Any:
     return hook
 
 
+@contextlib.contextmanager
+def _positions_are_not_packing() -> Iterator[None]:
+    """Hugging Face reads a jump in `position_ids` as the start of another packed sequence (when the model runs
+    without a cache, e.g. `use_cache=False`) and builds a block mask; under context parallel the jump is the
+    seam between this rank's head and tail chunks, and attention is causal by global position. Its detection is
+    turned off while the step's forward runs (the attention refuses any mask)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    return None
+
+
 def _position_taker(module: nn.Module) -> nn.Module | None:
     """The outermost Hugging Face model inside `module` (itself included) whose forward takes `position_ids`:
     the model itself, or the one a wrapper (PEFT's PeftModel, whose forward takes **kwargs) calls."""
@@ -327,7 +350,7 @@ class ContextParallel(TransformBase):
         @contextlib.contextmanager
         def forward() -> Iterator[None]:
             before = runtime.calls
-            with _AttentionMode(runtime):
+            with _AttentionMode(runtime), _positions_are_not_packing():
                 yield
             if runtime.calls == before:
                 raise ValueError(

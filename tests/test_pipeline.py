@@ -148,11 +148,12 @@ def test_every_schedule_is_a_torch_schedule():
 # ---- real processes -------------------------------------------------------------------------------------------
 SCHEDULE_CONFIGS = ["llama:gpipe", "llama:1f1b", "gpt2:1f1b", "gpt2:interleaved_1f1b", "llama:looped_bfs",
                     "llama:interleaved_zb", "llama:zbv", "llama:dualpipev", "llama:remat", "llama:accumulate",
-                    "llama:split:gpipe", "llama:dropout:remat", "gpt2:dropout:interleaved_1f1b"]  # fmt: skip
+                    "llama:split:gpipe", "llama:dropout:remat", "gpt2:dropout:interleaved_1f1b", "llama:bf16",
+                    "llama:fp8", "gpt2:compile:interleaved_1f1b"]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_pp2_every_schedule_remat_and_accumulate_equal_one_process():
+def test_pp2_every_schedule_and_combinator_equals_one_process():
     proc = run_workers("pp_train_worker.py", 2, "pp=2", *SCHEDULE_CONFIGS, timeout=600)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("PP OK") == 2 * len(SCHEDULE_CONFIGS), output_of(proc)

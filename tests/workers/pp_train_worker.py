@@ -5,7 +5,8 @@
 The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
 gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp (af.shard
 over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
-(explicit split points), dropout (dropout 0.1 everywhere: the reference is one process under
+(explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile
+per block, aot_eager), dropout (dropout 0.1 everywhere: the reference is one process under
 af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
 on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
@@ -68,6 +69,19 @@ def lm_loss(model, b):
     return loss, {"tokens": loss.count.float()}
 
 
+def wrapped(step, options):
+    """The combinators of `options`, the same for the pipeline and its one-process reference."""
+    if "fp8" in options:
+        step = af.autocast_fp8(step, backend="torchao", emulate=True)
+    if "bf16" in options:
+        step = af.autocast(step, "bf16")
+    if "remat" in options:
+        step = af.remat(step, "full")
+    if "compile" in options:
+        step = af.compile(step, regions="blocks", backend="aot_eager")
+    return step
+
+
 def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
@@ -84,10 +98,11 @@ def check(mesh, kind, options):
 
     p = 0.1 if "dropout" in options else 0.0
     ref_step = af.train_step(loss_fn, opt(), clip_grad_norm=0.5)
-    if p:
-        ref_step = af.accumulate(ref_step, m)  # the same micro-batches, so the same dropout masks
-    if "remat" in options:
-        ref_step = af.remat(ref_step, "full")
+    # dropout masks, and bf16 / fp8 rounding, depend on the micro-batches: the reference runs the same ones
+    same_micro = bool(p) or "bf16" in options or "fp8" in options
+    if same_micro:
+        ref_step = af.accumulate(ref_step, m)
+    ref_step = wrapped(ref_step, options)
     ref = ref_step.init(make_model(kind, p), seed=3)
     if load:
         ref = af.checkpoint.load(load + "-ref", like=ref)
@@ -103,8 +118,7 @@ def check(mesh, kind, options):
     if "accumulate" in options:
         step = af.accumulate(step, 2)
         micro = m // 2
-    if "remat" in options:
-        step = af.remat(step, "full")
+    step = wrapped(step, options)
     split = ["model.layers.1"] if "split" in options and kind == "llama" else None
     step = af.pipeline(step, mesh, microbatches=micro, schedule=schedule, split_points=split,
                        stages_per_rank=1 if split else None)  # fmt: skip
@@ -128,7 +142,9 @@ def check(mesh, kind, options):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     norm_diff = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     # aux metrics are averaged over micro-batches (as under af.accumulate): m of them here
-    per_ref = m * mesh.grad_size if not p else mesh.grad_size  # the reference averages over its m too
+    per_ref = (
+        m * mesh.grad_size if not same_micro else mesh.grad_size
+    )  # the reference averages over its m too
     tok_diff = max(abs(a * per_ref - b) for a, b in zip(tokens, ref_tokens))  # and ranks
     where = f"rank {mesh.rank} {kind}:{':'.join(options)}"
     assert loss_diff <= 2e-5, f"{where}: losses {losses} vs one process {ref_losses}"

@@ -113,6 +113,17 @@ def test_one_stage_pipeline_equals_the_plain_step_and_checks_micro_batches():
             af.eval_step(lambda m, b: m(b)).init(step.model)
 
 
+def test_zero_bubble_schedules_under_fsdp_are_refused_before_any_step():
+    # measured: a KeyError in torch's weight-gradient step (zbv, dualpipev) or a wrong update (interleaved_zb)
+    with af.Mesh({"pp": 1, "dp": 1}, device="cpu") as mesh:
+        for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+            step = af.pipeline(
+                af.train_step(lm_loss, af.optim.sgd(0.1)), mesh, microbatches=2, schedule=schedule
+            )
+            with pytest.raises(ValueError, match=f"zero-bubble schedule '{schedule}' splits each backward"):
+                af.shard(step, mesh, strategy="fsdp").init(llama(2))
+
+
 def test_a_pp_axis_without_a_pipeline_is_refused_by_shard():
     with af.Mesh({"pp": 1, "dp": 1}, device="cpu") as mesh:
         af.shard(af.train_step(lm_loss, af.optim.sgd(0.1)), mesh).init(llama(2))  # pp=1: nothing to split
@@ -161,10 +172,11 @@ def test_pp2_every_schedule_and_combinator_equals_one_process():
 
 @pytest.mark.slow
 def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_and_pp2_x_cp2_equal_one_process():
-    proc = run_workers("pp_train_worker.py", 4, "pp=2,dp=2", "llama:ddp", "gpt2:fsdp", "llama:fsdp:remat",
-                       "gpt2:ddp:accumulate", timeout=600)  # fmt: skip
+    configs = ["llama:ddp", "gpt2:fsdp", "llama:fsdp:remat", "gpt2:ddp:accumulate", "gpt2:fsdp:interleaved_1f1b",
+               "llama:fsdp:looped_bfs", "llama:ddp:zbv"]  # fmt: skip
+    proc = run_workers("pp_train_worker.py", 4, "pp=2,dp=2", *configs, timeout=600)
     assert proc.returncode == 0, output_of(proc)
-    assert proc.stdout.count("PP OK") == 16, output_of(proc)
+    assert proc.stdout.count("PP OK") == 4 * len(configs), output_of(proc)
     proc = run_workers("pp_train_worker.py", 4, "pp=2,tp=2", "llama", timeout=600)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("PP OK") == 4, output_of(proc)

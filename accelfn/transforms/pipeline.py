@@ -71,6 +71,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 }
 
 
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # the schedules that split the backward (input / weight)
+
+
 def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """The idle fraction of a 1F1B/GPipe-style schedule: (p-1)/(m+p-1) for p stages and m micro-batches,
     the bubble divided by v for v interleaved stages per rank (Narayanan et al. 2021).
@@ -526,10 +529,12 @@ class Pipeline(TransformBase):
             raise conflict(
                 self, shard, "DeepSpeed runs its own engine; pipeline parallel needs backend='torch'"
             )
-        if shard is not None and self.v > 1 and getattr(shard, "strategy", "") in ("fsdp", "hsdp"):
+        if self.schedule in ZERO_BUBBLE and getattr(shard, "strategy", "") in ("fsdp", "hsdp"):
             raise conflict(
-                self, shard, f"{self.v} stages per rank under FSDP are not supported in this version: use "
-                "schedule='1f1b' or 'gpipe' with fsdp, or ddp with the interleaved schedules",
+                self, shard, f"the zero-bubble schedule {self.schedule!r} splits each backward into input and "
+                "weight gradients, which FSDP's deferred reduce-scatter does not follow when one rank holds two "
+                "stages of the same model (a wrong update or a KeyError, measured on torch 2.13): use "
+                "'interleaved_1f1b' or 'looped_bfs' with fsdp, or strategy='ddp' with the zero-bubble schedules",
             )  # fmt: skip
         compile_ = find(others, "compile")
         if compile_ is not None and getattr(compile_, "regions", "blocks") != "blocks":

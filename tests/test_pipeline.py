@@ -225,3 +225,24 @@ def test_checkpoints_move_between_pp2_one_process_pp4_and_pp2_x_dp2_fsdp(tmp_pat
         proc = run_workers("pp_train_worker.py", nproc, mesh, f"llama:load={ck}{extra}", timeout=300)
         assert proc.returncode == 0, output_of(proc)
         assert proc.stdout.count("PP OK") == nproc, output_of(proc)
+
+
+@pytest.mark.slow
+def test_a_pp2_x_dp2_checkpoint_loads_on_one_process_fsdp2_and_pp4_and_comes_back(tmp_path):
+    # saved on pp2 x dp2 (fsdp), read whole by one process, resumed on fsdp over 2 processes (no pipeline)
+    # and on pp4, whose checkpoint resumes on pp2 x dp2 again: each run equal to one process going on
+    ck, back = str(tmp_path / "pp2xdp2"), str(tmp_path / "pp4")
+    runs = [(4, "pp=2,dp=2", f"llama:fsdp:save={ck}"), (2, "dp=2", f"llama:fsdp:load={ck}"),
+            (4, "pp=4", f"llama:load={ck}:save={back}"), (4, "pp=2,dp=2", f"llama:fsdp:load={back}")]  # fmt: skip
+    for nproc, mesh, config in runs:
+        proc = run_workers("pp_train_worker.py", nproc, mesh, config, timeout=300)
+        assert proc.returncode == 0, output_of(proc)
+        assert proc.stdout.count("PP OK") == nproc, output_of(proc)
+        if config.endswith(f"save={ck}"):  # one process reads it whole, params and optimizer state
+            plain = af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=0.5)
+            whole = af.checkpoint.load(ck, like=plain.init(llama(4), seed=3))
+            ref = af.checkpoint.load(ck + "-ref", like=plain.init(llama(4), seed=3))
+            assert int(whole.step) == int(ref.step) == 3
+            for (path, a), (_, b) in zip(af.tree.flatten_with_path(whole), af.tree.flatten_with_path(ref)):
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=lambda m, p=path: f"{p}: {m}")

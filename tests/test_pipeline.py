@@ -200,7 +200,9 @@ def test_kill_and_resume_on_pp2_x_dp2_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_checkpoints_move_between_pp2_one_process_pp4_and_pp2_x_dp2_fsdp(tmp_path):
     ck = str(tmp_path / "pp2")
-    proc = run_workers("pp_train_worker.py", 2, "pp=2", f"llama:save={ck}", timeout=300)
+    hf, gpt2 = tmp_path / "pp2-hf", tmp_path / "gpt2-hf"
+    proc = run_workers("pp_train_worker.py", 2, "pp=2", f"llama:save={ck}:pretrained={hf}", f"gpt2:pretrained={gpt2}",
+                       timeout=300)  # fmt: skip
     assert proc.returncode == 0, output_of(proc)
     # one process reads the pipeline's checkpoint whole (every stage's params and optimizer state)
     plain = af.train_step(lm_loss, af.optim.adamw(1e-3, weight_decay=0.1), clip_grad_norm=0.5)
@@ -220,6 +222,16 @@ def test_checkpoints_move_between_pp2_one_process_pp4_and_pp2_x_dp2_fsdp(tmp_pat
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, whole.params[k])
+    # save_pretrained on the stages writes the whole model (every stage's weights), as from one process
+    loaded, info = LlamaForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not any(info.values()), info
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, whole.params[k], rtol=0, atol=0)
+    from transformers import GPT2LMHeadModel
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(gpt2, output_loading_info=True)  # head tied across stages
+    assert not any(info.values()), info
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
     # and it resumes on pp2 (exactly as one process goes on from the same state), pp4 and pp2 x dp2 with fsdp
     for nproc, mesh, extra in ((2, "pp=2", ""), (4, "pp=4", ""), (4, "pp=2,dp=2", ":fsdp")):
         proc = run_workers("pp_train_worker.py", nproc, mesh, f"llama:load={ck}{extra}", timeout=300)

@@ -24,15 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import dry_mode
 from .._typecheck import checked
+from ..stages import is_carved
 from ..state import TrainState, check_not_donated
 from . import atomic, io
 from ._dist import Comm, is_dtensor
 from .format import HF_INDEX, CheckpointMismatchError, hf_index, parse_size
-from .leaves import alias_key
+from .leaves import alias_key, dtype_name, dtype_of
 from .load import Target, check_leaf
 from .save import _split
 
@@ -161,7 +163,7 @@ def save_pretrained(
     named = _named_tensors(model_or_params, model)
     if config is None and module is not None:
         config = getattr(module, "config", None)
-    check_loadable(list(named), module, config)
+    check_loadable(all_names(named), module, config)
     if dry_mode.skip(f"af.checkpoint.save_pretrained({str(path)!r})"):
         return
     final = Path(path).absolute()
@@ -187,7 +189,14 @@ def _reference_model(module: nn.Module | None, config: Any) -> tuple[nn.Module, 
         return None
     base = transformers.PreTrainedModel
     if module is not None:
-        return next(((m, n) for n, m in module.named_modules() if isinstance(m, base)), None)
+        found = next(((m, n) for n, m in module.named_modules() if isinstance(m, base)), None)
+        if found is not None and is_carved(found[0]):  # a pipeline stage: the keys of the whole model
+            try:
+                with torch.device("meta"):
+                    return type(found[0])(found[0].config), found[1]
+            except Exception:  # noqa: BLE001 - a class that cannot be built from its config: no comparison
+                return None
+        return found
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if len(names) == 1 else None
     if not (isinstance(cls, type) and issubclass(cls, base)):
@@ -278,11 +287,26 @@ def check_loadable(names: list[str], module: nn.Module | None, config: Any) -> N
     )
 
 
+def all_names(named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pretrained") -> list[str]:
+    """The names of `named` on every rank, together (a collective, checked by a roll call: `what` names the
+    call when a rank is missing): under pipeline parallel each rank holds its stages' tensors only, and what
+    is written is all of them."""
+    comm = Comm()
+    if not comm.active:
+        return list(named)
+    comm.roll_call(what)
+    out = dict.fromkeys(named)
+    for names in comm.all_gather_json(list(named)):
+        out.update(dict.fromkeys(names))
+    return list(out)
+
+
 def gather_full(
     named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pretrained"
 ) -> dict[str, torch.Tensor] | None:
     """Full (detached) tensors on rank 0, None elsewhere; sharded (DTensor) ones are gathered, a collective
-    every rank joins (with the same names, in the same order): `what` names the call when a rank is missing."""
+    every rank joins: `what` names the call when a rank is missing. Ranks holding different tensors (pipeline
+    stages) send rank 0 the ones it lacks (each from the lowest rank holding it), point to point."""
     comm = Comm()
     comm.roll_call(what)
     rank0 = comm.rank == 0
@@ -290,9 +314,31 @@ def gather_full(
     for name, t in named.items():
         if is_dtensor(t):
             t = t.full_tensor()  # type: ignore[attr-defined]  # collective: every rank takes part
-        if rank0:
-            full[name] = t.detach()
+        full[name] = t.detach()
+    if comm.active:
+        _collect_on_rank0(comm, full)
     return full if rank0 else None
+
+
+def _collect_on_rank0(comm: Comm, full: dict[str, torch.Tensor]) -> None:
+    """Add to rank 0's `full` the tensors other ranks hold and it does not (none, unless the ranks hold
+    different pipeline stages): their names, shapes and dtypes go as JSON, their bytes over the save's gloo
+    group."""
+    held = comm.all_gather_json({k: [list(t.shape), dtype_name(t.dtype)] for k, t in full.items()})
+    plan: dict[str, int] = {}
+    for rank in range(1, comm.world):
+        for name in held[rank]:
+            if name not in held[0] and name not in plan:
+                plan[name] = rank
+    for name, src in plan.items():  # the same order on every rank
+        shape, dtype = held[src][name]
+        if comm.rank == src:
+            data = full[name].cpu().contiguous().reshape(-1).view(torch.uint8)
+            dist.send(data, dst=0, group=comm.group)
+        elif comm.rank == 0:
+            tensor = torch.empty(shape, dtype=dtype_of(dtype))
+            dist.recv(tensor.reshape(-1).view(torch.uint8), src=src, group=comm.group)
+            full[name] = tensor
 
 
 def write_folder(final: Path, write: Callable[[Path], None], replaced: Callable[[str], bool]) -> None:

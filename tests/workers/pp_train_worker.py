@@ -7,7 +7,7 @@ gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1
 over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
 (explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile
 per block, aot_eager), dropout (dropout 0.1 everywhere: the reference is one process under
-af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
+af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, pretrained=<folder> (save_pretrained of the final state), save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
 on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
 """
@@ -165,6 +165,8 @@ def check(mesh, kind, options):
             for k, v in went_on.params.items():
                 assert torch.equal(full(v), full(again.params[k])), f"{where}: resumed {k} differs"
             state = again
+        if o.startswith("pretrained="):  # the Hugging Face folder of the whole model, from every stage
+            af.checkpoint.save_pretrained(o[11:], state, model=step.model)
         if o.startswith("save="):
             af.checkpoint.save(o[5:], state)
             af.checkpoint.save(o[5:] + "-ref", ref)  # the same on every rank: written once

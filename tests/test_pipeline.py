@@ -189,6 +189,14 @@ def test_pp2_x_dp2_ddp_and_fsdp_and_pp2_x_tp2_and_pp2_x_cp2_equal_one_process():
 
 
 @pytest.mark.slow
+def test_pp2_x_hsdp_on_eight_processes_equals_one_process():
+    # 3-D: pipeline over pp, replicas over dp, shards over fsdp (8 processes on this machine's 2 cores)
+    proc = run_workers("pp_train_worker.py", 8, "pp=2,dp=2,fsdp=2", "llama:hsdp:m=2", timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 8, output_of(proc)
+
+
+@pytest.mark.slow
 def test_kill_and_resume_on_pp2_x_dp2_is_bit_identical(tmp_path):
     proc = run_workers(
         "pp_train_worker.py", 4, "pp=2,dp=2", f"llama:ddp:resume={tmp_path / 'mid'}", timeout=300

@@ -3,8 +3,8 @@
     accelfn launch --nproc-per-node 2 --cpu tests/workers/pp_train_worker.py pp=2 llama:1f1b gpt2:gpipe
 
 The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
-gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp (af.shard
-over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
+gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp / hsdp
+(af.shard over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
 (explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile
 per block, aot_eager), dropout (dropout 0.1 everywhere: the reference is one process under
 af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, pretrained=<folder> (save_pretrained of the final state), save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
@@ -124,8 +124,9 @@ def check(mesh, kind, options):
     if piped:
         step = af.pipeline(step, mesh, microbatches=micro, schedule=schedule, split_points=split,
                            stages_per_rank=1 if split else None)  # fmt: skip
-    if "ddp" in options or "fsdp" in options or "tp" in mesh.axis_names or "cp" in mesh.axis_names:
-        strategy = "fsdp" if "fsdp" in options else "ddp"
+    strategy = next((o for o in ("hsdp", "fsdp", "ddp") if o in options), None)
+    if strategy or "tp" in mesh.axis_names or "cp" in mesh.axis_names:
+        strategy = strategy or "ddp"
         step = af.shard(step, mesh, strategy=strategy, inputs="global")
     else:
         assert mesh.data_size == 1

@@ -292,11 +292,9 @@ def all_names(named: dict[str, torch.Tensor], what: str = "af.checkpoint.save_pr
     call when a rank is missing): under pipeline parallel each rank holds its stages' tensors only, and what
     is written is all of them."""
     comm = Comm()
-    if not comm.active:
-        return list(named)
     comm.roll_call(what)
     out = dict.fromkeys(named)
-    for names in comm.all_gather_json(list(named)):
+    for names in _held_by_rank(comm, named):
         out.update(dict.fromkeys(names))
     return list(out)
 
@@ -309,36 +307,42 @@ def gather_full(
     stages) send rank 0 the ones it lacks (each from the lowest rank holding it), point to point."""
     comm = Comm()
     comm.roll_call(what)
-    rank0 = comm.rank == 0
+    held = _held_by_rank(comm, named)
+    senders = _senders(held)
     full: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         if is_dtensor(t):
             t = t.full_tensor()  # type: ignore[attr-defined]  # collective: every rank takes part
-        full[name] = t.detach()
-    if comm.active:
-        _collect_on_rank0(comm, full)
-    return full if rank0 else None
-
-
-def _collect_on_rank0(comm: Comm, full: dict[str, torch.Tensor]) -> None:
-    """Add to rank 0's `full` the tensors other ranks hold and it does not (none, unless the ranks hold
-    different pipeline stages): their names, shapes and dtypes go as JSON, their bytes over the save's gloo
-    group."""
-    held = comm.all_gather_json({k: [list(t.shape), dtype_name(t.dtype)] for k, t in full.items()})
-    plan: dict[str, int] = {}
-    for rank in range(1, comm.world):
-        for name in held[rank]:
-            if name not in held[0] and name not in plan:
-                plan[name] = rank
-    for name, src in plan.items():  # the same order on every rank
+        if comm.rank == 0 or senders.get(name) == comm.rank:  # the others drop it at once (memory)
+            full[name] = t.detach()
+    for name, src in senders.items():  # the same order on every rank
         shape, dtype = held[src][name]
         if comm.rank == src:
-            data = full[name].cpu().contiguous().reshape(-1).view(torch.uint8)
-            dist.send(data, dst=0, group=comm.group)
+            dist.send(
+                full.pop(name).cpu().contiguous().reshape(-1).view(torch.uint8), dst=0, group=comm.group
+            )
         elif comm.rank == 0:
             tensor = torch.empty(shape, dtype=dtype_of(dtype))
             dist.recv(tensor.reshape(-1).view(torch.uint8), src=src, group=comm.group)
             full[name] = tensor
+    return full if comm.rank == 0 else None
+
+
+def _held_by_rank(comm: Comm, named: dict[str, torch.Tensor]) -> list[dict[str, list[Any]]]:
+    """Each rank's tensor names with their (global) shapes and dtypes, in rank order (JSON over the save's
+    group)."""
+    mine = {k: [list(t.shape), dtype_name(t.dtype)] for k, t in named.items()}
+    return comm.all_gather_json(mine) if comm.active else [mine]
+
+
+def _senders(held: list[dict[str, list[Any]]]) -> dict[str, int]:
+    """For each tensor rank 0 does not hold (other pipeline stages'), the lowest rank that does."""
+    out: dict[str, int] = {}
+    for rank in range(1, len(held)):
+        for name in held[rank]:
+            if name not in held[0] and name not in out:
+                out[name] = rank
+    return out
 
 
 def write_folder(final: Path, write: Callable[[Path], None], replaced: Callable[[str], bool]) -> None:

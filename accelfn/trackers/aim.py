@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["AimTracker"]
 
@@ -47,11 +47,9 @@ class AimTracker:
         run_dir = Path(run_dir)
         self.repo = Path(repo) if repo is not None else run_dir
         hash_file = run_dir / "aim_run_hash"
-        try:
+        with writing(self.name, self.repo):
             self.repo.mkdir(parents=True, exist_ok=True)
             run_hash = hash_file.read_text().strip() if hash_file.exists() else None
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.repo)!r}: {e}") from e
         try:
             self._run = Run(
                 run_hash=run_hash,

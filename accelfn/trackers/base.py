@@ -13,15 +13,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ["Tracker", "TrackerError", "to_plain", "flatten_config", "missing_package"]
+__all__ = ["Tracker", "TrackerError", "to_plain", "flatten_config", "missing_package", "writing"]
 
 Scalar = str | int | float | bool
 
@@ -58,6 +59,15 @@ def missing_package(backend: str, package: str, extra: str, cause: BaseException
         backend,
         f"the package {package!r} is not installed ({cause}); install it with pip install 'accelfn[{extra}]'",
     )
+
+
+@contextlib.contextmanager
+def writing(backend: str, path: str | os.PathLike[str]) -> Iterator[None]:
+    """A backend's files under `path`: an OSError inside becomes the TrackerError naming backend and path."""
+    try:
+        yield
+    except OSError as e:
+        raise TrackerError(backend, f"cannot write {str(path)!r}: {e}") from e
 
 
 def to_plain(obj: Any) -> Any:

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["ClearMLTracker"]
 
@@ -49,10 +49,8 @@ class ClearMLTracker:
         except ImportError as e:
             raise missing_package(self.name, "clearml", "clearml", e) from e
         self.run_dir = Path(run_dir)
-        try:
+        with writing(self.name, self.run_dir):
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.run_dir)!r}: {e}") from e
         self._external = Task.current_task() is not None
         self._was_offline = bool(Task.is_offline())
         if self._external:

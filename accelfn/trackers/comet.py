@@ -19,7 +19,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["CometTracker"]
 
@@ -53,15 +53,13 @@ class CometTracker:
         run_dir = Path(run_dir)
         key_file = run_dir / "comet_experiment_key"
         offline_dir = run_dir / "comet"
-        try:
+        with writing(self.name, run_dir):
             offline_dir.mkdir(parents=True, exist_ok=True)
             if key_file.exists():
                 key = key_file.read_text().strip()
             else:
                 key = secrets.token_hex(16)  # Comet keys: 32 to 50 alphanumeric characters
                 key_file.write_text(key + "\n")
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(run_dir)!r}: {e}") from e
         if online is None and not os.environ.get("COMET_START_ONLINE"):
             online = _has_api_key()
         if online is False:  # Comet's environment details look up its server's address: not offline

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["DVCLiveTracker"]
 
@@ -43,14 +43,12 @@ class DVCLiveTracker:
             raise missing_package(self.name, "dvclive", "dvclive", e) from e
         self.dir = Path(dir) if dir is not None else Path(run_dir) / "dvclive"
         resume = resume_step is not None and (self.dir / "metrics.json").exists()
-        try:
+        with writing(self.name, self.dir):
             self.dir.mkdir(parents=True, exist_ok=True)
             if resume:
                 assert resume_step is not None
                 for tsv in (self.dir / "plots" / "metrics").rglob("*.tsv"):
                     _truncate_tsv(tsv, resume_step)
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.dir)!r}: {e}") from e
         # next to the folder, not in it (inside, DVCLive 3 repeats its entries at each step)
         live_kwargs.setdefault("dvcyaml", str(self.dir.parent / "dvc.yaml"))
         try:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .base import TrackerError, to_plain
+from .base import TrackerError, to_plain, writing
 
 __all__ = ["JSONLTracker", "truncate_after"]
 
@@ -72,13 +72,11 @@ class JSONLTracker:
     def __init__(self, run_dir: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.config_path = Path(run_dir) / "config.json"
-        try:
+        with writing(self.name, self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
                 truncate_after(self.path, resume_step)
             self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - open until close()
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.path)!r}: {e}") from e
 
     def log(self, metrics: dict[str, float], step: int, *, wall_time: float | None = None) -> None:
         if self._file is None:

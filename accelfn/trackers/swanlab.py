@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["SwanLabTracker"]
 
@@ -43,10 +43,8 @@ class SwanLabTracker:
             raise missing_package(self.name, "swanlab", "swanlab", e) from e
         run_dir = Path(run_dir)
         self.logdir = run_dir / "swanlog"
-        try:
+        with writing(self.name, self.logdir):
             self.logdir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.logdir)!r}: {e}") from e
         if mode is None and not os.environ.get("SWANLAB_MODE") and not _has_api_key():
             mode = "offline"
         self.mode = mode or os.environ.get("SWANLAB_MODE") or "cloud"

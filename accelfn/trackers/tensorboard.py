@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import TrackerError, flatten_config, missing_package, to_plain
+from .base import flatten_config, missing_package, to_plain, writing
 
 __all__ = ["TensorBoardTracker"]
 
@@ -29,12 +29,10 @@ class TensorBoardTracker:
         except ImportError as e:
             raise missing_package(self.name, "tensorboard", "tensorboard", e) from e
         self.log_dir = Path(run_dir) / subdir
-        try:
+        with writing(self.name, self.log_dir):
             self.log_dir.mkdir(parents=True, exist_ok=True)
             purge = None if resume_step is None else resume_step + 1
             self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(self.log_dir)!r}: {e}") from e
 
     def log(self, metrics: dict[str, float], step: int, *, wall_time: float | None = None) -> None:
         for key, value in metrics.items():

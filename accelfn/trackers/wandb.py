@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .base import TrackerError, missing_package, to_plain
+from .base import TrackerError, missing_package, to_plain, writing
 
 __all__ = ["WandbTracker", "has_api_key"]
 
@@ -62,15 +62,13 @@ class WandbTracker:
             raise missing_package(self.name, "wandb", "wandb", e) from e
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_run_id"
-        try:
+        with writing(self.name, run_dir):
             (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
             if id_file.exists():
                 run_id = id_file.read_text().strip()
             else:
                 run_id = secrets.token_hex(4)
                 id_file.write_text(run_id + "\n")
-        except OSError as e:
-            raise TrackerError(self.name, f"cannot write {str(run_dir)!r}: {e}") from e
         if mode is None:
             mode = os.environ.get("WANDB_MODE") or ("online" if has_api_key() else "offline")
         self.mode = mode

@@ -38,6 +38,8 @@ class GradSync:
       during the backward), and return the global loss sum and token count;
     - `any_rank(flag)` (fp16 only): a found-inf flag, true on every rank if true on one (sharded gradients);
     - `norm(grads)` (clipping only): the global L2 norm of the (possibly sharded) gradients;
+    - `after_update(params, step)` after the optimizer update (also when fp16 skipped it): `params` the trainable
+      params, updated; `step` the state's step counter before this step (local SGD averages the params here);
     - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks.
 
     `rank_loss` (a flag) says whether the loss summed on a rank before `reduce` is the loss of its own rows,
@@ -81,6 +83,9 @@ class GradSync:
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the (possibly sharded) gradients."""
         return global_norm(grads)
+
+    def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        """Called after the update with the trainable params and the step counter before this step."""
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Average metric scalars over the data-parallel ranks."""

@@ -10,7 +10,8 @@
 - `reduce`: the strategy sums gradients, loss and count over the ranks; gradients are divided by the global
   count (exact averaging), unscaled and checked for inf (fp16);
 - `clip`: by the global norm (the strategy's, for sharded gradients);
-- `update`: the optimizer, in place (or the `af.offload` updater), then the `after_update` hooks;
+- `update`: the optimizer, in place (or the `af.offload` updater), then the `after_update` hooks and the
+  strategy's `after_update` (local SGD averages the params there);
 - `metrics`: loss, grad norm, lr, aux averaged over micro-batches and ranks (under a sharding strategy also
   `rank_loss`, the loss of this rank's own rows); the new `TrainState`.
 
@@ -250,18 +251,18 @@ class TrainPhases:
         assert plan.slots is not None and plan.optimizer is not None
         names = plan.slots.trainable
         run.opt_state, run.extra = run.state.opt_state, run.state.extra
-        if run.skipped:
-            return
         trainable = params if len(names) == len(params) else {n: params[n] for n in names}
-        if plan.updater is None:
-            apply = apply_gradients_on_shards if plan.update_on_shards else apply_gradients
-            run.opt_state = apply(plan.optimizer, run.grads, run.opt_state, trainable)
-        else:
-            run.opt_state, run.extra = plan.updater(
-                plan.optimizer, run.grads, run.opt_state, trainable, run.extra
-            )
-        for hook in plan.after_update:
-            hook(plan.module)
+        if not run.skipped:
+            if plan.updater is None:
+                apply = apply_gradients_on_shards if plan.update_on_shards else apply_gradients
+                run.opt_state = apply(plan.optimizer, run.grads, run.opt_state, trainable)
+            else:
+                run.opt_state, run.extra = plan.updater(
+                    plan.optimizer, run.grads, run.opt_state, trainable, run.extra
+                )
+            for hook in plan.after_update:
+                hook(plan.module)
+        run.sync.after_update(trainable, run.state.step)  # also after a skipped update: the step still counts
 
     # ---- metrics and the new state ------------------------------------------------------------------------------
     def metrics(self, run: StepRun) -> tuple[TrainState, dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ from .offload import apply_pending_update, offload
 from .pipeline import pipeline
 from .remat import remat
 from .shard import shard
+from .shard.local_sgd import average_params
 
 __all__ = [
     "apply_pending_update",
@@ -19,5 +20,6 @@ __all__ = [
     "pipeline",
     "remat",
     "shard",
+    "average_params",
     "LossScaleConfig",
 ]

@@ -154,6 +154,9 @@ class PipelineSync(GradSync):
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         self.inner.prepare(params)
 
+    def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        self.inner.after_update(params, step)
+
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

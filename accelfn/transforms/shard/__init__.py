@@ -9,6 +9,8 @@
   optimizer state are the module's own DTensor shards (memory per rank ~1/N). Reduce-scatter sums.
   Under `af.autocast` the matching `MixedPrecisionPolicy` (param dtype, fp32 reduce) is used.
 - `"hsdp"`: FSDP2 on a 2-D mesh (`dp` replicate x `fsdp` shard).
+- `"local_sgd"`: no gradient sync; each rank updates its own replica and the params are averaged every
+  `sync_every` updates (Accelerate's `LocalSGD`); see `accelfn.transforms.shard.local_sgd`.
 
 `backend="deepspeed"` runs the step through a DeepSpeed engine (ZeRO stage `zero_stage`; by default
 ZeRO-1 for `strategy="ddp"`, ZeRO-3 for `"fsdp"`), with its config generated from the combinators and
@@ -54,6 +56,7 @@ __all__ = ["shard", "STRATEGIES"]
 
 NOT_SPLIT = {"ep": "expert parallel"}
 DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
+_LOCAL_SGD_WHOLE = "local SGD averages whole replicas"
 
 
 @attrs.frozen
@@ -87,6 +90,10 @@ TABLE: tuple[Strategy, ...] = (
     Strategy(
         "hsdp", "torch", "fsdp:lower_fsdp", needs=("dp", "fsdp"),
         cp="HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)",
+    ),
+    Strategy(
+        "local_sgd", "torch", "local_sgd:lower_local_sgd", options=("sync_every",),
+        tp=f"{_LOCAL_SGD_WHOLE}: tensor parallel is not combined with it", cp=f"{_LOCAL_SGD_WHOLE}: use strategy='ddp'",
     ),
     Strategy(
         "ddp", "deepspeed", "deepspeed.lowering:lower_deepspeed", options=DEEPSPEED_OPTIONS, tp=_NO_DS_TP,
@@ -127,6 +134,7 @@ class Shard(TransformBase):
     zero_stage: int | None = None
     offload_optimizer: bool | None = None
     overlap: bool | None = None
+    sync_every: int | None = None
     kind: str = "shard"
 
     def describe(self) -> str:
@@ -136,6 +144,8 @@ class Shard(TransformBase):
             extra += f", zero_stage={self.zero_stage}"
         if self.offload_optimizer:
             extra += ", offload_optimizer=True"
+        if self.sync_every is not None:
+            extra += f", sync_every={self.sync_every}"
         return f"shard({self.strategy}, {axes}{extra})"
 
     def lower(self, plan: Plan) -> None:
@@ -159,6 +169,11 @@ class Shard(TransformBase):
         plan.grad_sync = sync
 
     def check(self, others: Sequence[Any]) -> None:
+        if self.strategy == "local_sgd" and any(t.kind == "pipeline" for t in others):
+            raise ValueError(
+                "shard(strategy='local_sgd') averages whole replicas: it is not combined with af.pipeline "
+                "(use strategy='ddp' or 'fsdp' with a pipeline)"
+            )
         pp = self.mesh.axis_size("pp") if "pp" in self.mesh.axis_names else 1
         if pp > 1 and not any(t.kind == "pipeline" for t in others):
             raise ValueError(
@@ -180,6 +195,7 @@ def shard(
     zero_stage: int | None = None,
     offload_optimizer: bool | None = None,
     overlap: bool | None = None,
+    sync_every: int | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
@@ -191,6 +207,9 @@ def shard(
     with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
     ("ddp" -> 1, "fsdp" -> 3); `offload_optimizer=True` keeps the optimizer state and update on the CPU
     (ZeRO-Offload, with DeepSpeedCPUAdam).
+
+    `strategy="local_sgd"` only: `sync_every` (default 1), the number of updates between two averagings of the
+    replicas' params.
 
     Tensor parallel (a `tp` axis of size > 1): a Hugging Face model uses its own plan; `tp_plan` (module-name
     patterns -> style names or torch `ParallelStyle`s) overrides it; see `accelfn.transforms.shard.tensor_parallel`.
@@ -212,13 +231,22 @@ def shard(
         1
     """
     row = strategy_for(strategy, backend)
-    given = {"ds_config": ds_config, "zero_stage": zero_stage, "offload_optimizer": offload_optimizer}
+    given = {
+        "ds_config": ds_config,
+        "zero_stage": zero_stage,
+        "offload_optimizer": offload_optimizer,
+        "sync_every": sync_every,
+    }
     foreign = [k for k, v in given.items() if v is not None and k not in row.options]
     if foreign:
-        owner = next(r.backend for r in TABLE if foreign[0] in r.options)
-        raise ValueError(
-            f"shard: ds_config, zero_stage and offload_optimizer apply to backend={owner!r} only"
-        )
+        owner = next(r for r in TABLE if foreign[0] in r.options)
+        if owner.backend != "torch":
+            raise ValueError(
+                f"shard: ds_config, zero_stage and offload_optimizer apply to backend={owner.backend!r} only"
+            )
+        raise ValueError(f"shard: {foreign[0]} applies to strategy={owner.name!r} only, not {strategy!r}")
+    if sync_every is not None and sync_every < 1:
+        raise ValueError(f"shard: sync_every must be a number of updates >= 1, got {sync_every}")
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if inputs not in ("local", "global"):
@@ -244,6 +272,8 @@ def shard(
         raise ValueError(
             f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})"
         )
+    if tp > 1 and isinstance(row.tp, str) and row.backend == "torch":
+        raise ValueError(f"shard(strategy={strategy!r}) on a tp axis of size {tp}: {row.tp}")
     if tp > 1 and isinstance(row.tp, str):
         raise ValueError(
             f"af.shard(backend={backend!r}) runs data-parallel over all {mesh.world_size} processes and does not "
@@ -261,7 +291,18 @@ def shard(
             f"shard(strategy={strategy!r}) needs a {len(row.needs)}-D mesh with axes {axes}; got {mesh.axis_names}"
         )
     step = step.with_transform(
-        Shard(mesh, strategy, backend, inputs, bucket_mb, ds_config, zero_stage, offload_optimizer, overlap)
+        Shard(
+            mesh,
+            strategy,
+            backend,
+            inputs,
+            bucket_mb,
+            ds_config,
+            zero_stage,
+            offload_optimizer,
+            overlap,
+            sync_every,
+        )
     )
     if cp > 1:
         from .context_parallel import ContextParallel

@@ -440,6 +440,9 @@ class TensorParallelSync(GradSync):
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.inner.reduce_metrics(values)
 
+    def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        self.inner.after_update(params, step)
+
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
         return max_over(flag, None)
 

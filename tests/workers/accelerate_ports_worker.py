@@ -1,0 +1,112 @@
+"""Accelerate's by_feature scripts and their accelfn ports (examples/early_stopping.py, examples/local_sgd.py) run
+side by side in the same 2 CPU processes, on the same batches, from the same initial model: the ports must give
+Accelerate's numbers (losses and params to fp32 round-off, the same stop step)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import accelfn as af
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+mesh = af.Mesh({"dp": -1}, device="cpu")
+r, n = mesh.rank, mesh.world_size
+assert n == 2, n
+
+from accelerate import Accelerator  # noqa: E402 - after the mesh: Accelerate reuses the running process group
+from accelerate.local_sgd import LocalSGD  # noqa: E402
+
+accelerator = Accelerator(cpu=True)
+assert accelerator.num_processes == 2 and accelerator.process_index == r
+SEED, LR = 0, 3e-2
+
+
+def close(ours: list[float], theirs: list[float], what: str) -> None:
+    assert len(ours) == len(theirs), (what, len(ours), len(theirs))
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
+    assert worst < 1e-5, (what, worst, ours, theirs)
+
+
+# ---- early stopping: each process's own loss, one trigger ----------------------------------------------------
+es = example("early_stopping")
+step, state, loader = es.build(mesh, lr=LR, batch_size=16, seed=SEED)
+batches = list(loader)  # this process's batches, fed to both sides
+state, ours, our_stop = es.train(step, state, batches, es.EarlyStoppingCallback(0.0, 3))
+
+model = es.make_model(SEED)
+opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+model, opt = accelerator.prepare(model, opt)
+callback, theirs, their_stop = es.EarlyStoppingCallback(0.0, 3), [], None
+for i, batch in enumerate(batches):
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    theirs.append(loss.item())
+    if callback.check_early_stopping(loss.item()):
+        accelerator.set_trigger()
+    if accelerator.check_trigger():
+        their_stop = i
+        break
+assert our_stop == their_stop and our_stop is not None, (our_stop, their_stop)
+close(ours, theirs, "early stopping losses")
+# the trigger matters: alone, each process would stop at another step (the first one to decide stops both)
+alone = es.EarlyStoppingCallback(0.0, 3)
+own = next((i for i, x in enumerate(ours) if alone.check_early_stopping(x)), None)
+owns = af.dist.gather_object([own], flatten=True)
+assert our_stop == min(x for x in owns if x is not None), (our_stop, owns)
+print(
+    f"rank {r}: early stopping at {our_stop} == accelerate {their_stop}; alone the ranks stop at {owns}",
+    flush=True,
+)
+
+# ---- local SGD with gradient accumulation --------------------------------------------------------------------
+ls = example("local_sgd")
+GA, K = 2, 8  # Accelerate's local_sgd_steps counts micro-batches: sync_every = K // GA updates
+step, state, loader = ls.build(mesh, lr=1e-2, accumulation=GA, local_sgd_steps=K, batch_size=16, seed=SEED)
+batches = list(loader)[:12]
+state, ours = ls.train(step, state, batches)
+state = af.average_params(state, mesh)
+
+accelerator.gradient_accumulation_steps = GA
+model = ls.make_model(SEED)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+model, opt = accelerator.prepare(model, opt)
+theirs = []
+with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=K, enabled=True) as local_sgd:
+    for batch in batches:
+        micro_losses = []
+        for half in range(GA):
+            rows = slice(half * 8, (half + 1) * 8)
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(batch["x"][rows]), batch["y"][rows])
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                local_sgd.step()
+            micro_losses.append(loss.item())
+        theirs.append(sum(micro_losses) / GA)
+close(ours, theirs, "local SGD losses (each process's own)")
+reference = dict(accelerator.unwrap_model(model).named_parameters())
+for name, p in state.params.items():
+    torch.testing.assert_close(p, reference[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+# between averagings the replicas differ (no gradient sync): the losses of the two processes are not the same
+their_losses = af.dist.gather_object([ours], flatten=True)
+assert their_losses[0] != their_losses[1]
+print(
+    f"rank {r}: local SGD {len(ours)} updates == accelerate LocalSGD (losses and averaged params)", flush=True
+)
+mesh.close()

@@ -17,12 +17,15 @@ import accelfn as af
 
 
 @pytest.mark.slow
-def test_early_stopping_and_local_sgd_ports_equal_accelerate_on_two_processes() -> None:
+def test_early_stopping_accumulation_schedule_and_local_sgd_ports_equal_accelerate_on_two_processes() -> None:
     proc = run_workers("accelerate_ports_worker.py", 2, timeout=240)
     out = output_of(proc)
     assert proc.returncode == 0, out
     for r in range(2):
         assert f"rank {r}: early stopping at " in proc.stdout, out
+        assert (
+            f"rank {r}: gradient accumulation + linear schedule == accelerate (12 updates)" in proc.stdout
+        ), out
         assert f"rank {r}: local SGD 12 updates == accelerate LocalSGD" in proc.stdout, out
 
 

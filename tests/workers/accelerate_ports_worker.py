@@ -1,5 +1,5 @@
-"""Accelerate's by_feature scripts and their accelfn ports (examples/early_stopping.py, examples/local_sgd.py) run
-side by side in the same 2 CPU processes, on the same batches, from the same initial model: the ports must give
+"""Accelerate's by_feature scripts and their accelfn ports (examples/early_stopping.py, gradient accumulation under a
+prepared linear schedule as in nlp_example / gradient_accumulation, examples/local_sgd.py) run side by side in the same 2 CPU processes, on the same batches, from the same initial model: the ports must give
 Accelerate's numbers (losses and params to fp32 round-off, the same stop step)."""
 
 import importlib.util
@@ -73,15 +73,56 @@ print(
     flush=True,
 )
 
+# ---- nlp_example / gradient_accumulation: a prepared linear schedule under accumulate -------------------------
+# Accelerate steps a prepared scheduler num_processes times per update: the port divides its counts by n
+from transformers import get_linear_schedule_with_warmup  # noqa: E402
+
+ls = example("local_sgd")  # its model and data
+GA, W, T = 2, 8, 40  # Accelerate's num_warmup_steps / num_training_steps, as a script passes them
+loader = af.data.DataLoader(ls.make_data(512, SEED), batch_size=16, mesh=mesh, shuffle=True, seed=SEED)
+batches = list(loader)[:12]
+schedule = af.optim.warmup_linear(1e-2, warmup=W / n, total=T / n)
+step = af.shard(
+    af.accumulate(af.train_step(ls.loss_fn, af.optim.adamw(schedule, weight_decay=0.0)), GA), mesh
+)
+state = step.init(ls.make_model(SEED), seed=SEED)
+ours, our_lrs = [], []
+for batch in batches:
+    state, metrics = step(state, batch)
+    ours.append(metrics["loss"].item())
+    our_lrs.append(metrics["lr"].item())
+
+accelerator.gradient_accumulation_steps = GA
+model = ls.make_model(SEED)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+scheduler = get_linear_schedule_with_warmup(opt, num_warmup_steps=W, num_training_steps=T)
+model, opt, scheduler = accelerator.prepare(model, opt, scheduler)
+theirs, their_lrs = [], []
+for batch in batches:
+    micro_losses = []
+    for half in range(GA):
+        rows = slice(half * 8, (half + 1) * 8)
+        with accelerator.accumulate(model):
+            loss = F.mse_loss(model(batch["x"][rows]), batch["y"][rows])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                their_lrs.append(opt.param_groups[0]["lr"])  # the lr this update uses
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+        micro_losses.append(loss.detach())
+    theirs.append(accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item())  # the global loss
+close(our_lrs, their_lrs, "learning rates")
+close(ours, theirs, "losses under a prepared schedule and accumulation")
+print(f"rank {r}: gradient accumulation + linear schedule == accelerate ({len(ours)} updates)", flush=True)
+
 # ---- local SGD with gradient accumulation --------------------------------------------------------------------
-ls = example("local_sgd")
 GA, K = 2, 8  # Accelerate's local_sgd_steps counts micro-batches: sync_every = K // GA updates
 step, state, loader = ls.build(mesh, lr=1e-2, accumulation=GA, local_sgd_steps=K, batch_size=16, seed=SEED)
 batches = list(loader)[:12]
 state, ours = ls.train(step, state, batches)
 state = af.average_params(state, mesh)
 
-accelerator.gradient_accumulation_steps = GA
 model = ls.make_model(SEED)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
 model, opt = accelerator.prepare(model, opt)

@@ -6,10 +6,12 @@ ranks, lowered at 8-64 fake ranks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -279,15 +281,64 @@ def test_dry_run_matches_the_real_run(tmp_path: Path, nproc: int, mesh: str, arg
     assert dry["flops_per_step"] == pytest.approx(real["flops_per_step"], rel=0.01)
 
 
-def test_deepspeed_backend_is_a_clear_error() -> None:
+def _zero_script(stage: int, optimizer: Any = None) -> Any:
+    from train_llama import loss_fn
+
     def main() -> None:
         mesh = af.Mesh({"dp": -1})
-        step = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3)), mesh,
-                        backend="deepspeed")  # fmt: skip
-        step.init(nn.Linear(8, 8))
+        tx = optimizer if optimizer is not None else af.optim.adamw(1e-3)
+        step = af.autocast(af.train_step(loss_fn, tx, clip_grad_norm=1.0), "bf16")
+        step = af.shard(step, mesh, backend="deepspeed", zero_stage=stage)
+        state = step.init(_tiny_llama())
+        step(state, torch.zeros(2, 129, dtype=torch.long))
 
-    with pytest.raises(NotImplementedError, match="backend='torch'"):
-        af.dry_run(main, nproc_per_node=4, device="cpu")
+    return main
+
+
+def test_deepspeed_zero_1_and_2_follow_the_zero_paper_at_64_ranks() -> None:
+    # Rajbhandari et al. 2020, mixed precision with Adam: 2 bytes of params, 2 of gradients (ZeRO-2: / N) and
+    # K = 12 of optimizer state (fp32 master, two moments) / N per parameter; traffic 2 x the bf16 params as
+    # reduce-scatter + all-gather, the volume of DDP's all-reduce
+    n_params = sum(p.numel() for p in _tiny_llama().parameters())
+    part = -(-n_params // 64)  # DeepSpeed pads the flat group to a multiple of the world
+    for stage in (1, 2):
+        report = af.dry_run(_zero_script(stage), nproc_per_node=8, nnodes=8, device="cpu", search=False)
+        assert report.per_rank["params"] == 2 * n_params
+        assert report.per_rank["grads"] == (2 * n_params if stage == 1 else 2 * part)
+        assert report.per_rank["optimizer"] == 12 * part
+        moved = (
+            report.comm["reduce_scatter"]["dp"]["bus_bytes"] + report.comm["all_gather"]["dp"]["bus_bytes"]
+        )
+        assert moved == pytest.approx(2 * 2 * 63 / 64 * 64 * part, rel=1e-6)
+        assert any(f"ZeRO-{stage} is modelled" in note for note in report.notes)
+    zero3 = af.dry_run(_zero_script(3), nproc_per_node=8, nnodes=8, device="cpu", search=False)
+    assert zero3.per_rank["params"] < 4 * n_params / 32 and "all_gather" in zero3.comm
+    assert any("ZeRO-3 is modelled by FSDP2" in note for note in zero3.notes)
+
+
+def test_deepspeed_errors_of_the_real_lowering_are_raised_in_the_dry_run() -> None:
+    with pytest.raises(
+        af.CompositionError, match="builds a torch optimizer from the step's optimizer, but this"
+    ):
+        af.dry_run(
+            _zero_script(2, af.optim.lion(1e-4)), nproc_per_node=8, nnodes=8, device="cpu", search=False
+        )
+
+
+@pytest.mark.slow
+def test_deepspeed_zero_1_and_2_bytes_equal_the_real_engines_on_two_processes() -> None:
+    # the real engine's module params, fp32 master partitions and moments, read from DeepSpeed itself
+    proc = run_workers("zero_bytes_worker.py", 2, "1,2", timeout=400)
+    assert proc.returncode == 0, output_of(proc)
+    real = [
+        json.loads(m) for m in re.findall(r"ZERO_BYTES (\{[^}]*\})", proc.stdout)
+    ]  # ranks' lines may interleave
+    assert sorted((r["stage"], r["rank"]) for r in real) == [(1, 0), (1, 1), (2, 0), (2, 1)], proc.stdout
+    for stage in (1, 2):
+        report = af.dry_run(_zero_script(stage), nproc_per_node=2, device="cpu", search=False)
+        for r in (x for x in real if x["stage"] == stage):
+            assert report.per_rank["params"] == r["params"], (stage, r)
+            assert report.per_rank["optimizer"] == r["optimizer"], (stage, r)
 
 
 def test_cli_bad_arguments_exit_2(tmp_path: Path) -> None:
@@ -358,3 +409,57 @@ def test_context_parallel_lowers_at_64_ranks() -> None:
     assert report.mesh == {"dp": 8, "cp": 8}
     assert report.comm["all_gather"]["cp"]["count"] > 0  # the ring's keys and values
     assert report.comm["all_reduce"]["dpxcp"]["intra_node"] is False  # gradients over all 64 ranks
+
+
+# ---- combinator stacks x strategies at 64 ranks (each combinator under each strategy it composes with) -----------
+STACKS = [
+    ("dp=64", "ddp", ("fp8", "remat", "accumulate", "compile")),
+    ("dp=64", "ddp", ("fp16", "offload", "accumulate")),
+    ("dp=64", "fsdp", ("bf16", "remat", "accumulate", "compile")),
+    ("dp=64", "fsdp", ("fp8",)),
+    ("dp=8,fsdp=8", "hsdp", ("fp16", "accumulate", "remat")),
+    ("dp=8,fsdp=8", "hsdp", ("bf16", "fp8")),
+    ("dp=32,tp=2", "ddp", ("bf16", "accumulate", "remat")),
+    ("dp=64", "local_sgd", ("bf16", "accumulate", "offload")),
+]
+
+
+@pytest.mark.parametrize(
+    "shape, strategy, combinators", STACKS, ids=[f"{m}-{s}-{'+'.join(c)}" for m, s, c in STACKS]
+)
+def test_combinator_stacks_lower_under_each_strategy_at_64_ranks(
+    shape: str, strategy: str, combinators: tuple[str, ...]
+) -> None:
+    from train_llama import loss_fn
+
+    mesh_shape = {k: int(v) for k, v in (part.split("=") for part in shape.split(","))}
+
+    def main() -> None:
+        mesh = af.Mesh(mesh_shape)
+        step = af.train_step(loss_fn, af.optim.adamw(1e-3), clip_grad_norm=1.0)
+        if "fp8" in combinators:
+            step = af.autocast_fp8(step, backend="torchao", emulate=True)
+        for dtype in ("bf16", "fp16"):
+            if dtype in combinators:
+                step = af.autocast(step, dtype)
+        if "remat" in combinators:
+            step = af.remat(step)
+        if "accumulate" in combinators:
+            step = af.accumulate(step, 2)
+        if "offload" in combinators:
+            step = af.offload(step)
+        step = af.shard(step, mesh, strategy=strategy)
+        if "compile" in combinators:
+            step = af.compile(step)
+        state = step.init(_tiny_llama())
+        step(state, torch.zeros(4, 129, dtype=torch.long))
+
+    report = af.dry_run(main, nproc_per_node=8, nnodes=8, device="cpu", search=False)
+    assert report.world_size == 64 and report.mesh == mesh_shape
+    assert report.flops_per_step > 0 and report.total_bus_bytes > 0
+    assert report.per_rank["peak"] >= report.per_rank["params"] + report.per_rank["optimizer"]
+    full = sum(p.numel() for p in _tiny_llama().parameters()) * 4
+    if strategy in ("fsdp", "hsdp") or "tp" in mesh_shape:
+        assert report.per_rank["params"] < full
+    if "compile" in combinators:
+        assert any("compile ran eagerly" in n for n in report.notes)

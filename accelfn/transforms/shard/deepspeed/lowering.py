@@ -50,12 +50,6 @@ def engine_of(step: Step) -> Any:
 
 
 def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
-    if dry_mode.active() is not None:
-        raise NotImplementedError(
-            "the dry run does not run DeepSpeed's engine (it builds real flat buffers and swaps module tensors, "
-            "which fake tensors do not allow): dry-run the same script with backend='torch', whose per-rank "
-            "memory and communication are ZeRO's: strategy='fsdp' is ZeRO-3, 'ddp' is plain data parallel"
-        )
     try:
         import deepspeed
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -85,6 +79,12 @@ def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
     )  # fmt: skip
     config = build_config(settings)
     offload = _get(config, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+    if (
+        dry_mode.active() is not None
+    ):  # DeepSpeed's engine does not run on fake tensors: its ZeRO stage, modelled
+        from .dry import lower_modelled
+
+        return lower_modelled(shard, plan, config)  # type: ignore[return-value]
 
     module = move(plan.module, mesh.device)
     with torch.no_grad():  # every rank starts from rank 0's weights, as with backend="torch"

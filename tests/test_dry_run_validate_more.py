@@ -1,0 +1,114 @@
+"""More of `af.dry_run`'s validation (issue 20, item 5): context parallel against real processes, and the
+measurement of the real side (our `StepTracker` on real tensors) against torch's own `MemTracker`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn import tree as _tree
+from accelfn.dryrun.run import measure_real
+from tests._launch import ROOT, output_of, run_workers
+from tests.test_dry_run import _counts, _no_process_group  # noqa: F401 - an autouse fixture
+
+LONG_CONTEXT = ROOT / "examples" / "long_context.py"
+
+# context parallel needs labels aligned with the inputs (train_llama.py slices them in its loss):
+# examples/long_context.py, full remat, ddp or fsdp over the data axes and cp
+VALIDATE_CP = [
+    (2, "cp=2", ("--seq-len", "128")),  # gradients all-reduced over cp
+    (4, "dp=2,cp=2", ("--seq-len", "128", "--strategy", "fsdp")),  # fsdp over dp x cp, k/v over cp
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, mesh, args", VALIDATE_CP, ids=[m for _, m, _ in VALIDATE_CP])
+def test_context_parallel_dry_run_matches_the_real_run(
+    tmp_path: Path, nproc: int, mesh: str, args: tuple[str, ...]
+) -> None:
+    """As test_dry_run.py's test_dry_run_matches_the_real_run, for context parallel: params, grads and
+    optimizer bytes exactly; each collective's count and bus bytes per mesh axis exactly (the keys' and
+    values' all-gathers over cp, forward and remat's recomputation, their gradients' reduce-scatters); the
+    activation peak within 10%."""
+    # two steps: the dry run stops the script when its loop comes round, before it closes its mesh
+    script_args = (*args, "--steps", "2")
+    proc = run_workers("dry_run_script_worker.py", nproc, str(tmp_path), mesh, str(LONG_CONTEXT), "--",
+                       *script_args, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, output_of(proc)
+    real = json.loads((tmp_path / "rank0.json").read_text())
+    dry = af.dry_run(LONG_CONTEXT, script_args, nproc_per_node=nproc, device="cpu", mesh=mesh,
+                     search=False).to_dict()  # fmt: skip
+    assert "context_parallel(cp=2)" in dry["strategy"] and "context_parallel(cp=2)" in real["strategy"]
+    for key in ("params", "buffers", "grads", "optimizer"):
+        assert dry["per_rank"][key] == real["per_rank"][key], key
+    counts = _counts(dry)
+    assert counts == _counts(real)
+    assert counts[("all_gather", "cp")][0] == 8  # k and v, 2 layers, forward and recomputation
+    assert dry["per_rank"]["activations"] == pytest.approx(real["per_rank"]["activations"], rel=0.10)
+    assert dry["per_rank"]["peak"] == pytest.approx(real["per_rank"]["peak"], rel=0.10)
+    assert dry["flops_per_step"] == pytest.approx(real["flops_per_step"], rel=0.01)
+
+
+# ---- the real side's tracker against torch's MemTracker -------------------------------------------------
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor) -> af.Loss:
+    return af.losses.cross_entropy(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+
+
+def test_step_tracker_agrees_with_torch_mem_tracker() -> None:
+    """One real single-process step (Llama, hidden 64, 2 layers, seq 64, batch 4, AdamW), measured by our
+    StepTracker and by torch's MemTracker (torch.distributed._tools), each on a fresh state.
+
+    Categories: MemTracker's Parameter and Buffer are ours; the optimizer state, given to it with
+    `track_external`, is its Other (its Optstate only follows torch.optim optimizers); its Activation is what
+    is allocated outside a backward pass, its Temp what is allocated inside one, its Gradient only `.grad`s it
+    hooked (none here: the grads appear as Temp). Ours puts everything the forward and backward allocate in
+    activations, except the gradients (grads), and what comes after (clipping, update) in temporary. The peak
+    falls at the end of the forward, where both agree: the peak's total, and its activations + temporary
+    against MemTracker's Activation + Temp + Gradient."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+
+    def fresh() -> tuple[af.Step, af.TrainState]:
+        step = af.train_step(_lm_loss, af.optim.adamw(1e-3))
+        return step, step.init(_llama())
+
+    def main() -> None:
+        step, state = fresh()
+        step(state, ids)
+
+    ours = measure_real(main)
+
+    step, state = fresh()
+    theirs = MemTracker()
+    held = _tree.leaves((state.params, state.buffers, state.opt_state))
+    theirs.track_external(*[x for x in held if isinstance(x, torch.Tensor)])
+    with theirs:
+        step(state, ids)
+    peak = theirs.get_tracker_snapshot("peak")[torch.device("cpu")]
+    snap = {getattr(k, "value", k): v for k, v in peak.items()}  # category names
+
+    assert snap["Parameter"] == ours.per_rank["params"] == ours.at_peak["params"]
+    assert snap["Buffer"] == ours.per_rank["buffers"] == ours.at_peak["buffers"]
+    assert snap["Other"] == ours.per_rank["optimizer"] == ours.at_peak["optimizer"]
+    assert ours.per_rank["peak"] == pytest.approx(snap["Total"], rel=0.10)
+    ours_transient = ours.at_peak["activations"] + ours.at_peak["temporary"] + ours.at_peak["grads"]
+    theirs_transient = snap["Activation"] + snap["Temp"] + snap["Gradient"]
+    assert ours_transient == pytest.approx(theirs_transient, rel=0.10)
+    assert ours.per_rank["activations"] == pytest.approx(snap["Activation"], rel=0.10)
+    assert ours.per_rank["activations"] > 2 * ours.per_rank["params"]  # a figure worth comparing

@@ -463,3 +463,42 @@ def test_combinator_stacks_lower_under_each_strategy_at_64_ranks(
         assert report.per_rank["params"] < full
     if "compile" in combinators:
         assert any("compile ran eagerly" in n for n in report.notes)
+
+
+_LOAD_SCRIPT = """
+import resource, sys, torch
+import accelfn as af
+from transformers import AutoModelForCausalLM
+
+def main():
+    mesh = af.Mesh({"dp": -1})
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    loss = lambda m, b: af.losses.cross_entropy(m(input_ids=b).logits[:, :-1], b[:, 1:])
+    step = af.shard(af.train_step(loss, af.optim.adamw(1e-3)), mesh, strategy="fsdp")
+    state = step.init(model)
+    step(state, torch.zeros(2, 65, dtype=torch.long))
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+report = af.dry_run(main, nproc_per_node=8, nnodes=2, device="cpu", search=False)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print("LOADED", report.per_rank["params"], grown)
+"""
+
+
+@pytest.mark.slow
+def test_from_pretrained_loads_into_fake_tensors_without_host_memory(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    n_bytes = sum(p.numel() for p in model.parameters()) * 4  # ~700 MB of weights on disk
+    model.save_pretrained(tmp_path / "model")
+    del model
+    (tmp_path / "load.py").write_text(_LOAD_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(tmp_path / "model")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params, grown = map(int, proc.stdout.split("LOADED ")[1].split())
+    assert params == pytest.approx(n_bytes / 16, rel=0.02)  # fsdp over 16 ranks
+    assert grown < n_bytes / 4, (grown, n_bytes)  # the weights were not read into host memory

@@ -28,8 +28,10 @@ def make_data(n: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
     letters = torch.randint(ord("a"), ord("y") + 1, (n, seq_len), generator=g)  # a..y: no "z"
     labels = torch.randint(0, 2, (n,), generator=g)
     where = torch.randint(0, seq_len, (n,), generator=g)
-    rows = labels.nonzero().squeeze(1)
-    letters[rows, where[rows]] = ord("z")
+    # a "z" at position `where` of the rows labelled 1: a mask, not `labels.nonzero()`, so that the data's
+    # shapes do not depend on its values (`accelfn dry-run` builds it from fake tensors)
+    hit = labels.bool().unsqueeze(1) & (torch.arange(seq_len) == where.unsqueeze(1))
+    letters = letters.masked_fill(hit, ord("z"))
     ids = torch.cat([torch.full((n, 1), CLS), letters], dim=1)
     return {"input_ids": ids, "labels": labels}
 

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .. import dry_mode
 from .._typecheck import checked
 from ..state import TrainState, check_not_donated
 from . import atomic, io
@@ -117,6 +118,8 @@ def save_adapter(
     else:
         params = state_or_params
     named = _named(model, params)
+    if dry_mode.skip(f"af.checkpoint.save_adapter({str(path)!r})"):
+        return
     final = Path(path).absolute()
     if merge:
         _save_merged(final, model, named, name, parse_size(max_shard_size))

@@ -33,8 +33,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--gpu", default=None, help="row of the device table (default h100-sxm for cuda); see docs/devices.md"
     )
-    p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
-    p.add_argument("--rank", default="0", help="the rank to run as, or 'worst' (ranks 0, middle, last)")
+    p.add_argument(
+        "--steps", type=int, default=1, help="training calls of each step object to measure (default 1)"
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="go on to the N-th step object the script trains (a later phase): the calls of the ones before "
+        "it are skipped after their first --steps",
+    )
+    p.add_argument(
+        "--rank",
+        default="0",
+        help="the rank to run as, or 'worst' (ranks 0, middle, last, each pipeline stage, both ends of "
+        "unevenly sharded axes)",
+    )
     p.add_argument(
         "--mesh", default=None, help="the mesh as `accelfn launch --mesh` takes it, e.g. dp=8,tp=8"
     )
@@ -79,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             device=args.device,
             gpu=args.gpu,
             steps=args.steps,
+            step=args.step,
             rank=rank,
             mesh=args.mesh,
             search=not args.no_search,
@@ -102,6 +118,8 @@ def _failed(e: BaseException, args: argparse.Namespace) -> int:
     print(
         f"\naccelfn dry-run: the script fails as rank {args.rank} of {world} "
         f"({args.nproc_per_node} x {args.nnodes}): {type(e).__name__}: {e}",
+        *getattr(e, "__notes__", ()),
+        sep="\n",
         file=sys.stderr,
     )
     if args.json_path:

@@ -125,6 +125,7 @@ class Report:
     strategy: str = ""
     ranks_tried: list[int] = attrs.Factory(list)
     elapsed_s: float = 0.0
+    step_objects: list[dict[str, Any]] = attrs.Factory(list)
 
     def to_dict(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=True)
@@ -161,7 +162,8 @@ class Report:
         if self.top_modules:
             lines += ["", "activations at the peak, by module"]
             lines += [f"  {m:<48}{gib(b):>15}" for m, b in self.top_modules]
-        lines += ["", "communication per step       count      bus bytes"]
+        per = "loop iteration" if len(self.step_objects) > 1 else "step"
+        lines += ["", f"{'communication per ' + per:<28} count      bus bytes"]
         for kind, by_axis in sorted(self.comm.items()):
             for axis, row in sorted(by_axis.items()):
                 where = "intra-node" if row["intra_node"] else "inter-node"
@@ -169,11 +171,24 @@ class Report:
                     f"  {kind + ' ' + axis:<24}{row['count']:>8}{gib(row['bus_bytes']):>15}  ({where})"
                 )
         lines.append(f"  {'total':<32}{gib(self.total_bus_bytes):>15}")
-        lines += ["", f"FLOPs per step (this rank): {self.flops_per_step / 1e12:,.2f} TFLOP"]
+        lines += ["", f"FLOPs per {per} (this rank): {self.flops_per_step / 1e12:,.2f} TFLOP"]
+        if len(self.step_objects) > 1:
+            lines += [
+                "",
+                "step objects  per iteration           peak  + other states      bus bytes      TFLOP",
+            ]
+            for s in self.step_objects:
+                r = s["per_rank"]
+                lines.append(
+                    f"  {s['index']:>2}{s['per_iteration']:>19}{gib(r['peak']):>15}"
+                    f"{gib(r['other_states']):>16}{gib(s['total_bus_bytes']):>15}"
+                    f"{s['flops_per_step'] / 1e12:>11,.3f}"
+                )
+                lines.append(f"      {s['strategy'].split('  [')[0]}")
         p = self.predicted
         if p is not None:
             lines.append(
-                f"predicted: {p.step_time_s * 1e3:,.1f} ms/step (compute {p.compute_s * 1e3:,.1f} ms, "
+                f"predicted: {p.step_time_s * 1e3:,.1f} ms/{per.split()[-1]} (compute {p.compute_s * 1e3:,.1f} ms, "
                 f"communication {p.comm_s * 1e3:,.1f} ms)"
                 + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
                 + (f", MFU {p.mfu:.1%}" if p.mfu is not None else "")

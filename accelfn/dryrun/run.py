@@ -1,18 +1,23 @@
 """`af.dry_run`: a script run as one rank of a large world, on torch's fake process group, every tensor fake.
 
 The script runs unmodified (`runpy`), through the real `af.Mesh`, `af.shard` and combinators; its training
-calls go through a `Session` (an `accelfn.dry_mode.Watcher`) that measures each one with a `StepTracker`
-and stops the script after `steps` of them.
+calls go through a `Session` (an `accelfn.dry_mode.Watcher`) that measures the first `steps` calls of each
+step object with a `StepTracker` and stops the script when its loop comes round (a step object called once
+more). The report covers every step object called: memory counts the states of the others that are alive
+beside each one, communication and FLOPs sum over one iteration of the script's loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import runpy
 import sys
 import time
+import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,79 @@ class Measured:
     flops: int
     rows: int | None
     tokens: int | None
+    # bytes (by category) of the other step objects' states alive beside this call: they share the memory
+    others: dict[str, int] = attrs.Factory(dict)
+
+    @property
+    def total_peak(self) -> int:
+        return self.peak + sum(self.others.values())
+
+
+@attrs.define(eq=False)
+class StepRecord:
+    """A step object the script called: its measured calls, and the storages its latest state holds."""
+
+    index: int  # 1, 2, ...: the order of the step objects' first calls
+    ref: Callable[[], Any]  # the step object (a weak reference where it takes one)
+    name: str = ""
+    dtype: torch.dtype = torch.float32
+    microbatches: int = 1
+    measured: list[Measured] = attrs.Factory(list)
+    calls: int = 0
+    skipped: int = 0
+    # the state its latest call returned, while the script holds it
+    state_ref: Callable[[], Any] = lambda: None
+    batch: Any = None  # the latest measured call's batch (for the micro-batch search)
+    rest: tuple[Any, ...] = ()  # its latest call's outputs after the state (a skipped call returns them)
+    # its latest state's storages: (weakref to a storage, key, bytes, category)
+    resident: list[tuple[Any, int, int, str]] = attrs.Factory(list)
+    own: set[int] = attrs.Factory(set)  # the keys of the storages of its states
+
+
+def _weak(x: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(x)
+    except TypeError:  # pragma: no cover - an object without weak references: held
+        return lambda: x
+
+
+def _storages(state: Any) -> list[tuple[Any, int, int, str]]:
+    """(weakref to the storage, key, bytes, category) of each local storage of a TrainState's params, buffers
+    and optimizer state, each storage once."""
+    out: list[tuple[Any, int, int, str]] = []
+    keys: set[int] = set()
+    for category, tree in (
+        ("params", state.params),
+        ("buffers", state.buffers),
+        ("optimizer", state.opt_state),
+    ):
+        for t in _locals(tree):
+            if t.device.type == "meta":
+                continue
+            try:
+                st = t.untyped_storage()
+                ref = weakref.ref(st)
+            except Exception:  # noqa: BLE001 - storage-less tensors, storages without weak references
+                continue
+            if st._cdata not in keys:
+                keys.add(st._cdata)
+                out.append((ref, st._cdata, st.nbytes(), category))
+    return out
+
+
+def _uneven_dims(params: Any) -> set[str]:
+    """Mesh dimension names along which some DTensor of `params` is sharded unevenly (ranks hold different
+    sizes)."""
+    out: set[str] = set()
+    for p in _tree.leaves(params):
+        placements = getattr(p, "placements", None)
+        mesh = getattr(p, "device_mesh", None)
+        if placements is None or mesh is None or not mesh.mesh_dim_names:
+            continue
+        for i, pl in enumerate(placements):
+            if pl.is_shard() and p.shape[pl.dim] % mesh.size(i):
+                out.add(mesh.mesh_dim_names[i])
+    return out
 
 
 def _locals(tree: Any) -> list[torch.Tensor]:
@@ -77,16 +155,24 @@ def _scaled(batch: Any, rows: int, new_rows: int) -> Any:
 
 
 class Session(dry_mode.Watcher):
-    """Measures the script's training calls; stops it after `steps`."""
+    """Measures the first `steps` calls of each step object the script calls; stops the script at the next
+    call of a step object measured `steps` times (its loop came round). With `target` N, such calls are
+    skipped (returned at once, their state unchanged) until the N-th step object has been measured, and only
+    then stop the script."""
 
-    def __init__(self, steps: int, capacity: int | None, search: bool) -> None:
+    def __init__(self, steps: int, capacity: int | None, search: bool, target: int | None = None) -> None:
         super().__init__()
         self.steps = steps
         self.capacity = capacity
         self.search = search
+        self.target = target
         self.measured: list[Measured] = []
+        self.records: list[StepRecord] = []
+        self.calls: list[int] = []  # the step object (its index) of each training call, skipped ones too
+        self.stopped_by: int | None = None  # the step object whose call stopped the script
+        self.uneven: set[str] = set()  # mesh dimensions with uneven shards
+        self.layout: tuple[dict[str, int], dict[str, tuple[str, ...]], int] | None = None
         self.tracker: StepTracker | None = None
-        self.step: Any = None
         self.max_micro_batch: int | None = None
         self.micro_batch: int | None = None
         self._grads = 0
@@ -111,14 +197,98 @@ class Session(dry_mode.Watcher):
             self._grads = t.label(_locals(run.grads), "grads")
 
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
-        self.step = step
-        m, out = self.measure(step, state, batch, call)
-        self.measured.append(m)
-        if len(self.measured) >= self.steps:
-            if self.search and self.capacity is not None and m.rows:
-                self.max_micro_batch = self._search(step, state, batch, m)
+        rec = self._record(step)
+        if len(rec.measured) < self.steps:
+            rec.calls += 1
+            self.calls.append(rec.index)
+            m, out = self.measure(step, state, batch, call)
+            rec.measured.append(m)
+            self.measured.append(m)
+            if len(rec.measured) == 1:
+                self._describe(rec, step)
+            rec.resident = _storages(out[0])
+            rec.own |= {key for _, key, _, _ in _storages(state) + rec.resident}
+            rec.state_ref, rec.batch = _weak(out[0]), batch
+            if self.target is not None:  # held only where calls may be skipped (it may hold state tensors)
+                rec.rest = tuple(out[1:])
+            m.others = self.others(rec)
+            self.uneven |= _uneven_dims(out[0].params)
+            # now: a script's `with af.Mesh(...) as mesh:` closes the mesh before the report
+            self.layout = _layout() or self.layout
+            return out
+        if self.target is None or self._target_done():  # the loop came round: measured
+            self.stopped_by = rec.index
+            for r in self._loop_records():  # in the loop, the others' states are alive beside each step
+                now = self.others(r)
+                for m in r.measured:
+                    if sum(now.values()) > sum(m.others.values()):
+                        m.others = now
+            if self.search and self.capacity is not None:
+                self.max_micro_batch = self._search(rec, state, batch)
             raise StopDryRun
+        rec.calls += 1  # before the target step object: skipped, so that the script goes on to it
+        rec.skipped += 1
+        self.calls.append(rec.index)
+        return (state, *rec.rest)
+
+    def _record(self, step: Any) -> StepRecord:
+        for rec in self.records:
+            if rec.ref() is step:
+                return rec
+        rec = StepRecord(index=len(self.records) + 1, ref=_weak(step))
+        self.records.append(rec)
+        return rec
+
+    def _describe(self, rec: StepRecord, step: Any) -> None:
+        plan = step.plan
+        rec.name = str(step).splitlines()[0]
+        rec.microbatches = max(1, int(getattr(plan, "microbatches", 1) or 1))
+        dtype = torch.float32
+        if plan.autocast_dtype is not None:
+            dtype = plan.autocast_dtype
+        else:
+            floats = [p.dtype for p in plan.module.parameters() if p.is_floating_point()]
+            dtype = floats[0] if floats else torch.float32
+        if any(t.kind == "fp8" for t in plan.transforms):
+            dtype = torch.float8_e4m3fn
+        rec.dtype = dtype
+
+    def _target_done(self) -> bool:
+        assert self.target is not None
+        return len(self.records) >= self.target and len(self.records[self.target - 1].measured) >= self.steps
+
+    def others(self, rec: StepRecord) -> dict[str, int]:
+        """Bytes by category of the storages of the other step objects' states alive now (not shared with
+        `rec`'s)."""
+        out: dict[str, int] = defaultdict(int)
+        seen = set(rec.own)
+        for other in self.records:
+            if other is rec:
+                continue
+            for ref, key, nbytes, category in other.resident:
+                if key not in seen and ref() is not None:
+                    seen.add(key)
+                    out[category] += nbytes
+        return dict(out)
+
+    def loop(self) -> dict[int, int]:
+        """One iteration of the script's loop: {step object index: calls per iteration}. The calls after the
+        previous call of the step object that stopped the script (or, when the script ended, of the last one
+        called); every step object once if the last one was called only once."""
+        seq = self.calls + ([self.stopped_by] if self.stopped_by is not None else [])
+        if not seq:
+            return {}
+        earlier = [i for i, c in enumerate(seq[:-1]) if c == seq[-1]]
+        if not earlier:
+            return {rec.index: 1 for rec in self.records}
+        out: dict[int, int] = {}
+        for c in seq[earlier[-1] + 1 :]:
+            out[c] = out.get(c, 0) + 1
         return out
+
+    def _loop_records(self) -> list[StepRecord]:
+        loop = self.loop()
+        return [r for r in self.records if r.index in loop]
 
     # ---- measuring ---------------------------------------------------------------------------------------------
     def measure(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> tuple[Measured, Any]:
@@ -165,28 +335,51 @@ class Session(dry_mode.Watcher):
             out,
         )
 
-    def _fits(self, step: Any, state: Any, batch: Any, rows: int, new_rows: int) -> tuple[bool, int]:
+    def _search(self, stopping: StepRecord, state: Any, batch: Any) -> int | None:
+        """The largest per-rank micro-batch that fits, in rows of the loop's step object with the largest peak
+        (the others' batches scaled alike), counting the other states alive beside each. The peak is close to
+        linear in the rows: each probe is the secant through the last two measurements, kept strictly between
+        the largest size known to fit and the smallest known not to, until they are adjacent (2-4 extra steps
+        in practice; at most 10)."""
         from ..engine import run_train
 
-        plan = step.plan
-        scaled = _scaled(batch, rows, new_rows)
-        m, _ = self.measure(step, state, scaled, lambda: run_train(plan, state, scaled))
         assert self.capacity is not None
-        return m.peak <= self.capacity, m.peak
+        runs: list[tuple[StepRecord, Any, Any, Any]] = []  # (record, step, state, batch) of the loop's steps
+        for rec in self._loop_records():
+            live = (state, batch) if rec is stopping else (rec.state_ref(), rec.batch)
+            step = rec.ref()
+            if live[0] is None or step is None:
+                self.notes.append(
+                    f"micro-batch search: step object {rec.index}'s state was no longer alive: left out"
+                )
+                continue
+            runs.append((rec, step, *live))
+        runs = [r for r in runs if r[0].measured[-1].rows]
+        if not runs:
+            return None
+        main = max(runs, key=lambda r: r[0].measured[-1].total_peak)[0]
+        self.micro_batch = main.measured[-1].rows // main.microbatches  # type: ignore[operator]
+        if not self.micro_batch:
+            return None
 
-    def _search(self, step: Any, state: Any, batch: Any, m: Measured) -> int | None:
-        """The largest per-rank micro-batch that fits. The peak is close to linear in the rows: each probe is the
-        secant through the last two measurements, kept strictly between the largest size known to fit and the
-        smallest known not to, until they are adjacent (2-4 extra steps in practice)."""
-        assert self.capacity is not None and m.rows
-        micro = max(1, step.plan.microbatches)
-        self.micro_batch = m.rows // micro
-        points = [(self.micro_batch, m.peak)]  # (micro-batch rows, peak)
+        def peak_at(size: int) -> int:
+            worst = 0
+            for rec, step, st, b in runs:
+                rows = rec.measured[-1].rows
+                assert rows
+                new_rows = max(1, round(rows * size / self.micro_batch / rec.microbatches)) * rec.microbatches
+                scaled = _scaled(b, rows, new_rows)
+                call = functools.partial(run_train, step.plan, st, scaled)
+                m, _ = self.measure(step, st, scaled, call)
+                worst = max(worst, m.peak + sum(self.others(rec).values()))
+            return worst
+
+        start = max(r[0].measured[-1].peak + sum(self.others(r[0]).values()) for r in runs)
+        points = [(self.micro_batch, start)]  # (micro-batch rows, peak)
         lo, hi = 0, None  # the largest size known to fit, the smallest known not to
         probe = 2 * self.micro_batch
         for _ in range(10):
-            _, peak = self._fits(step, state, batch, m.rows, probe * micro)
-            points.append((probe, peak))
+            points.append((probe, peak_at(probe)))
             for size, p in points[-2:]:
                 if p <= self.capacity:
                     lo = max(lo, size)
@@ -255,7 +448,7 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
             _real_device_meshes(),
             FakeTensorMode(allow_non_fake_inputs=True) as mode,
             _swappable_fakes(mode),
-            HostReads() as reads,
+            HostReads(real_bookkeeping=True) as reads,
         ):
             yield reads
     finally:
@@ -306,7 +499,18 @@ _OBJECT_COLLECTIVES = {
 
 @contextlib.contextmanager
 def _object_collectives() -> Iterator[None]:
-    saved = {name: getattr(dist, name) for name in _OBJECT_COLLECTIVES}
+    """Object collectives that hand every rank this rank's object; groups made with an explicit backend (a
+    host `gloo` group for bookkeeping) made on the fake one."""
+    saved = {name: getattr(dist, name) for name in (*_OBJECT_COLLECTIVES, "new_group")}
+    new_group = saved["new_group"]
+
+    def fake_new_group(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(None if i in (2, 3) else a for i, a in enumerate(args))  # backend, pg_options
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = fake_new_group
     for name, fn in _OBJECT_COLLECTIVES.items():
         setattr(dist, name, fn)
     try:
@@ -417,6 +621,16 @@ def _axes_of_groups() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _layout() -> tuple[dict[str, int], dict[str, tuple[str, ...]], int] | None:
+    """The current mesh's shape, its process groups' axes and its data-parallel size (None without one)."""
+    from .. import mesh as _mesh
+
+    m = _mesh._current
+    if m is None or m._mesh is None:
+        return None
+    return dict(m.shape), _axes_of_groups(), m.data_size
+
+
 def _intra_node(axes: tuple[str, ...], shape: dict[str, int], nproc_per_node: int) -> bool:
     """Whether a group over `axes` of a row-major mesh stays within one node of `nproc_per_node` ranks."""
     names = list(shape)
@@ -431,6 +645,59 @@ def _intra_node(axes: tuple[str, ...], shape: dict[str, int], nproc_per_node: in
     return span <= nproc_per_node
 
 
+def _axes_comm(
+    comm: dict[tuple[str, str], dict[str, int]],
+    groups: dict[str, tuple[str, ...]],
+    shape: dict[str, int],
+    nproc_per_node: int,
+    into: dict[str, dict[str, dict[str, Any]]] | None = None,
+    times: int = 1,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """A call's collectives by (kind, process group) as the report's {kind: {axis: row}}, `times` over, added
+    to `into`."""
+    out = into if into is not None else {}
+    for (kind, group), row in comm.items():
+        axes = groups.get(group, (group,))
+        slot = out.setdefault(kind, {}).setdefault(
+            "x".join(axes), {"count": 0, "bytes": 0, "bus_bytes": 0, "group_size": row["size"]}
+        )
+        slot["count"] += row["count"] * times
+        slot["bytes"] += row["bytes"] * times
+        slot["bus_bytes"] += row["bus_bytes"] * times
+        slot["intra_node"] = _intra_node(axes, shape, nproc_per_node)
+    return out
+
+
+def _bus(comm: dict[str, dict[str, dict[str, Any]]]) -> int:
+    return sum(r["bus_bytes"] for by in comm.values() for r in by.values())
+
+
+def _worst(measured: Sequence[Measured]) -> Measured:
+    """The call with the largest peak (its own and the other states alive beside it); the later of equals."""
+    return max(reversed(measured), key=lambda m: m.total_peak)
+
+
+def _combined(parts: list[tuple[Any, int, int]], tokens: int | None) -> Any:
+    """One loop iteration's prediction from its step objects' (prediction, flops, calls per iteration): times
+    add up (each step object's overlap is within its own step)."""
+    from .report import Prediction
+
+    if len(parts) == 1 and parts[0][2] == 1:
+        return parts[0][0]
+    step = sum(p.step_time_s * n for p, _, n in parts)
+    main = max(parts, key=lambda x: x[1] * x[2])[0]
+    peak = main.assumes["peak_tflops"]
+    flops = sum(f * n for _, f, n in parts)
+    return Prediction(
+        step_time_s=step,
+        compute_s=sum(p.compute_s * n for p, _, n in parts),
+        comm_s=sum(p.comm_s * n for p, _, n in parts),
+        tokens_per_s=tokens / step if tokens and step > 0 else None,
+        mfu=flops / (step * peak * 1e12) if peak and step > 0 else None,
+        assumes={**main.assumes, "loop": "the sum of the step objects' times in one iteration of the loop"},
+    )
+
+
 def _report(
     session: Session,
     *,
@@ -441,63 +708,81 @@ def _report(
     spec: Any,
     assumptions: Assumptions,
 ) -> Report:
-    from .. import mesh as _mesh
     from ..platforms import specs
 
-    last = session.measured[-1]
-    worst = max(session.measured, key=lambda m: m.peak)
-    m = _mesh._current
-    shape = dict(m.shape) if m is not None else {"world": world}
-    groups = _axes_of_groups()
+    shape, groups, data = _layout() or session.layout or ({"world": world}, {}, world)
+    loop = session.loop()
     comm: dict[str, dict[str, dict[str, Any]]] = {}
-    for (kind, group), row in last.comm.items():
-        axes = groups.get(group, (group,))
-        key = "x".join(axes)
-        slot = comm.setdefault(kind, {}).setdefault(
-            key, {"count": 0, "bytes": 0, "bus_bytes": 0, "group_size": row["size"]}
+    flops = 0
+    tokens: int | None = None
+    parts: list[tuple[Any, int, int]] = []
+    objects: list[dict[str, Any]] = []
+    for rec in session.records:
+        last, worst = rec.measured[-1], _worst(rec.measured)
+        times = loop.get(rec.index, 0)
+        own = _axes_comm(last.comm, groups, shape, nproc_per_node)
+        rec_tokens = last.tokens * data if last.tokens else None
+        prediction = None
+        if spec is not None:
+            prediction = predict(
+                flops=last.flops,
+                comm=own,
+                peak_tflops=specs.peak_tflops(spec, rec.dtype),
+                bandwidth_gbs={True: spec.intra_node_gbs, False: spec.inter_node_gbs},
+                tokens_per_step=rec_tokens,
+                assumptions=assumptions,
+                dtype=str(rec.dtype).removeprefix("torch."),
+            )
+        if times:
+            _axes_comm(last.comm, groups, shape, nproc_per_node, into=comm, times=times)
+            flops += last.flops * times
+            if rec_tokens is not None:
+                tokens = max(tokens or 0, rec_tokens)
+            if prediction is not None:
+                parts.append((prediction, last.flops, times))
+        objects.append(
+            {
+                "index": rec.index,
+                "strategy": rec.name,
+                "calls": rec.calls,
+                "measured": len(rec.measured),
+                "skipped": rec.skipped,
+                "per_iteration": times,
+                "per_rank": {
+                    "params": worst.params,
+                    "buffers": worst.buffers,
+                    "grads": worst.grads,
+                    "optimizer": worst.optimizer,
+                    "activations": worst.own_peak["activations"],
+                    "peak": worst.peak,
+                    "other_states": sum(worst.others.values()),
+                    "peak_with_other_states": worst.total_peak,
+                },
+                "comm": own,
+                "total_bus_bytes": _bus(own),
+                "flops_per_step": last.flops,
+                "tokens_per_step": rec_tokens,
+                "predicted": attrs.asdict(prediction) if prediction is not None else None,
+            }
         )
-        slot["count"] += row["count"]
-        slot["bytes"] += row["bytes"]
-        slot["bus_bytes"] += row["bus_bytes"]
-        slot["intra_node"] = _intra_node(axes, shape, nproc_per_node)
-    total_bus = sum(r["bus_bytes"] for by in comm.values() for r in by.values())
+    worst = _worst(session.measured)
+    others = worst.others
     per_rank = {
-        "params": last.params,
-        "buffers": last.buffers,
-        "grads": last.grads,
-        "optimizer": last.optimizer,
+        "params": worst.params + others.get("params", 0),
+        "buffers": worst.buffers + others.get("buffers", 0),
+        "grads": worst.grads,
+        "optimizer": worst.optimizer + others.get("optimizer", 0),
         "activations": worst.own_peak["activations"],
         "temporary": worst.at_peak["temporary"],
         "comm_buffers": worst.at_peak["comm_buffers"],
-        "peak": worst.peak,
+        "peak": worst.total_peak,
     }
-    step = session.step
-    plan = step.plan if step is not None else None
-    dtype = torch.float32
-    if plan is not None:
-        if plan.autocast_dtype is not None:
-            dtype = plan.autocast_dtype
-        else:
-            floats = [p.dtype for p in plan.module.parameters() if p.is_floating_point()]
-            dtype = floats[0] if floats else torch.float32
-        if any(t.kind == "fp8" for t in plan.transforms):
-            dtype = torch.float8_e4m3fn
-    data = m.data_size if m is not None else world
-    tokens = last.tokens * data if last.tokens else None
-    predicted = None
+    at_peak = {c: worst.at_peak[c] + others.get(c, 0) for c in CATEGORIES}
+    predicted = _combined(parts, tokens) if parts else None
     capacity = fits = headroom = None
     if spec is not None:
-        predicted = predict(
-            flops=last.flops,
-            comm=comm,
-            peak_tflops=specs.peak_tflops(spec, dtype),
-            bandwidth_gbs={True: spec.intra_node_gbs, False: spec.inter_node_gbs},
-            tokens_per_step=tokens,
-            assumptions=assumptions,
-            dtype=str(dtype).removeprefix("torch."),
-        )
         capacity = spec.memory_bytes - assumptions.reserve_bytes
-        headroom = capacity - worst.peak
+        headroom = capacity - worst.total_peak
         fits = headroom >= 0
     top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
     notes = list(session.notes)
@@ -506,6 +791,30 @@ def _report(
             f"the script asked for {', '.join(session.requested_kinds)}: ran as fake CPU tensors "
             "(CPU autocast casts a different op list than CUDA's; fused kernels are torch's CPU ones)"
         )
+    peak_rec = next(r for r in session.records if any(x is worst for x in r.measured))
+    if len(session.records) > 1:
+        in_loop = ", ".join(f"{i} (x{n})" for i, n in sorted(loop.items()))
+        notes.append(
+            f"{len(session.records)} step objects called (see step_objects): communication, FLOPs and the "
+            f"prediction sum one iteration of the loop, step objects {in_loop}; memory is step object "
+            f"{peak_rec.index}'s peak with the other states alive beside it"
+        )
+    elif (
+        session.stopped_by is not None
+        and session.target is None
+        and world > 1
+        and "shard(" not in peak_rec.name
+    ):
+        notes.append(
+            f"the step measured is not sharded over the {world} ranks (each trains the whole model); if the "
+            "script trains another step object after this loop (a 2nd phase), --step 2 / step=2 measures it"
+        )
+    skipped = [r for r in session.records if r.skipped]
+    if skipped:
+        notes.append(
+            "calls skipped (not run, the state returned unchanged) to reach step object "
+            f"{session.target}: " + ", ".join(f"{r.skipped} of step object {r.index}" for r in skipped)
+        )
     return Report(
         world_size=world,
         rank=rank,
@@ -513,11 +822,11 @@ def _report(
         device=device,
         gpu=spec.key if spec is not None else None,
         per_rank=per_rank,
-        at_peak={c: worst.at_peak[c] for c in CATEGORIES},
+        at_peak=at_peak,
         top_modules=top,
         comm=comm,
-        total_bus_bytes=total_bus,
-        flops_per_step=last.flops,
+        total_bus_bytes=_bus(comm),
+        flops_per_step=flops,
         tokens_per_step=tokens,
         micro_batch=session.micro_batch,
         predicted=predicted,
@@ -528,12 +837,20 @@ def _report(
         steps=len(session.measured),
         notes=notes,
         skipped=list(session.skipped),
-        strategy=str(step).splitlines()[0] if step is not None else "",
+        strategy=peak_rec.name,
         ranks_tried=[rank],
+        step_objects=objects,
     )
 
 
 # ---- the entry point ---------------------------------------------------------------------------------------------
+_BEFORE_FIRST_STEP = (
+    "af.dry_run: raised before the script's first training step. The dry run measures training steps "
+    "(af.train_step, possibly under af.shard and other combinators); a script with none (inference only) has "
+    "nothing to measure, and runs here on fake tensors (no values)"
+)
+
+
 def _execute(
     script: str | os.PathLike[str] | Callable[[], Any], args: Sequence[str], session: Session
 ) -> None:
@@ -549,7 +866,18 @@ def _execute(
         pass
     except SystemExit as e:
         if e.code not in (0, None):
-            raise
+            if not session.calls:
+                raise RuntimeError(
+                    f"af.dry_run: the script exited ({e.code!r}) before its first training step. The dry run "
+                    "measures training steps (af.train_step, possibly under af.shard and other combinators); "
+                    "a script with none (inference only) has nothing to measure, and its own checks read "
+                    "fake values (0) here"
+                ) from e
+            if session.target is not None and not session._target_done():
+                raise RuntimeError(_target_missed(session) + f" when the script exited ({e.code!r})") from e
+            session.notes.append(
+                f"the script exited ({e.code!r}) after the measured steps: its checks read fake values (0)"
+            )
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         where = _script_line(e, script)
         raise RuntimeError(
@@ -557,11 +885,41 @@ def _execute(
             "in a dry run every tensor is fake and has no values. Compute such data outside the dry run, or give "
             "it a fixed shape (e.g. masks instead of nonzero / boolean indexing)"
         ) from e
+    except Exception as e:
+        if not session.calls and not _raised_by_accelfn(e):  # the same exception, with a note
+            e.add_note(_BEFORE_FIRST_STEP)
+        elif session.target is not None and not session._target_done():
+            e.add_note(_target_missed(session) + " when the script raised this")
+        raise
     if not session.measured:
         raise RuntimeError(
             "af.dry_run: the script ended without calling a training step (af.train_step, possibly under "
             "af.shard and other combinators): nothing to measure"
         )
+    if session.target is not None and not session._target_done():
+        raise RuntimeError(_target_missed(session) + " when the script ended")
+
+
+def _target_missed(session: Session) -> str:
+    n = session.target
+    assert n is not None
+    text = f"af.dry_run: step={n}, but the script had called {len(session.records)} step object(s)"
+    if len(session.records) >= n:
+        text += f", step object {n} {len(session.records[n - 1].measured)} time(s) (< steps={session.steps})"
+    return text + " (the calls of the others after their first were skipped, so it ran on past their loops)"
+
+
+def _raised_by_accelfn(e: BaseException) -> bool:
+    """Whether `e` passed through accelfn's own code (a configuration error of the mesh or a step, not the
+    dry run's), the dry run's frames aside."""
+    import traceback
+
+    package = Path(__file__).parent.parent
+    own = (str(Path(__file__).parent), str(package / "dry_mode.py"))
+    return any(
+        f.filename.startswith(str(package)) and not f.filename.startswith(own)
+        for f in traceback.extract_tb(e.__traceback__)
+    )
 
 
 def _script_line(e: BaseException, script: Any) -> str:
@@ -579,11 +937,16 @@ def _script_line(e: BaseException, script: Any) -> str:
 
 
 def measure_real(
-    script: str | os.PathLike[str] | Callable[[], Any], args: Sequence[str] = (), *, steps: int = 1
+    script: str | os.PathLike[str] | Callable[[], Any],
+    args: Sequence[str] = (),
+    *,
+    steps: int = 1,
+    step: int | None = None,
 ) -> Report:
     """The dry run's measurements on a real run (this process, in a job started by `accelfn launch`): the same
-    tracker on real tensors, for validating the dry run against the real thing. Stops the script after `steps`."""
-    session = Session(steps, None, False)
+    tracker on real tensors, for validating the dry run against the real thing. Measures `steps` calls of each
+    step object and stops the script when its loop comes round (`step` as for `dry_run`)."""
+    session = Session(steps, None, False, step)
     start = time.perf_counter()
     with dry_mode.watching(session):
         _execute(script, list(args), session)
@@ -610,14 +973,15 @@ def _run_once(
     rank: int,
     nproc_per_node: int,
     steps: int,
+    step: int | None,
     spec: Any,
     device: str,
     mesh: str | None,
     search: bool,
     assumptions: Assumptions,
-) -> Report:
+) -> tuple[Report, Session]:
     capacity = spec.memory_bytes - assumptions.reserve_bytes if spec is not None else None
-    session = Session(steps, capacity, search)
+    session = Session(steps, capacity, search, step)
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
         _execute(script, args, session)
@@ -635,7 +999,41 @@ def _run_once(
             assumptions=assumptions,
         )
     report.elapsed_s = time.perf_counter() - start
-    return report
+    return report, session
+
+
+def rank_candidates(shape: dict[str, int], uneven: set[str], world: int) -> list[int]:
+    """The ranks `rank="worst"` runs: 0, the middle one and the last (ranks a script may treat apart), and one
+    rank per class of ranks the lowering treats apart: every coordinate along `pp` (each pipeline stage holds
+    other layers), the first and the last along each axis in `uneven` (mesh dimension names along which
+    shards are uneven; a flattened `dp_fsdp` names both), combined. Ranks are laid out row-major over `shape`.
+
+    Example:
+        >>> rank_candidates({"pp": 4, "dp": 2}, set(), 8)
+        [0, 2, 4, 6, 7]
+        >>> rank_candidates({"dp": 8, "tp": 4}, {"dp"}, 32)
+        [0, 16, 28, 31]
+    """
+    base = {0, world // 2, world - 1}
+    size = 1
+    for n in shape.values():
+        size *= n
+    if size != world:  # not a mesh over the whole world (or none): the three
+        return sorted(base)
+    axes = set()
+    for name in uneven:
+        axes |= {name} if name in shape else {a for a in name.split("_") if a in shape}
+    coords = [
+        range(n) if axis == "pp" else ((0, n - 1) if axis in axes and n > 1 else (0,))
+        for axis, n in shape.items()
+    ]
+    strides = [1] * len(shape)
+    sizes = list(shape.values())
+    for i in range(len(sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * sizes[i + 1]
+    for combo in itertools.product(*coords):
+        base.add(sum(c * st for c, st in zip(combo, strides)))
+    return sorted(base)
 
 
 def dry_run(
@@ -647,19 +1045,27 @@ def dry_run(
     device: str = "cuda",
     gpu: str | None = None,
     steps: int = 1,
+    step: int | None = None,
     rank: int | str = 0,
     mesh: str | None = None,
     search: bool = True,
     assumptions: Assumptions | None = None,
 ) -> Report:
     """Run `script` (a path, with `args`, or a function) as rank `rank` of `nproc_per_node` x `nnodes`
-    processes over a fake process group, every tensor fake, for `steps` training calls; return the `Report`.
+    processes over a fake process group, every tensor fake, measuring the first `steps` calls of each step
+    object it trains, until its loop comes round (a step object called once more); return the `Report`.
 
     `device`/`gpu` choose the row of the device table the report measures against (`gpu` defaults to
-    `h100-sxm` for cuda; `device="cpu"` uses the nominal CPU row). `rank="worst"` runs ranks 0, the middle
-    one and the last, and reports the one with the largest peak. `mesh` is `accelfn launch --mesh`'s spec
-    (`"dp=8,tp=8"`) for scripts that read it with `af.Mesh.from_env()`. `search=False` skips the search
-    for the largest micro-batch. Errors the real first step would raise are raised unchanged.
+    `h100-sxm` for cuda; `device="cpu"` uses the nominal CPU row). A script that trains several step objects
+    (a GAN's two, a pretraining phase then a fine-tuning one) is measured as a whole: the report lists each
+    (`step_objects`), memory counts the other states alive beside each, communication and FLOPs sum one
+    iteration of the loop. `step=N` skips the calls of the step objects before the N-th one after their first
+    `steps` (returned at once, the state unchanged) so that the script reaches the N-th, which a later phase
+    needs. `rank="worst"` runs 0, the middle and the last rank and one rank per pipeline stage and per end of
+    an unevenly sharded axis, and reports the one with the largest peak (the micro-batch search runs on it).
+    `mesh` is `accelfn launch --mesh`'s spec (`"dp=8,tp=8"`) for scripts that read it with
+    `af.Mesh.from_env()`. `search=False` skips the search for the largest micro-batch. Errors the real first
+    step would raise are raised unchanged.
 
     Example:
         >>> import torch, accelfn as af
@@ -681,34 +1087,36 @@ def dry_run(
         )
     if steps < 1:
         raise ValueError(f"af.dry_run: steps must be >= 1, got {steps}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise ValueError(f"af.dry_run: step must be a step object's number (1, 2, ...) or None, got {step!r}")
     if gpu is None:
         gpu = "cpu" if device == "cpu" else ("h100-sxm" if device == "cuda" else None)
     spec = specs.spec(gpu) if gpu is not None else None
     assumptions = assumptions or Assumptions()
-    if rank == "worst":
-        candidates = sorted({0, world // 2, world - 1})
-    elif isinstance(rank, int) and 0 <= rank < world:
-        candidates = [rank]
-    else:
+    if rank != "worst" and not (isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"af.dry_run: rank must be in [0, {world}) or 'worst', got {rank!r}")
-    reports = [
-        _run_once(
-            script,
-            list(args),
-            world=world,
-            rank=r,
-            nproc_per_node=nproc_per_node,
-            steps=steps,
-            spec=spec,
-            device=device,
-            mesh=mesh,
-            search=search and len(candidates) == 1,
-            assumptions=assumptions,
-        )
-        for r in candidates
+    common = dict(
+        world=world,
+        nproc_per_node=nproc_per_node,
+        steps=steps,
+        step=step,
+        spec=spec,
+        device=device,
+        mesh=mesh,
+        assumptions=assumptions,
+    )
+    if rank != "worst":
+        return _run_once(script, list(args), rank=int(rank), search=search, **common)[0]
+    first, session = _run_once(script, list(args), rank=0, search=False, **common)
+    candidates = rank_candidates(first.mesh, session.uneven, world)
+    reports = [first] + [
+        _run_once(script, list(args), rank=r, search=False, **common)[0] for r in candidates if r != 0
     ]
-    report = max(reports, key=lambda r: r.per_rank["peak"])
-    if len(candidates) > 1:
-        report.ranks_tried = candidates
-        report.elapsed_s = sum(r.elapsed_s for r in reports)
+    report = max(reports, key=lambda r: r.per_rank["peak"])  # the lowest rank of equals
+    elapsed = sum(r.elapsed_s for r in reports)
+    if search and spec is not None:  # the search on the worst rank
+        report = _run_once(script, list(args), rank=report.rank, search=True, **common)[0]
+        elapsed += report.elapsed_s
+    report.ranks_tried = candidates
+    report.elapsed_s = elapsed
     return report

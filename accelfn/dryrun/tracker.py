@@ -190,21 +190,113 @@ def fake_scalar(x: torch.Tensor) -> bool | int | float | None:
     return 0.0 if x.dtype.is_floating_point or x.dtype.is_complex else 0
 
 
+# the most elements a real tensor argument may have for an op on real tensors only to run for real (dry run)
+REAL_NUMEL_LIMIT = 1 << 16
+
+
+def _small_real_args(args: Any, kwargs: Mapping[str, Any]) -> bool:
+    """Whether the op's tensor arguments are all real host tensors of at most REAL_NUMEL_LIMIT elements (and
+    there is one)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(
+        type(t) is torch.Tensor  # not fake, not a subclass (Parameter, DTensor)
+        and not isinstance(t, FakeTensor)
+        and t.device.type == "cpu"
+        and t.numel() <= REAL_NUMEL_LIMIT
+        for t in tensors
+    )
+
+
+# ops whose CPU and CUDA kernels refuse floating inputs of different dtypes but whose meta kernels (so fake
+# tensors) do not check (torch 2.13): a dtype mismatch the real first step raises would pass silently
+_aten = torch.ops.aten
+_DTYPE_CHECKED = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "convolution",
+        "native_layer_norm",
+    )  # fmt: skip
+    if hasattr(_aten, name)
+)
+
+
+def check_dtypes(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Raise the error the real kernel raises when `func` (one of the ops above) gets floating tensors of
+    different dtypes: the op is run on real one-element tensors of the same dtypes, whose error (that
+    kernel's own message) is raised when it is about the dtypes."""
+    if func not in _DTYPE_CHECKED:
+        return
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    flat, spec = tree_flatten((args, kwargs))
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    if any(
+        not isinstance(t, FakeTensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors
+    ):
+        return  # a tensor subclass (DTensor, torchao's Float8Tensor) dispatches the op its own way
+    if len({t.dtype for t in tensors if t.is_floating_point()}) < 2:
+        return
+    from torch.utils._pytree import tree_unflatten
+
+    with unset_fake_temporarily():
+        tiny = [torch.zeros((1,) * x.ndim, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in flat]
+        a, kw = tree_unflatten(tiny, spec)
+        a = list(a)
+        if func is _aten.native_layer_norm.default:
+            a[1] = [1] * len(a[1])  # normalized_shape
+        elif func is _aten.convolution.default and len(a) == 9:
+            a[7], a[8] = [0] * len(a[7]), 1  # output_padding, groups
+        try:
+            func(*a, **kw)
+        except RuntimeError as e:
+            text = str(e)
+            if "dtype" in text or "scalar type" in text:
+                raise RuntimeError(text) from None
+
+
 class HostReads(TorchDispatchMode):
     """Host reads of fake tensors return zero (counted) instead of failing: a script's `loss.item()`,
-    `starts.tolist()` or `if found_inf:` runs on in a dry run."""
+    `starts.tolist()` or `if found_inf:` runs on in a dry run.
 
-    def __init__(self) -> None:
+    With `real_bookkeeping`, an op whose tensor arguments are all small real host tensors runs for real
+    instead of under the fake mode: the host bookkeeping on tensors that are real in a dry run (a DeviceMesh's
+    rank map, which `af.data` reads to lay out the shards) keeps its values. Tensors the script creates are
+    fake (the fake mode makes them), so its data and model stay fake.
+
+    Matrix products, convolutions and layer norms on floating inputs of different dtypes raise the real
+    kernel's error (`check_dtypes`): their fake kernels do not check."""
+
+    def __init__(self, *, real_bookkeeping: bool = False) -> None:
         super().__init__()
         self.count = 0
+        self.real_bookkeeping = real_bookkeeping
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             value = fake_scalar(args[0])
             if value is not None:
                 self.count += 1
                 return value
-        return func(*args, **(kwargs or {}))
+        check_dtypes(func, args, kwargs)
+        if self.real_bookkeeping and _small_real_args(args, kwargs):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 # DTensor's sharding propagation builds example tensors of the global shape from its metadata, under the fake

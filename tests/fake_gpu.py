@@ -68,6 +68,16 @@ class _BackendModule:
     def manual_seed_all(seed: int) -> None:
         return None
 
+    # torch.accelerator reports this backend available once it is registered (for the rest of the process):
+    # code that saves and restores the accelerator's RNG state (LocalTensorMode does) asks for these
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        return None
+
 
 def _setup_backend() -> None:
     if _SET_UP:

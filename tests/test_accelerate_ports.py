@@ -26,7 +26,7 @@ def test_early_stopping_accumulation_schedule_and_local_sgd_ports_equal_accelera
         assert (
             f"rank {r}: gradient accumulation + linear schedule == accelerate (12 updates)" in proc.stdout
         ), out
-        assert f"rank {r}: local SGD 12 updates == accelerate LocalSGD" in proc.stdout, out
+        assert f"rank {r}: local SGD 11 updates == accelerate LocalSGD" in proc.stdout, out
 
 
 def _loss(model, batch):
@@ -65,6 +65,15 @@ def test_local_sgd_options_and_refusals_name_the_culprit() -> None:
             af.shard(step, mesh, strategy="local_sgd", sync_every=0)
         with pytest.raises(ValueError, match="supports strategy 'ddp' \\(ZeRO-1\\) or 'fsdp'"):
             af.shard(step, mesh, strategy="local_sgd", backend="deepspeed")
+        with pytest.raises(ValueError, match="sync_every must be a number of updates >= 1, got True"):
+            af.shard(step, mesh, strategy="local_sgd", sync_every=True)
+        for offload in (af.offload(step, params=True), af.offload(step, delayed_update_from=2)):
+            local = af.shard(offload, mesh, strategy="local_sgd")
+            with pytest.raises(af.CompositionError, match="local SGD averages the params on the device"):
+                local.init(torch.nn.Linear(4, 1))
+        fsdp = af.shard(step, mesh, strategy="fsdp")
+        with pytest.raises(ValueError, match="sharded DTensors"):
+            af.average_params(fsdp.init(torch.nn.Linear(4, 1)), mesh)
     from accelfn.transforms.shard import STRATEGIES
 
     assert "local_sgd" in STRATEGIES

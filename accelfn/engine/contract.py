@@ -39,7 +39,8 @@ class GradSync:
     - `any_rank(flag)` (fp16 only): a found-inf flag, true on every rank if true on one (sharded gradients);
     - `norm(grads)` (clipping only): the global L2 norm of the (possibly sharded) gradients;
     - `after_update(params, step)` after the optimizer update (also when fp16 skipped it): `params` the trainable
-      params, updated; `step` the state's step counter before this step (local SGD averages the params here);
+      params, updated; `step` the state's step counter before this step (local SGD averages the params here; a
+      backend whose phases own the update calls it itself, or refuses strategies that need it);
     - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks.
 
     `rank_loss` (a flag) says whether the loss summed on a rank before `reduce` is the loss of its own rows,

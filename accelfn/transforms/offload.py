@@ -64,6 +64,17 @@ class Offload(TransformBase):
             raise conflict(
                 self, shard, "DeepSpeed offloads through its own config (zero_optimization.offload_*)"
             )
+        if (
+            shard is not None
+            and getattr(shard, "strategy", "ddp") == "local_sgd"
+            and (self.params or self.delayed_update_from is not None)
+        ):
+            raise conflict(
+                self,
+                shard,
+                "local SGD averages the params on the device after an update, which a host master copy "
+                "(params=True) or a delayed update would undo: offload only the optimizer state",
+            )
         if shard is not None and getattr(shard, "strategy", "ddp") in ("fsdp", "hsdp"):
             raise conflict(
                 self,

@@ -18,7 +18,8 @@ merged with the user's `ds_config`; see `accelfn.transforms.shard.deepspeed`.
 
 Each rank passes its own shard of the global batch (as `af.data.DataLoader(mesh=...)` yields), or, with
 `inputs="global"`, every rank passes the same global batch and the step takes its rows. Metrics are
-global: the loss is the global mean, `aux` values are averaged over ranks.
+global (except under `"local_sgd"`, whose metrics are each rank's): the loss is the global mean, `aux` values
+are averaged over ranks; `rank_loss` is the loss of this rank's own rows.
 
 Example:
     >>> import torch, accelfn as af
@@ -245,7 +246,7 @@ def shard(
                 f"shard: ds_config, zero_stage and offload_optimizer apply to backend={owner.backend!r} only"
             )
         raise ValueError(f"shard: {foreign[0]} applies to strategy={owner.name!r} only, not {strategy!r}")
-    if sync_every is not None and sync_every < 1:
+    if sync_every is not None and (isinstance(sync_every, bool) or sync_every < 1):
         raise ValueError(f"shard: sync_every must be a number of updates >= 1, got {sync_every}")
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"shard: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")

@@ -40,23 +40,37 @@ if TYPE_CHECKING:
 __all__ = ["LocalSGDSync", "lower_local_sgd", "average", "average_params"]
 
 
-def average(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Replace each floating-point tensor by its mean over `group`, in place: one all-reduce per dtype and device
-    (sum, then divide by the group's size: LocalSGD's `reduce(..., "mean")`)."""
+def average(
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None, bucket_mb: float = 64.0
+) -> None:
+    """Replace each floating-point tensor by its mean over `group`, in place: all-reduces of buckets of about
+    `bucket_mb` per dtype and device (sum, then divide by the group's size: LocalSGD's `reduce(..., "mean")`)."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point():
             by_kind.setdefault((t.device, t.dtype), []).append(t)
     n = dist.get_world_size(group)
+    limit = int(bucket_mb * 2**20)
     for parts in by_kind.values():
-        flat = torch.cat([p.detach().reshape(-1) for p in parts])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat /= n
-        offset = 0
-        with torch.no_grad():
-            for p in parts:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, p in enumerate(parts):
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit or i == len(parts) - 1:
+                _average_bucket(bucket, group, n)
+                bucket, size = [], 0
+
+
+def _average_bucket(parts: list[torch.Tensor], group: dist.ProcessGroup | None, n: int) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in parts])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= n
+    offset = 0
+    with torch.no_grad():
+        for p in parts:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def average_params(state: TrainState, mesh: Mesh) -> TrainState:
@@ -73,7 +87,16 @@ def average_params(state: TrainState, mesh: Mesh) -> TrainState:
         >>> int(state.step)
         1
     """
-    if mesh.world_size > 1:
+    if any(hasattr(p, "placements") for p in state.params.values()):
+        raise ValueError(
+            "af.average_params averages replicated params (local SGD's replicas), but this state's params are "
+            "sharded DTensors (fsdp / tensor parallel): they are not replicas to average"
+        )
+    if not mesh.grad_axes:
+        raise ValueError(
+            f"af.average_params: the mesh {dict(mesh.shape)} has no data-parallel axis to average over"
+        )
+    if mesh.grad_size > 1:
         average(state.params.values(), mesh.grad_group())
     return state
 
@@ -84,13 +107,11 @@ class LocalSGDSync(GradSync):
 
     group: dist.ProcessGroup | None
     sync_every: int
-    averaged: int = 0  # how many times the params were averaged (a statistic)
 
     def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
         done = int(step) + 1  # updates so far (a dry run reads 0: it counts the averaging in every step)
         if done % self.sync_every == 0 or dry_mode.active() is not None:
             average(params.values(), self.group)
-            self.averaged += 1
 
     def describe(self) -> str:
         return (

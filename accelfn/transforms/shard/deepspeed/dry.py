@@ -3,9 +3,11 @@ storage and swaps the module's tensors), so the dry run lowers a `backend="deeps
 hold and move per rank what the ZeRO stage does, after checking its config as the real lowering does:
 
 - **stage 1 and 2** (`ZeroSync`, `ZeroPhases`): the module in the engine's dtype (bf16 / fp16 when enabled), the
-  forward and backward of plain data parallel, then the gradients flattened in DeepSpeed's order and
-  reduce-scattered, bucket by bucket (`reduce_bucket_size`), into this rank's 1/N partition (stage 2 keeps only
-  the partition; stage 1 the full gradients too); the update on an fp32 master copy of the partition with the
+  forward and backward of plain data parallel, then the gradients in DeepSpeed's flat order reduced bucket by
+  bucket (`reduce_bucket_size`) into this rank's 1/N partition: stage 2 during the backward, each gradient
+  copied into the bucket buffer and freed as soon as it is ready; stage 1 after it, from the full gradients.
+  DeepSpeed reduces each partition owner's slice with `dist.reduce`; the model counts the same bytes as one
+  reduce-scatter per bucket; the update on an fp32 master copy of the partition with the
   optimizer's moments of the partition only (DeepSpeed's `single_partition_of_fp32_groups`); the updated
   partition all-gathered (`allgather_bucket_size`) back into the params. With optimizer offload the master
   copy and the moments are host memory (not counted on the device).
@@ -64,6 +66,7 @@ class ZeroSync(GradSync):
     rank: int
     padded: int  # the trainable elements, padded to a multiple of the world size
     offsets: dict[str, int]  # each trainable param's start in DeepSpeed's flat order
+    sizes: dict[str, int]  # ... and its number of elements
     moments: int
     offload: bool
     reduce_bucket: int
@@ -73,8 +76,8 @@ class ZeroSync(GradSync):
         None  # this rank's gradient partition (stage 2: filled during the backward)
     )
     pending: int = 0  # gradient elements in the bucket not reduced yet
-    hooked: dict[str, int] = attrs.Factory(dict)
-    names: dict[int, str] = attrs.Factory(dict)
+    ipg: torch.Tensor | None = None  # stage 2: DeepSpeed's bucket buffer (reduce_bucket_size elements)
+    names: dict[int, str] = attrs.Factory(dict)  # id of each bound param -> its name (refreshed every step)
 
     @property
     def part(self) -> int:
@@ -91,11 +94,16 @@ class ZeroSync(GradSync):
         self.pending = 0
         if self.stage != 2:
             return
-        for name in self.offsets:  # stage 2: each gradient goes to its bucket as soon as it is ready
+        # stage 2: DeepSpeed copies each gradient into its bucket buffer as soon as it is ready, and frees it
+        self.ipg = torch.empty(min(self.reduce_bucket, self.padded), dtype=first.dtype, device=first.device)
+        self.names = {id(params[n]): n for n in self.offsets}
+        for name in self.offsets:
             p = params[name]
-            if self.hooked.get(name) != id(p):
+            if (
+                getattr(p, "_accelfn_zero_sync", None) is not self
+            ):  # once per tensor (a new state: new tensors)
                 p.register_post_accumulate_grad_hook(self._ready)
-                self.hooked[name], self.names[id(p)] = id(p), name
+                p._accelfn_zero_sync = self  # type: ignore[attr-defined]
 
     def _ready(self, p: torch.Tensor) -> None:
         """Stage 2: keep this rank's slice of the gradient in the partition, free the rest, reduce full buckets."""
@@ -110,15 +118,30 @@ class ZeroSync(GradSync):
         p.grad = None
         self.pending += g.numel()
         while self.pending >= self.reduce_bucket:
-            self._reduce_bucket(self.reduce_bucket, g)
+            self._reduce_bucket(self.reduce_bucket)
             self.pending -= self.reduce_bucket
 
-    def _reduce_bucket(self, numel: int, like: torch.Tensor) -> None:
-        """One bucket's reduce-scatter (DeepSpeed's ipg bucket of `numel` elements; its values are not needed)."""
+    def _reduce_bucket(self, numel: int) -> None:
+        """One bucket's reduction out of the bucket buffer: DeepSpeed reduces each partition owner's slice to it
+        (`dist.reduce` per owner), the bytes of one reduce-scatter, counted as one (values not needed here)."""
+        assert self.ipg is not None
         per_rank = max(math.ceil(numel / self.world), 1)
-        out = torch.empty(per_rank, dtype=like.dtype, device=like.device)
-        dist.reduce_scatter_tensor(out, torch.zeros(per_rank * self.world, dtype=like.dtype, device=like.device),
-                                   group=self.group)  # fmt: skip
+        out = torch.empty(per_rank, dtype=self.ipg.dtype, device=self.ipg.device)
+        send = self.ipg[: per_rank * self.world] if per_rank * self.world <= self.ipg.numel() else None
+        if send is None:  # the last, padded bucket of a model smaller than one bucket per rank
+            send = torch.zeros(per_rank * self.world, dtype=self.ipg.dtype, device=self.ipg.device)
+        dist.reduce_scatter_tensor(out, send, group=self.group)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[str, int, int]]:
+        """The trainable params overlapping flat positions `[lo, hi)`: (name, start in the param, start in the
+        range), each piece `min(param end, hi) - max(param start, lo)` long."""
+        out = []
+        for name, start in self.offsets.items():
+            size = self.sizes[name]
+            a, b = max(start, lo), min(start + size, hi)
+            if a < b:
+                out.append((name, a - start, a - lo))
+        return out
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.group)
@@ -159,18 +182,21 @@ class ZeroPhases(TrainPhases):
         run.metrics["loss"] = scalars[0] / scalars[1].clamp_min(1)
         if sync.stage == 2:  # the rest of the last bucket
             if sync.pending:
-                sync._reduce_bucket(sync.pending, sync.partition)
+                sync._reduce_bucket(sync.pending)
                 sync.pending = 0
-        else:  # ZeRO-1: the full gradients, flattened and reduce-scattered bucket by bucket
-            flat = torch.cat([local_tensor(g).reshape(-1) for g in run.grads.values()])
-            flat = torch.nn.functional.pad(flat, (0, sync.padded - flat.numel()))
-            per_rank = flat.view(sync.world, sync.part)
+        else:  # ZeRO-1: the full gradients reduce-scattered bucket by bucket, each rank's slice of each bucket
             for start, end in _buckets(sync.part, max(sync.reduce_bucket // sync.world, 1)):
-                dist.reduce_scatter_tensor(
-                    sync.partition[start:end],
-                    per_rank[:, start:end].contiguous().reshape(-1),
-                    group=sync.group,
+                width = end - start
+                send = torch.zeros(
+                    sync.world * width, dtype=sync.partition.dtype, device=sync.partition.device
                 )
+                for w in range(sync.world):
+                    lo = w * sync.part + start
+                    for name, at, into in sync.pieces(lo, lo + width):
+                        g = local_tensor(run.grads[name]).reshape(-1)
+                        n = min(g.numel() - at, width - into)
+                        send[w * width + into : w * width + into + n] = g[at : at + n]
+                dist.reduce_scatter_tensor(sync.partition[start:end], send, group=sync.group)
         grad = sync.partition.float() / scalars[1].clamp_min(1)  # fp32, for the fp32 master partition
         run.grads = {"partition": grad} if sync.stage == 2 else {**run.grads, "partition": grad}
 
@@ -195,20 +221,21 @@ class ZeroPhases(TrainPhases):
             m.mul_(0.9).add_(grad)
         master.add_(moments[0] if moments else grad, alpha=-1e-3)
         run.opt_state, run.extra = opt, run.state.extra
-        # the updated partition in the params' dtype, all-gathered into every rank's full params
+        # the updated partition in the params' dtype, all-gathered bucket by bucket into every rank's params
         names = list(sync.offsets)
         first = local_tensor(run.params[names[0]])
         mine = master.to(first.device, first.dtype)
-        full = torch.empty(sync.padded, dtype=first.dtype, device=first.device)
         for start, end in _buckets(sync.part, max(sync.gather_bucket // sync.world, 1)):
-            out = torch.empty(sync.world * (end - start), dtype=first.dtype, device=first.device)
+            width = end - start
+            out = torch.empty(sync.world * width, dtype=first.dtype, device=first.device)
             dist.all_gather_into_tensor(out, mine[start:end].contiguous(), group=sync.group)
-            full.view(sync.world, sync.part)[:, start:end] = out.view(sync.world, end - start)
-        with torch.no_grad():
-            for name in names:
-                p = local_tensor(run.params[name])
-                offset = sync.offsets[name]
-                p.copy_(full[offset : offset + p.numel()].view_as(p))
+            with torch.no_grad():
+                for w in range(sync.world):
+                    lo = w * sync.part + start
+                    for name, at, into in sync.pieces(lo, lo + width):
+                        p = local_tensor(run.params[name]).view(-1)
+                        n = min(p.numel() - at, width - into)
+                        p[at : at + n] = out[w * width + into : w * width + into + n]
 
 
 def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync:
@@ -220,13 +247,19 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
         from ..fsdp import lower_fsdp
 
         dry_mode.note(
-            "DeepSpeed ZeRO-3 is modelled by FSDP2 (the same partitioning and collectives); DeepSpeed also keeps "
-            "an fp32 master copy of each partition (4 bytes per parameter / N more than reported)"
+            "DeepSpeed ZeRO-3 is modelled by FSDP2 (the same partitioning and collectives). Per parameter and rank, "
+            "DeepSpeed keeps an fp32 master copy beside the partitioned params: with bf16 it holds 2 (params) + 2 "
+            "(grads) + 12 (master and moments) bytes / N where FSDP2 holds 4 + 4 + 8, the same total; in fp32 "
+            "DeepSpeed holds 4 bytes / N more than reported"
         )
         return lower_fsdp(shard, plan)
     if stage == 0:
         from ..ddp import lower_ddp
 
+        dry_mode.note(
+            "DeepSpeed ZeRO-0 is modelled by ddp; with bf16 DeepSpeed's BF16_Optimizer also keeps fp32 master "
+            "params and gradients (8 bytes per parameter more than reported)"
+        )
         return lower_ddp(shard, plan)
     dtype = (
         torch.bfloat16
@@ -252,10 +285,10 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
             f"DeepSpeed optimizer offload needs adam or adamw (DeepSpeedCPUAdam), got {hp['name']}"
         )
     plan.autocast_device_type = mesh.device_type
-    offsets, numel = {}, 0
+    offsets, sizes, numel = {}, {}, 0
     for name, p in module.named_parameters():
         if p.requires_grad:
-            offsets[name], numel = numel, numel + p.numel()
+            offsets[name], sizes[name], numel = numel, p.numel(), numel + p.numel()
     world = mesh.world_size
     zero = config["zero_optimization"]
     sync = ZeroSync(
@@ -265,6 +298,7 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
         rank=mesh.grad_rank,
         padded=math.ceil(numel / world) * world,
         offsets=offsets,
+        sizes=sizes,
         moments=_moments(dict(hp) if hp is not None else None),
         offload=offload,
         reduce_bucket=int(zero.get("reduce_bucket_size", _DEFAULT_BUCKET)),

@@ -9,7 +9,7 @@ hold and move per rank what the ZeRO stage does, after checking its config as th
   DeepSpeed reduces each partition owner's slice with `dist.reduce`; the model counts the same bytes as one
   reduce-scatter per bucket; the update on an fp32 master copy of the partition with the
   optimizer's moments of the partition only (DeepSpeed's `single_partition_of_fp32_groups`); the updated
-  partition all-gathered (`allgather_bucket_size`) back into the params. With optimizer offload the master
+  partition all-gathered bucket by bucket (`allgather_bucket_size`; values are not copied back: fake). With optimizer offload the master
   copy and the moments are host memory (not counted on the device).
 - **stage 3**: FSDP2 (`fully_shard` per block: the same all-gathers in forward and backward and reduce-scatters
   of the gradients); DeepSpeed also keeps an fp32 master copy of each partition, which FSDP2 does not (under
@@ -66,7 +66,6 @@ class ZeroSync(GradSync):
     rank: int
     padded: int  # the trainable elements, padded to a multiple of the world size
     offsets: dict[str, int]  # each trainable param's start in DeepSpeed's flat order
-    sizes: dict[str, int]  # ... and its number of elements
     moments: int
     offload: bool
     reduce_bucket: int
@@ -132,17 +131,6 @@ class ZeroSync(GradSync):
             send = torch.zeros(per_rank * self.world, dtype=self.ipg.dtype, device=self.ipg.device)
         dist.reduce_scatter_tensor(out, send, group=self.group)
 
-    def pieces(self, lo: int, hi: int) -> list[tuple[str, int, int]]:
-        """The trainable params overlapping flat positions `[lo, hi)`: (name, start in the param, start in the
-        range), each piece `min(param end, hi) - max(param start, lo)` long."""
-        out = []
-        for name, start in self.offsets.items():
-            size = self.sizes[name]
-            a, b = max(start, lo), min(start + size, hi)
-            if a < b:
-                out.append((name, a - start, a - lo))
-        return out
-
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return mean_metrics(values, self.group)
 
@@ -186,16 +174,10 @@ class ZeroPhases(TrainPhases):
                 sync.pending = 0
         else:  # ZeRO-1: the full gradients reduce-scattered bucket by bucket, each rank's slice of each bucket
             for start, end in _buckets(sync.part, max(sync.reduce_bucket // sync.world, 1)):
-                width = end - start
+                # the bucket's send buffer (DeepSpeed's copy of the gradients; their values do not matter here)
                 send = torch.zeros(
-                    sync.world * width, dtype=sync.partition.dtype, device=sync.partition.device
+                    sync.world * (end - start), dtype=sync.partition.dtype, device=sync.partition.device
                 )
-                for w in range(sync.world):
-                    lo = w * sync.part + start
-                    for name, at, into in sync.pieces(lo, lo + width):
-                        g = local_tensor(run.grads[name]).reshape(-1)
-                        n = min(g.numel() - at, width - into)
-                        send[w * width + into : w * width + into + n] = g[at : at + n]
                 dist.reduce_scatter_tensor(sync.partition[start:end], send, group=sync.group)
         grad = sync.partition.float() / scalars[1].clamp_min(1)  # fp32, for the fp32 master partition
         run.grads = {"partition": grad} if sync.stage == 2 else {**run.grads, "partition": grad}
@@ -221,21 +203,13 @@ class ZeroPhases(TrainPhases):
             m.mul_(0.9).add_(grad)
         master.add_(moments[0] if moments else grad, alpha=-1e-3)
         run.opt_state, run.extra = opt, run.state.extra
-        # the updated partition in the params' dtype, all-gathered bucket by bucket into every rank's params
-        names = list(sync.offsets)
-        first = local_tensor(run.params[names[0]])
+        # the updated partition in the params' dtype, all-gathered bucket by bucket (DeepSpeed gathers into the
+        # flat buffer its params view: no more memory than a bucket; values do not matter in a dry run)
+        first = local_tensor(run.params[next(iter(sync.offsets))])
         mine = master.to(first.device, first.dtype)
         for start, end in _buckets(sync.part, max(sync.gather_bucket // sync.world, 1)):
-            width = end - start
-            out = torch.empty(sync.world * width, dtype=first.dtype, device=first.device)
+            out = torch.empty(sync.world * (end - start), dtype=first.dtype, device=first.device)
             dist.all_gather_into_tensor(out, mine[start:end].contiguous(), group=sync.group)
-            with torch.no_grad():
-                for w in range(sync.world):
-                    lo = w * sync.part + start
-                    for name, at, into in sync.pieces(lo, lo + width):
-                        p = local_tensor(run.params[name]).view(-1)
-                        n = min(p.numel() - at, width - into)
-                        p[at : at + n] = out[w * width + into : w * width + into + n]
 
 
 def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync:
@@ -285,10 +259,10 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
             f"DeepSpeed optimizer offload needs adam or adamw (DeepSpeedCPUAdam), got {hp['name']}"
         )
     plan.autocast_device_type = mesh.device_type
-    offsets, sizes, numel = {}, {}, 0
+    offsets, numel = {}, 0
     for name, p in module.named_parameters():
         if p.requires_grad:
-            offsets[name], sizes[name], numel = numel, p.numel(), numel + p.numel()
+            offsets[name], numel = numel, numel + p.numel()
     world = mesh.world_size
     zero = config["zero_optimization"]
     sync = ZeroSync(
@@ -298,7 +272,6 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
         rank=mesh.grad_rank,
         padded=math.ceil(numel / world) * world,
         offsets=offsets,
-        sizes=sizes,
         moments=_moments(dict(hp) if hp is not None else None),
         offload=offload,
         reduce_bucket=int(zero.get("reduce_bucket_size", _DEFAULT_BUCKET)),

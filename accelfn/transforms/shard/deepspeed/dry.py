@@ -9,8 +9,8 @@ hold and move per rank what the ZeRO stage does, after checking its config as th
   DeepSpeed reduces each partition owner's slice with `dist.reduce`; the model counts the same bytes as one
   reduce-scatter per bucket; the update on an fp32 master copy of the partition with the
   optimizer's moments of the partition only (DeepSpeed's `single_partition_of_fp32_groups`); the updated
-  partition all-gathered bucket by bucket (`allgather_bucket_size`; values are not copied back: fake). With optimizer offload the master
-  copy and the moments are host memory (not counted on the device).
+  partition all-gathered bucket by bucket (`allgather_bucket_size`; the fake values are not copied back).
+  With optimizer offload the master copy and the moments are host memory (not counted on the device).
 - **stage 3**: FSDP2 (`fully_shard` per block: the same all-gathers in forward and backward and reduce-scatters
   of the gradients); DeepSpeed also keeps an fp32 master copy of each partition, which FSDP2 does not (under
   bf16 DeepSpeed holds 2 + 4 + 8 bytes per parameter / N where FSDP2 holds 4 + 8: a note says so).

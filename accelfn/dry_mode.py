@@ -32,6 +32,10 @@ class Watcher:
         """One call of a training step: `call()` runs it."""
         return call()
 
+    def init_call(self, step: Any, model: Any, call: Callable[[], Any]) -> Any:
+        """`step.init(model)`: `call()` lowers the step and returns the initial state."""
+        return call()
+
     def phase(self, name: str, run: Any) -> None:
         """The engine starts phase `name` of a training step (`run` is its `StepRun`)."""
 

@@ -150,7 +150,8 @@ def read_buffers(slots: Slots) -> dict[str, torch.Tensor]:
 
 def move(module: nn.Module, device: torch.device) -> nn.Module:
     """`module.to(device)` when a parameter or buffer is elsewhere; else nothing (no tensor swapped: fake
-    tensors, as in a dry run, cannot be swapped in place).
+    tensors, as in a dry run, cannot be swapped in place). Tensors on the meta device are materialised on
+    `device` with their modules' init rules (`accelfn.materialize`).
 
     Example:
         >>> import torch
@@ -159,6 +160,10 @@ def move(module: nn.Module, device: torch.device) -> nn.Module:
         True
     """
     device = torch.device(device)
+    from .materialize import has_meta, materialize
+
+    if has_meta(module):  # built on the meta device: the whole model on `device` (sharding first: see fsdp)
+        materialize(module, device)
     tensors = [*module.parameters(), *module.buffers()]
     if any(
         t.device != device and not (t.device.type == device.type and device.index is None) for t in tensors

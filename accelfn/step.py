@@ -28,6 +28,7 @@ from . import random as _random
 from ._typecheck import checked
 from .engine import Plan, check_batch, loss_parts, run_eval, run_train
 from .lowering import CompositionError, Transform, canonical, lower
+from .materialize import has_meta, materialize
 from .module import bind, partition
 from .optim import GradientTransformation
 from .state import TrainState, check_not_donated, mark_donated
@@ -131,6 +132,12 @@ class Step:
                 )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"Step.init(): seed must be an int, got {type(seed).__name__}")
+        watcher = dry_mode.active()
+        if watcher is not None:
+            return watcher.init_call(self, model, lambda: self._init(model, seed))  # type: ignore[no-any-return]
+        return self._init(model, seed)
+
+    def _init(self, model: nn.Module, seed: int) -> TrainState:
         plan = Plan(
             module=model,
             kind=self.kind,
@@ -145,6 +152,8 @@ class Step:
 
             platforms.tune_allocator(plan.device)  # e.g. the host's: training-size tensors stay in the heap
         lower(plan, self.transforms)
+        if has_meta(plan.module):  # built on the meta device, not materialised by a sharding strategy
+            materialize(plan.module, plan.device)
         plan.finalize()
         if self.kind == "train":
             _warn_unused_precision_flag(self.transforms)

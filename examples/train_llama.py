@@ -15,6 +15,7 @@ tiny one for CPU runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -64,11 +65,19 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule, with a pp axis in --mesh")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches per step (pp axis)")
+    p.add_argument(
+        "--init",
+        choices=("host", "meta"),
+        default="host",
+        help="where the model is built: on the host (every rank holds it whole until step.init), or on the meta "
+        "device (no memory: step.init shards it, then allocates and initialises this rank's shards only)",
+    )
     args = p.parse_args()
 
     torch.manual_seed(0)
     mesh = af.Mesh.from_env()  # `--mesh` of accelfn launch / dry-run; {"dp": world size} by default
-    model = build(args.model, args.seq_len)
+    with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
+        model = build(args.model, args.seq_len)
     step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.1), clip_grad_norm=1.0)
     if args.bf16:
         step = af.autocast(step, torch.bfloat16)

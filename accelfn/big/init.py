@@ -36,6 +36,11 @@ def init_on_device(device: str | torch.device, include_buffers: bool = False) ->
             p = module._parameters[name]
             assert p is not None
             attrs: dict[str, Any] = dict(p.__dict__)
+            if (
+                getattr(p, "fake_mode", None) is not None
+            ):  # a fake tensor (a dry run): its __dict__ is its own
+                module._parameters[name] = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+                return
             try:  # subclasses that take their attributes in the constructor (e.g. bitsandbytes' Params4bit)
                 moved = type(p)(p.to(device), requires_grad=p.requires_grad, **attrs)
             except TypeError:

@@ -57,13 +57,19 @@ def add_parser(sub: Any) -> None:
         "--json", dest="json_path", default=None, metavar="FILE", help="also write the report as JSON"
     )
     p.add_argument("--no-search", action="store_true", help="skip the search for the largest micro-batch")
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=2048.0,
+        help="host memory of a node in GiB, for the memory before the first step (default 2048: a DGX H100)",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..dryrun import dry_run
+    from ..dryrun import Assumptions, dry_run
 
     rank: int | str = args.rank
     if rank != "worst":
@@ -98,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
             rank=rank,
             mesh=args.mesh,
             search=not args.no_search,
+            assumptions=Assumptions(host_memory_bytes=int(args.host_memory_gib * 2**30)),
         )
     except ValueError as e:
         if "af.dry_run:" in str(e):

@@ -34,6 +34,7 @@ class Assumptions:
     comm_efficiency: float = 0.8
     overlap: float = 1.0
     reserve_bytes: int = 2 * 2**30  # CUDA context, NCCL buffers and allocator slack kept free on each device
+    host_memory_bytes: int = 2048 * 2**30  # host memory of a node (a DGX H100 / H200 has 2 TiB)
 
 
 @attrs.frozen
@@ -126,6 +127,7 @@ class Report:
     ranks_tried: list[int] = attrs.Factory(list)
     elapsed_s: float = 0.0
     step_objects: list[dict[str, Any]] = attrs.Factory(list)
+    init: dict[str, Any] | None = None  # the memory before the first training step (see _init_report)
 
     def to_dict(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=True)
@@ -159,6 +161,19 @@ class Report:
                 + (f"; largest micro-batch that fits: {self.max_micro_batch}" if self.max_micro_batch else "")
                 + (f" (now {self.micro_batch})" if self.micro_batch else "")
             )
+        if self.init is not None:
+            i = self.init
+            verdict = {True: "fits", False: "DOES NOT FIT", None: ""}
+            lines += [
+                "",
+                "before the first step (model construction, loading, step.init)",
+                f"  {'host, per rank':<22}{gib(i['host_peak']):>15}    per node ({gib(i['host_per_node'])} of "
+                f"{gib(i['host_memory'])}): {verdict[i['fits_host']]}",
+            ]
+            if i["fits_device"] is not None:
+                lines.append(
+                    f"  {'device, per rank':<22}{gib(i['device_peak']):>15}    {verdict[i['fits_device']]}"
+                )
         if self.top_modules:
             lines += ["", "activations at the peak, by module"]
             lines += [f"  {m:<48}{gib(b):>15}" for m, b in self.top_modules]

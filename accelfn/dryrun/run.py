@@ -31,7 +31,7 @@ from .. import dry_mode
 from .. import tree as _tree
 from ..dtensor import local_tensor
 from .report import Assumptions, Report, predict
-from .tracker import CATEGORIES, HostReads, StepTracker
+from .tracker import CATEGORIES, HostReads, InitTracker, StepTracker
 
 __all__ = ["dry_run", "Session", "StopDryRun"]
 
@@ -176,6 +176,8 @@ class Session(dry_mode.Watcher):
         self.max_micro_batch: int | None = None
         self.micro_batch: int | None = None
         self._grads = 0
+        self.init: InitTracker | None = None  # the memory before the first training step (a dry run's)
+        self.device_is_host = False  # the real run computes on the host (device "cpu"): no separate device
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
@@ -196,7 +198,21 @@ class Session(dry_mode.Watcher):
         if name == "reduce":
             self._grads = t.label(_locals(run.grads), "grads")
 
+    def init_call(self, step: Any, model: Any, call: Callable[[], Any]) -> Any:
+        init = self.init
+        if init is None or not init.active or self.device_is_host:
+            return call()
+        # the lowering places the model on the mesh's device (the host copy is freed) and allocates there
+        init.to_device(_locals([*model.parameters(), *model.buffers()]))
+        init.where = "device"
+        try:
+            return call()
+        finally:
+            init.where = "host"
+
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
+        if self.init is not None and self.init.active:
+            self.init.stop()
         rec = self._record(step)
         if len(rec.measured) < self.steps:
             rec.calls += 1
@@ -786,6 +802,9 @@ def _report(
         fits = headroom >= 0
     top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
     notes = list(session.notes)
+    init = _init_report(session, nproc_per_node, capacity, assumptions, notes)
+    if init is not None and init["fits"] is False:
+        fits = False
     if session.requested_kinds:
         notes.append(
             f"the script asked for {', '.join(session.requested_kinds)}: ran as fake CPU tensors "
@@ -840,7 +859,49 @@ def _report(
         strategy=peak_rec.name,
         ranks_tried=[rank],
         step_objects=objects,
+        init=init,
     )
+
+
+def _init_report(
+    session: Session, nproc_per_node: int, capacity: int | None, assumptions: Assumptions, notes: list[str]
+) -> dict[str, Any] | None:
+    """The memory held before the first training step (host and device, per rank; the host per node), whether
+    it fits, and advice in `notes` where it does not."""
+    from .report import gib
+
+    t = session.init
+    if t is None:
+        return None
+    host, device = t.peak["host"], t.peak["device"]
+    per_node = host * nproc_per_node
+    fits_host = per_node <= assumptions.host_memory_bytes
+    fits_device = None if capacity is None or session.device_is_host else device <= capacity
+    meta = (
+        "build the model on the meta device (`with af.init_empty(): model = ...`): step.init shards it first "
+        "and allocates only this rank's shards on the device, with the modules' own init rules; load weights "
+        "into them with af.checkpoint.load_pretrained(path, like=state.params)"
+    )
+    if not fits_host:
+        notes.append(
+            f"before the first step each rank holds {gib(host)} on the host, {gib(per_node)} per node of "
+            f"{nproc_per_node} ranks: more than the {gib(assumptions.host_memory_bytes)} of host memory "
+            "assumed (--host-memory-gib). Every rank builds the whole model there; " + meta
+        )
+    if fits_device is False:
+        notes.append(
+            f"step.init holds {gib(device)} on the device, more than its {gib(capacity or 0)} usable: the "
+            "model is placed on the device whole before it is sharded; " + meta
+        )
+    return {
+        "host_peak": host,
+        "host_per_node": per_node,
+        "host_memory": assumptions.host_memory_bytes,
+        "device_peak": device,
+        "fits_host": fits_host,
+        "fits_device": fits_device,
+        "fits": fits_host and fits_device is not False,
+    }
 
 
 # ---- the entry point ---------------------------------------------------------------------------------------------
@@ -980,11 +1041,16 @@ def _run_once(
     search: bool,
     assumptions: Assumptions,
 ) -> tuple[Report, Session]:
+    from torch._guards import detect_fake_mode
+
     capacity = spec.memory_bytes - assumptions.reserve_bytes if spec is not None else None
     session = Session(steps, capacity, search, step)
+    session.device_is_host = device == "cpu"
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
-        _execute(script, args, session)
+        session.init = InitTracker(fake_mode=detect_fake_mode())
+        with session.init:
+            _execute(script, args, session)
         if reads.count:  # (HostReads is under every step's tracker: it sees the steps' reads too)
             session.notes.append(
                 f"host reads of fake values (.item(), .tolist(), float()) returned 0: {reads.count} of them"

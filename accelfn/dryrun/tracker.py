@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
 
-__all__ = ["StepTracker", "Collective", "CATEGORIES", "bus_bytes"]
+__all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
 CATEGORIES = ("params", "buffers", "optimizer", "grads", "comm_buffers", "activations", "temporary")
 
@@ -540,3 +540,104 @@ class StepTracker(TorchDispatchMode):
             row["bytes"] += c.nbytes
             row["bus_bytes"] += c.bus_bytes
         return out
+
+
+class InitTracker(TorchDispatchMode):
+    """The memory a script holds before its first training step (model construction, loading, data,
+    `step.init`), split into host and device bytes, each with its peak.
+
+    Allocations are host memory unless made while `where` is `"device"` (the dry run sets it inside
+    `step.init`, whose lowering places the model on the mesh's device); `to_device(tensors)` counts the
+    storages of tensors built on the host as moved to the device, as the lowering's move does (the host copy
+    is freed). `stop()` ends the counting: from then on ops pass through.
+
+    Example:
+        >>> import torch
+        >>> from accelfn.dryrun.tracker import InitTracker
+        >>> with InitTracker() as t:
+        ...     w = torch.zeros(1024, 1024)
+        ...     t.to_device([w])
+        ...     t.where = "device"
+        ...     shard = torch.zeros(512, 1024)
+        ...     del w
+        >>> t.peak
+        {'host': 4194304, 'device': 6291456}
+    """
+
+    def __init__(self, *, fake_mode: Any = None) -> None:
+        super().__init__()
+        self._fake_mode = fake_mode
+        self.where = "host"
+        self.active = True
+        self._live: dict[int, list[Any]] = {}  # storage key -> [bytes, where, weakref]
+        self.now = {"host": 0, "device": 0}
+        self.peak = {"host": 0, "device": 0}
+
+    def _add(self, where: str, delta: int) -> None:
+        self.now[where] += delta
+        self.peak[where] = max(self.peak[where], self.now[where])
+
+    def _freed(self, key: int) -> None:
+        rec = self._live.pop(key, None)
+        if rec is not None and self.active:
+            self._add(rec[1], -rec[0])
+
+    def _see(self, t: torch.Tensor) -> list[Any] | None:
+        mode = getattr(t, "fake_mode", None)
+        if t.device.type == "meta" or (mode is not None and mode is not self._fake_mode):
+            return None
+        try:
+            st = t.untyped_storage()
+        except Exception:  # noqa: BLE001 - sparse or other storage-less tensors
+            return None
+        key = st._cdata
+        rec = self._live.get(key)
+        if rec is not None:
+            return rec
+        try:
+            ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+        except TypeError:  # pragma: no cover - storages without weak references
+            return None
+        rec = [st.nbytes(), self.where, ref]
+        self._live[key] = rec
+        self._add(self.where, rec[0])
+        return rec
+
+    def to_device(self, tensors: Iterable[Any]) -> None:
+        """Count the storages of `tensors` (those the tracker saw allocated on the host) as on the device now."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = None
+            with _suppress():
+                key = t.untyped_storage()._cdata
+            rec = self._live.get(key) if key is not None else None
+            if rec is not None and rec[1] == "host":
+                self._add("host", -rec[0])
+                rec[1] = "device"
+                self._add("device", rec[0])
+
+    def stop(self) -> None:
+        """End the counting (the first training step starts); `peak` keeps its values."""
+        self.active = False
+        self._live.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.active or isinstance(func, torch._ops.HigherOrderOperator) or func in _SKIP_OPS:
+            return func(*args, **kwargs)
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # its local ops come back here
+        out = func(*args, **kwargs)
+        if not types and _in_shape_propagation():
+            return out
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+
+def _suppress() -> Any:
+    import contextlib
+
+    return contextlib.suppress(Exception)

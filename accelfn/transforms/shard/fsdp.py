@@ -22,6 +22,7 @@ from torch import nn
 
 from ...dtensor import local_tensor
 from ...engine.contract import GradSync
+from ...materialize import has_meta, materialize
 from ...module import move
 from ..compile import find_blocks
 from .common import (
@@ -175,9 +176,12 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
         return FSDPSync(plan.module, data_group, shard_group)
-    move(plan.module, mesh.device)
+    on_meta = has_meta(plan.module)  # built on the meta device: shard first, then allocate the shards only
+    if not on_meta:
+        move(plan.module, mesh.device)
     check_same_model(plan.module, data_group)
-    broadcast_from_first(plan.module, data_group)
+    if not on_meta:  # (a meta model gets the same values on every rank: see accelfn.materialize)
+        broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")
     else:
@@ -202,6 +206,8 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     except ValueError:
         blocks = None
     shard_unit(plan.module)
+    if on_meta:
+        materialize(plan.module, mesh.device)
     plan.module._accelfn_fsdp = True  # type: ignore[assignment]  # eval steps on it check their state
     for m in plan.module.modules():
         if hasattr(m, "set_gradient_divide_factor"):

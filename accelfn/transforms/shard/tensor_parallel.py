@@ -38,6 +38,7 @@ from torch import nn
 
 from ...dtensor import local_tensor
 from ...engine.contract import LOCAL, GradSync
+from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
 from .._base import TransformBase
@@ -349,7 +350,8 @@ class TensorParallel(TransformBase):
             plan.forward_contexts.append(loss_parallel)
             plan.backward_contexts.append(loss_parallel)
             plan.notes.append(f"loss on vocabulary shards ({head})")
-        move(module, self.mesh.device)
+        if not has_meta(module):  # built on the meta device: stays there until sharded (see materialize)
+            move(module, self.mesh.device)
         fp8 = [n for n, st in styles.items() if type(st).__name__.startswith("Float8")]
         if fp8:
             plan.notes.append(f"float8 tensor-parallel styles (torchao) on {len(fp8)} modules")

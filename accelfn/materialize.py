@@ -1,0 +1,195 @@
+"""Materialise a module built on the meta device: storage on the device, values from the modules' own init rules.
+
+A model built under `af.init_empty()` (or `torch.device("meta")`) holds no memory. `step.init` materialises it
+*after* sharding, so that each rank allocates only its shards: `materialize(module, device)` gives every meta
+parameter and buffer storage on `device` (a DTensor: its local shard) and fills it with the value its module's
+init rule gives, one module at a time: the module's tensors are built whole on the host (the largest single
+module is the most held at once), initialised by the module's `reset_parameters()` (or, inside a `transformers`
+model, the model's `_init_weights`, as `from_config` initialises it), and this rank's part is copied out.
+Every rank starts from the first rank's host RNG state, and modules are visited in `named_modules()` order, so
+torch modules get the values a host build seeded alike gives them. Tensors that were not on the meta device keep their values.
+
+Example:
+    >>> import torch, accelfn as af
+    >>> from accelfn.materialize import materialize
+    >>> with af.init_empty():
+    ...     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> _ = torch.manual_seed(0)
+    >>> materialize(net, torch.device("cpu"))
+    >>> _ = torch.manual_seed(0)
+    >>> torch.equal(net[0].weight, torch.nn.Linear(4, 4).weight), net[1].weight.tolist()
+    (True, [1.0, 1.0, 1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import dry_mode
+
+__all__ = ["has_meta", "materialize"]
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether a parameter or buffer of `module` is on the meta device (a DTensor: its local shard)."""
+    return any(_local(t).is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t  # type: ignore[no-any-return]
+
+
+def _hf_owners(module: nn.Module) -> dict[int, nn.Module]:
+    """id(submodule) -> the innermost `transformers` model holding it (whose `_init_weights` initialises it)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    out: dict[int, nn.Module] = {}
+    models = [m for m in module.modules() if isinstance(m, transformers.PreTrainedModel)]
+    for model in models:  # outer ones first: an inner model overrides for its own modules
+        for m in model.modules():
+            out[id(m)] = model
+    return out
+
+
+def _rule(name: str, m: nn.Module, owners: dict[int, nn.Module]) -> Any:
+    """The function that initialises module `m`'s direct tensors (given a stand-in of `m`)."""
+    owner = owners.get(id(m))
+    if owner is not None:
+        return owner._init_weights  # type: ignore[operator]
+    reset = getattr(type(m), "reset_parameters", None)
+    if reset is not None:
+        return lambda stand_in: stand_in.reset_parameters()
+    where = name or "the root module"
+    raise ValueError(
+        f"step.init: the model was built on the meta device, and module {where!r} ({type(m).__name__}) has "
+        "parameters or buffers there but no `reset_parameters()` to give them values. Give the module a "
+        "`reset_parameters()`, or build the model on the host (or its buffers: af.init_empty() keeps buffers "
+        "on the host unless include_buffers=True)"
+    )
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Give the meta parameters and buffers of `module` storage on `device` and their init rule's values (see
+    the module docs); the others keep theirs. DTensor parameters (FSDP2, tensor parallel) get their shard."""
+    named = list(module.named_modules(remove_duplicate=True))
+    todo = [
+        (name, m)
+        for name, m in named
+        if any(_local(t).is_meta for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
+    ]
+    if not todo:
+        return
+    owners = _hf_owners(module)
+    rules = {name: _rule(name, m, owners) for name, m in todo}  # every error before any allocation
+    _same_rng_state()
+    kept = {  # the real tensors, whose values to_empty would drop
+        (id(m), kind, key): _local(t).detach().clone()
+        for _, m in named
+        for kind, store in (("p", m._parameters), ("b", m._buffers))
+        for key, t in store.items()
+        if t is not None and not _local(t).is_meta
+    }
+    on_meta = {
+        (id(m), kind, key)
+        for _, m in todo
+        for kind, store in (("p", m._parameters), ("b", m._buffers))
+        for key, t in store.items()
+        if t is not None and _local(t).is_meta
+    }
+    module.to_empty(device=device)  # FSDP2's modules re-register their shards (its `_apply`)
+    for _, m in named:
+        for kind, store in (("p", m._parameters), ("b", m._buffers)):
+            for key, t in store.items():
+                old = kept.get((id(m), kind, key))
+                if t is not None and old is not None:
+                    _local(t).copy_(old)
+    del kept
+    done: set[int] = set()
+    for name, m in todo:
+        _fill(name, m, rules[name], on_meta, done)
+
+
+def _same_rng_state() -> None:
+    """Give every rank the first rank's host RNG state: their draws must agree, so that each rank's shard is
+    its part of the same values and replicas are equal (every rank initialises its model in `step.init`)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+
+
+def _fill(name: str, m: nn.Module, rule: Any, on_meta: set[tuple[int, str, str]], done: set[int]) -> None:
+    """Build `m`'s direct tensors whole on the host in a stand-in of `m`, run `rule` on it, copy each tensor's
+    part (a DTensor's shard) into `m`'s."""
+    stand_in = object.__new__(_original_class(type(m)))  # the init rule reads e.g. padding_idx, config
+    stand_in.__dict__.update(m.__dict__)
+    stand_in._parameters = {k: None for k, t in m._parameters.items() if t is None}  # e.g. `bias=False`
+    stand_in._buffers = {k: None for k, t in m._buffers.items() if t is None}
+    real: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for kind, store in (("p", m._parameters), ("b", m._buffers)):
+        for key, t in store.items():
+            if t is None:
+                continue
+            if (
+                id(m),
+                kind,
+                key,
+            ) not in on_meta:  # keeps its value: the stand-in gets a copy the rule may change
+                copy = _local(t).detach().clone()
+                if kind == "p":
+                    stand_in._parameters[key] = nn.Parameter(copy, requires_grad=t.requires_grad)
+                else:
+                    stand_in._buffers[key] = copy
+                continue
+            whole = (
+                torch.full(t.shape, float("nan"), dtype=t.dtype)
+                if t.is_floating_point()
+                else torch.zeros(t.shape, dtype=t.dtype)
+            )
+            if kind == "p":
+                stand_in._parameters[key] = nn.Parameter(whole, requires_grad=t.requires_grad)
+            else:
+                stand_in._buffers[key] = whole
+            real[key] = (t, whole)
+    rule(stand_in)
+    for key, (t, _) in real.items():
+        whole = stand_in._parameters.get(key) if key in stand_in._parameters else stand_in._buffers.get(key)
+        assert whole is not None
+        if id(t) in done:
+            continue
+        done.add(id(t))
+        if dry_mode.active() is None and whole.is_floating_point() and bool(whole.isnan().any()):
+            raise ValueError(
+                f"step.init: the model was built on the meta device, and the init rule of module "
+                f"{name or '(root)'!r} ({type(m).__name__}) left {key!r} unset. Give the module a "
+                "`reset_parameters()` that sets it, or build the model on the host"
+            )
+        _local(t).copy_(_part(t, whole.detach()))
+
+
+def _original_class(cls: type) -> type:
+    """The module's own class, not FSDP2's `FSDP<class>` (whose constructor re-runs the original's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next((c for c in cls.__mro__ if not issubclass(c, FSDPModule)), cls)
+
+
+def _part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole` for `t` (a DTensor's local shard; `whole` itself otherwise)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return whole
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]

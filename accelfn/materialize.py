@@ -191,5 +191,8 @@ def _part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         return whole
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    with (
+        dry_mode.real_tensors()
+    ):  # index arithmetic (strided shards build index tensors): not fake in a dry run
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
     return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]

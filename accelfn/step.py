@@ -114,7 +114,9 @@ class Step:
     def init(self, model: nn.Module | TrainState, *, seed: int = 0) -> TrainState:
         """Lower the step for `model` and return its initial state (params are the module's own tensors).
 
-        Given a `TrainState` instead (e.g. a loaded checkpoint), binds it to the model set earlier.
+        Given a `TrainState` instead (e.g. a loaded checkpoint), binds it to the model set earlier. A model built
+        on the meta device (`af.init_empty()`) is sharded first; then only this rank's shards are allocated and
+        initialised by the modules' own init rules (`accelfn.materialize`).
         """
         if isinstance(model, TrainState):
             bind(self.model, model.params, model.buffers, self.plan.slots)

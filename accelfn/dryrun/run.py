@@ -36,6 +36,10 @@ from .tracker import CATEGORIES, HostReads, InitTracker, StepTracker
 __all__ = ["dry_run", "Session", "StopDryRun"]
 
 
+# calls of one step object in a row (after its measured ones) skipped before it counts as the whole loop
+REPEATS = 64
+
+
 class StopDryRun(BaseException):  # noqa: N818 - not an error: ends the script after the measured steps
     """Raised in the script after the steps asked for (a BaseException: a script's `except Exception` lets
     it through)."""
@@ -77,6 +81,8 @@ class StepRecord:
     measured: list[Measured] = attrs.Factory(list)
     calls: int = 0
     skipped: int = 0
+    repeated: int = 0  # calls in a row after its measured ones, skipped to find the loop's other step objects
+    held: Any = None  # its latest state, held for the micro-batch search (only when there is one)
     # the state its latest call returned, while the script holds it
     state_ref: Callable[[], Any] = lambda: None
     batch: Any = None  # the latest measured call's batch (for the micro-batch search)
@@ -170,6 +176,8 @@ class Session(dry_mode.Watcher):
         self.records: list[StepRecord] = []
         self.calls: list[int] = []  # the step object (its index) of each training call, skipped ones too
         self.stopped_by: int | None = None  # the step object whose call stopped the script
+        self.stopped_by_repeats = False  # ... after REPEATS calls of it in a row (its own loop)
+        self.watch: Any = None  # the LoopWatch of an inner loop being skipped (see _in_inner_loop)
         self.uneven: set[str] = set()  # mesh dimensions with uneven shards
         self.layout: tuple[dict[str, int], dict[str, tuple[str, ...]], int] | None = None
         self.tracker: StepTracker | None = None
@@ -213,6 +221,8 @@ class Session(dry_mode.Watcher):
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         if self.init is not None and self.init.active:
             self.init.stop()
+        if self.watch is not None and self.watch.inner_done:
+            self.watch.end()  # an inner loop ended and the outer loop calls a step object: no more tracing
         rec = self._record(step)
         if len(rec.measured) < self.steps:
             rec.calls += 1
@@ -225,15 +235,27 @@ class Session(dry_mode.Watcher):
             rec.resident = _storages(out[0])
             rec.own |= {key for _, key, _, _ in _storages(state) + rec.resident}
             rec.state_ref, rec.batch = _weak(out[0]), batch
-            if self.target is not None:  # held only where calls may be skipped (it may hold state tensors)
-                rec.rest = tuple(out[1:])
+            rec.rest = tuple(out[1:])  # what a skipped call returns after the state (its metrics)
+            if self.search and self.capacity is not None:  # the search may run after the script ended
+                rec.held = out[0]
             m.others = self.others(rec)
             self.uneven |= _uneven_dims(out[0].params)
             # now: a script's `with af.Mesh(...) as mesh:` closes the mesh before the report
             self.layout = _layout() or self.layout
             return out
-        if self.target is None or self._target_done():  # the loop came round: measured
+        done = self.target is None or self._target_done()
+        run = self._run_length(rec.index)
+        if done and run < REPEATS and self.calls and self.calls[-1] == rec.index and self._in_inner_loop(rec):
+            # called again with no other step object in between, in a loop inside another loop of the script
+            # (a GAN's critic steps): skipped until the inner loop ends (see accelfn.dryrun.loops)
+            rec.calls += 1
+            rec.repeated += 1
+            self.calls.append(rec.index)
+            return (state, *rec.rest)
+        if done:  # the loop came round: measured
+            self.end_watch()
             self.stopped_by = rec.index
+            self.stopped_by_repeats = run >= REPEATS
             for r in self._loop_records():  # in the loop, the others' states are alive beside each step
                 now = self.others(r)
                 for m in r.measured:
@@ -269,6 +291,56 @@ class Session(dry_mode.Watcher):
             dtype = torch.float8_e4m3fn
         rec.dtype = dtype
 
+    def _in_inner_loop(self, rec: StepRecord) -> bool:
+        """Whether this call (of the step object called just before) runs in an inner loop of the script that
+        has not ended: a loop around the call with another loop around it in the same function. The first such
+        call starts a line tracer on the script's frame; a call after the inner loop ended is the loop coming
+        round (the outer loop calls nothing else)."""
+        from .loops import LoopWatch, loop_ranges, script_frame
+
+        w = self.watch
+        if w is not None and w.index == rec.index:
+            if w.inner_done:
+                self.watch = None
+                return False
+            return True
+        self.end_watch()
+        frame = script_frame()
+        if frame is None:
+            return False
+        inner, outer = loop_ranges(frame)
+        if inner is None or outer is None:
+            return False
+        self.watch = LoopWatch(frame, inner, outer, StopDryRun())
+        self.watch.index = rec.index
+        self.watch.start()
+        return True
+
+    def end_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.end()
+            self.watch = None
+
+    def finish(self) -> None:
+        """The script ended without its loop coming round (fewer calls than REPEATS in a row): the micro-batch
+        search runs on the last step object called, from the state it returned."""
+        if self.stopped_by is not None or not self.calls or not (self.search and self.capacity is not None):
+            return
+        last = self.records[self.calls[-1] - 1]
+        if last.held is not None and last.batch is not None:
+            self.max_micro_batch = self._search(last, last.held, last.batch)
+        for rec in self.records:
+            rec.held = None
+
+    def _run_length(self, index: int) -> int:
+        """How many of the latest calls were of step object `index`, in a row."""
+        n = 0
+        for c in reversed(self.calls):
+            if c != index:
+                break
+            n += 1
+        return n
+
     def _target_done(self) -> bool:
         assert self.target is not None
         return len(self.records) >= self.target and len(self.records[self.target - 1].measured) >= self.steps
@@ -288,17 +360,30 @@ class Session(dry_mode.Watcher):
         return dict(out)
 
     def loop(self) -> dict[int, int]:
-        """One iteration of the script's loop: {step object index: calls per iteration}. The calls after the
-        previous call of the step object that stopped the script (or, when the script ended, of the last one
-        called); every step object once if the last one was called only once."""
+        """One iteration of the script's loop: {step object index: calls per iteration}.
+
+        The last step object called (the one whose call stopped the script, or the last one when the script
+        ended) closes the iteration; it starts at the first call of that step object's previous run of calls in
+        a row, so an inner loop counts (5 critic calls per generator call: {1: 5, 2: 1}). A step object stopped
+        after REPEATS calls in a row, or whose last run has no earlier one, is its own loop ({n: 1}); every step
+        object once if the last one was called only once."""
         seq = self.calls + ([self.stopped_by] if self.stopped_by is not None else [])
         if not seq:
             return {}
-        earlier = [i for i, c in enumerate(seq[:-1]) if c == seq[-1]]
+        last = seq[-1]
+        if self.stopped_by is not None and self.stopped_by_repeats:
+            return {last: 1}
+        run_start = len(seq) - 1
+        while run_start > 0 and seq[run_start - 1] == last:
+            run_start -= 1
+        earlier = [i for i, c in enumerate(seq[:run_start]) if c == last]
         if not earlier:
-            return {rec.index: 1 for rec in self.records}
+            return {last: 1} if run_start < len(seq) - 1 else {rec.index: 1 for rec in self.records}
+        start = earlier[-1]
+        while start > 0 and seq[start - 1] == last:
+            start -= 1
         out: dict[int, int] = {}
-        for c in seq[earlier[-1] + 1 :]:
+        for c in seq[start:run_start]:
             out[c] = out.get(c, 0) + 1
         return out
 
@@ -362,7 +447,7 @@ class Session(dry_mode.Watcher):
         assert self.capacity is not None
         runs: list[tuple[StepRecord, Any, Any, Any]] = []  # (record, step, state, batch) of the loop's steps
         for rec in self._loop_records():
-            live = (state, batch) if rec is stopping else (rec.state_ref(), rec.batch)
+            live = (state, batch) if rec is stopping else (rec.state_ref() or rec.held, rec.batch)
             step = rec.ref()
             if live[0] is None or step is None:
                 self.notes.append(
@@ -763,6 +848,7 @@ def _report(
                 "calls": rec.calls,
                 "measured": len(rec.measured),
                 "skipped": rec.skipped,
+                "repeated": rec.repeated,
                 "per_iteration": times,
                 "per_rank": {
                     "params": worst.params,
@@ -828,6 +914,13 @@ def _report(
             f"the step measured is not sharded over the {world} ranks (each trains the whole model); if the "
             "script trains another step object after this loop (a 2nd phase), --step 2 / step=2 measures it"
         )
+    inner = [(i, n) for i, n in sorted(loop.items()) if n > 1]
+    if inner:
+        notes.append(
+            "called several times per loop iteration (calls in a row: after the measured ones they were not run, "
+            "the state returned unchanged; communication, FLOPs and the prediction count every call): "
+            + ", ".join(f"step object {i} x{n}" for i, n in inner)
+        )
     skipped = [r for r in session.records if r.skipped]
     if skipped:
         notes.append(
@@ -891,7 +984,8 @@ def _init_report(
     if fits_device is False:
         notes.append(
             f"step.init holds {gib(device)} on the device, more than its {gib(capacity or 0)} usable: the "
-            "model is placed on the device whole before it is sharded; " + meta
+            "model is placed on the device whole before it is sharded; "
+            + ("building it on the meta device (above) avoids that too" if not fits_host else meta)
         )
     return {
         "host_peak": host,
@@ -1010,7 +1104,10 @@ def measure_real(
     session = Session(steps, None, False, step)
     start = time.perf_counter()
     with dry_mode.watching(session):
-        _execute(script, list(args), session)
+        try:
+            _execute(script, list(args), session)
+        finally:
+            session.end_watch()
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         report = _report(
@@ -1049,8 +1146,12 @@ def _run_once(
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
         session.init = InitTracker(fake_mode=detect_fake_mode())
-        with session.init:
-            _execute(script, args, session)
+        try:
+            with session.init:
+                _execute(script, args, session)
+        finally:
+            session.end_watch()
+        session.finish()
         if reads.count:  # (HostReads is under every step's tracker: it sees the steps' reads too)
             session.notes.append(
                 f"host reads of fake values (.item(), .tolist(), float()) returned 0: {reads.count} of them"

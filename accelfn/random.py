@@ -68,7 +68,47 @@ def key(seed: int) -> torch.Tensor:
 
 def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
     """A key derived from `k` and an integer (a step number, a rank)."""
+    if _simulated(k, data):
+        return _rankwise(fold_in, k, data)  # type: ignore[no-any-return]
     return _from_int(_mix64(_words(k) ^ _mix64((int(data) & _MASK64) ^ _FOLD_SALT)))
+
+
+# ---- N ranks in one process (torch's LocalTensorMode): a key per simulated rank ----------------------------
+def _per_rank_ints(x: Any) -> dict[int, int] | None:
+    ints = getattr(getattr(x, "node", None), "_local_ints", None)
+    return ints if isinstance(x, torch.SymInt) and isinstance(ints, dict) else None
+
+
+def _simulated(k: Any, *args: Any) -> bool:
+    """Whether `k` is a key of simulated ranks (a LocalTensor) or an argument a per-rank integer."""
+    return hasattr(k, "_local_tensors") or any(_per_rank_ints(a) is not None for a in args)
+
+
+def _rankwise(fn: Callable[..., Any], k: Any, *args: Any) -> Any:
+    """`fn(k, *args)` under torch's LocalTensorMode, where the key (a LocalTensor) or an argument (a rank: a
+    SymInt over per-rank integers) differs by simulated rank: `fn` for each rank's part, the results put back
+    together (tensors as a LocalTensor, ints as a per-rank SymInt, lists item by item)."""
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor, local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("af.random: a key or integer of simulated ranks outside LocalTensorMode")
+    parts = getattr(k, "_local_tensors", None)
+    with mode.disable():
+        out = {
+            r: fn(parts[r] if parts is not None else k, *[(_per_rank_ints(a) or {r: a})[r] for a in args])
+            for r in sorted(mode.ranks)
+        }
+
+    def together(values: dict[int, Any]) -> Any:
+        first = next(iter(values.values()))
+        if isinstance(first, torch.Tensor):
+            return LocalTensor(values)
+        if isinstance(first, list):
+            return [together({r: v[i] for r, v in values.items()}) for i in range(len(first))]
+        return torch.SymInt(LocalIntNode(values)) if len(set(values.values())) > 1 else first
+
+    return together(out)
 
 
 def split(k: torch.Tensor, num: int = 2) -> torch.Tensor:
@@ -78,12 +118,17 @@ def split(k: torch.Tensor, num: int = 2) -> torch.Tensor:
 
 def split_list(k: torch.Tensor, num: int = 2) -> list[torch.Tensor]:
     """The keys of `split(k, num)` as a list (no stacking or indexing: what a step uses each call)."""
+    if _simulated(k):
+        return _rankwise(split_list, k, num)  # type: ignore[no-any-return]
     base = _words(k)
     return [_from_int(_mix64(base ^ _mix64((i + 1) * 0xD1B54A32D192ED03 & _MASK64))) for i in range(num)]
 
 
 def seed_of(k: torch.Tensor) -> int:
-    """A 63-bit integer seed for torch generators, derived from the key."""
+    """A 63-bit integer seed for torch generators, derived from the key (a per-rank integer under torch's
+    LocalTensorMode when the key differs by simulated rank)."""
+    if _simulated(k):
+        return _rankwise(seed_of, k)  # type: ignore[no-any-return]
     return _mix64(_words(k)) >> 1
 
 
@@ -156,6 +201,10 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     """
     accel, platform = _accelerators(devices)
     seed = seed_of(k)
+    if _per_rank_ints(seed) is not None:  # simulated ranks (LocalTensorMode): a seed per rank
+        with _seeded_per_rank(seed):
+            yield
+        return
     cpu_state = torch.random.default_generator.get_state()
     saved = [(d, platform.get_rng_state(d)) for d in accel] if platform is not None else []
     torch.random.default_generator.manual_seed(seed)
@@ -168,3 +217,23 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
         for d, state in saved:
             assert platform is not None
             platform.set_rng_state(state, d)
+
+
+@contextlib.contextmanager
+def _seeded_per_rank(seed: Any) -> Iterator[None]:
+    """`seeded` under torch's LocalTensorMode with a seed per simulated rank: its `torch.manual_seed` seeds
+    each rank's generator state; the states (the mode's and the real generator's) are put back afterwards."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    states = getattr(mode, "_per_rank_rng_states", None)
+    saved = dict(states) if isinstance(states, dict) else None
+    cpu_state = torch.random.default_generator.get_state()
+    torch.manual_seed(seed)  # the mode's own, per rank
+    try:
+        yield
+    finally:
+        torch.random.default_generator.set_state(cpu_state)
+        if saved is not None and isinstance(states, dict):
+            states.clear()
+            states.update(saved)

@@ -3,9 +3,10 @@
 (issue 20, item 7).
 
 What runs on torch 2.13 and what it takes:
-- ddp: runs, once `af.random.fold_in` gets an int for the rank key (under the mode the mesh coordinate is a
-  per-rank SymInt, and `int()` of it fails: `test_rank_key_is_a_per_rank_symint`). The models here have no
-  dropout, so the key's value does not enter the numerics.
+- dp x tp (colwise then rowwise, 2 x 2): runs, equal to one process.
+- ddp: runs. Under the mode the mesh coordinate is a per-rank SymInt; `af.random` folds it in per simulated
+  rank, so each rank gets its own step key and dropout stream, as in a real job
+  (`test_keys_and_seeds_are_per_simulated_rank`).
 - fsdp (torch's FSDP2): runs with two more workarounds for torch gaps, each shown by its own test (they fail
   when torch fixes the gap): FSDP2 frees and re-allocates the unsharded parameters with
   `untyped_storage().resize_()`, which a LocalTensor (a wrapper subclass) refuses; and FSDP2 takes each
@@ -83,18 +84,6 @@ def mesh() -> Iterator[af.Mesh]:
         _random._rng_tracker = None
 
 
-@pytest.fixture
-def int_rank_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workaround for accelfn: `fold_in(key, rank)` with the rank a per-rank SymInt folds in 0 (dropout-free
-    models only: the step key is then the same on every simulated rank)."""
-    fold_in = af_random.fold_in
-
-    def patched(k: torch.Tensor, data: Any) -> torch.Tensor:
-        return fold_in(k, 0 if isinstance(data, torch.SymInt) else data)
-
-    monkeypatch.setattr(af_random, "fold_in", patched)
-
-
 def _per_rank(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
     def on_each(t: torch.Tensor) -> None:
         for local in t._local_tensors.values() if isinstance(t, LocalTensor) else (t,):
@@ -143,7 +132,7 @@ def _reference(kind: str) -> tuple[Any, Any]:
 
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.usefixtures("int_rank_key", "fsdp_storages")
+@pytest.mark.usefixtures("fsdp_storages")
 def test_n_ranks_in_one_process_equal_one_process(mesh: af.Mesh, strategy: str, kind: str) -> None:
     """A small MLP and a transformers Llama (GQA, RoPE, SDPA): the loss and every rank's updated parameters
     (ddp: the whole tensor; fsdp: rank r's dim-0 shard) equal one process's step on the global batch."""
@@ -161,22 +150,74 @@ def test_n_ranks_in_one_process_equal_one_process(mesh: af.Mesh, strategy: str, 
             torch.testing.assert_close(local, want, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {r}")
 
 
+@pytest.fixture
+def mesh_dp_tp() -> Iterator[af.Mesh]:
+    """A dp=2 x tp=2 mesh over torch's fake process group (the mode plays all 4 ranks)."""
+    from torch.distributed.tensor import _random
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _mesh.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
+    try:
+        yield af.Mesh({"dp": 2, "tp": 2}, device="cpu")
+    finally:
+        _mesh.destroy_process_group()
+        _clear_dtensor_caches()
+        _random._rng_tracker = None
+
+
+def test_dp_by_tp_in_one_process_equals_one_process(mesh_dp_tp: af.Mesh) -> None:
+    """Tensor parallel (colwise, then rowwise) inside data parallel, 4 simulated ranks: the loss and each rank's
+    slice of every updated parameter equal one process's step on the global batch."""
+    ref_state, ref_metrics = _reference("mlp")
+    x = _batch()
+    with LocalTensorMode(N) as mode:
+        step = af.shard(_step(), mesh_dp_tp, strategy="ddp", tp_plan={"0": "colwise", "2": "rowwise"})
+        state = step.init(_model())
+        batch = mode.rank_map(lambda r: x[(r // 2) * (ROWS // 2) : (r // 2 + 1) * (ROWS // 2)])  # by dp rank
+        state, metrics = step(state, batch)
+    torch.testing.assert_close(metrics["loss"].reconcile(), ref_metrics["loss"], rtol=1e-6, atol=1e-7)
+    split = {
+        "0.weight": 0,
+        "0.bias": 0,
+        "2.weight": 1,
+    }  # colwise: the output rows; rowwise: the input columns
+    for name, p in state.params.items():
+        for r, local in _shards(p).items():
+            want = ref_state.params[name]
+            if name in split:
+                want = want.chunk(2, split[name])[r % 2]
+            torch.testing.assert_close(local, want, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {r}")
+
+
+def test_keys_and_seeds_are_per_simulated_rank(mesh: af.Mesh) -> None:
+    """`af.random` under the mode: the rank folded into a key is a per-rank SymInt; each simulated rank gets
+    the key, and the draws under `seeded`, that one process with that rank gets (dropout differs by rank as
+    in a real job)."""
+    base = af_random.key(7)
+    want = {r: af_random.fold_in(base, r) for r in range(N)}
+    draws = {}
+    for r in range(N):
+        with af_random.seeded(af_random.split_list(want[r])[0]):
+            draws[r] = torch.rand(3)
+    with LocalTensorMode(N):
+        rank = mesh._mesh.get_local_rank()  # a SymInt over per-rank integers
+        assert isinstance(rank, torch.SymInt)
+        k = af_random.fold_in(base, rank)
+        with af_random.seeded(af_random.split_list(k)[0]):
+            got = torch.rand(3)
+    for r in range(N):
+        assert torch.equal(k._local_tensors[r], want[r]) and torch.equal(got._local_tensors[r], draws[r]), r
+
+
 # ---- the gaps: each test fails once the gap is closed (then drop its workaround above) -------------------
-def test_rank_key_is_a_per_rank_symint(mesh: af.Mesh) -> None:
-    """accelfn: the step folds the mesh's rank into its random key with `int(rank)`; under LocalTensorMode the
-    rank is a SymInt over a LocalIntNode, which has no `int_`."""
-    with pytest.raises(AttributeError, match="int_"):
-        _run(mesh, "ddp")
-
-
-@pytest.mark.usefixtures("int_rank_key")
 def test_fsdp2_resizes_storages_a_local_tensor_refuses(mesh: af.Mesh) -> None:
     """torch: FSDP2 frees the unsharded parameters after the forward with `untyped_storage().resize_(0)`."""
     with pytest.raises(RuntimeError, match="resize_\\(\\) on an invalid python storage"):
         _run(mesh, "fsdp")
 
 
-@pytest.mark.usefixtures("int_rank_key", "fsdp_storages")
+@pytest.mark.usefixtures("fsdp_storages")
 def test_fsdp2_gives_every_simulated_rank_rank_0s_shard(mesh: af.Mesh) -> None:
     """torch: FSDP2 shards each parameter by `group.rank()`, the one real rank of the fake group."""
     full = _model().state_dict()

@@ -77,7 +77,8 @@ def _rule(name: str, m: nn.Module, owners: dict[int, nn.Module]) -> Any:
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give the meta parameters and buffers of `module` storage on `device` and their init rule's values (see
-    the module docs); the others keep theirs. DTensor parameters (FSDP2, tensor parallel) get their shard."""
+    the module docs); the others keep theirs. DTensor parameters (FSDP2, tensor parallel) get their shard.
+    In a process group every rank calls it (`step.init` does): the first rank's RNG state is broadcast."""
     named = list(module.named_modules(remove_duplicate=True))
     todo = [
         (name, m)

@@ -6,12 +6,10 @@ ranks, lowered at 8-64 fake ranks."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -279,66 +277,6 @@ def test_dry_run_matches_the_real_run(tmp_path: Path, nproc: int, mesh: str, arg
     assert dry["per_rank"]["activations"] == pytest.approx(real["per_rank"]["activations"], rel=0.10)
     assert dry["per_rank"]["peak"] == pytest.approx(real["per_rank"]["peak"], rel=0.10)
     assert dry["flops_per_step"] == pytest.approx(real["flops_per_step"], rel=0.01)
-
-
-def _zero_script(stage: int, optimizer: Any = None) -> Any:
-    from train_llama import loss_fn
-
-    def main() -> None:
-        mesh = af.Mesh({"dp": -1})
-        tx = optimizer if optimizer is not None else af.optim.adamw(1e-3)
-        step = af.autocast(af.train_step(loss_fn, tx, clip_grad_norm=1.0), "bf16")
-        step = af.shard(step, mesh, backend="deepspeed", zero_stage=stage)
-        state = step.init(_tiny_llama())
-        step(state, torch.zeros(2, 129, dtype=torch.long))
-
-    return main
-
-
-def test_deepspeed_zero_1_and_2_follow_the_zero_paper_at_64_ranks() -> None:
-    # Rajbhandari et al. 2020, mixed precision with Adam: 2 bytes of params, 2 of gradients (ZeRO-2: / N) and
-    # K = 12 of optimizer state (fp32 master, two moments) / N per parameter; traffic 2 x the bf16 params as
-    # reduce-scatter + all-gather, the volume of DDP's all-reduce
-    n_params = sum(p.numel() for p in _tiny_llama().parameters())
-    part = -(-n_params // 64)  # DeepSpeed pads the flat group to a multiple of the world
-    for stage in (1, 2):
-        report = af.dry_run(_zero_script(stage), nproc_per_node=8, nnodes=8, device="cpu", search=False)
-        assert report.per_rank["params"] == 2 * n_params
-        assert report.per_rank["grads"] == (2 * n_params if stage == 1 else 2 * part)
-        assert report.per_rank["optimizer"] == 12 * part
-        moved = (
-            report.comm["reduce_scatter"]["dp"]["bus_bytes"] + report.comm["all_gather"]["dp"]["bus_bytes"]
-        )
-        assert moved == pytest.approx(2 * 2 * 63 / 64 * 64 * part, rel=1e-6)
-        assert any(f"ZeRO-{stage} is modelled" in note for note in report.notes)
-    zero3 = af.dry_run(_zero_script(3), nproc_per_node=8, nnodes=8, device="cpu", search=False)
-    assert zero3.per_rank["params"] < 4 * n_params / 32 and "all_gather" in zero3.comm
-    assert any("ZeRO-3 is modelled by FSDP2" in note for note in zero3.notes)
-
-
-def test_deepspeed_errors_of_the_real_lowering_are_raised_in_the_dry_run() -> None:
-    with pytest.raises(
-        af.CompositionError, match="builds a torch optimizer from the step's optimizer, but this"
-    ):
-        af.dry_run(
-            _zero_script(2, af.optim.lion(1e-4)), nproc_per_node=8, nnodes=8, device="cpu", search=False
-        )
-
-
-@pytest.mark.slow
-def test_deepspeed_zero_1_and_2_bytes_equal_the_real_engines_on_two_processes() -> None:
-    # the real engine's module params, fp32 master partitions and moments, read from DeepSpeed itself
-    proc = run_workers("zero_bytes_worker.py", 2, "1,2", timeout=400)
-    assert proc.returncode == 0, output_of(proc)
-    real = [
-        json.loads(m) for m in re.findall(r"ZERO_BYTES (\{[^}]*\})", proc.stdout)
-    ]  # ranks' lines may interleave
-    assert sorted((r["stage"], r["rank"]) for r in real) == [(1, 0), (1, 1), (2, 0), (2, 1)], proc.stdout
-    for stage in (1, 2):
-        report = af.dry_run(_zero_script(stage), nproc_per_node=2, device="cpu", search=False)
-        for r in (x for x in real if x["stage"] == stage):
-            assert report.per_rank["params"] == r["params"], (stage, r)
-            assert report.per_rank["optimizer"] == r["optimizer"], (stage, r)
 
 
 def test_cli_bad_arguments_exit_2(tmp_path: Path) -> None:

@@ -1,0 +1,212 @@
+"""What the modelled ZeRO stages share: DeepSpeed's defaults, the phases, the bucket, the update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ..... import random as _random
+from .....engine.batches import loss_parts, rows
+from .....engine.contract import GradSync
+from .....engine.phases import StepRun, TrainPhases, next_state
+
+if TYPE_CHECKING:
+    from .....engine import Plan
+
+
+__all__ = ["ZeroPhases"]
+
+_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size (elements)
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FAR = -(10**10)  # DeepSpeed's "never fetched" step id
+
+
+def _moments(config_optimizer: dict[str, Any] | None) -> int:
+    """How many partition-sized fp32 tensors the torch optimizer DeepSpeed is given keeps per parameter."""
+    if config_optimizer is None:
+        return 0
+    name = config_optimizer.get("name")
+    if name in ("adam", "adamw"):
+        return 2
+    if name == "sgd":
+        return 1 if config_optimizer.get("momentum") else 0
+    return 2
+
+
+def _global_sum(values: list[torch.Tensor], device: torch.device, group: Any) -> torch.Tensor:
+    """`DeepSpeedPhases._global_sum`: the values summed over the ranks, in one float64 all-reduce."""
+    flat = torch.stack([v.detach().to(device, torch.float64).reshape(()) for v in values])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return flat
+
+
+@attrs.define(eq=False)
+class _Bucket:
+    """DeepSpeed's ipg bucket: the params whose gradients it holds (names, in order) and their elements."""
+
+    names: list[str] = attrs.Factory(list)
+    elements: int = 0
+    # reduce_bucket_size elements each (two with overlap_comm)
+    buffers: list[torch.Tensor] = attrs.Factory(list)
+    extra: str | None = None  # a param larger than the bucket, reduced on its own
+
+
+class _Base(GradSync):
+    """What the modelled ZeRO stages share: the config read at lowering, the engine's parts of the phases."""
+
+    group: Any
+    world: int
+    rank: int
+    stage: int
+    dtype: torch.dtype  # the params' (the engine's) dtype
+    comm_dtype: torch.dtype  # communication_data_type
+    overflow_check: bool
+    clip: float  # gradient_clipping (0: none)
+    fp16_scale: float | None  # fp16's initial loss scale (the metric)
+    moments: int
+    offload: bool
+    reduce_bucket: int  # reduce_bucket_size (elements)
+    lr: Callable[[torch.Tensor], Any]  # the optimizer's learning rate at a step count
+    loss_has_count: bool | None
+
+    def after_backward(self) -> None:
+        """The end of one micro-batch's backward (DeepSpeed's epilogue)."""
+
+    def grads_now(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gradients DeepSpeed keeps when the backward ends, as the dry run counts them."""
+        return self.partition_grads()
+
+    def end_reduction(self, params: dict[str, torch.Tensor]) -> None:
+        """What DeepSpeed reduces after the last backward, once the gradients are counted (ZeRO-1)."""
+
+    def partition_grads(self) -> dict[str, torch.Tensor]:
+        """The gradient partitions the update reads."""
+        raise NotImplementedError
+
+    def step_norm(self) -> torch.Tensor:
+        """The step's overflow check and gradient norm (their collectives)."""
+        raise NotImplementedError
+
+    def step(self, opt_state: Any, scale: torch.Tensor) -> None:
+        """The update of the master partitions and what follows it (their collectives)."""
+        raise NotImplementedError
+
+
+@attrs.define
+class _ZeroRun(StepRun):
+    """A modelled DeepSpeed step's record: DeepSpeedStepRun's aux count and the clip factor of the step."""
+
+    aux_count: int = 1
+    scale: torch.Tensor | None = None
+
+
+class ZeroPhases(TrainPhases):
+    """`DeepSpeedPhases` over a modelled engine: the forward and backward (the engine's gradient hooks are
+    the strategy's), the loss and count summed as DeepSpeed's phases do (one float64 all-reduce each), the
+    engine's step as the reduce (ZeRO-1's reduction), clip (overflow check and norm) and update phases."""
+
+    def start(self, plan: Plan, state: Any, batch: Any) -> StepRun:
+        return _ZeroRun(plan, plan.sync, state, batch)
+
+    def forward_backward(self, run: StepRun) -> None:
+        plan, sync, micro = run.plan, run.sync, run.micro
+        assert isinstance(sync, _Base) and isinstance(run, _ZeroRun)
+        assert plan.loss_call is not None and run.step_key is not None
+        n = len(micro)
+        device = plan.devices[0] if plan.devices else torch.device("cpu")
+        step_key = run.step_key
+
+        def forward(i: int, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+            key = step_key if n == 1 else _random.fold_in(step_key, i)
+            with _random.seeded(key, plan.devices), plan.forward_context(), torch.set_grad_enabled(grad):
+                out = plan.loss_call(plan.module, micro[i])  # type: ignore[misc]
+            total, count, aux = loss_parts(out)
+            if grad and not total.requires_grad:
+                raise ValueError(
+                    "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
+                    "the module it receives (not another copy of the network)"
+                )
+            return total, count, aux
+
+        # as DeepSpeedPhases: the global count before the first backward (one forward, or, for an af.Loss over
+        # several micro-batches, a counting forward without gradients per micro-batch)
+        first = forward(0) if n == 1 else None
+        if n > 1 and sync.loss_has_count is None:
+            sync.loss_has_count = forward(0, grad=False)[1] is not None
+        has_count = first[1] is not None if first is not None else bool(sync.loss_has_count)
+        if not has_count:
+            counts: list[torch.Tensor | None] = [torch.tensor(float(rows(mb))) for mb in micro]
+        elif first is not None:
+            counts = [first[1]]
+        else:
+            counts = [forward(i, grad=False)[1] for i in range(n)]
+        local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+        global_count = _global_sum([local_count], device, sync.group)[0]
+        inv = sync.world / global_count.clamp_min(1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        aux_sum: dict[str, torch.Tensor] = {}
+        for i in range(n):
+            total, count, aux = first if first is not None else forward(i)
+            if count is None:
+                total = total * counts[i].to(total)  # type: ignore[union-attr]
+            loss_sum += total.detach().to(torch.float64)
+            for k, v in aux.items():
+                if isinstance(v, torch.Tensor):
+                    aux_sum[k] = v.detach().float() if k not in aux_sum else aux_sum[k] + v.detach().float()
+            (total * inv.to(total)).backward()
+            sync.after_backward()
+        run.loss_sum, run.count_sum, run.aux_sum, run.aux_count = (
+            loss_sum,
+            global_count,
+            aux_sum,
+            n * sync.world,
+        )
+        run.grads = sync.grads_now(run.params)  # what the dry run counts as gradients (at the reduce phase)
+
+    def reduce(self, run: StepRun) -> None:
+        sync = run.sync
+        assert isinstance(sync, _Base) and isinstance(run, _ZeroRun)
+        assert run.loss_sum is not None and run.count_sum is not None
+        run.grads = {}  # ZeRO-1's full gradients: freed by the reduction
+        sync.end_reduction(run.params)
+        run.grads = sync.partition_grads()
+        scalars = _global_sum([run.loss_sum, *run.aux_sum.values()], run.loss_sum.device, sync.group)
+        run.metrics["loss"] = (scalars[0] / run.count_sum.clamp_min(1)).to(torch.float32)
+        run.metrics.update(
+            {k: (v / run.aux_count).to(torch.float32) for k, v in zip(run.aux_sum, scalars[1:])}
+        )
+
+    def clip(self, run: StepRun) -> None:
+        sync = run.sync
+        assert isinstance(sync, _Base) and isinstance(run, _ZeroRun)
+        norm = sync.step_norm()
+        run.scale = (
+            (sync.clip / (norm + 1e-6)).clamp(max=1.0) if sync.clip else torch.ones((), device=norm.device)
+        )
+        if sync.fp16_scale is not None:
+            run.metrics["skipped"] = torch.zeros(())
+            run.metrics["loss_scale"] = torch.tensor(sync.fp16_scale)
+        if sync.clip:
+            run.metrics["grad_norm"] = norm.float().reshape(())
+
+    def update(self, run: StepRun) -> None:
+        sync = run.sync
+        assert isinstance(sync, _Base) and isinstance(run, _ZeroRun) and run.scale is not None
+        run.grads = {}
+        sync.step(run.state.opt_state, run.scale)
+        run.metrics["lr"] = torch.as_tensor(sync.lr(run.state.step), dtype=torch.float32).reshape(())
+        run.opt_state = run.state.opt_state
+
+    def metrics(self, run: StepRun) -> tuple[Any, dict[str, torch.Tensor]]:
+        return next_state(run, run.state.extra), run.metrics
+
+
+def _update(master: torch.Tensor, moments: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """The optimizer's update of a master partition, elementwise (the values do not matter in a dry run)."""
+    for m in moments:
+        m.mul_(0.9).add_(grad)
+    master.add_(moments[0] if moments else grad, alpha=-1e-3)

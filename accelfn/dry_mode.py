@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Watcher", "active", "watching", "skip", "note", "phase", "device_kind", "real_tensors"]
+__all__ = ["Watcher", "active", "watching", "skip", "note", "phase", "device_kind", "real_tensors", "on_host"]
 
 
 class Watcher:
@@ -45,6 +45,10 @@ class Watcher:
 
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
         """A block whose tensors must be real (small host-side bookkeeping, e.g. a DeviceMesh's rank map)."""
+        return contextlib.nullcontext()
+
+    def on_host(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose allocations are host memory in the real run (while `step.init` places the model)."""
         return contextlib.nullcontext()
 
 
@@ -93,6 +97,11 @@ def phase(name: str, run: Any) -> None:
 def real_tensors() -> contextlib.AbstractContextManager[Any]:
     """A block that computes with real tensors even in a dry run (whose tensors are otherwise fake)."""
     return contextlib.nullcontext() if _watcher is None else _watcher.real_tensors()
+
+
+def on_host() -> contextlib.AbstractContextManager[Any]:
+    """A block whose allocations are host memory even inside `step.init` (e.g. a model's init on the host)."""
+    return contextlib.nullcontext() if _watcher is None else _watcher.on_host()
 
 
 def device_kind(kind: str) -> str:

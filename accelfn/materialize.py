@@ -1,34 +1,41 @@
 """Materialise a module built on the meta device: storage on the device, values from the modules' own init rules.
 
 A model built under `af.init_empty()` (or `torch.device("meta")`) holds no memory. `step.init` materialises it
-*after* sharding, so that each rank allocates only its shards: `materialize(module, device)` gives every meta
-parameter and buffer storage on `device` (a DTensor: its local shard) and fills it with the value its module's
-init rule gives, one module at a time: the module's tensors are built whole on the host (the largest single
-module is the most held at once), initialised by the module's `reset_parameters()` (or, inside a `transformers`
-model, the model's `_init_weights`, as `from_config` initialises it), and this rank's part is copied out.
-Every rank starts from the first rank's host RNG state, and modules are visited in `named_modules()` order, so
-torch modules get the values a host build seeded alike gives them. Tensors that were not on the meta device keep their values.
+*after* sharding, so that each rank allocates only its shards: `materialize(module, device, seed)` gives every
+meta parameter and buffer storage on `device` (a DTensor: its local shard) and fills it with the value its
+module's init rule gives, one module at a time: the module's tensors are built whole on the host (the largest
+single module is the most held at once), initialised by the module's `reset_parameters()` (or, inside a
+`transformers` model, the model's `_init_weights`, as `from_config` initialises it), and this rank's part is
+copied out. Each module draws from its own generator seeded by `seed` and the module's name, so the values
+do not depend on the parallelism (one process, fsdp, tp, pipeline stages: the same model) and need no
+communication; the caller's RNG is left as it was. Modules are visited children first, so a parent's rule
+that writes its children's tensors wins, as in a host build. Tensors that were not on the meta device keep
+their values; tied parameters stay tied.
 
 Example:
     >>> import torch, accelfn as af
     >>> from accelfn.materialize import materialize
     >>> with af.init_empty():
     ...     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    >>> _ = torch.manual_seed(0)
-    >>> materialize(net, torch.device("cpu"))
-    >>> _ = torch.manual_seed(0)
-    >>> torch.equal(net[0].weight, torch.nn.Linear(4, 4).weight), net[1].weight.tolist()
-    (True, [1.0, 1.0, 1.0, 1.0])
+    >>> materialize(net, torch.device("cpu"), seed=0)
+    >>> net[1].weight.tolist(), net[0].weight.abs().max().item() <= 0.5  # LayerNorm: ones; Linear: U(-1/2, 1/2)
+    ([1.0, 1.0, 1.0, 1.0], True)
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import warnings
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import dry_mode
+from . import random as _random
 
 __all__ = ["has_meta", "materialize"]
 
@@ -75,21 +82,21 @@ def _rule(name: str, m: nn.Module, owners: dict[int, nn.Module]) -> Any:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device) -> None:
+def materialize(module: nn.Module, device: torch.device, seed: int | None = None) -> None:
     """Give the meta parameters and buffers of `module` storage on `device` and their init rule's values (see
     the module docs); the others keep theirs. DTensor parameters (FSDP2, tensor parallel) get their shard.
-    In a process group every rank calls it (`step.init` does): the first rank's RNG state is broadcast."""
+    `seed` defaults to the one `step.init(model, seed=...)` is running with (`seeding`), else 0."""
     named = list(module.named_modules(remove_duplicate=True))
     todo = [
         (name, m)
-        for name, m in named
+        for name, m in reversed(named)  # children before their parents
         if any(_local(t).is_meta for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
     ]
     if not todo:
         return
     owners = _hf_owners(module)
     rules = {name: _rule(name, m, owners) for name, m in todo}  # every error before any allocation
-    _same_rng_state()
+    _warn_unrun_parents(named, {id(m) for _, m in todo}, owners)
     kept = {  # the real tensors, whose values to_empty would drop
         (id(m), kind, key): _local(t).detach().clone()
         for _, m in named
@@ -104,7 +111,16 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         for key, t in store.items()
         if t is not None and _local(t).is_meta
     }
+    tied: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, m in named:
+        for key, t in m._parameters.items():
+            if t is not None:
+                tied.setdefault(id(t), []).append((m, key))
     module.to_empty(device=device)  # FSDP2's modules re-register their shards (its `_apply`)
+    for slots in tied.values():  # to_empty gives each slot its own new parameter
+        first = slots[0][0]._parameters[slots[0][1]]
+        for m, key in slots[1:]:
+            m._parameters[key] = first
     for _, m in named:
         for kind, store in (("p", m._parameters), ("b", m._buffers)):
             for key, t in store.items():
@@ -112,26 +128,54 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 if t is not None and old is not None:
                     _local(t).copy_(old)
     del kept
+    base = _seed.get() if seed is None else seed
     done: set[int] = set()
     for name, m in todo:
-        _fill(name, m, rules[name], on_meta, done)
+        with torch.random.fork_rng(devices=[]):  # the stand-ins are on the host: the CPU generator only
+            torch.manual_seed(_random.seed_of(_random.fold_in(_random.key(base), zlib.crc32(name.encode()))))
+            _fill(name, m, rules[name], on_meta, done)
 
 
-def _same_rng_state() -> None:
-    """Give every rank the first rank's host RNG state: their draws must agree, so that each rank's shard is
-    its part of the same values and replicas are equal (every rank initialises its model in `step.init`)."""
-    import torch.distributed as dist
+_seed: contextvars.ContextVar[int] = contextvars.ContextVar("accelfn_materialize_seed", default=0)
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return
-    state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    torch.set_rng_state(state[0])
+
+@contextlib.contextmanager
+def seeding(seed: int) -> Iterator[None]:
+    """Inside the block, `materialize` seeds from `seed` by default (`step.init` runs its lowering in it)."""
+    token = _seed.set(seed)
+    try:
+        yield
+    finally:
+        _seed.reset(token)
+
+
+def _warn_unrun_parents(
+    named: list[tuple[str, nn.Module]], filled: set[int], owners: dict[int, nn.Module]
+) -> None:
+    """Warn about modules with a `reset_parameters()` that are not run: they hold no meta tensor of their own
+    but have some below them (such a rule may set its children's values, which a host build would keep)."""
+    for name, m in named:
+        if id(m) in filled or id(m) in owners or getattr(type(m), "reset_parameters", None) is None:
+            continue
+        if any(_local(t).is_meta for t in [*m.parameters(), *m.buffers()]):
+            warnings.warn(
+                f"step.init: module {name or '(root)'!r} ({type(m).__name__}) has a reset_parameters() but no "
+                "tensors of its own; with the model on the meta device it is not run (its children are "
+                "initialised by their own rules). If it sets its children's values, build the model on the host",
+                stacklevel=3,
+            )
 
 
 def _fill(name: str, m: nn.Module, rule: Any, on_meta: set[tuple[int, str, str]], done: set[int]) -> None:
     """Build `m`'s direct tensors whole on the host in a stand-in of `m`, run `rule` on it, copy each tensor's
     part (a DTensor's shard) into `m`'s."""
+    with dry_mode.on_host():  # the stand-in is host memory (a dry run counts it there)
+        _fill_stand_in(name, m, rule, on_meta, done)
+
+
+def _fill_stand_in(
+    name: str, m: nn.Module, rule: Any, on_meta: set[tuple[int, str, str]], done: set[int]
+) -> None:
     stand_in = object.__new__(_original_class(type(m)))  # the init rule reads e.g. padding_idx, config
     stand_in.__dict__.update(m.__dict__)
     stand_in._parameters = {k: None for k, t in m._parameters.items() if t is None}  # e.g. `bias=False`

@@ -201,7 +201,7 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
     """
     accel, platform = _accelerators(devices)
     seed = seed_of(k)
-    if _per_rank_ints(seed) is not None:  # simulated ranks (LocalTensorMode): a seed per rank
+    if _per_rank_ints(seed) is not None or _simulating():  # simulated ranks (LocalTensorMode): per rank
         with _seeded_per_rank(seed):
             yield
         return
@@ -219,10 +219,19 @@ def seeded(k: torch.Tensor, devices: list[torch.device] | None = None) -> Iterat
             platform.set_rng_state(state, d)
 
 
+def _simulating() -> bool:
+    """Whether torch's LocalTensorMode is running (it keeps a generator state per simulated rank)."""
+    import sys
+
+    local = sys.modules.get("torch.distributed._local_tensor")
+    return local is not None and local.enabled_local_tensor_mode() is not None
+
+
 @contextlib.contextmanager
 def _seeded_per_rank(seed: Any) -> Iterator[None]:
-    """`seeded` under torch's LocalTensorMode with a seed per simulated rank: its `torch.manual_seed` seeds
-    each rank's generator state; the states (the mode's and the real generator's) are put back afterwards."""
+    """`seeded` under torch's LocalTensorMode (a seed per simulated rank, or one for all): its
+    `torch.manual_seed` seeds each rank's generator state; the states (the mode's and the real generator's)
+    are put back afterwards."""
     from torch.distributed._local_tensor import local_tensor_mode
 
     mode = local_tensor_mode()

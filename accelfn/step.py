@@ -28,7 +28,7 @@ from . import random as _random
 from ._typecheck import checked
 from .engine import Plan, check_batch, loss_parts, run_eval, run_train
 from .lowering import CompositionError, Transform, canonical, lower
-from .materialize import has_meta, materialize
+from .materialize import has_meta, materialize, seeding
 from .module import bind, partition
 from .optim import GradientTransformation
 from .state import TrainState, check_not_donated, mark_donated
@@ -116,7 +116,7 @@ class Step:
 
         Given a `TrainState` instead (e.g. a loaded checkpoint), binds it to the model set earlier. A model built
         on the meta device (`af.init_empty()`) is sharded first; then only this rank's shards are allocated and
-        initialised by the modules' own init rules (`accelfn.materialize`).
+        initialised by the modules' own init rules, from `seed` (`accelfn.materialize`).
         """
         if isinstance(model, TrainState):
             bind(self.model, model.params, model.buffers, self.plan.slots)
@@ -153,9 +153,10 @@ class Step:
             from . import platforms
 
             platforms.tune_allocator(plan.device)  # e.g. the host's: training-size tensors stay in the heap
-        lower(plan, self.transforms)
+        with seeding(seed):  # a model on the meta device is initialised from `seed` (accelfn.materialize)
+            lower(plan, self.transforms)
         if has_meta(plan.module):  # built on the meta device, not materialised by a sharding strategy
-            materialize(plan.module, plan.device)
+            materialize(plan.module, plan.device, seed)
         plan.finalize()
         if self.kind == "train":
             _warn_unused_precision_flag(self.transforms)

@@ -3,6 +3,8 @@ times as it runs per iteration, and no code after the script's loop run on fake 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -44,6 +46,45 @@ def test_an_inner_loop_counts_every_call_of_the_iteration() -> None:
     assert any("step object 1 x5" in n for n in r.notes)
 
 
+def _wgan_variant(kind: str) -> Callable[[], None]:
+    def wgan() -> None:
+        mesh = af.Mesh({"dp": -1})
+        critic, gen = _steps(mesh)
+        c, g = _models()
+        cs, gs = critic.init(c), gen.init(g)
+        batches = iter(range(10**6))
+        for _ in range(100):
+            for i in range(7):
+                if kind == "with":
+                    with torch.no_grad():  # the usual `fake = G(z)` before the critic's step
+                        fake = torch.zeros(8, 64)
+                elif kind == "try":
+                    try:
+                        next(batches)
+                    except StopIteration:
+                        batches = iter(range(10))
+                    fake = torch.zeros(8, 64)
+                else:  # "continue": 2 of the 7 inner iterations skip the critic
+                    if i >= 5:
+                        continue
+                    fake = torch.zeros(8, 64)
+                if kind != "continue" and i >= 5:
+                    break
+                cs, _ = critic(cs, fake)
+            gs, _ = gen(gs, torch.zeros(8, 64))
+        raise AssertionError("the dry run stops the loop")
+
+    return wgan
+
+
+@pytest.mark.parametrize("kind", ["with", "try", "continue"])
+def test_inner_loops_with_with_try_continue_and_break(kind: str) -> None:
+    """`with`, `try` and `continue` / `break` in the inner loop (their jumps differ by Python version; the
+    dry run reads the loops from the source lines)."""
+    r = af.dry_run(_wgan_variant(kind), nproc_per_node=8, device="cpu", search=False)
+    assert [(s["calls"], s["repeated"], s["per_iteration"]) for s in r.step_objects] == [(5, 4, 5), (1, 0, 1)]
+
+
 def test_the_code_after_the_loop_does_not_run() -> None:
     def epochs(n_epochs: int) -> None:
         mesh = af.Mesh({"dp": -1})
@@ -70,6 +111,24 @@ def test_a_single_loop_stops_at_its_second_call() -> None:
 
     r = af.dry_run(single, nproc_per_node=8, device="cpu", search=False)
     assert [(s["calls"], s["repeated"], s["per_iteration"]) for s in r.step_objects] == [(1, 0, 1)]
+
+
+def test_an_epoch_loop_stops_after_16_calls_in_a_row_or_its_end() -> None:
+    def epochs(batches: int) -> None:
+        mesh = af.Mesh({"dp": -1})
+        step, _ = _steps(mesh)
+        state = step.init(nn.Linear(64, 64))
+        for _ in range(3):
+            for _ in range(batches):
+                try:
+                    state, _ = step(state, torch.zeros(8, 64))
+                except RuntimeError:
+                    continue
+        raise AssertionError("ran after the loop")
+
+    for batches, calls in ((1000, 16), (4, 4)):
+        r = af.dry_run(lambda b=batches: epochs(b), nproc_per_node=8, device="cpu", search=False)
+        assert [(s["calls"], s["per_iteration"]) for s in r.step_objects] == [(calls, 1)], batches
 
 
 def test_an_inner_loop_in_another_function_stops_at_its_second_call() -> None:

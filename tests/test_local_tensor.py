@@ -208,6 +208,19 @@ def test_keys_and_seeds_are_per_simulated_rank(mesh: af.Mesh) -> None:
             got = torch.rand(3)
     for r in range(N):
         assert torch.equal(k._local_tensors[r], want[r]) and torch.equal(got._local_tensors[r], draws[r]), r
+    with LocalTensorMode(N):  # one key for every rank: every rank draws what one process draws
+        with af_random.seeded(base):
+            same = torch.rand(3)
+        with af_random.seeded(base):
+            again = torch.rand(3)
+    with af_random.seeded(base):
+        one = torch.rand(3)
+    for r in range(N):
+        assert torch.equal(_local_of(same, r), one) and torch.equal(_local_of(again, r), one), r
+
+
+def _local_of(t: torch.Tensor, r: int) -> torch.Tensor:
+    return t._local_tensors[r] if isinstance(t, LocalTensor) else t
 
 
 # ---- the gaps: each test fails once the gap is closed (then drop its workaround above) -------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -22,32 +23,98 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4), nn.LayerNorm(4))
 
 
-def test_materialised_torch_modules_equal_the_host_build_seeded_alike() -> None:
+def _module_seed(seed: int, name: str) -> int:
+    """The seed `materialize` gives module `name`: its own generator, from the step's seed and its name."""
+    return af.random.seed_of(af.random.fold_in(af.random.key(seed), zlib.crc32(name.encode())))
+
+
+def test_each_module_gets_its_own_init_from_the_seed_and_its_name() -> None:
     with af.init_empty(include_buffers=True):
         meta = _mlp()
     assert has_meta(meta)
-    torch.manual_seed(3)
-    materialize(meta, torch.device("cpu"))
-    torch.manual_seed(3)
-    host = _mlp()
+    rng = torch.get_rng_state()
+    materialize(meta, torch.device("cpu"), seed=3)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's generator is left alone
     assert not has_meta(meta)
-    for (k, a), b in zip(meta.state_dict().items(), host.state_dict().values()):
-        assert torch.equal(a, b), k
+    for name in ("0", "2"):  # torch's own init of each Linear, seeded as materialize seeds it
+        torch.manual_seed(_module_seed(3, name))
+        ref = nn.Linear(*meta.get_submodule(name).weight.shape[::-1])
+        assert torch.equal(meta.get_submodule(name).weight, ref.weight), name
+        assert torch.equal(meta.get_submodule(name).bias, ref.bias), name
+    assert torch.equal(meta[1].running_var, torch.ones(16)) and torch.equal(meta[3].weight, torch.ones(4))
+    with af.init_empty():
+        again, other = _mlp(), _mlp()
+    materialize(again, torch.device("cpu"), seed=3)
+    materialize(other, torch.device("cpu"), seed=4)
+    assert torch.equal(again[0].weight, meta[0].weight) and not torch.equal(other[0].weight, meta[0].weight)
 
 
-def test_a_meta_model_trains_as_the_host_model_without_sharding() -> None:
+def test_modules_alike_but_named_apart_get_different_values() -> None:
+    with af.init_empty():
+        twins = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # e.g. the same layer in two pipeline stages
+    materialize(twins, torch.device("cpu"), seed=0)
+    assert not torch.equal(twins[0].weight, twins[1].weight)
+
+
+def test_a_meta_model_trains_as_a_host_model_with_its_values() -> None:
+    def loss(m: nn.Module, b: torch.Tensor) -> af.Loss:
+        return af.losses.mse(m(b), b[:, :4])
+
     with af.init_empty():
         meta = _mlp()
-    torch.manual_seed(0)
-    step = af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :4]), af.optim.sgd(0.1))
-    state = step.init(meta)
-    torch.manual_seed(0)
+    step = af.train_step(loss, af.optim.sgd(0.1))
+    state = step.init(meta, seed=1)
     host = _mlp()
-    ref = af.train_step(lambda m, b: af.losses.mse(m(b), b[:, :4]), af.optim.sgd(0.1))
+    host.load_state_dict({**state.params, **state.buffers})
+    ref = af.train_step(loss, af.optim.sgd(0.1))
     ref_state = ref.init(host)
     batch = torch.randn(6, 8)
     (_, m), (_, m_ref) = step(state, batch), ref(ref_state, batch)
     assert torch.equal(m["loss"], m_ref["loss"])
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class _Gated(nn.Module):  # a rule that writes its child's tensor (after the child's own rule)
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(4))
+        self.proj = nn.Linear(4, 4)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.gate)
+        nn.init.zeros_(self.proj.bias)
+
+
+def test_tied_parameters_stay_tied_and_parents_rules_run_after_their_childrens() -> None:
+    with af.init_empty():
+        tied, gated = _Tied(), _Gated()
+    materialize(tied, torch.device("cpu"), seed=0)
+    assert tied.head.weight is tied.emb.weight and len(list(tied.parameters())) == 1
+    materialize(gated, torch.device("cpu"), seed=0)
+    assert torch.equal(gated.gate, torch.ones(4)) and torch.equal(gated.proj.bias, torch.zeros(4))
+
+
+class _Block(nn.Module):  # its rule sets a child's values, but it has no tensors of its own
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 4)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.out.weight)
+
+
+def test_a_rule_that_is_not_run_is_named() -> None:
+    with af.init_empty():
+        block = _Block()
+    with pytest.warns(UserWarning, match=r"module '\(root\)' \(_Block\) has a reset_parameters\(\) but no"):
+        materialize(block, torch.device("cpu"), seed=0)
 
 
 def test_transformers_models_get_their_own_init_and_computed_buffers() -> None:
@@ -104,11 +171,12 @@ def test_real_tensors_keep_their_values() -> None:
 
 
 @pytest.mark.slow
-def test_meta_models_sharded_on_two_processes_equal_host_builds() -> None:
-    proc = run_workers("meta_init_worker.py", 2, "mlp fsdp,mlp tp,llama load", timeout=300)
+def test_meta_models_sharded_on_two_processes_equal_one_process() -> None:
+    configs = ("mlp fsdp", "mlp tp", "llama pp", "llama load")
+    proc = run_workers("meta_init_worker.py", 2, ",".join(configs), timeout=300)
     out = output_of(proc)
     assert proc.returncode == 0, out
-    for config in ("mlp fsdp", "mlp tp", "llama load"):
+    for config in configs:
         for rank in (0, 1):
             assert f"rank {rank}: OK {config}" in proc.stdout, out
 

@@ -1,10 +1,10 @@
 """Where the script's training loop ends: a step object called again right after its own call is either the whole
 loop coming round, or an inner loop (a GAN's 5 critic steps per generator step). The dry run tells them apart
-from the script's own code: the call's innermost loop in its frame (a backward jump in the bytecode) and a loop
-around it in the same frame. With no loop around it, the loop came round. With one, a line tracer on that frame
-says when the inner loop is left: still inside the outer loop (the rest of the iteration runs, other step
-objects are called), or past it too (the script's loop ended: it is stopped there, before the code after the
-loop runs).
+from the script's own source: the innermost `for` / `while` around the call, and a loop around that one in the
+same function. With no loop around it, the loop came round. With one, a line tracer on the script's frame says
+when the inner loop is left: still inside the outer loop (the rest of the iteration runs, other step objects
+are called), or past it too (the script's loop ended: it is stopped there, before the code after the loop).
+Lines, not bytecode, decide (`with`, `try` and `continue` compile to jumps that differ by Python version).
 
 Example:
     >>> import sys
@@ -12,46 +12,67 @@ Example:
     ...     found = []
     ...     for _ in range(2):
     ...         for _ in range(3):
-    ...             found.append(loop_ranges(sys._getframe()))
+    ...             found.append(loop_lines(sys._getframe()))
     ...     return found[0]
     >>> inner, outer = body()
-    >>> inner[0] > outer[0] and inner[1] < outer[1]
+    >>> inner[0] == outer[0] + 1 and inner[1] == outer[1]
     True
 """
 
 from __future__ import annotations
 
-import dis
+import ast
+import linecache
+import os
 import sys
 from pathlib import Path
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
-__all__ = ["loop_ranges", "script_frame", "LoopWatch"]
+__all__ = ["loop_lines", "script_frame", "LoopWatch"]
 
-_LIBRARY = (str(Path(__file__).parent.parent), str(Path(dis.__file__).parent))
-
-
-def _loops(code: CodeType) -> list[tuple[int, int]]:
-    """(start, end) byte offsets of the loops of `code`: every backward jump, from its target to itself."""
-    out = []
-    for ins in dis.get_instructions(code):
-        if ins.opcode in dis.hasjrel and isinstance(ins.argval, int) and ins.argval < ins.offset:
-            out.append((ins.argval, ins.offset))
-    return out
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def loop_ranges(frame: FrameType) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    """The innermost loop of `frame`'s code around the instruction it is running, and the innermost loop around
-    that one (None where there is none)."""
-    at = frame.f_lasti
-    around = sorted((r for r in _loops(frame.f_code) if r[0] <= at <= r[1]), key=lambda r: r[1] - r[0])
-    inner = around[0] if around else None
-    outer = (
-        next((r for r in around[1:] if r[0] <= inner[0] and inner[1] <= r[1] and r != inner), None)
-        if inner
-        else None
-    )
+def _loops_around(tree: ast.AST, line: int) -> list[ast.AST]:
+    """The loops of `tree` around `line` in the same function as it, outermost first: those around the
+    deepest node that spans the line (a function or class resets them: its loops are its own)."""
+    best: list[ast.AST] = []
+
+    def visit(node: ast.AST, loops: list[ast.AST]) -> None:
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            lo, hi = getattr(child, "lineno", None), getattr(child, "end_lineno", None)
+            if lo is None or hi is None:
+                visit(child, loops)
+                continue
+            if not lo <= line <= hi:
+                continue
+            inside = (
+                [] if isinstance(child, _DEFS) else [*loops, child] if isinstance(child, _LOOPS) else loops
+            )
+            best = inside
+            visit(child, inside)
+
+    visit(tree, [])
+    return best
+
+
+def loop_lines(frame: FrameType) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The (first, last) lines of the innermost loop around the line `frame` is running, and of the innermost
+    loop around that one in the same function (None where there is none, or the source is unavailable)."""
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
+    if not lines:
+        return None, None
+    try:
+        tree = ast.parse("".join(lines))
+    except SyntaxError:
+        return None, None
+    loops = _loops_around(tree, frame.f_lineno)
+    spans = [(n.lineno, n.end_lineno or n.lineno) for n in loops]  # type: ignore[attr-defined]
+    inner = spans[-1] if spans else None
+    outer = spans[-2] if len(spans) > 1 else None
     return inner, outer
 
 
@@ -59,8 +80,11 @@ def script_frame() -> FrameType | None:
     """The innermost frame of the user's code (outside accelfn, torch and the standard library)."""
     import torch
 
-    library = (*_LIBRARY, str(Path(torch.__file__).parent))
-    frame = sys._getframe(1)
+    library = tuple(
+        str(p) + os.sep
+        for p in (Path(__file__).parent.parent, Path(torch.__file__).parent, Path(ast.__file__).parent)
+    )
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename.startswith(library) or frame.f_code.co_filename.startswith("<")
     ):
@@ -69,9 +93,10 @@ def script_frame() -> FrameType | None:
 
 
 class LoopWatch:
-    """Traces the lines of `frame`: `inner_done` once it leaves the `inner` loop within `outer`; raises `stop`
-    (an exception instance) in the frame when it leaves `outer` (the script's loop ended, before the code after
-    it runs). `end()` stops the tracing (the dry run calls it at the next training call)."""
+    """Traces the lines of `frame`: `inner_done` once it leaves the `inner` loop's lines within `outer`'s;
+    raises `stop` (an exception instance) in the frame when it leaves `outer` (the script's loop ended, before
+    the code after it runs). `end()` stops the tracing (the dry run calls it at the next training call) and
+    `restore()` puts back the tracers that were installed before."""
 
     def __init__(
         self, frame: FrameType, inner: tuple[int, int], outer: tuple[int, int], stop: BaseException
@@ -80,10 +105,11 @@ class LoopWatch:
         self.inner_done = False
         self.index = 0  # the step object whose calls are skipped
         self._saved: Any = None
+        self._saved_frame: Any = None
         self._active = False
 
     def start(self) -> None:
-        self._saved = sys.gettrace()
+        self._saved, self._saved_frame = sys.gettrace(), self.frame.f_trace
         sys.settrace(
             self._global if self._saved is None else self._saved
         )  # tracing on (the frame's own tracer)
@@ -92,10 +118,12 @@ class LoopWatch:
         self._active = True
 
     def end(self) -> None:
-        if not self._active:
-            return
-        self._active = False
-        self.frame.f_trace = None
+        if self._active:
+            self._active = False
+            self.restore()
+
+    def restore(self) -> None:
+        self.frame.f_trace = self._saved_frame
         sys.settrace(self._saved)
 
     @staticmethod
@@ -104,11 +132,11 @@ class LoopWatch:
 
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame is self.frame:
-            at = frame.f_lasti
-            if not self.outer[0] <= at <= self.outer[1]:  # past both loops: the script's loop ended
+            line = frame.f_lineno
+            if not self.outer[0] <= line <= self.outer[1]:  # past both loops: the script's loop ended
                 self.end()
                 raise self.stop
-            if not self.inner[0] <= at <= self.inner[1]:  # the rest of the outer loop's body (traced until
+            if not self.inner[0] <= line <= self.inner[1]:  # the rest of the outer loop's body (traced until
                 self.inner_done = True  # the next training call ends the tracing)
         elif event == "return" and frame is self.frame:
             self.end()

@@ -37,7 +37,7 @@ __all__ = ["dry_run", "Session", "StopDryRun"]
 
 
 # calls of one step object in a row (after its measured ones) skipped before it counts as the whole loop
-REPEATS = 64
+REPEATS = 16
 
 
 class StopDryRun(BaseException):  # noqa: N818 - not an error: ends the script after the measured steps
@@ -218,6 +218,18 @@ class Session(dry_mode.Watcher):
         finally:
             init.where = "host"
 
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        init = self.init
+        if init is None or not init.active:
+            yield
+            return
+        where, init.where = init.where, "host"
+        try:
+            yield
+        finally:
+            init.where = where
+
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         if self.init is not None and self.init.active:
             self.init.stop()
@@ -237,6 +249,8 @@ class Session(dry_mode.Watcher):
             rec.state_ref, rec.batch = _weak(out[0]), batch
             rec.rest = tuple(out[1:])  # what a skipped call returns after the state (its metrics)
             if self.search and self.capacity is not None:  # the search may run after the script ended
+                for other in self.records:  # only the latest step object's (the others' as the script keeps them)
+                    other.held = None
                 rec.held = out[0]
             m.others = self.others(rec)
             self.uneven |= _uneven_dims(out[0].params)
@@ -296,7 +310,7 @@ class Session(dry_mode.Watcher):
         has not ended: a loop around the call with another loop around it in the same function. The first such
         call starts a line tracer on the script's frame; a call after the inner loop ended is the loop coming
         round (the outer loop calls nothing else)."""
-        from .loops import LoopWatch, loop_ranges, script_frame
+        from .loops import LoopWatch, loop_lines, script_frame
 
         w = self.watch
         if w is not None and w.index == rec.index:
@@ -308,7 +322,7 @@ class Session(dry_mode.Watcher):
         frame = script_frame()
         if frame is None:
             return False
-        inner, outer = loop_ranges(frame)
+        inner, outer = loop_lines(frame)
         if inner is None or outer is None:
             return False
         self.watch = LoopWatch(frame, inner, outer, StopDryRun())
@@ -317,8 +331,11 @@ class Session(dry_mode.Watcher):
         return True
 
     def end_watch(self) -> None:
+        """Stop the loop watch's tracing and put back the tracers installed before it (a watch that stopped
+        the script has unset tracing by raising)."""
         if self.watch is not None:
             self.watch.end()
+            self.watch.restore()
             self.watch = None
 
     def finish(self) -> None:

@@ -629,7 +629,7 @@ class InitTracker(TorchDispatchMode):
         if any(t.__name__ == "DTensor" for t in types):
             return NotImplemented  # its local ops come back here
         out = func(*args, **kwargs)
-        if not types and _in_shape_propagation():
+        if _in_shape_propagation():  # DTensor's propagation of shapes (global-size examples): no memory
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

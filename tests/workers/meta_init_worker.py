@@ -1,8 +1,9 @@
 """Models built on the meta device, sharded and materialised by `step.init` on 2 processes, against the same
-models built on the host (for tests/test_materialize.py).
+model materialised in one process (for tests/test_materialize.py).
 
-- `mlp fsdp` / `mlp tp`: a torch MLP; every parameter gathered equals the host build seeded alike (the same
-  draws, bitwise), and a step's loss matches the host-built model's under the same strategy;
+- `mlp fsdp` / `mlp tp` / `llama pp`: every parameter (gathered; a pipeline stage: its own) equals one process's
+  `materialize` with the same seed, bitwise (the values do not depend on the parallelism), and the tied,
+  replicated or sharded copies agree across the ranks;
 - `llama load`: a tiny transformers Llama on the meta device under fsdp, filled with
   `af.checkpoint.load_pretrained(like=state.params)` from a host model's weights, trained 3 steps: the losses
   match one process training the host model on the global batch (fp32 round-off).
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import accelfn as af
+from accelfn.materialize import materialize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from train_llama import build, loss_fn  # noqa: E402
@@ -45,30 +47,45 @@ def sharded(mesh: af.Mesh, strategy: str, tp: bool) -> af.Step:
     )
 
 
+def one_process(build: object, seed: int) -> dict[str, torch.Tensor]:
+    """The model materialised in this process alone (no sharding), from `seed`."""
+    with af.init_empty():
+        model = build()  # type: ignore[operator]
+    materialize(model, torch.device("cpu"), seed)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def full(v: torch.Tensor) -> torch.Tensor:
+    return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+
 def check_mlp(axes: dict[str, int], strategy: str, tp: bool, name: str) -> None:
     mesh = af.Mesh(axes, device="cpu")
-    torch.manual_seed(1)
     with af.init_empty():
         meta = mlp()
     assert all(p.is_meta for p in meta.parameters())
-    torch.manual_seed(1)
-    host = mlp()
-    torch.manual_seed(1)  # the same RNG state at step.init as at the host build
-    meta_step = sharded(mesh, strategy, tp)
-    state = meta_step.init(meta)
-    host_step = sharded(mesh, strategy, tp)
-    host_state = host_step.init(host)
+    state = sharded(mesh, strategy, tp).init(meta, seed=3)
+    want = one_process(mlp, 3)
     for k, v in state.params.items():
-        full = v.full_tensor() if hasattr(v, "full_tensor") else v
-        ref = host_state.params[k]
-        ref = ref.full_tensor() if hasattr(ref, "full_tensor") else ref
-        assert torch.equal(full, ref), (name, k)
-    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(0 if tp else rank))
-    _, m = meta_step(state, batch)
-    _, m_ref = host_step(host_state, batch)
-    torch.testing.assert_close(m["loss"], m_ref["loss"], rtol=1e-6, atol=0)
+        assert torch.equal(full(v), want[k]), (name, k)
     mesh.close()
     print(f"rank {rank}: OK {name}", flush=True)
+
+
+def check_llama_pp() -> None:
+    mesh = af.Mesh({"pp": 2}, device="cpu")
+    with af.init_empty():
+        meta = build("tiny", 32)
+    step = af.pipeline(af.train_step(loss_fn, af.optim.adamw(1e-3)), mesh, microbatches=2)
+    state = step.init(meta, seed=5)
+    want = one_process(lambda: build("tiny", 32), 5)
+    assert state.params and len(state.params) < len(want)  # this stage's params only
+    for k, v in state.params.items():
+        assert torch.equal(v, want[k]), k
+    state, m = step(state, torch.randint(0, 1024, (4, 33), generator=torch.Generator().manual_seed(0)))
+    assert 6.0 < float(m["loss"]) < 8.0  # ln(1024) = 6.9 at a random init
+    mesh.close()
+    print(f"rank {rank}: OK llama pp", flush=True)
 
 
 def check_llama_load() -> None:
@@ -105,6 +122,8 @@ for config in sys.argv[1].split(","):
         check_mlp({"dp": -1}, "fsdp", False, config)
     elif config == "mlp tp":
         check_mlp({"tp": -1}, "ddp", True, config)
+    elif config == "llama pp":
+        check_llama_pp()
     elif config == "llama load":
         check_llama_load()
     else:

@@ -84,21 +84,23 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
     others' wrong ones in the bucketed all-reduce and the replicas would drift apart silently)."""
     if dist.get_world_size(group) < 2:
         return
-    mine = [(n, list(p.shape), bool(p.requires_grad)) for n, p in module.named_parameters()]
+    mine = [
+        (n, list(p.shape), bool(p.requires_grad), local_tensor(p).is_meta)
+        for n, p in module.named_parameters()
+    ]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
 
     def what(params: dict[str, Any], name: str) -> str:
-        return (
-            "missing"
-            if name not in params
-            else f"{'trainable' if params[name][1] else 'frozen'} {params[name][0]}"
-        )
+        if name not in params:
+            return "missing"
+        shape, grad, meta = params[name]
+        return f"{'trainable' if grad else 'frozen'} {shape}" + (" on the meta device" if meta else "")
 
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs == everyone[0]:
             continue
-        a, b = ({n: (shape, grad) for n, shape, grad in ps} for ps in (everyone[0], theirs))
+        a, b = ({n: (shape, grad, meta) for n, shape, grad, meta in ps} for ps in (everyone[0], theirs))
         rank0, rank = (dist.get_global_rank(group, i) if group is not None else i for i in (0, r))
         diff = next(
             (
@@ -109,8 +111,8 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
             "the params are in another order",
         )
         raise ValueError(
-            f"the ranks' models differ: {diff}. Every rank must build the same model and freeze the same params "
-            "(requires_grad) before step.init()"
+            f"the ranks' models differ: {diff}. Every rank must build the same model (on the meta device or not) "
+            "and freeze the same params (requires_grad) before step.init()"
         )
 
 

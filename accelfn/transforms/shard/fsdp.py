@@ -179,8 +179,16 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     on_meta = has_meta(plan.module)  # built on the meta device: shard first, then allocate the shards only
     if not on_meta:
         move(plan.module, mesh.device)
-    check_same_model(plan.module, data_group)
-    if not on_meta:  # (a meta model gets the same values on every rank: see accelfn.materialize)
+    check_same_model(plan.module, data_group)  # (the ranks agree on what is on the meta device from here)
+    if on_meta:  # every rank gets the same values: see accelfn.materialize
+        real = next((n for n, p in plan.module.named_parameters() if not local_tensor(p).is_meta), None)
+        if real is not None:
+            raise ValueError(
+                f"shard(strategy={shard.strategy!r}): the model has parameters on the meta device and others on "
+                f"the host ({real!r}); each rank would shard its own host values. Build every parameter on the "
+                "meta device (af.init_empty()) and load weights after step.init, or build the model on the host"
+            )
+    else:
         broadcast_from_first(plan.module, data_group)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")

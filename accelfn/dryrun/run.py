@@ -249,8 +249,8 @@ class Session(dry_mode.Watcher):
             rec.state_ref, rec.batch = _weak(out[0]), batch
             rec.rest = tuple(out[1:])  # what a skipped call returns after the state (its metrics)
             if self.search and self.capacity is not None:  # the search may run after the script ended
-                for other in self.records:  # only the latest step object's (the others' as the script keeps them)
-                    other.held = None
+                for other in self.records:  # only the latest step object's (the others': while the script
+                    other.held = None  # keeps them)
                 rec.held = out[0]
             m.others = self.others(rec)
             self.uneven |= _uneven_dims(out[0].params)

@@ -17,7 +17,18 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Watcher", "active", "watching", "skip", "note", "phase", "device_kind", "real_tensors", "on_host"]
+__all__ = [
+    "Watcher",
+    "active",
+    "watching",
+    "skip",
+    "note",
+    "phase",
+    "device_kind",
+    "real_tensors",
+    "on_host",
+    "models_a_device",
+]
 
 
 class Watcher:
@@ -48,8 +59,13 @@ class Watcher:
         return contextlib.nullcontext()
 
     def on_host(self) -> contextlib.AbstractContextManager[Any]:
-        """A block whose allocations are host memory in the real run (while `step.init` places the model)."""
+        """A block whose allocations are host memory in the real run (a model's init on the host inside
+        `step.init`, af.offload's update)."""
         return contextlib.nullcontext()
+
+    def models_a_device(self) -> bool:
+        """Whether the real run computes on a device apart from the host (the dry run executes it on the host)."""
+        return False
 
 
 _watcher: Watcher | None = None
@@ -102,6 +118,12 @@ def real_tensors() -> contextlib.AbstractContextManager[Any]:
 def on_host() -> contextlib.AbstractContextManager[Any]:
     """A block whose allocations are host memory even inside `step.init` (e.g. a model's init on the host)."""
     return contextlib.nullcontext() if _watcher is None else _watcher.on_host()
+
+
+def models_a_device() -> bool:
+    """In a dry run of a job on an accelerator (which executes on the host): True, so that code with a host-only
+    shortcut (af.offload's update in place) takes the path the real run takes."""
+    return _watcher is not None and _watcher.models_a_device()
 
 
 def device_kind(kind: str) -> str:

@@ -440,3 +440,37 @@ def test_from_pretrained_loads_into_fake_tensors_without_host_memory(tmp_path: P
     params, grown = map(int, proc.stdout.split("LOADED ")[1].split())
     assert params == pytest.approx(n_bytes / 16, rel=0.02)  # fsdp over 16 ranks
     assert grown < n_bytes / 4, (grown, n_bytes)  # the weights were not read into host memory
+
+
+def _offload_script(offload: bool, master: bool = False) -> object:
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))
+        if offload:
+            step = af.offload(step, params=master)
+        step = af.shard(step, mesh, strategy="ddp")
+        state = step.init(nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024)))
+        for _ in range(3):
+            state, _ = step(state, torch.randn(8, 1024))
+
+    return main
+
+
+def test_offloaded_state_is_host_memory_not_the_devices() -> None:
+    """af.offload on a GPU job: the optimizer state lives in host memory, where the update runs on host copies
+    of the gradients and (without master params) a host mirror of the params (ZeRO-Offload's data path)."""
+    n = 4 * (1024 * 4096 + 4096 + 4096 * 1024 + 1024)  # fp32 params' bytes
+    plain = af.dry_run(_offload_script(False), nproc_per_node=8, search=False)
+    off = af.dry_run(_offload_script(True), nproc_per_node=8, search=False)
+    master = af.dry_run(_offload_script(True, master=True), nproc_per_node=8, search=False)
+    moments = plain.per_rank["optimizer"]
+    assert 2 * n <= moments <= 2 * n + 64 and plain.per_rank["host"] == 0  # (and AdamW's count, lr)
+    assert off.per_rank["optimizer"] == 0 and off.per_rank["params"] == off.per_rank["grads"] == n
+    # AdamW's two moments, the gradients' host buffers and the params' host mirror (or the master params)
+    for r in (off, master):  # (and a few scalars: the step count, the learning rate)
+        assert 2 * n + moments <= r.per_rank["host"] <= 2 * n + moments + 64
+    assert off.per_rank["peak"] == plain.per_rank["peak"] - moments  # the optimizer state left the device
+    assert "host (af.offload)" in str(off)
+    assert off.init["host_peak"] >= 2 * n  # the moments, moved to the host by step.init
+    on_cpu = af.dry_run(_offload_script(True), nproc_per_node=8, device="cpu", search=False)
+    assert on_cpu.per_rank["host"] == 0 and on_cpu.per_rank["optimizer"] == moments  # the host is the device

@@ -154,6 +154,8 @@ class Report:
                 f"  {key:<22}{gib(self.per_rank.get(key, 0)):>15}{gib(self.at_peak.get(key, 0)):>15}"
             )
         lines.append(f"  {'peak':<22}{gib(self.per_rank.get('peak', 0)):>15}")
+        if self.per_rank.get("host"):
+            lines.append(f"  {'host (af.offload)':<22}{gib(self.per_rank['host']):>15}    not in the peak")
         if self.capacity_bytes is not None:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(

@@ -63,6 +63,7 @@ class Measured:
     tokens: int | None
     # bytes (by category) of the other step objects' states alive beside this call: they share the memory
     others: dict[str, int] = attrs.Factory(dict)
+    host: int = 0  # host memory the call holds at its peak (af.offload's state and buffers), not the device's
 
     @property
     def total_peak(self) -> int:
@@ -220,15 +221,19 @@ class Session(dry_mode.Watcher):
 
     @contextlib.contextmanager
     def on_host(self) -> Iterator[None]:
-        init = self.init
-        if init is None or not init.active:
-            yield
-            return
-        where, init.where = init.where, "host"
+        trackers = [t for t in (self.init if self.init is not None and self.init.active else None, self.tracker)
+                    if t is not None]  # fmt: skip
+        saved = [t.where for t in trackers]
+        for t in trackers:
+            t.where = "host"
         try:
             yield
         finally:
-            init.where = where
+            for t, where in zip(trackers, saved):
+                t.where = where
+
+    def models_a_device(self) -> bool:
+        return not self.device_is_host
 
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         if self.init is not None and self.init.active:
@@ -422,16 +427,27 @@ class Session(dry_mode.Watcher):
             if module_name is not None:
                 stack.enter_context(module_name)
             stack.enter_context(tracker)
+            offloaded = _offloads(step) and not self.device_is_host
             sizes = {
                 "params": tracker.label(_locals(state.params), "params"),
                 "buffers": tracker.label(_locals(state.buffers), "buffers"),
-                "optimizer": tracker.label(_locals(state.opt_state), "optimizer"),
             }
+            with self.on_host() if offloaded else contextlib.nullcontext():  # af.offload: host memory
+                sizes["optimizer"] = tracker.label(_locals(state.opt_state), "optimizer")
+                if offloaded:  # its master params and pending gradients
+                    tracker.label(_locals(state.extra), "optimizer")
             out = call()
             new = out[0]
             tracker.label(_locals(new.params), "params")
             tracker.label(_locals(new.buffers), "buffers")
-            sizes["optimizer"] = max(sizes["optimizer"], tracker.label(_locals(new.opt_state), "optimizer"))
+            with self.on_host() if offloaded else contextlib.nullcontext():
+                sizes["optimizer"] = max(
+                    sizes["optimizer"], tracker.label(_locals(new.opt_state), "optimizer")
+                )
+                if offloaded:
+                    tracker.label(_locals(new.extra), "optimizer")
+            if offloaded:
+                sizes["optimizer"] = 0  # on the host: in `host`
         self.tracker = None
         peak, at_peak, own_peak, by_module = tracker.breakdown()
         rows, tokens = _rows(batch)
@@ -449,6 +465,7 @@ class Session(dry_mode.Watcher):
                 flops=tracker.flops,
                 rows=rows,
                 tokens=tokens,
+                host=tracker.host_peak_bytes,
             ),
             out,
         )
@@ -512,6 +529,13 @@ class Session(dry_mode.Watcher):
             if probe > 1 << 20:  # fits at any sensible size
                 return probe
         return lo or None
+
+
+def _offloads(step: Any) -> bool:
+    """Whether `step` keeps its optimizer state in host memory (af.offload)."""
+    from ..transforms.host_update import HostUpdater
+
+    return isinstance(getattr(step.plan, "updater", None), HostUpdater)
 
 
 def _module_tracker() -> Any:
@@ -895,6 +919,7 @@ def _report(
         "temporary": worst.at_peak["temporary"],
         "comm_buffers": worst.at_peak["comm_buffers"],
         "peak": worst.total_peak,
+        "host": worst.host,
     }
     at_peak = {c: worst.at_peak[c] + others.get(c, 0) for c in CATEGORIES}
     predicted = _combined(parts, tokens) if parts else None

@@ -339,6 +339,7 @@ class _Alloc:
     resized: bool = False
     ref: Any = None
     category: str | None = None
+    host: bool = False  # host memory in the real run (af.offload's state and buffers): not the device's
 
 
 _SKIP_OPS = {
@@ -369,6 +370,9 @@ class StepTracker(TorchDispatchMode):
         self._live: dict[int, _Alloc] = {}
         self._live_bytes = 0
         self.peak_bytes = 0
+        self.where = "device"  # "host" while the real run allocates host memory (af.offload's update)
+        self._host_bytes = 0
+        self.host_peak_bytes = 0
         self._seq = 0
         self._registry = {
             **flop_counter.flop_registry,
@@ -378,6 +382,10 @@ class StepTracker(TorchDispatchMode):
 
     # ---- allocations -------------------------------------------------------------------------------------------
     def _event(self, delta: int, rec: _Alloc) -> None:
+        if rec.host:
+            self._host_bytes += delta
+            self.host_peak_bytes = max(self.host_peak_bytes, self._host_bytes)
+            return
         self._seq += 1
         self.events.append((self._seq, delta, rec))
         self._live_bytes += delta
@@ -403,7 +411,7 @@ class StepTracker(TorchDispatchMode):
             rec.comm = rec.comm or comm
             return rec
         module = self._module_name() if self._module_name is not None else ""
-        rec = _Alloc(st.nbytes(), self.phase, module, comm)
+        rec = _Alloc(st.nbytes(), self.phase, module, comm, host=self.where == "host")
         try:
             rec.ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
         except TypeError:  # pragma: no cover - storages without weak references

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from .. import platforms
+from .. import dry_mode, platforms
 from .. import tree as _tree
 from ..engine.contract import Updater
 from ..optim import GradientTransformation, apply_gradients
@@ -48,7 +48,8 @@ def to_host(t: torch.Tensor, *, copy: bool = False, pin: bool = False) -> torch.
     """A host copy of `t` (`copy`: even when it is on the host already), in pinned memory with `pin`."""
     if pin:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t.detach())
-    return t.detach().to("cpu", copy=copy or not platforms.is_host(t.device))
+    # (a dry run of a device job: `t` stands for a device tensor, so it is copied as the real run copies it)
+    return t.detach().to("cpu", copy=copy or not platforms.is_host(t.device) or dry_mode.models_a_device())
 
 
 @attrs.define(eq=False)
@@ -90,9 +91,10 @@ class HostUpdater(Updater):
     ) -> tuple[Any, dict[str, Any]]:
         device = next(iter(params.values())).device
         fp32 = all(p.dtype == torch.float32 for p in params.values())  # the host state is fp32
-        if platforms.is_host(device) and fp32 and not self.always_stream and not self.keep_master:
+        host_only = platforms.is_host(device) and not dry_mode.models_a_device()
+        if host_only and fp32 and not self.always_stream and not self.keep_master:
             return apply_gradients(tx, grads, opt_state, params), extra
-        with torch.no_grad():
+        with torch.no_grad(), dry_mode.on_host():  # (what it allocates is host memory)
             host_grads = self._grads_to_host(grads)
             host_params, _ = self._host_params(params, extra)
             if not platforms.is_host(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from .. import dry_mode
 from .. import tree as _tree
 from .._typecheck import checked
 from ..state import TrainState
@@ -109,15 +110,18 @@ class Offload(TransformBase):
                 t, pin=pin and t.dim() > 0
             )  # 0-d leaves (count, lr) are read by the host, never copied
 
-        state = state.replace(opt_state=_tree.map(host, state.opt_state))
-        if self.params:
-            assert plan.slots is not None
-            master = {n: to_host(state.params[n].float(), copy=True, pin=pin) for n in plan.slots.trainable}
-            state = state.replace(extra={**state.extra, MASTER_KEY: master})
-        if isinstance(plan.updater, DelayedHostUpdater):
-            assert plan.slots is not None
-            pending = plan.updater.init_pending({n: state.params[n] for n in plan.slots.trainable})
-            state = state.replace(extra={**state.extra, PENDING_KEY: pending})
+        with dry_mode.on_host():  # (host memory in a dry run's figures before the first step)
+            state = state.replace(opt_state=_tree.map(host, state.opt_state))
+            if self.params:
+                assert plan.slots is not None
+                master = {
+                    n: to_host(state.params[n].float(), copy=True, pin=pin) for n in plan.slots.trainable
+                }
+                state = state.replace(extra={**state.extra, MASTER_KEY: master})
+            if isinstance(plan.updater, DelayedHostUpdater):
+                assert plan.slots is not None
+                pending = plan.updater.init_pending({n: state.params[n] for n in plan.slots.trainable})
+                state = state.replace(extra={**state.extra, PENDING_KEY: pending})
         return state
 
 

@@ -213,7 +213,10 @@ def _fill_stand_in(
         if id(t) in done:
             continue
         done.add(id(t))
-        if dry_mode.active() is None and whole.is_floating_point() and bool(whole.isnan().any()):
+        fake = (
+            getattr(whole, "fake_mode", None) is not None
+        )  # a dry run's or a test's fake tensors: no values
+        if not fake and whole.is_floating_point() and bool(whole.isnan().any()):
             raise ValueError(
                 f"step.init: the model was built on the meta device, and the init rule of module "
                 f"{name or '(root)'!r} ({type(m).__name__}) left {key!r} unset. Give the module a "
@@ -234,10 +237,11 @@ def _part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     placements = getattr(t, "placements", None)
     if placements is None:
         return whole
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with (
-        dry_mode.real_tensors()
-    ):  # index arithmetic (strided shards build index tensors): not fake in a dry run
+        unset_fake_temporarily()
+    ):  # index arithmetic (strided shards build index tensors): real, as fake has none
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
     return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]

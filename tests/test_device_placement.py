@@ -218,3 +218,18 @@ def test_the_readme_demo_trains_evaluates_and_samples_on_a_gpu():
         assert evaluate(state, batch).total.device == GPU
         sample = demo.sample_tokens(model.eval(), gpu.host(torch.tensor([[65, 66]])), 3, 16)
         assert sample.shape == (1, 5) and sample.device.type == "cpu"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_built_on_the_meta_device_is_materialised_on_the_mesh_device(strategy):
+    with fake_gpu() as gpu, gpu.mesh() as mesh:
+        with af.init_empty():
+            model = MLP()
+        assert all(p.is_meta for p in model.parameters())
+        step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-3)), mesh, strategy=strategy)
+        state = step.init(model)
+        locals_ = [getattr(p, "_local_tensor", p) for p in state.params.values()]
+        assert all(t.device == GPU for t in locals_), {t.device for t in locals_}
+        if strategy == "ddp":  # (FSDP2's step needs device streams, which the fake GPU does not have)
+            state, metrics = step(state, host_batch(gpu))
+            assert metrics["loss"].device == GPU

@@ -330,6 +330,18 @@ def module_pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", rest or name)
 
 
+def _held_storage(t: torch.Tensor, fake_mode: Any) -> torch.UntypedStorage | None:
+    """The storage `t` holds memory in, for a tracker of the run whose fake mode is `fake_mode`: None for meta
+    tensors, another fake mode's (torch's own shape propagation) and storage-less tensors."""
+    mode = getattr(t, "fake_mode", None)
+    if t.device.type == "meta" or (mode is not None and mode is not fake_mode):
+        return None
+    try:
+        return t.untyped_storage()
+    except Exception:  # noqa: BLE001 - sparse or other storage-less tensors
+        return None
+
+
 @attrs.define(eq=False)
 class _Alloc:
     nbytes: int
@@ -398,12 +410,8 @@ class StepTracker(TorchDispatchMode):
             self._event(-rec.nbytes, rec)
 
     def _see(self, t: torch.Tensor, *, comm: bool = False) -> _Alloc | None:
-        mode = getattr(t, "fake_mode", None)
-        if t.device.type == "meta" or (mode is not None and mode is not self._fake_mode):
-            return None  # shapes only: torch's own shape propagation, not memory the run holds
-        try:
-            st = t.untyped_storage()
-        except Exception:  # noqa: BLE001 - sparse or other storage-less tensors
+        st = _held_storage(t, self._fake_mode)
+        if st is None:
             return None
         key = st._cdata
         rec = self._live.get(key)
@@ -591,12 +599,8 @@ class InitTracker(TorchDispatchMode):
             self._add(rec[1], -rec[0])
 
     def _see(self, t: torch.Tensor) -> list[Any] | None:
-        mode = getattr(t, "fake_mode", None)
-        if t.device.type == "meta" or (mode is not None and mode is not self._fake_mode):
-            return None
-        try:
-            st = t.untyped_storage()
-        except Exception:  # noqa: BLE001 - sparse or other storage-less tensors
+        st = _held_storage(t, self._fake_mode)
+        if st is None:
             return None
         key = st._cdata
         rec = self._live.get(key)

@@ -12,6 +12,7 @@ cost their activations, and ZeRO-3 does not support that order).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -25,7 +26,7 @@ from ....engine.plan import Plan
 from ....state import TrainState
 from .types import DeepSpeedRun, DeepSpeedState
 
-__all__ = ["DeepSpeedPhases"]
+__all__ = ["DeepSpeedPhases", "counted_forwards"]
 
 
 @attrs.define
@@ -35,6 +36,50 @@ class DeepSpeedStepRun(StepRun):
     global_count: torch.Tensor | None = None  # the loss count over all ranks and micro-batches
     lr: float = 0.0  # the learning rate this update uses
     aux_count: int = 1  # aux metrics are averaged over micro-batches x ranks
+
+
+# forward(i, grad=True) -> (total, count, aux): micro-batch i's loss
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]]
+
+
+def counted_forwards(
+    plan: Plan, micro: list[Any], step_key: torch.Tensor, module: Any, holder: Any
+) -> tuple[Forward, Any, list[torch.Tensor | None], bool, torch.Tensor]:
+    """The forward of micro-batch i, and what the divisor needs before the first backward: the first
+    micro-batch's result when there is one micro-batch (its forward gives the count), each micro-batch's count,
+    whether the loss counts (an af.Loss) and this rank's count. Several micro-batches: a mean loss counts rows
+    (known now); an af.Loss counts in the forward, so a forward without gradients counts each micro-batch first
+    (all forwards with gradients before the backwards would keep every micro-batch's activations, and ZeRO-3
+    does not support that order). `holder.loss_has_count` remembers whether the loss counts (the real engine's
+    `DeepSpeedState`, or the dry run's model of it)."""
+    n = len(micro)
+
+    def forward(i: int, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        key = step_key if n == 1 else _random.fold_in(step_key, i)
+        with _random.seeded(key, plan.devices), plan.forward_context(), torch.set_grad_enabled(grad):
+            out = plan.loss_call(module, micro[i])  # type: ignore[misc]
+        total, count, aux = loss_parts(out)
+        if grad and not total.requires_grad:
+            raise ValueError(
+                "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
+                "the module it receives (not another copy of the network)"
+            )
+        return total, count, aux
+
+    first = forward(0) if n == 1 else None
+    if n > 1 and holder.loss_has_count is None:
+        holder.loss_has_count = forward(0, grad=False)[1] is not None
+    has_count = first[1] is not None if first is not None else bool(holder.loss_has_count)
+    if not has_count:
+        counts: list[torch.Tensor | None] = [torch.tensor(float(rows(mb))) for mb in micro]
+    elif first is not None:
+        counts = [first[1]]
+    else:
+        counts = [forward(i, grad=False)[1] for i in range(n)]
+        if any(c is None for c in counts):
+            raise ValueError("loss_fn returned an af.Loss for some micro-batches and a scalar for others")
+    local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+    return forward, first, counts, has_count, local_count
 
 
 class DeepSpeedPhases(TrainPhases):
@@ -69,37 +114,9 @@ class DeepSpeedPhases(TrainPhases):
         plan, ds, engine, micro = run.plan, self.ds, self.ds.engine, run.micro
         n = len(micro)
         device = plan.devices[0] if plan.devices else torch.device("cpu")
-        step_key = run.step_key
-
-        def forward(i: int, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
-            key = step_key if n == 1 else _random.fold_in(step_key, i)
-            with _random.seeded(key, plan.devices), plan.forward_context(), torch.set_grad_enabled(grad):
-                out = plan.loss_call(engine, micro[i])  # type: ignore[misc]
-            total, count, aux = loss_parts(out)
-            if grad and not total.requires_grad:
-                raise ValueError(
-                    "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
-                    "the module it receives (not another copy of the network)"
-                )
-            return total, count, aux
-
-        # The divisor (the global count) must be known before the first backward. One micro-batch: its forward
-        # gives it. Several: a mean loss counts rows (known now); an af.Loss counts in the forward, so a
-        # forward without gradients counts each micro-batch first (running all forwards with gradients before
-        # the backwards would keep every micro-batch's activations, and ZeRO-3 does not support that order).
-        first = forward(0) if n == 1 else None
-        if n > 1 and ds.loss_has_count is None:
-            ds.loss_has_count = forward(0, grad=False)[1] is not None
-        has_count = first[1] is not None if first is not None else bool(ds.loss_has_count)
-        if not has_count:
-            counts: list[torch.Tensor | None] = [torch.tensor(float(rows(mb))) for mb in micro]
-        elif first is not None:
-            counts = [first[1]]
-        else:
-            counts = [forward(i, grad=False)[1] for i in range(n)]
-            if any(c is None for c in counts):
-                raise ValueError("loss_fn returned an af.Loss for some micro-batches and a scalar for others")
-        local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+        forward, first, counts, has_count, local_count = counted_forwards(
+            plan, micro, run.step_key, engine, ds
+        )
         run.global_count = self._global_sum([local_count], device)[0]
         inv = ds.world / run.global_count.clamp_min(1).item()
 

@@ -9,10 +9,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..... import random as _random
-from .....engine.batches import loss_parts, rows
 from .....engine.contract import GradSync
 from .....engine.phases import StepRun, TrainPhases, next_state
+from ..phases import counted_forwards
 
 if TYPE_CHECKING:
     from .....engine import Plan
@@ -95,6 +94,16 @@ class _Base(GradSync):
         """The update of the master partitions and what follows it (their collectives)."""
         raise NotImplementedError
 
+    def hook_gradients(self, params: dict[str, torch.Tensor], names: list[str]) -> None:
+        """Call `self._ready(p)` when each named param's gradient is ready (DeepSpeed's gradient hooks),
+        registered once per tensor (a new state brings new tensors)."""
+        self.names = {id(params[n]): n for n in names}
+        for name in names:
+            p = params[name]
+            if getattr(p, "_accelfn_zero_sync", None) is not self:
+                p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[attr-defined]
+                p._accelfn_zero_sync = self  # type: ignore[attr-defined]
+
 
 @attrs.define
 class _ZeroRun(StepRun):
@@ -118,33 +127,10 @@ class ZeroPhases(TrainPhases):
         assert plan.loss_call is not None and run.step_key is not None
         n = len(micro)
         device = plan.devices[0] if plan.devices else torch.device("cpu")
-        step_key = run.step_key
-
-        def forward(i: int, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
-            key = step_key if n == 1 else _random.fold_in(step_key, i)
-            with _random.seeded(key, plan.devices), plan.forward_context(), torch.set_grad_enabled(grad):
-                out = plan.loss_call(plan.module, micro[i])  # type: ignore[misc]
-            total, count, aux = loss_parts(out)
-            if grad and not total.requires_grad:
-                raise ValueError(
-                    "the loss does not depend on any trainable parameter: loss_fn must compute it from `model`, "
-                    "the module it receives (not another copy of the network)"
-                )
-            return total, count, aux
-
-        # as DeepSpeedPhases: the global count before the first backward (one forward, or, for an af.Loss over
-        # several micro-batches, a counting forward without gradients per micro-batch)
-        first = forward(0) if n == 1 else None
-        if n > 1 and sync.loss_has_count is None:
-            sync.loss_has_count = forward(0, grad=False)[1] is not None
-        has_count = first[1] is not None if first is not None else bool(sync.loss_has_count)
-        if not has_count:
-            counts: list[torch.Tensor | None] = [torch.tensor(float(rows(mb))) for mb in micro]
-        elif first is not None:
-            counts = [first[1]]
-        else:
-            counts = [forward(i, grad=False)[1] for i in range(n)]
-        local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+        # as DeepSpeedPhases: the global count before the first backward
+        forward, first, counts, _, local_count = counted_forwards(
+            plan, micro, run.step_key, plan.module, sync
+        )
         global_count = _global_sum([local_count], device, sync.group)[0]
         inv = sync.world / global_count.clamp_min(1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)

@@ -103,13 +103,7 @@ class ZeroSync(_Base):
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         self.bucket, self.in_partition, self.pads = _Bucket(), None, []
         self.params = params
-        self.names = {id(params[n]): n for n in self.where}
-        for name in self.where:
-            p = params[name]
-            # once per tensor (a new state: new tensors)
-            if getattr(p, "_accelfn_zero_sync", None) is not self:
-                p.register_post_accumulate_grad_hook(self._ready)
-                p._accelfn_zero_sync = self  # type: ignore[attr-defined]
+        self.hook_gradients(params, list(self.where))
 
     def _ready(self, p: torch.Tensor) -> None:
         """A gradient is ready: DeepSpeed's hook allocates the bucket (`setup_buckets`), ZeRO-2 adds it."""

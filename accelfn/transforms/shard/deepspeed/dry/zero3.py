@@ -387,12 +387,7 @@ class Zero3Sync(_Base):
         self.params = params
         self.grad_flat = torch.zeros(self.trainable_part, dtype=self.dtype, device=device)
         self.bucket = _Bucket(buffers=[torch.empty(self.reduce_bucket, dtype=self.comm_dtype, device=device)])
-        self.names = {id(params[n]): n for n in self.grad_offsets}
-        for name in self.grad_offsets:
-            p = params[name]
-            if getattr(p, "_accelfn_zero_sync", None) is not self:
-                p.register_post_accumulate_grad_hook(self._ready)
-                p._accelfn_zero_sync = self  # type: ignore[attr-defined]
+        self.hook_gradients(params, list(self.grad_offsets))
 
     def _ready(self, p: torch.Tensor) -> None:
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush the bucket if the gradient does not fit,

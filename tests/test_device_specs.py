@@ -10,23 +10,27 @@ import pytest
 import torch
 
 import accelfn as af
+from accelfn.dryrun import Assumptions
 from accelfn.meter import Meter
 from accelfn.platforms import specs
 from accelfn.platforms.cuda import peak_tflops_of
 
 # what torch (`torch.cuda.get_device_name()`, torch_xla's device kind, `torch.hpu`) calls each row's device
 DEVICE_NAMES = {
+    "gb200": "NVIDIA GB200",
     "b200": "NVIDIA B200",
     "h200-nvl": "NVIDIA H200 NVL",
     "h200-sxm": "NVIDIA H200",
     "h100-nvl": "NVIDIA H100 NVL",
     "h100-pcie": "NVIDIA H100 PCIe",
+    "h100-96gb": "NVIDIA H100",  # Meta's HBM2e part reports no form factor or memory (pytorch/torchtitan#554)
     "h100-sxm": "NVIDIA H100 80GB HBM3",
     "a100-40gb": "NVIDIA A100-SXM4-40GB",
     "a100-80gb": "NVIDIA A100-SXM4-80GB",
     "l40s": "NVIDIA L40S",
     "l4": "NVIDIA L4",
     "a10g": "NVIDIA A10G",
+    "mi355x": "AMD Instinct MI355X",
     "mi325x": "AMD Instinct MI325X",
     "mi300x": "AMD Instinct MI300X",
     "gaudi3": "GAUDI3",
@@ -94,6 +98,60 @@ def test_the_table_agrees_with_the_meters_figures_of_before() -> None:
     assert specs.spec("l40s").tflops["fp8"] == 733.0 and specs.spec("a10g").tflops["tf32"] == 62.5
 
 
+def test_new_rows_follow_from_their_vendors_chip_figures() -> None:
+    # MI355X: 256 CUs at 2.4 GHz (AMD's CDNA 4 figures); per CU and clock 4096 fp16/bf16 and 8192 fp8 matrix
+    # FLOPs, 256 fp32: the rounded data-sheet figures follow
+    mi355x = specs.spec("mi355x")
+    for key, per_clock in (("bf16", 4096), ("fp16", 4096), ("fp8", 8192), ("fp32", 256)):
+        assert mi355x.tflops[key] == pytest.approx(256 * 2.4e9 * per_clock / 1e12, abs=0.05), key
+    assert "tf32" not in mi355x.tflops and mi355x.power_w == 1400.0 and mi355x.memory_gib == 288.0
+    # GB200, per GPU: NVIDIA prints per superchip (two GPUs) with 2:4 sparsity: 10 PF bf16, 20 PF fp8, 5 PF tf32
+    gb200 = specs.spec("gb200")
+    assert {k: gb200.tflops[k] for k in ("bf16", "fp8", "tf32")} == {
+        "bf16": 2500.0,
+        "fp8": 5000.0,
+        "tf32": 1250.0,
+    }
+    assert gb200.memory_gib * 72 == pytest.approx(13.4e3, rel=0.01)  # the NVL72 rack's "13.4 TB"
+    assert (
+        gb200.tflops["bf16"] > specs.spec("b200").tflops["bf16"]
+        and gb200.power_w > specs.spec("b200").power_w
+    )
+    # the 96 GB HBM2e H100 (torchtitan's benchmarks): the SXM's compute (an upper bound at 500 W), its own memory
+    h96, sxm = specs.spec("h100-96gb"), specs.spec("h100-sxm")
+    assert h96.tflops == sxm.tflops and h96.intra_node_gbs == sxm.intra_node_gbs
+    assert (h96.memory_gib, h96.memory_gbs, h96.power_w, sxm.power_w) == (96.0, 2400.0, 500.0, 700.0)
+
+
+def test_power_is_given_only_where_it_sets_the_clocks() -> None:
+    assert {d.key for d in specs.DEVICES if d.power_w is not None} == {
+        "gb200",
+        "b200",
+        "h100-96gb",
+        "h100-sxm",
+        "mi355x",
+    }
+
+
+@pytest.mark.parametrize(("key", "fits"), [("h100-96gb", True), ("h100-sxm", False), ("gb200", True)])
+def test_dry_run_measures_against_the_new_rows(key: str, fits: bool) -> None:
+    """What the issue hit: a run of ~86 GiB per GPU fits the 96 GB H100 torchtitan ran on, not the 80 GB row."""
+
+    def main() -> None:
+        step = af.train_step(lambda m, b: m(b).float().sum(), af.optim.sgd(0.1))
+        with af.init_empty():
+            model = torch.nn.Linear(2**17, 2**16, bias=False, dtype=torch.bfloat16)  # 16 GiB of bf16
+        model.register_buffer("extra", torch.empty(54 * 2**30, dtype=torch.uint8, device="meta"))
+        state = step.init(model)
+        step(state, torch.zeros(4, 2**17, dtype=torch.bfloat16))
+
+    report = af.dry_run(main, nproc_per_node=1, device="cuda", gpu=key, search=False)
+    assert report.gpu == key and report.capacity_bytes is not None
+    assert report.capacity_bytes == specs.spec(key).memory_bytes - Assumptions().reserve_bytes
+    assert 80 * 2**30 < report.per_rank["peak"] < 92 * 2**30
+    assert report.fits is fits
+
+
 # ---- names -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "key"),
@@ -113,6 +171,13 @@ def test_the_table_agrees_with_the_meters_figures_of_before() -> None:
         ("mi300x", "mi300x"),
         ("AMD MI300X", "mi300x"),
         ("AMD Instinct MI325X", "mi325x"),
+        ("MI355X", "mi355x"),
+        ("GB200", "gb200"),
+        ("NVIDIA GB200", "gb200"),
+        ("h100-96gb", "h100-96gb"),
+        ("H100 96GB HBM2e", "h100-96gb"),
+        ("h100 hbm2e", "h100-96gb"),
+        ("NVIDIA H100", "h100-sxm"),  # the alias "h100" before the device name (which `find` matches)
         ("Gaudi 3", "gaudi3"),
         ("tpu-v5p", "tpu-v5p"),
         ("v5p", "tpu-v5p"),
@@ -141,6 +206,9 @@ def test_find_prefers_the_specific_row() -> None:
     assert specs.find("NVIDIA H100 PCIe").key == "h100-pcie"
     assert specs.find("NVIDIA H100 NVL").key == "h100-nvl"
     assert specs.find("NVIDIA H100 80GB HBM3").key == "h100-sxm"
+    assert specs.find("NVIDIA H100").key == "h100-96gb"  # only the bare name: not "NVIDIA H100 80GB HBM3"
+    assert specs.find("NVIDIA GB200").key == "gb200" and specs.find("NVIDIA B200").key == "b200"
+    assert specs.find("AMD Instinct MI355X").key == "mi355x"
     assert specs.find("NVIDIA H200 NVL").key == "h200-nvl"
     assert specs.find("NVIDIA H200").key == "h200-sxm"
     assert specs.find("NVIDIA L40S").key == "l40s" and specs.find("NVIDIA L4").key == "l4"
@@ -149,7 +217,7 @@ def test_find_prefers_the_specific_row() -> None:
 
 
 def test_find_matches_device_names_only() -> None:
-    for name in ("h100", "a100", "v5p", "cpu", "", "NVIDIA GH200 480GB", "NVIDIA GB200", "NVIDIA A10"):
+    for name in ("h100", "a100", "v5p", "cpu", "", "NVIDIA GH200 480GB", "NVIDIA GB300", "NVIDIA A10"):
         assert specs.find(name) is None, name
 
 
@@ -195,7 +263,19 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, name: str, *, rocm: bool = False)
 
 
 @pytest.mark.parametrize(
-    "key", ["h100-sxm", "h100-pcie", "h200-nvl", "b200", "a100-40gb", "l4", "mi300x", "mi325x"]
+    "key",
+    [
+        "h100-sxm",
+        "h100-96gb",
+        "h100-pcie",
+        "h200-nvl",
+        "b200",
+        "gb200",
+        "a100-40gb",
+        "l4",
+        "mi300x",
+        "mi355x",
+    ],
 )
 def test_cuda_platform_reads_the_table(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     fake_cuda(monkeypatch, DEVICE_NAMES[key], rocm=key.startswith("mi"))
@@ -253,3 +333,34 @@ def test_other_accelerator_kinds_read_only_rows_of_their_kind(monkeypatch: pytes
     assert xpu.peak_tflops(torch.bfloat16) is None
     monkeypatch.setattr(torch.xpu, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     assert xpu.peak_tflops(torch.bfloat16) is None  # a cuda row: not for xpu
+
+
+def test_the_docs_table_shows_every_row_as_the_code_has_it() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "devices.md").read_text()
+    rows = {
+        cells[0].strip("`"): cells
+        for line in docs.splitlines()
+        if line.startswith("| `") and (cells := [c.strip() for c in line.strip("|").split("|")])
+    }
+    assert set(rows) == {d.key for d in specs.DEVICES}
+
+    def num(cell: str) -> float | None:
+        return None if cell == "–" else float(cell)
+
+    for d in specs.DEVICES:
+        cells = rows[d.key]
+        assert cells[1] == d.name
+        assert [num(c) for c in cells[2:7]] == [
+            d.tflops.get(k) for k in ("bf16", "fp16", "fp8", "tf32", "fp32")
+        ]
+        figures = (
+            d.memory_gib,
+            d.memory_gbs,
+            d.intra_node_gbs,
+            d.inter_node_gbs,
+            d.devices_per_node,
+            d.power_w,
+        )
+        assert tuple(num(c) for c in cells[7:13]) == figures, d.key

@@ -83,6 +83,9 @@ class DeviceSpec:
     """Devices in a typical node (host)."""
     source: str
     """The vendor page the figures come from (`""` for the nominal cpu row)."""
+    power_w: float | None = None
+    """The board power limit (W) the figures assume, where the part is run at more than one and the limit sets
+    its clocks (B200 at 1000 W in HGX, 1200 W in GB200); None where the vendor sells one configuration."""
 
     @property
     def memory_bytes(self) -> int:
@@ -102,6 +105,23 @@ _PCIE5, _PCIE4 = 64.0, 32.0
 _NIC400, _NIC200, _PCIE_SERVER_NIC = 50.0, 25.0, 12.5
 
 DEVICES: tuple[DeviceSpec, ...] = (
+    # GB200: two Blackwell GPUs and a Grace CPU per superchip, the figures per GPU (NVIDIA prints them per
+    # superchip and per rack: halved, then halved again for sparsity). In an NVL72 rack NVLink 5 joins all 72
+    # GPUs, across its 18 compute trays (hosts) of 4 GPUs; one 400 Gb/s NIC per GPU to the network.
+    DeviceSpec(
+        key="gb200",
+        name="NVIDIA GB200 (NVL72, per GPU)",
+        kind="cuda",
+        pattern=r"\bGB200\b",  # "NVIDIA GB200"
+        tflops={"fp32": 90.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0},
+        memory_gib=186.0,  # NVL72: 13.4 TB HBM3e for 72 (372 GB per superchip)
+        memory_gbs=8000.0,
+        intra_node_gbs=900.0,  # NVLink 5: 1.8 TB/s both directions, to all 72 GPUs of the rack
+        inter_node_gbs=_NIC400,
+        devices_per_node=4,
+        source="https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
+        power_w=1200.0,
+    ),
     DeviceSpec(
         key="b200",
         name="NVIDIA B200 (HGX)",
@@ -114,6 +134,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         inter_node_gbs=_NIC400,
         devices_per_node=8,
         source="https://www.nvidia.com/en-us/data-center/hgx/",
+        power_w=1000.0,
     ),
     DeviceSpec(
         key="h200-nvl",
@@ -167,6 +188,25 @@ DEVICES: tuple[DeviceSpec, ...] = (
         devices_per_node=8,
         source="https://www.nvidia.com/en-us/data-center/h100/",
     ),
+    # The H100 SXM with six 16 GiB stacks of HBM2e (2.4 TB/s) that Meta's Grand Teton hosts carry, run at its
+    # default 500 W limit (up to 700 W): the part torchtitan's published benchmarks ran on
+    # (benchmarks/llama3_h100_202412_torchtitan.md). NVIDIA publishes no data sheet for it; it reports itself as
+    # plain "NVIDIA H100" (pytorch/torchtitan#554). Its compute figures are the SXM's at 700 W, an upper bound:
+    # at 500 W its clocks are lower, its peak "between SXM and NVL" (torchtitan), by an amount nobody publishes.
+    DeviceSpec(
+        key="h100-96gb",
+        name="NVIDIA H100 96GB HBM2e (SXM, 500 W)",
+        kind="cuda",
+        pattern=r"^NVIDIA H100$",
+        tflops={"fp32": 67.0, "tf32": 494.7, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+        memory_gib=96.0,
+        memory_gbs=2400.0,
+        intra_node_gbs=_NVLINK4,
+        inter_node_gbs=_NIC400,
+        devices_per_node=8,
+        source="https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
+        power_w=500.0,
+    ),
     DeviceSpec(
         key="h100-sxm",
         name="NVIDIA H100 SXM",
@@ -179,6 +219,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         inter_node_gbs=_NIC400,
         devices_per_node=8,
         source="https://www.nvidia.com/en-us/data-center/h100/",
+        power_w=700.0,
     ),
     DeviceSpec(
         key="a100-40gb",
@@ -246,9 +287,25 @@ DEVICES: tuple[DeviceSpec, ...] = (
         devices_per_node=8,
         source="https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
     ),
-    # AMD: matrix-core figures (fp32 too: CDNA 3 runs fp32 matmuls on its matrix cores). Seven Infinity Fabric
-    # links of 64 GB/s per direction join each GPU to the 7 others of the node; nodes have one 400 Gb/s NIC per
-    # GPU. ROCm torch names them "AMD Instinct MI300X".
+    # AMD: matrix-core figures (fp32 too: CDNA 3 and 4 run fp32 matmuls on their matrix cores). Seven Infinity
+    # Fabric links join each GPU to the 7 others of the node (MI300X/MI325X: 64 GB/s per direction each; MI355X:
+    # 76.8); nodes have one 400 Gb/s NIC per GPU. ROCm torch names them "AMD Instinct MI300X".
+    # MI355X: 256 CUs at 2.4 GHz at its 1400 W board power (liquid cooled; the MI350X is the same chip at 1000 W
+    # and 2.2 GHz). CDNA 4 has no TF32: AMD publishes no tf32 figure, so fp32 under TF32 precision reads None.
+    DeviceSpec(
+        key="mi355x",
+        name="AMD Instinct MI355X",
+        kind="cuda",
+        pattern=r"\bMI355X\b",
+        tflops={"fp32": 157.3, "bf16": 2516.6, "fp16": 2516.6, "fp8": 5033.2},
+        memory_gib=288.0,
+        memory_gbs=8000.0,
+        intra_node_gbs=537.6,  # 7 x 153.6 GB/s both directions
+        inter_node_gbs=_NIC400,
+        devices_per_node=8,
+        source="https://www.amd.com/en/products/accelerators/instinct/mi350/mi355x.html",
+        power_w=1400.0,
+    ),
     DeviceSpec(
         key="mi325x",
         name="AMD Instinct MI325X",
@@ -346,6 +403,8 @@ def _squash(name: str) -> str:
 _ALIASES: dict[str, str] = {
     "h100": "h100-sxm",
     "h100sxm5": "h100-sxm",
+    "h10096gbhbm2e": "h100-96gb",
+    "h100hbm2e": "h100-96gb",
     "h200": "h200-sxm",
     "a100": "a100-80gb",
     "v5p": "tpu-v5p",
@@ -387,7 +446,7 @@ def spec(name: str) -> DeviceSpec:
         >>> spec("rtx9090")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: unknown device 'rtx9090'; the keys are: b200, h200-nvl, ...
+        ValueError: unknown device 'rtx9090'; the keys are: gb200, b200, ...
     """
     if not isinstance(name, str):
         raise TypeError(f"specs.spec(): argument 'name' must be a str, got {type(name).__name__}")

@@ -57,6 +57,8 @@ def _path(logits: torch.Tensor, impl: str) -> str:
 
         if isinstance(logits, DTensor):
             return "vocab_parallel" if vocab_sharded_dim(logits) is not None else "plain"
+    if torch.compiler.is_compiling():
+        return "chunked"
     if torch._C._functorch.is_functorch_wrapped_tensor(logits):  # under torch.func.vmap / grad
         if impl == "chunked":
             raise ValueError(

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,14 @@ __all__ = ["CHUNK_ELEMENTS", "chunked_cross_entropy", "default_chunk_rows", "row
 # 2 x 8192 tokens, and large enough that each chunk's kernels fill a GPU (launch costs stay below 1%).
 CHUNK_ELEMENTS = 1 << 26
 SCOPE = "accelfn.losses.cross_entropy"  # the profiler scope the loss's forward and backward run in
+
+
+def scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    """The profiler scope the loss runs in (`record_function`; its ops show the dry run which allocations are the
+    loss's); nothing while compiling, where dynamo would drop it with a warning."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
 
 
 def default_chunk_rows(classes: int) -> int:
@@ -117,7 +126,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.profiler.record_function(SCOPE):
+        with scope(SCOPE):
             valid = labels != ignore_index
             safe = torch.where(valid, labels, 0)
             lse = torch.empty(labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
@@ -141,7 +150,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         _no_double_backward()
         logits, labels, lse = ctx.saved_tensors
-        with torch.profiler.record_function(SCOPE + ".backward"):
+        with scope(SCOPE + ".backward"):
             valid = labels != ctx.ignore_index
             scale = torch.where(valid, grad_total.to(lse.dtype), 0.0)
             target = torch.where(valid, labels, -1)

@@ -26,6 +26,7 @@ from accelfn.losses.chunked import (
     chunk_logsumexp,
     default_chunk_rows,
     row_chunks,
+    scope,
     write_chunk_grad,
 )
 
@@ -49,7 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         local: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int, first: int, group: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.profiler.record_function(SCOPE):
+        with scope(SCOPE):
             valid = labels != ignore_index
             mine = valid & (labels >= first) & (labels < first + local.shape[-1])
             here = torch.where(mine, labels - first, 0)
@@ -82,7 +83,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         _no_double_backward()
         local, labels, lse = ctx.saved_tensors
-        with torch.profiler.record_function(SCOPE + ".backward"):
+        with scope(SCOPE + ".backward"):
             valid = labels != ctx.ignore_index
             scale = torch.where(valid, grad_total.to(lse.dtype), 0.0)
             mine = valid & (labels >= ctx.first) & (labels < ctx.first + local.shape[-1])

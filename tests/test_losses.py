@@ -1,0 +1,199 @@
+"""af.losses.cross_entropy's chunked path: equal to torch's plain cross entropy, and no more memory than the
+logits' gradient plus one fp32 chunk (the plain path holds three fp32 copies of the logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _live_bytes import LiveBytes
+
+import accelfn as af
+from accelfn.losses import chunked
+
+V = 97  # classes: not a multiple of anything the chunks use
+
+
+def _reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
+    """torch's cross entropy on the fp32 logits, summed; its value and the gradient of the logits."""
+    leaf = logits.detach().requires_grad_()
+    total = F.cross_entropy(
+        leaf.float().reshape(-1, leaf.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    total.backward()
+    return total.detach(), leaf.grad
+
+
+def _ours(logits: torch.Tensor, labels: torch.Tensor, **kw):
+    leaf = logits.detach().requires_grad_()
+    loss = af.losses.cross_entropy(leaf, labels, **kw)
+    loss.total.backward()
+    return af.Loss(loss.total.detach(), loss.count), leaf.grad
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal to fp32 round-off; a bf16 gradient may differ by the last bit of its rounding."""
+    rtol = 2**-7 if ours.dtype == torch.bfloat16 else 1e-5
+    assert ours.dtype == ref.dtype
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=rtol, atol=1e-6)
+
+
+def _data(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(*shape, V, generator=g)).to(dtype)
+    labels = torch.randint(0, V, shape, generator=g)
+    labels.view(-1)[::3] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37,), (3, 13)])
+def test_chunked_equals_torch_cross_entropy_in_value_and_gradient(dtype, shape):
+    logits, labels = _data(shape, dtype)
+    ref_total, ref_grad = _reference(logits, labels)
+    (total, count), grad = _ours(logits, labels, chunk_rows=5)
+    assert total.dtype == torch.float32 and int(count) == int((labels != -100).sum())
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+    _close(grad, ref_grad)
+
+
+def test_a_slice_of_the_logits_is_read_without_a_copy_and_its_gradient_is_right():
+    logits, labels = _data((3, 14), torch.bfloat16)
+    ref_total, ref_grad = _reference(logits[:, :-1], labels[:, 1:])
+    leaf = logits.detach().requires_grad_()
+    loss = af.losses.cross_entropy(leaf[:, :-1], labels[:, 1:], chunk_rows=4)  # rows cross the slice's blocks
+    loss.total.backward()
+    torch.testing.assert_close(loss.total, ref_total, rtol=1e-6, atol=1e-5)
+    _close(leaf.grad[:, :-1], ref_grad)
+    assert not leaf.grad[:, -1].any()
+
+
+def test_one_row_of_logits_with_a_scalar_label():
+    logits, _ = _data((), torch.float32)
+    label = torch.tensor(5)
+    ref_total, ref_grad = _reference(logits, label)
+    (total, count), grad = _ours(logits, label)
+    torch.testing.assert_close(total, ref_total)
+    _close(grad, ref_grad)
+    assert int(count) == 1
+
+
+def test_every_row_ignored_gives_zero_loss_and_zero_gradient():
+    logits, labels = _data((4, 5), torch.bfloat16)
+    labels[:] = -100
+    (total, count), grad = _ours(logits, labels, chunk_rows=3)
+    assert float(total) == 0.0 and int(count) == 0
+    assert grad is not None and not grad.any()
+
+
+def test_another_ignore_index_and_a_scaled_gradient():
+    logits, labels = _data((20,), torch.float32)
+    labels[labels == -100] = 7  # a real class now; 3 is the ignored one
+    labels[::4] = 3
+    leaf = logits.detach().requires_grad_()
+    (2.5 * af.losses.cross_entropy(leaf, labels, ignore_index=3, chunk_rows=6).total).backward()
+    ref = logits.detach().requires_grad_()
+    (2.5 * F.cross_entropy(ref, labels, ignore_index=3, reduction="sum")).backward()
+    _close(leaf.grad, ref.grad)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 40, 1000])
+def test_the_chunk_size_does_not_change_the_result(chunk_rows):
+    logits, labels = _data((40,), torch.float32)
+    ref_total, ref_grad = _reference(logits, labels)
+    (total, _), grad = _ours(logits, labels, chunk_rows=chunk_rows)
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+    _close(grad, ref_grad)
+
+
+def test_the_plain_path_is_torch_cross_entropy_and_differentiates_twice():
+    logits, labels = _data((6,), torch.float32)
+    leaf = logits.detach().requires_grad_()
+    total = af.losses.cross_entropy(leaf, labels, impl="plain").total
+    (grad,) = torch.autograd.grad(total, leaf, create_graph=True)
+    assert grad.requires_grad
+    torch.testing.assert_close(total, _reference(logits, labels)[0])
+
+
+def test_the_chunked_path_refuses_a_second_derivative_by_name():
+    leaf = _data((6,), torch.float32)[0].requires_grad_()
+    total = af.losses.cross_entropy(leaf, torch.arange(6)).total
+    with pytest.raises(RuntimeError, match="no second derivative.*impl='plain'"):
+        torch.autograd.grad(total, leaf, create_graph=True)
+
+
+def test_bad_arguments_name_themselves():
+    logits, labels = _data((4,), torch.float32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        af.losses.cross_entropy(logits, labels, impl="fused")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_rows must be a positive number of rows, got 0"):
+        af.losses.cross_entropy(logits, labels, chunk_rows=0)
+    with pytest.raises(ValueError, match="does not match labels shape"):
+        af.losses.cross_entropy(logits, labels[:3])
+
+
+def test_under_torch_func_auto_takes_the_plain_path_and_chunked_is_refused():
+    logits, labels = _data((4,), torch.float32)
+
+    def mean_loss(x, impl="auto"):
+        return af.losses.cross_entropy(x, labels, impl=impl).mean()
+
+    grad = torch.func.grad(mean_loss)(logits)
+    _close(grad, _reference(logits, labels)[1] / int((labels != -100).sum()))
+    with pytest.raises(ValueError, match="torch.func transforms"):
+        torch.func.grad(mean_loss)(logits, "chunked")
+
+
+def test_compiled_equals_eager():
+    logits, labels = _data((2, 9), torch.float32)
+    ref_total, ref_grad = _reference(logits, labels)
+    compiled = torch.compile(
+        lambda x, y: af.losses.cross_entropy(x, y, chunk_rows=4).total, backend="aot_eager", fullgraph=True
+    )
+    leaf = logits.detach().requires_grad_()
+    total = compiled(leaf, labels)
+    total.backward()
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+    _close(leaf.grad, ref_grad)
+
+
+def test_fake_tensors_go_through_the_chunked_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        leaf = torch.randn(4, 6, V, dtype=torch.bfloat16, requires_grad=True)
+        with LiveBytes() as live:
+            af.losses.cross_entropy(leaf, torch.randint(0, V, (4, 6)), chunk_rows=6).total.backward()
+    assert leaf.grad.dtype == torch.bfloat16 and leaf.grad.shape == leaf.shape
+    assert live.peak < leaf.numel() * 2 + 6 * V * 4 + 4096
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------
+
+
+def _peak(logits: torch.Tensor, labels: torch.Tensor, **kw) -> int:
+    """Bytes allocated by the loss's forward and backward that are alive at once, at most (the logits are not)."""
+    leaf = logits.detach().requires_grad_()
+    with LiveBytes() as live:
+        af.losses.cross_entropy(leaf, labels, **kw).total.backward()
+    return live.peak
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_memory_is_the_gradient_plus_one_fp32_chunk(dtype):
+    rows, chunk = 256, 32
+    logits, labels = _data((rows,), dtype)
+    bound = logits.numel() * logits.element_size() + chunk * V * 4 + 64 * rows  # + a few per-row vectors
+    assert _peak(logits, labels, chunk_rows=chunk) <= bound
+    assert _peak(logits, labels, impl="plain") >= 3 * logits.numel() * 4  # the plain path: 3 fp32 copies
+
+
+def test_auto_is_chunked_with_chunks_of_chunk_elements(monkeypatch):
+    rows, chunk = 256, 16
+    logits, labels = _data((rows,), torch.bfloat16)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", chunk * V)
+    assert chunked.default_chunk_rows(V) == chunk
+    assert _peak(logits, labels) <= logits.numel() * 2 + chunk * V * 4 + 64 * rows

@@ -193,6 +193,67 @@ def test_warmup_cosine_equals_get_cosine_schedule_with_warmup_up_to_total_then_h
     assert expected[total + 2] > 0
 
 
+WARMUP_PAST_TOTAL = {  # warmup > total: transformers' functions take it; the warm-up never ends
+    "linear": (
+        lambda w, t: af.optim.warmup_linear(PEAK, w, t),
+        lambda w, t: lambda o: tf.get_linear_schedule_with_warmup(o, w, t),
+    ),
+    "cosine": (
+        lambda w, t: af.optim.warmup_cosine(PEAK, w, t),
+        lambda w, t: lambda o: tf.get_cosine_schedule_with_warmup(o, w, t),
+    ),
+    "polynomial": (
+        lambda w, t: af.optim.warmup_polynomial(PEAK, w, t, end=1e-4, power=2.0),
+        lambda w, t: lambda o: tf.get_polynomial_decay_schedule_with_warmup(o, w, t, lr_end=1e-4, power=2.0),
+    ),
+    "cosine_restarts": (
+        lambda w, t: af.optim.warmup_cosine_restarts(PEAK, w, t, cycles=2),
+        lambda w, t: lambda o: tf.get_cosine_with_hard_restarts_schedule_with_warmup(o, w, t, num_cycles=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WARMUP_PAST_TOTAL))
+@pytest.mark.parametrize(("warmup", "total"), [(100, 30), (31, 30), (5, 0)])
+def test_warmup_longer_than_total_gives_transformers_numbers_with_a_warning(
+    name: str, warmup: int, total: int
+) -> None:
+    make, make_sched = WARMUP_PAST_TOTAL[name]
+    with pytest.warns(
+        af.optim.WarmupPastTotalWarning, match=rf"warmup={warmup} > total={total}: .* never ends"
+    ):
+        schedule = make(warmup, total)
+    updates = warmup + AFTER
+    got, expected = af_lrs(schedule, updates), torch_lrs(make_sched(warmup, total), updates)
+    if name == "cosine":  # equal through the end of the warm-up; then transformers' cosine climbs back
+        got, expected = got[: warmup + 2], expected[: warmup + 2]
+    assert_lrs_equal(got, expected)
+    assert got[total] == pytest.approx(PEAK * total / warmup, rel=1e-6)  # still rising at `total`
+
+
+def test_warmup_up_to_total_gives_no_warning(recwarn: pytest.WarningsRecorder) -> None:
+    af.optim.warmup_linear(PEAK, 30, 30)
+    af.optim.warmup_cosine(PEAK, 0, 30)
+    af.optim.warmup_polynomial(PEAK, 29, 30)
+    af.optim.warmup_cosine_restarts(PEAK, 30, 30)
+    assert not [w for w in recwarn if issubclass(w.category, af.optim.WarmupPastTotalWarning)]
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+def test_accelerate_port_on_small_data_warmup_past_total(
+    num_processes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nlp_example's num_warmup_steps=100 on a data set of 40 updates, converted as the migration page says."""
+    warmup, total = 100, 40
+    updates = math.ceil(warmup / num_processes) + 3
+    with pytest.warns(af.optim.WarmupPastTotalWarning):
+        schedule = af.optim.warmup_linear(PEAK, warmup / num_processes, total / num_processes)
+    expected = accelerate_lrs(
+        lambda o: tf.get_linear_schedule_with_warmup(o, warmup, total), updates, num_processes, 1, monkeypatch
+    )
+    assert_lrs_equal(af_lrs(schedule, updates), expected)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_schedule_in_float32_as_on_accelerators_is_within_float32_round_off(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -400,18 +461,18 @@ def test_accelerate_scheduler_steps_num_processes_times_so_accelfn_divides_its_c
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: af.optim.warmup_linear(1e-3, 10, 5), "warmup must be <= total, got warmup=10, total=5"),
         (lambda: af.optim.warmup_linear(-1e-3, 0, 5), "peak must be a finite number >= 0"),
         (lambda: af.optim.warmup_linear(1e-3, -1, 5), "warmup must be a finite number >= 0"),
         (lambda: af.optim.warmup_linear(1e-3, 0, float("nan")), "total must be a finite number >= 0"),
         (lambda: af.optim.warmup_constant(1e-3, -2), "warmup_constant: warmup must be"),
-        (lambda: af.optim.warmup_cosine(1e-3, 10, 5), "warmup_cosine: warmup must be <= total"),
         (lambda: af.optim.warmup_cosine(1e-3, 1, 5, end=-1.0), "warmup_cosine: end must be"),
-        (lambda: af.optim.warmup_polynomial(1e-3, 5, 5), "warmup must be < total"),
+        (
+            lambda: af.optim.warmup_polynomial(1e-3, 5, 5),
+            r"warmup must differ from total .* got warmup=5, total=5",
+        ),
         (lambda: af.optim.warmup_polynomial(1e-3, 0, 5, end=1e-3), "end must be < peak, got end=0.001"),
         (lambda: af.optim.warmup_polynomial(1e-3, 0, 5, power=-1.0), "power must be a finite number >= 0"),
         (lambda: af.optim.warmup_cosine_restarts(1e-3, 0, 5, cycles=0), "cycles must be an int >= 1"),
-        (lambda: af.optim.warmup_cosine_restarts(1e-3, 6, 5), "warmup must be <= total"),
         (lambda: af.optim.inverse_sqrt(1e-3, 0, timescale=0), "timescale must be a finite number > 0"),
         (lambda: af.optim.inverse_sqrt(1e-3, -5), "inverse_sqrt: warmup must be"),
         (lambda: af.optim.from_lambda(1e-3, lambda k: 1.0, steps=-1), "steps must be >= 0"),

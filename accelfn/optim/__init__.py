@@ -22,6 +22,7 @@ from .lion import LionState, lion
 from .masked import MaskedState, masked
 from .schedules import (
     Schedule,
+    WarmupPastTotalWarning,
     as_schedule,
     constant,
     cosine,
@@ -44,6 +45,7 @@ __all__ = [
     "LionState",
     "MaskedState",
     "Schedule",
+    "WarmupPastTotalWarning",
     "chain",
     "identity",
     "apply_updates",

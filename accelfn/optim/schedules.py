@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import attrs
@@ -28,6 +29,7 @@ from .._typecheck import checked
 __all__ = [
     "Schedule",
     "ScheduleLike",
+    "WarmupPastTotalWarning",
     "constant",
     "linear",
     "cosine",
@@ -207,9 +209,21 @@ def _check(name: str, **args: float) -> None:
             raise ValueError(f"{name}: {arg} must be a finite number >= 0, got {arg}={value}")
 
 
-def _check_warmup(name: str, warmup: float, total: float) -> None:
+class WarmupPastTotalWarning(UserWarning):
+    """A `warmup_*` schedule whose warm-up is longer than its training: the warm-up never ends."""
+
+
+def _check_warmup(name: str, warmup: float, total: float, transformers_name: str) -> None:
+    """Warn when `warmup > total`: the lr still rises at `total` (to `peak * total / warmup`) and drops to the
+    decay's end from `warmup` on, as transformers' function computes it (which accepts it without a word)."""
     if warmup > total:
-        raise ValueError(f"{name}: warmup must be <= total, got warmup={warmup}, total={total}")
+        warnings.warn(
+            f"{name}: warmup={warmup} > total={total}: the warm-up never ends, the lr reaches "
+            f"{total / max(1.0, warmup):.3g} x peak at total (as transformers' {transformers_name} gives; "
+            "often a warm-up counted in another unit than the training, e.g. on small data)",
+            WarmupPastTotalWarning,
+            stacklevel=3,
+        )
 
 
 @checked
@@ -245,7 +259,7 @@ def warmup_cosine(peak: float, warmup: float, total: float, end: float = 0.0, in
         [0.0, 0.0005, 0.001, 0.0005, 0.0, 0.0]
     """
     _check("warmup_cosine", peak=peak, warmup=warmup, total=total, end=end, init=init)
-    _check_warmup("warmup_cosine", warmup, total)
+    _check_warmup("warmup_cosine", warmup, total, "get_cosine_schedule_with_warmup")
     return _WarmupCosine(float(peak), warmup, total, float(end), float(init))
 
 
@@ -253,7 +267,9 @@ def warmup_cosine(peak: float, warmup: float, total: float, end: float = 0.0, in
 def warmup_linear(peak: float, warmup: float, total: float) -> Schedule:
     """Linear warm-up from 0 to `peak` over `warmup` updates, then linear decay to 0 at `total` (and 0 after).
 
-    transformers' `get_linear_schedule_with_warmup(opt, warmup, total)` on an optimizer whose lr is `peak`.
+    transformers' `get_linear_schedule_with_warmup(opt, warmup, total)` on an optimizer whose lr is `peak`, also
+    with `warmup > total` (with a `WarmupPastTotalWarning`): the warm-up never ends, the lr rises to
+    `peak * total / warmup` at `total`, on to `warmup`, and is 0 from `warmup` on.
 
     Example:
         >>> import torch, accelfn as af
@@ -262,7 +278,7 @@ def warmup_linear(peak: float, warmup: float, total: float) -> Schedule:
         [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0, 0.0]
     """
     _check("warmup_linear", peak=peak, warmup=warmup, total=total)
-    _check_warmup("warmup_linear", warmup, total)
+    _check_warmup("warmup_linear", warmup, total, "get_linear_schedule_with_warmup")
     return _WarmupLinear(float(peak), warmup, total)
 
 
@@ -299,11 +315,12 @@ def warmup_polynomial(
         [0.0, 0.001, 0.000606, 0.000325, 0.000156, 0.0001, 0.0001]
     """
     _check("warmup_polynomial", peak=peak, warmup=warmup, total=total, end=end, power=power)
-    if not warmup < total:
+    if warmup == total:
         raise ValueError(
-            f"warmup_polynomial: warmup must be < total (the decay needs at least one step), "
-            f"got warmup={warmup}, total={total}"
+            f"warmup_polynomial: warmup must differ from total (the decay divides by total - warmup, and "
+            f"transformers' function raises ZeroDivisionError at that step), got warmup={warmup}, total={total}"
         )
+    _check_warmup("warmup_polynomial", warmup, total, "get_polynomial_decay_schedule_with_warmup")
     if not end < peak:
         raise ValueError(f"warmup_polynomial: end must be < peak, got end={end}, peak={peak}")
     return _WarmupPolynomial(float(peak), warmup, total, float(end), float(power))
@@ -324,7 +341,9 @@ def warmup_cosine_restarts(peak: float, warmup: float, total: float, cycles: int
         [0.001, 0.000854, 0.0005, 0.000146, 0.001, 0.000854, 0.0005, 0.000146, 0.0]
     """
     _check("warmup_cosine_restarts", peak=peak, warmup=warmup, total=total)
-    _check_warmup("warmup_cosine_restarts", warmup, total)
+    _check_warmup(
+        "warmup_cosine_restarts", warmup, total, "get_cosine_with_hard_restarts_schedule_with_warmup"
+    )
     if isinstance(cycles, bool) or cycles < 1:
         raise ValueError(f"warmup_cosine_restarts: cycles must be an int >= 1, got cycles={cycles!r}")
     return _WarmupCosineRestarts(float(peak), warmup, total, cycles)

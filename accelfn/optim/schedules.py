@@ -91,8 +91,8 @@ class _Cosine(Schedule):
 @attrs.frozen
 class _WarmupCosine(Schedule):
     peak: float
-    warmup: int
-    total: int
+    warmup: float
+    total: float
     end: float
     init: float
 

@@ -1,0 +1,201 @@
+"""The fake world a dry run's script runs in: torch's fake process group as one rank of the job, the launcher's
+variables, every tensor fake; object collectives that hand every rank this rank's object, device meshes built
+on real rank maps, fake parameters that `module.to` can swap.
+
+Example:
+    >>> import torch, torch.distributed as dist
+    >>> from accelfn.dryrun.world import fake_world
+    >>> with fake_world(64, 3, 8, None):
+    ...     x = torch.ones(2)
+    ...     dist.get_rank(), dist.get_world_size(), type(x).__name__
+    (3, 64, 'FakeTensor')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .tracker import HostReads
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None) -> Iterator[HostReads]:
+    """Torch's fake process group as rank `rank` of `world_size`, the launcher's variables set, every tensor
+    created inside fake (FakeTensorMode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .. import mesh as _mesh
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "af.dry_run: a process group is already running in this process; the dry run starts its own fake "
+            "one (run it in a fresh process, or call af.mesh.destroy_process_group() first)"
+        )
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % nproc_per_node),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(rank // nproc_per_node),
+        "NODE_RANK": str(rank // nproc_per_node),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "ACCELFN_DEVICE": "cpu",
+    }
+    if mesh:
+        env["ACCELFN_MESH"] = mesh
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with (
+            _object_collectives(),
+            _real_device_meshes(),
+            FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            _swappable_fakes(mode),
+            HostReads(real_bookkeeping=True) as reads,
+        ):
+            yield reads
+    finally:
+        _mesh.destroy_process_group()
+        _clear_dtensor_caches()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _group_size(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+# torch's fake process group moves no bytes, so an object collective would unpickle garbage: in the dry run
+# every rank runs the same script, so each one's object stands for all of them
+def _all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    object_list[:] = [obj] * _group_size(group)
+
+
+def _gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: Any = None, group: Any = None, **_: Any
+) -> None:
+    if object_gather_list is not None:
+        object_gather_list[:] = [obj] * _group_size(group)
+
+
+def _broadcast_object_list(object_list: list[Any], src: Any = None, group: Any = None, **_: Any) -> None:
+    return None  # this rank's list stands for the source's
+
+
+def _scatter_object_list(
+    out: list[Any], inputs: list[Any] | None, src: Any = None, group: Any = None, **_: Any
+) -> None:
+    if inputs:
+        out[0] = inputs[dist.get_rank(group) if group is not None else dist.get_rank()]
+
+
+_OBJECT_COLLECTIVES = {
+    "all_gather_object": _all_gather_object,
+    "gather_object": _gather_object,
+    "broadcast_object_list": _broadcast_object_list,
+    "scatter_object_list": _scatter_object_list,
+}
+
+
+@contextlib.contextmanager
+def _object_collectives() -> Iterator[None]:
+    """Object collectives that hand every rank this rank's object; groups made with an explicit backend (a
+    host `gloo` group for bookkeeping) made on the fake one."""
+    saved = {name: getattr(dist, name) for name in (*_OBJECT_COLLECTIVES, "new_group")}
+    new_group = saved["new_group"]
+
+    def fake_new_group(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(None if i in (2, 3) else a for i, a in enumerate(args))  # backend, pg_options
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = fake_new_group
+    for name, fn in _OBJECT_COLLECTIVES.items():
+        setattr(dist, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+# A DeviceMesh keeps its rank map as a (host) tensor and reads it (`tolist`) to find its coordinates; under the
+# fake mode that tensor would be fake. Meshes made inside torch (FSDP over TP concatenates the dp and tp meshes,
+# slicing and flattening make sub-meshes) are built with real tensors in the dry run.
+_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "_unflatten", "_concatenate")
+
+
+@contextlib.contextmanager
+def _real_device_meshes() -> Iterator[None]:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def real(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+
+        return functools.wraps(fn)(wrapper)
+
+    saved = {name: DeviceMesh.__dict__[name] for name in _MESH_METHODS if name in DeviceMesh.__dict__}
+    for name, attr in saved.items():
+        if isinstance(attr, staticmethod):
+            setattr(DeviceMesh, name, staticmethod(real(attr.__func__)))
+        else:
+            setattr(DeviceMesh, name, real(attr))
+    try:
+        yield
+    finally:
+        for name, attr in saved.items():
+            setattr(DeviceMesh, name, attr)
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by the mesh's layout, not its process groups: a second fake
+    world in the same process (a second dry run, `--rank worst`, the micro-batch search's fresh world) would get
+    plans naming the first world's groups."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    with contextlib.suppress(AttributeError):
+        torch._C._clear_DTensor_sharding_propagator_cache()  # the native dispatch's cache
+    with contextlib.suppress(AttributeError):
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    with contextlib.suppress(AttributeError):
+        _redistribute._gen_transform_infos.cache_clear()
+    with contextlib.suppress(AttributeError):
+        _redistribute._planner_cache.clear()
+
+
+# `module.to(...)` swaps fake parameters (`torch.utils.swap_tensors`), which refuses tensors with weak references;
+# the fake mode's own memo holds one to each fake tensor it made. Drop the memo's entry for the two tensors first.
+@contextlib.contextmanager
+def _swappable_fakes(mode: Any) -> Iterator[None]:
+    import torch.utils
+
+    original = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
+            memo.pop(key, None)
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original

@@ -19,10 +19,13 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak and current bytes of the storages created by the ops run inside it (inputs made before are free)."""
+    """Peak and current bytes of the storages created by the ops run inside it (inputs made before are free);
+    `fake=True`: of fake tensors too (a run on fake tensors)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fake: bool = False) -> None:
         super().__init__()
+        self._fake = fake  # count fake tensors too (a dry run's); else they hold no memory (DTensor's shape
+        # propagation makes fake tensors of an op's arguments)
         self.now = 0
         self.peak = 0
         self._live: dict[int, tuple[int, Any]] = {}
@@ -33,7 +36,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor, *, new: bool) -> None:
         """Watch `t`'s storage; count its bytes if `new` (an op's output), else (an input from before) not."""
-        if t.device.type == "meta":
+        if t.device.type == "meta" or (not self._fake and getattr(t, "fake_mode", None) is not None):
             return
         try:
             st = t.untyped_storage()

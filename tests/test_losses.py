@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _launch import output_of, run_workers
 from _live_bytes import LiveBytes
 
 import accelfn as af
@@ -165,7 +166,7 @@ def test_fake_tensors_go_through_the_chunked_path():
 
     with FakeTensorMode():
         leaf = torch.randn(4, 6, V, dtype=torch.bfloat16, requires_grad=True)
-        with LiveBytes() as live:
+        with LiveBytes(fake=True) as live:
             af.losses.cross_entropy(leaf, torch.randint(0, V, (4, 6)), chunk_rows=6).total.backward()
     assert leaf.grad.dtype == torch.bfloat16 and leaf.grad.shape == leaf.shape
     assert live.peak < leaf.numel() * 2 + 6 * V * 4 + 4096
@@ -197,3 +198,12 @@ def test_auto_is_chunked_with_chunks_of_chunk_elements(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", chunk * V)
     assert chunked.default_chunk_rows(V) == chunk
     assert _peak(logits, labels) <= logits.numel() * 2 + chunk * V * 4 + 64 * rows
+
+
+@pytest.mark.slow
+def test_loss_parallel_on_two_processes_equals_one_process_in_a_shard_and_a_chunk():
+    """Logits split over the vocabulary (97 classes: uneven shards) under torch's loss_parallel, on 2 processes
+    over gloo: value and gradient equal torch's cross entropy on the whole logits, and each rank holds its
+    gradient shard and one fp32 chunk (see tests/workers/loss_worker.py)."""
+    proc = run_workers("loss_worker.py", 2, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("OK rank") == 2, output_of(proc)

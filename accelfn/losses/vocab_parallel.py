@@ -44,12 +44,17 @@ def vocab_sharded_dim(logits: DTensor) -> int | None:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross entropy of local vocabulary shards; saves the shard (no copy), labels and log-sum-exp."""
+    """Summed cross entropy of a DTensor's vocabulary shards; saves the logits (no copy), labels, log-sum-exp.
+
+    It takes the DTensor (not its local shard) so that it gives back the gradient as a DTensor laid out like
+    the logits: through `to_local()`'s backward, uneven shards would get other strides, and autograd would copy
+    the gradient to match the logits' layout."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        local: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int, first: int, group: Any
+        logits: DTensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int, first: int, group: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        local = logits.to_local()
         with scope(SCOPE):
             valid = labels != ignore_index
             mine = valid & (labels >= first) & (labels < first + local.shape[-1])
@@ -74,15 +79,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        local, labels, ignore_index, chunk_rows, first, _ = inputs
+        logits, labels, ignore_index, chunk_rows, first, _ = inputs
         ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(local, labels, output[1])
+        ctx.save_for_backward(logits, labels, output[1])
         ctx.ignore_index, ctx.chunk_rows, ctx.first = ignore_index, chunk_rows, first
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         _no_double_backward()
-        local, labels, lse = ctx.saved_tensors
+        logits, labels, lse = ctx.saved_tensors
+        local = logits.to_local()
         with scope(SCOPE + ".backward"):
             valid = labels != ctx.ignore_index
             scale = torch.where(valid, grad_total.to(lse.dtype), 0.0)
@@ -93,7 +99,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             for start, x in row_chunks(local, ctx.chunk_rows):
                 rows = slice(start, start + x.shape[0])
                 write_chunk_grad(flat[rows], x, lse[rows], scale[rows], target[rows])
-        return grad, None, None, None, None, None
+        contiguous = torch.empty(logits.shape, device="meta").stride()
+        out = DTensor.from_local(
+            grad,
+            logits.device_mesh,
+            logits.placements,
+            run_check=False,
+            shape=logits.shape,
+            stride=contiguous,
+        )
+        return out, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -111,10 +126,9 @@ def vocab_parallel_cross_entropy(
             f"cross_entropy: logits placements {logits.placements} do not split only the vocabulary (last) dim"
         )
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    local = logits.to_local()
-    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(local.shape[-1])
+    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits.to_local().shape[-1])
     group = (logits.device_mesh, mesh_dim)
     total, _ = _VocabParallelCrossEntropy.apply(
-        local, labels.reshape(-1), ignore_index, rows, offset[-1], group
+        logits, labels.reshape(-1), ignore_index, rows, offset[-1], group
     )
     return total  # type: ignore[no-any-return]

@@ -82,22 +82,30 @@ GA, W, T = 2, 8, 40  # Accelerate's num_warmup_steps / num_training_steps, as a 
 loader = af.data.DataLoader(ls.make_data(512, SEED), batch_size=16, mesh=mesh, shuffle=True, seed=SEED)
 batches = list(loader)[:12]
 schedule = af.optim.warmup_linear(1e-2, warmup=W / n, total=T / n)
+# AdamW's update does not change with the gradients' scale (m / sqrt(v)): the gradient norm of each update, with a
+# clipping threshold never reached, is compared too (a gradient summed over the processes instead of averaged,
+# or over the micro-batches, fails there)
+NO_CLIP = 1e6
 step = af.shard(
-    af.accumulate(af.train_step(ls.loss_fn, af.optim.adamw(schedule, weight_decay=0.0)), GA), mesh
+    af.accumulate(
+        af.train_step(ls.loss_fn, af.optim.adamw(schedule, weight_decay=0.0), clip_grad_norm=NO_CLIP), GA
+    ),
+    mesh,
 )
 state = step.init(ls.make_model(SEED), seed=SEED)
-ours, our_lrs = [], []
+ours, our_lrs, our_norms = [], [], []
 for batch in batches:
     state, metrics = step(state, batch)
     ours.append(metrics["loss"].item())
     our_lrs.append(metrics["lr"].item())
+    our_norms.append(metrics["grad_norm"].item())
 
 accelerator.gradient_accumulation_steps = GA
 model = ls.make_model(SEED)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
 scheduler = get_linear_schedule_with_warmup(opt, num_warmup_steps=W, num_training_steps=T)
 model, opt, scheduler = accelerator.prepare(model, opt, scheduler)
-theirs, their_lrs = [], []
+theirs, their_lrs, their_norms = [], [], []
 for batch in batches:
     micro_losses = []
     for half in range(GA):
@@ -107,12 +115,14 @@ for batch in batches:
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 their_lrs.append(opt.param_groups[0]["lr"])  # the lr this update uses
+                their_norms.append(accelerator.clip_grad_norm_(model.parameters(), NO_CLIP).item())
             opt.step()
             scheduler.step()
             opt.zero_grad()
         micro_losses.append(loss.detach())
     theirs.append(accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item())  # the global loss
 close(our_lrs, their_lrs, "learning rates")
+close(our_norms, their_norms, "gradient norms under accumulation")
 close(ours, theirs, "losses under a prepared schedule and accumulation")
 print(f"rank {r}: gradient accumulation + linear schedule == accelerate ({len(ours)} updates)", flush=True)
 

@@ -4,9 +4,10 @@ A model built under `af.init_empty()` (or `torch.device("meta")`) holds no memor
 *after* sharding, so that each rank allocates only its shards: `materialize(module, device, seed)` gives every
 meta parameter and buffer storage on `device` (a DTensor: its local shard) and fills it with the value its
 module's init rule gives, one module at a time: the module's tensors are built whole on the host (the largest
-single module is the most held at once), initialised by the module's `reset_parameters()` (or, inside a
-`transformers` model, the model's `_init_weights`, as `from_config` initialises it), and this rank's part is
-copied out. Each module draws from its own generator seeded by `seed` and the module's name, so the values
+single module is the most held at once), initialised by the module's `reset_parameters()` (torch's private
+`_reset_parameters()` where it has none, as `nn.MultiheadAttention`; inside a `transformers` model, the model's
+`_init_weights`, as `from_config` initialises it; inside an `nn.Transformer`, then xavier-uniform for every
+matrix, as its `_reset_parameters()` re-initialises its subtree), and this rank's part is copied out. Each module draws from its own generator seeded by `seed` and the module's name, so the values
 do not depend on the parallelism (one process, fsdp, tp, pipeline stages: the same model) and need no
 communication; the caller's RNG is left as it was. Modules are visited children first, so a parent's rule
 that writes its children's tensors wins, as in a host build. Tensors that were not on the meta device keep
@@ -64,14 +65,44 @@ def _hf_owners(module: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
-def _rule(name: str, m: nn.Module, owners: dict[int, nn.Module]) -> Any:
+def _xavier_matrices(stand_in: nn.Module) -> None:
+    """`nn.Transformer._reset_parameters()`, for one module: xavier-uniform every parameter of 2+ dimensions."""
+    for p in stand_in._parameters.values():
+        if p is not None and p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+
+
+# Modules whose init rule re-initialises their whole subtree after the children's own rules: the rule, for one
+# module of the subtree at a time (run after that module's own rule).
+_SUBTREE_RULES: dict[type, Any] = {nn.Transformer: _xavier_matrices}
+
+
+def _subtree_owners(module: nn.Module) -> dict[int, Any]:
+    """id(submodule) -> the subtree rule of the innermost module of `_SUBTREE_RULES` holding it."""
+    out: dict[int, Any] = {}
+    for m in module.modules():  # outer ones first: an inner one overrides for its own modules
+        rule = next((r for cls, r in _SUBTREE_RULES.items() if isinstance(m, cls)), None)
+        if rule is not None:
+            out.update((id(sub), rule) for sub in m.modules())
+    return out
+
+
+def _own_rule(cls: type) -> Any:
+    """The class's `reset_parameters`, else torch's private `_reset_parameters` (nn.MultiheadAttention's)."""
+    return getattr(cls, "reset_parameters", None) or getattr(cls, "_reset_parameters", None)
+
+
+def _rule(name: str, m: nn.Module, owners: dict[int, nn.Module], subtree: dict[int, Any]) -> Any:
     """The function that initialises module `m`'s direct tensors (given a stand-in of `m`)."""
     owner = owners.get(id(m))
     if owner is not None:
         return owner._init_weights  # type: ignore[operator]
-    reset = getattr(type(m), "reset_parameters", None)
+    reset = _own_rule(type(m))
     if reset is not None:
-        return lambda stand_in: stand_in.reset_parameters()
+        after = subtree.get(id(m))
+        if after is None:
+            return reset
+        return lambda stand_in: (reset(stand_in), after(stand_in))
     where = name or "the root module"
     raise ValueError(
         f"step.init: the model was built on the meta device, and module {where!r} ({type(m).__name__}) has "
@@ -94,8 +125,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int | None = None
     ]
     if not todo:
         return
-    owners = _hf_owners(module)
-    rules = {name: _rule(name, m, owners) for name, m in todo}  # every error before any allocation
+    owners, subtree = _hf_owners(module), _subtree_owners(module)
+    rules = {name: _rule(name, m, owners, subtree) for name, m in todo}  # every error before any allocation
     _warn_unrun_parents(named, {id(m) for _, m in todo}, owners)
     kept = {  # the real tensors, whose values to_empty would drop
         (id(m), kind, key): _local(t).detach().clone()
@@ -155,7 +186,7 @@ def _warn_unrun_parents(
     """Warn about modules with a `reset_parameters()` that are not run: they hold no meta tensor of their own
     but have some below them (such a rule may set its children's values, which a host build would keep)."""
     for name, m in named:
-        if id(m) in filled or id(m) in owners or getattr(type(m), "reset_parameters", None) is None:
+        if id(m) in filled or id(m) in owners or type(m) in _SUBTREE_RULES or _own_rule(type(m)) is None:
             continue
         if any(_local(t).is_meta for t in [*m.parameters(), *m.buffers()]):
             warnings.warn(
@@ -176,7 +207,7 @@ def _fill(name: str, m: nn.Module, rule: Any, on_meta: set[tuple[int, str, str]]
 def _fill_stand_in(
     name: str, m: nn.Module, rule: Any, on_meta: set[tuple[int, str, str]], done: set[int]
 ) -> None:
-    stand_in = object.__new__(_original_class(type(m)))  # the init rule reads e.g. padding_idx, config
+    stand_in: Any = object.__new__(_original_class(type(m)))  # the init rule reads e.g. padding_idx, config
     stand_in.__dict__.update(m.__dict__)
     stand_in._parameters = {k: None for k, t in m._parameters.items() if t is None}  # e.g. `bias=False`
     stand_in._buffers = {k: None for k, t in m._buffers.items() if t is None}
@@ -243,5 +274,5 @@ def _part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     with (
         unset_fake_temporarily()
     ):  # index arithmetic (strided shards build index tensors): real, as fake has none
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
     return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]

@@ -207,3 +207,98 @@ def test_loss_parallel_on_two_processes_equals_one_process_in_a_shard_and_a_chun
     gradient shard and one fp32 chunk (see tests/workers/loss_worker.py)."""
     proc = run_workers("loss_worker.py", 2, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("OK rank") == 2, output_of(proc)
+
+
+# ---- linear_cross_entropy -------------------------------------------------------------------------------------
+
+
+def _linear_data(shape: tuple[int, ...], dtype: torch.dtype, features: int = 16, classes: int = V):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(*shape, features, generator=g).to(dtype)
+    weight = (torch.randn(classes, features, generator=g) / features**0.5).to(dtype)
+    labels = torch.randint(0, classes, shape, generator=g)
+    labels.view(-1)[::4] = -100
+    return hidden, weight, labels
+
+
+def _linear_grads(fn, hidden, weight):
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    total = fn(h, w)
+    total.backward()
+    return total.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_equals_the_output_layer_then_torch_cross_entropy(dtype):
+    hidden, weight, labels = _linear_data((3, 11), dtype)
+
+    def ours(h, w):
+        return af.losses.linear_cross_entropy(h[:, :-1], w, labels[:, 1:], chunk_rows=4).total
+
+    def plain(h, w):
+        logits = F.linear(h[:, :-1], w).float()
+        return F.cross_entropy(logits.reshape(-1, V), labels[:, 1:].reshape(-1), reduction="sum")
+
+    (total, gh, gw), (ref, ref_gh, ref_gw) = (
+        _linear_grads(ours, hidden, weight),
+        _linear_grads(plain, hidden, weight),
+    )
+    torch.testing.assert_close(total, ref, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
+    assert gh.dtype == gw.dtype == dtype
+    _close(gh, ref_gh)
+    if dtype == torch.float32:
+        torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-6)
+    else:  # a sum over chunks of bf16 products, each rounded: equal to bf16 round-off, as a whole
+        assert (gw.float() - ref_gw.float()).norm() <= 2**-8 * ref_gw.float().norm()
+
+
+def test_linear_cross_entropy_under_autocast_equals_the_plain_path_under_autocast():
+    hidden, weight, labels = _linear_data((24,), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, gh, gw = _linear_grads(
+            lambda h, w: af.losses.linear_cross_entropy(h, w, labels, chunk_rows=5).total, hidden, weight
+        )
+        ref, ref_gh, ref_gw = _linear_grads(
+            lambda h, w: F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum"), hidden, weight
+        )
+    assert gh.dtype == gw.dtype == torch.float32  # through autocast's casts, to the fp32 inputs
+    torch.testing.assert_close(total, ref, rtol=2**-7, atol=1e-4)
+    for ours, ref_grad in ((gh, ref_gh), (gw, ref_gw)):  # bf16 matmuls, rounded per chunk: bf16 round-off
+        assert (ours - ref_grad).norm() <= 2**-8 * ref_grad.norm()
+
+
+def test_linear_cross_entropy_never_holds_the_logits():
+    rows, features, chunk, classes = 1024, 8, 64, 1000
+    hidden, weight, labels = _linear_data((rows,), torch.float32, features, classes)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    with LiveBytes() as live:
+        af.losses.linear_cross_entropy(h, w, labels, chunk_rows=chunk).total.backward()
+    grads = h.numel() * 4 + 2 * w.numel() * 4  # the hidden's gradient, the weight's and its fp32 sum
+    assert live.peak <= grads + chunk * classes * (4 + 4 + 4) + 64 * rows  # a chunk's logits, fp32, gradient
+    assert live.peak < rows * classes * 4 / 4  # a quarter of one fp32 copy of the logits
+
+
+def test_linear_cross_entropy_compiles():
+    hidden, weight, labels = _linear_data((20,), torch.float32)
+    eager = _linear_grads(
+        lambda h, w: af.losses.linear_cross_entropy(h, w, labels, chunk_rows=6).total, hidden, weight
+    )
+    compiled = torch.compile(
+        lambda h, w: af.losses.linear_cross_entropy(h, w, labels, chunk_rows=6).total,
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    for ours, ref in zip(_linear_grads(compiled, hidden, weight), eager, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_linear_cross_entropy_names_bad_shapes_and_dtypes():
+    hidden, weight, labels = _linear_data((4,), torch.float32)
+    with pytest.raises(ValueError, match=r"weight shape \(16, 97\) must be \(classes, 16\)"):
+        af.losses.linear_cross_entropy(hidden, weight.T, labels)
+    with pytest.raises(ValueError, match="does not match labels shape"):
+        af.losses.linear_cross_entropy(hidden, weight, labels[:2])
+    with pytest.raises(ValueError, match="hidden is torch.float32 but weight is torch.bfloat16"):
+        af.losses.linear_cross_entropy(hidden, weight.bfloat16(), labels)
+    with pytest.raises(ValueError, match="chunk_rows must be a positive"):
+        af.losses.linear_cross_entropy(hidden, weight, labels, chunk_rows=-1)

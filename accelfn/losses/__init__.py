@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from accelfn.losses.chunked import chunked_cross_entropy
 
-__all__ = ["Loss", "cross_entropy", "mse"]
+__all__ = ["Loss", "cross_entropy", "linear_cross_entropy", "mse"]
 
 
 class Loss(NamedTuple):
@@ -125,6 +125,35 @@ def cross_entropy(
         )
     count = (flat_labels != ignore_index).sum()
     return Loss(total, count)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+) -> Loss:
+    """`cross_entropy(hidden @ weight.T, labels)` without ever holding the whole logits (an output layer and loss).
+
+    `hidden` `(*, features)`, `weight` `(classes, features)` (an `nn.Linear`'s, no bias), `labels` `(*)`. It works
+    `chunk_rows` rows at a time (default: chunks of logits of 2**26 elements): the forward keeps each row's
+    log-sum-exp, the backward recomputes a chunk's logits and gives `hidden` and `weight` their gradients. Equal
+    to the plain path to fp32 round-off; no double backward; whole tensors only (not DTensors).
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> hidden, head = torch.randn(2, 6, 16), torch.nn.Linear(16, 50, bias=False)
+        >>> labels = torch.randint(0, 50, (2, 6))
+        >>> loss = af.losses.linear_cross_entropy(hidden, head.weight, labels)
+        >>> bool(torch.allclose(loss.total, af.losses.cross_entropy(head(hidden), labels).total))
+        True
+    """
+    from accelfn.losses.linear import linear_cross_entropy_total
+
+    total = linear_cross_entropy_total(hidden, weight, labels, ignore_index, chunk_rows)
+    return Loss(total, (labels.reshape(-1) != ignore_index).sum())
 
 
 def mse(pred: torch.Tensor, target: torch.Tensor) -> Loss:

@@ -3,12 +3,11 @@
 Each rank keeps its vocabulary shard of the logits; the loss needs per row only the global maximum, the global
 sum of exponentials and the target's logit (held by one rank), three numbers a row summed or maxed over the
 ranks (two all-reduces of one fp32 vector each). The backward needs no collective: with the global log-sum-exp
-each rank writes `softmax - onehot` for its own columns. Nothing beyond one fp32 chunk of this rank's shard is
-made in either direction (torch's `loss_parallel` holds about four fp32 copies of the shard).
+each rank writes `softmax - onehot` for its own columns. Beyond its shard's gradient (in the logits' dtype), a
+rank makes one fp32 chunk of its shard at a time (torch's `loss_parallel` holds about four fp32 copies of it).
 
 Example (on every rank of a tensor-parallel group; `logits` a DTensor sharded on its last dim):
-    >>> # xdoctest: +SKIP("distributed")
-    >>> total = vocab_parallel_cross_entropy(logits, labels)  # a plain 0-d tensor, equal on every rank
+    >>> total = vocab_parallel_cross_entropy(logits, labels)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Summed cross entropy of `logits` (a DTensor split over its last dim, see `vocab_sharded_dim`).
 
-    `labels` is a plain tensor of the global row shape, the same on every rank of the vocabulary split.
+    `labels` has the global row shape, the same on every rank of the vocabulary split (a tensor or a DTensor).
     Returns a plain 0-d tensor, equal on those ranks; the logits' gradient keeps their placements."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -124,6 +124,8 @@ def vocab_parallel_cross_entropy(
         raise ValueError(
             f"cross_entropy: logits placements {logits.placements} do not split only the vocabulary (last) dim"
         )
+    if isinstance(labels, DTensor):  # torch's loss_parallel takes replicated labels as a DTensor too
+        labels = labels.full_tensor()
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits.to_local().shape[-1])
     group = (logits.device_mesh, mesh_dim)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the live-bytes counter
@@ -79,6 +79,13 @@ def main():
                 f"fp32 shards (torch's loss_parallel {torch_peak / (shard * 4):.2f})",
                 flush=True,
             )
+    # labels as a replicated DTensor (torch's loss_parallel accepts them so)
+    g = torch.Generator().manual_seed(1)  # the same on every rank
+    logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    ref_total, ref_grad = reference(logits, labels, False)
+    total, grad, _, _ = sharded(logits, mesh, distribute_tensor(labels, mesh, [Replicate()]), False)
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     # all rows ignored: zero, with a zero gradient
     labels = torch.full((B, T), -100)
     total, grad, _, _ = sharded(torch.randn(B, T, V), mesh, labels, True, chunk_rows=CHUNK)

@@ -1,5 +1,5 @@
 """The engine's written contracts: the phases call exactly the `GradSync` hooks its docstring lists, in that
-order; a frozen `Plan`; the one lowering order; the strategy table; `print(step)` after lowering."""
+order (fp16's `max_over_ranks` and `any_rank` too, and they decide); a frozen `Plan`; the one lowering order; the strategy table; `print(step)` after lowering."""
 
 import contextlib
 
@@ -38,12 +38,12 @@ def loss_fn(model, batch):
     return af.losses.mse(model(batch["x"]), batch["y"])
 
 
-def lowered(sync, microbatches=2):
+def lowered(sync, microbatches=2, **fields):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     plan = Plan(
         module=model, kind="train", fn=loss_fn, optimizer=af.optim.adamw(1e-2), clip_grad_norm=0.5,
-        microbatches=microbatches, grad_sync=sync,
+        microbatches=microbatches, grad_sync=sync, **fields,
     )  # fmt: skip
     plan.finalize()
     params, buffers = partition(model)
@@ -68,6 +68,34 @@ def test_the_phases_call_the_strategy_hooks_the_contract_lists_in_its_order():
     for hook in ("prepare", "microbatch", "max_over_ranks", "record_unused", "reduce", "any_rank", "norm",
                  "reduce_metrics", "init_opt_state", "phases"):  # fmt: skip
         assert f"`{hook}" in documented, hook
+
+
+class InfElsewhere(RecordingSync):
+    """Another rank found an inf in its gradients' shard: `any_rank` says so."""
+
+    def any_rank(self, flag):
+        return torch.ones_like(flag)
+
+
+def test_fp16_calls_max_over_ranks_and_any_rank_and_skips_on_another_ranks_inf():
+    """fp16's loss scaling: the normaliser from `max_over_ranks` before the backward, `any_rank` on the found-inf
+    flag after it; an inf found on another rank skips the step here too (params unchanged, the scale halved),
+    with no inf in this rank's own gradients (and no clipping norm)."""
+    from accelfn.engine.plan import LossScaleConfig, init_loss_scale
+
+    want = ["prepare", "max_over_ranks", "microbatch(False)", "microbatch(True)", "record_unused", "reduce",
+            "any_rank", "norm", "reduce_metrics"]  # fmt: skip
+    for sync, skipped in ((RecordingSync(), 0), (InfElsewhere(), 1)):
+        plan, state = lowered(sync, autocast_dtype=torch.float16, loss_scale=LossScaleConfig())
+        state = state.replace(extra={"loss_scale": init_loss_scale(LossScaleConfig())})
+        before = {n: p.clone() for n, p in state.params.items()}
+        scale = float(state.extra["loss_scale"]["scale"])
+        new, metrics = run_train(plan, state, BATCH)
+        assert sync.calls == [c for c in want if not (skipped and c == "norm")], type(sync).__name__
+        assert int(metrics["skipped"]) == skipped
+        moved = [n for n in before if not torch.equal(new.params[n], before[n])]
+        assert moved == ([] if skipped else list(before)), moved
+        assert float(new.extra["loss_scale"]["scale"]) == (scale / 2 if skipped else scale)
 
 
 def test_the_default_hooks_are_a_world_of_one():

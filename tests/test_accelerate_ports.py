@@ -27,6 +27,7 @@ def test_early_stopping_accumulation_schedule_and_local_sgd_ports_equal_accelera
             f"rank {r}: gradient accumulation + linear schedule == accelerate (12 updates)" in proc.stdout
         ), out
         assert f"rank {r}: local SGD 11 updates == accelerate LocalSGD" in proc.stdout, out
+        assert f"rank {r}: average over 4 buckets of 3 dtypes == the mean" in proc.stdout, out
 
 
 def _loss(model, batch):

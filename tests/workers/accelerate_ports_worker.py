@@ -160,4 +160,22 @@ assert their_losses[0] != their_losses[1]
 print(
     f"rank {r}: local SGD {len(ours)} updates == accelerate LocalSGD (losses and averaged params)", flush=True
 )
+# ---- the averaging itself: several buckets, several dtypes (fp32, bf16, fp16), integers left alone -------------
+from accelfn.transforms.shard.local_sgd import average  # noqa: E402
+
+group = mesh.grad_group()
+base = {  # rank r holds base x (r + 1): the mean over 2 ranks is base x 1.5, exact in every dtype here
+    "a": (300, torch.float32), "b": (300, torch.float32), "c": (300, torch.float32),  # 1200 bytes each
+    "d": (500, torch.bfloat16), "e": (500, torch.bfloat16), "f": (100, torch.float16),
+}  # fmt: skip
+held = {k: (torch.arange(n) % 16).to(dtype) * (r + 1) for k, (n, dtype) in base.items()}
+held["steps"] = torch.arange(10) * (r + 1)  # not floating point: not averaged
+before = group._get_sequence_number_for_group()  # gloo's own count of the collectives it ran
+average(held.values(), group, bucket_mb=2000 / 2**20)  # buckets: (a, b), (c), (d, e), (f)
+assert group._get_sequence_number_for_group() - before == 4
+for k, (n, dtype) in base.items():
+    want = (torch.arange(n) % 16).to(dtype) * 1.5
+    assert held[k].dtype == dtype and torch.equal(held[k], want), k
+assert torch.equal(held["steps"], torch.arange(10) * (r + 1))
+print(f"rank {r}: average over 4 buckets of 3 dtypes == the mean", flush=True)
 mesh.close()

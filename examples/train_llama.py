@@ -1,13 +1,20 @@
 """Pretrain a Llama-architecture model (a `transformers` config, no weights downloaded) on random tokens, with
-any mix of fsdp / hsdp / ddp, tensor parallel, remat and bf16 autocast: the script `accelfn dry-run` checks at
-full scale before the job is queued.
+any mix of fsdp / hsdp / ddp, tensor, context and pipeline parallel, remat, compile, bf16 and fp8: the script
+`accelfn dry-run` checks at full scale before the job is queued.
 
     accelfn launch --nproc-per-node 2 --cpu examples/train_llama.py --model tiny --steps 5
+    accelfn launch --nproc-per-node 4 --cpu --mesh pp=2,dp=2 examples/train_llama.py
+    accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,tp=2 examples/train_llama.py --remat selective
+    accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,cp=2 examples/train_llama.py --remat full
     accelfn dry-run --nproc-per-node 8 --nnodes 8 examples/train_llama.py --model 8b --strategy fsdp
     accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=8,tp=8 examples/train_llama.py --model 70b --remat
     accelfn dry-run --nproc-per-node 8 --nnodes 16 --mesh pp=4,dp=4,tp=8 examples/train_llama.py --model 405b
 
-`--mesh` (or `accelfn launch --mesh`) names the axes: `dp=-1` (default), `dp=8,tp=8`, `dp=2,fsdp=-1` (hsdp).
+The mesh comes from `--mesh` (here or `accelfn launch/dry-run --mesh`): `dp=-1` (default), `dp=8,tp=8`,
+`dp=2,fsdp=-1` (hsdp), `pp=2,dp=2`, `dp=2,cp=2`. A `tp` axis splits the layers with the model's own plan, with
+sequence parallel and the loss on vocabulary shards (the default; `--no-sequence-parallel`,
+`--no-loss-parallel` turn them off); a `cp` axis splits each sequence (labels aligned with the inputs); a `pp`
+axis cuts the model into stages, fed one sequence per micro-batch (torchtitan's default; `--microbatches`).
 The sizes of `--model` are Llama 3's (8b, 70b, 405b), the 0.89B model of docs/benchmarks.md (`0.9b`) and a
 tiny one for CPU runs.
 """
@@ -20,6 +27,7 @@ import contextlib
 import torch
 
 import accelfn as af
+from accelfn.launch_env import parse_mesh
 
 MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 344, 2, 4, 2, 1024),
@@ -48,23 +56,68 @@ def build(name: str, seq_len: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> af.Loss:
-    return af.losses.cross_entropy(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+def loss_fn(model: torch.nn.Module, batch: torch.Tensor | dict[str, torch.Tensor]) -> af.Loss:
+    """Next-token cross entropy over token ids (shifted here), or over `{"input_ids", "labels"}` whose labels are
+    already aligned with the inputs (what context parallel needs: each rank holds a part of every sequence)."""
+    if isinstance(batch, dict):
+        return af.losses.cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+    return af.losses.cross_entropy(model(input_ids=batch).logits[:, :-1], batch[:, 1:])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per data-parallel rank and step (default 2, or the pp size when larger)",
+    )
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="the mesh, e.g. dp=8,tp=8 or pp=2,dp=2 or dp=2,cp=2 (default: the launcher's)",
+    )
     p.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp"), default="fsdp")
-    p.add_argument("--remat", action="store_true", help="recompute each decoder layer in the backward pass")
+    p.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=("full", "selective", "none"),
+        help="recompute each decoder layer in the backward pass: full (`--remat` alone), selective (keep the "
+        "matmuls' outputs), none",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile the step (af.compile)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="fp8 matmuls in the decoder layers (af.autocast_fp8; emulated on CPU)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with a tp axis: keep the residual stream split over the sequence (default: on, as torchtitan)",
+    )
+    p.add_argument(
+        "--loss-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with a tp axis: the loss on the logits' vocabulary shards (default: on, as torchtitan)",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule, with a pp axis in --mesh")
-    p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches per step (pp axis)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule, with a pp axis in the mesh")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches per step, with a pp axis (default: one sequence each)",
+    )
     p.add_argument(
         "--init",
         choices=("host", "meta"),
@@ -75,27 +128,47 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    mesh = af.Mesh.from_env()  # `--mesh` of accelfn launch / dry-run; {"dp": world size} by default
+    axes = parse_mesh(args.mesh, source="--mesh") if args.mesh else {}
+    mesh = af.Mesh.from_env(
+        **axes
+    )  # else `--mesh` of accelfn launch / dry-run; {"dp": world size} by default
+    pp = mesh.axis_size("pp") if "pp" in mesh.axis_names else 1
+    batch_size = args.batch_size or max(2, pp)  # a 1F1B pipeline needs a micro-batch per stage
     with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
         model = build(args.model, args.seq_len)
     step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.1), clip_grad_norm=1.0)
+    if args.fp8:  # the embeddings and the head stay in bf16/fp32, as torchtitan keeps its output layer
+        step = af.autocast_fp8(
+            step, module_filter=lambda m, fqn: ".layers." in fqn, emulate=mesh.device.type == "cpu"
+        )
     if args.bf16:
         step = af.autocast(step, torch.bfloat16)
-    if args.remat:
-        step = af.remat(step)
+    if args.remat != "none":
+        step = af.remat(step, args.remat)
     if args.accumulate > 1:
         step = af.accumulate(step, args.accumulate)
-    if "pp" in mesh.axis_names:  # pipeline parallel: every rank of a pipeline reads the same batch
-        step = af.pipeline(step, mesh, microbatches=args.microbatches, schedule=args.schedule)
-    step = af.shard(step, mesh, strategy=args.strategy)
+    if pp > 1:  # pipeline parallel: every rank of a pipeline reads the same batch
+        microbatches = args.microbatches or batch_size // args.accumulate
+        step = af.pipeline(step, mesh, microbatches=microbatches, schedule=args.schedule)
+    step = af.shard(
+        step,
+        mesh,
+        strategy=args.strategy,
+        sequence_parallel=args.sequence_parallel,
+        loss_parallel=args.loss_parallel,
+    )
+    if args.compile:
+        step = af.compile(step)
     state = step.init(model)
     af.dist.print(step)
 
     vocab = MODELS[args.model][5]
+    cp = "cp" in mesh.axis_names and mesh.axis_size("cp") > 1
     gen = torch.Generator().manual_seed(mesh.data_rank)
     for i in af.progress(range(args.steps), desc="train"):
-        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen)
-        state, metrics = step(state, ids)
+        ids = torch.randint(0, vocab, (batch_size, args.seq_len + 1), generator=gen)
+        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]} if cp else ids
+        state, metrics = step(state, batch)
         af.dist.print(f"step {i + 1}: loss {metrics['loss'].item():.3f}")
 
 

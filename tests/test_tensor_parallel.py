@@ -14,10 +14,12 @@ from tests._launch import expect_ok, output_of, run_workers
 
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
-    configs = ["llama", "starcoder2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat", "llama:bf16",
-               "llama:compile", "llama:lossparallel", "starcoder2:lossparallel:accumulate", "llama:seqparallel",
+    # the decoders run with sequence and loss parallel, their default; "no..." turns them off
+    configs = ["llama", "starcoder2", "mistral", "qwen2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat",
+               "llama:bf16", "llama:compile", "llama:noseqparallel:nolossparallel",
+               "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
                "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip
-    proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=400)
+    proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=600)
     expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
 
@@ -25,8 +27,8 @@ def test_tp2_alone_equals_one_process():
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
-               "llama:fsdp:lossparallel:loader", "llama:loader", "llama:fsdp:seqparallel", "llama:fsdp:fp8",
-               f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
+               "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel", "llama:fsdp:seqparallel",
+               "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
     expect_ok(proc, configs, 4)

@@ -3,7 +3,9 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mlp (a user plan); options: accumulate, fsdp, hsdp, lossparallel, seqparallel, fp8, loader (inputs from af.data.DataLoader), compile (aot_eager),
+biases, GELU MLP, tied embeddings; its own plan), mistral, qwen2, mlp (a user plan); options: accumulate, fsdp, hsdp,
+lossparallel / seqparallel (passed True), nolossparallel / noseqparallel (passed False; neither: the default,
+on for the transformers decoders), fp8, loader (inputs from af.data.DataLoader), compile (aot_eager),
 remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
@@ -46,6 +48,15 @@ def make_model(kind):
                                residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
                                tie_word_embeddings=True)  # fmt: skip
         return Starcoder2ForCausalLM(cfg)
+    if kind in ("mistral", "qwen2"):
+        import transformers
+
+        name = {"mistral": "Mistral", "qwen2": "Qwen2"}[kind]
+        cfg = getattr(transformers, f"{name}Config")(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+        )  # fmt: skip
+        return getattr(transformers, f"{name}ForCausalLM")(cfg)
     return MLP()
 
 
@@ -118,12 +129,22 @@ def check(mesh, kind, options):
 
             plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     strategy = "hsdp" if "hsdp" in options else "fsdp" if "fsdp" in options else "ddp"
-    lp = "lossparallel" in options  # logits split over the vocabulary, the loss on the shards
+
+    def flag(name):  # True / False when the config passes it, None (the default) otherwise
+        return True if name in options else False if f"no{name}" in options else None
+
     inputs = "local" if "loader" in options else "global"
-    sp = "seqparallel" in options  # the residual stream split over the sequence between the TP regions
+    # lp: logits split over the vocabulary, the loss on the shards; sp: the residual stream split over the
+    # sequence between the TP regions. Both on by default for the transformers decoders, off for the mlp
+    given_lp, given_sp = flag("lossparallel"), flag("seqparallel")
+    lp = given_lp if given_lp is not None else kind != "mlp"
+    sp = (
+        given_sp if given_sp is not None else kind != "mlp" and not fp8
+    )  # fp8: torchao's float8 styles instead
     step = af.shard(
-        step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=lp, sequence_parallel=sp
-    )
+        step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=given_lp,
+        sequence_parallel=given_sp,
+    )  # fmt: skip
     if "compile" in options:
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind), seed=3)
@@ -132,6 +153,8 @@ def check(mesh, kind, options):
     assert ("float8 tensor-parallel styles (torchao) on 14 modules" in repr(step)) == (fp8 and not sp), repr(
         step
     )
+    assert ("sequence parallel between" in repr(step)) == sp, repr(step)
+    assert ("(the default: loss_parallel=False turns it off)" in repr(step)) == (lp and given_lp is None)
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip
     assert split, f"no parameter is split: {repr(step)}"

@@ -198,8 +198,8 @@ def shard(
     overlap: bool | None = None,
     sync_every: int | None = None,
     tp_plan: Mapping[str, Any] | None = None,
-    loss_parallel: bool = False,
-    sequence_parallel: bool = False,
+    loss_parallel: bool | None = None,
+    sequence_parallel: bool | None = None,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), context-parallel over its `cp` axis and
     tensor-parallel over its `tp` axis; see the module docs.
@@ -217,7 +217,9 @@ def shard(
     `loss_parallel=True` leaves the logits split over the vocabulary and runs the loss on the shards (torch's
     `loss_parallel`): no rank holds the whole logits (the loss function then receives a DTensor).
     `sequence_parallel=True` (Hugging Face decoders) keeps the residual stream split over the sequence between
-    the tensor-parallel regions, so norms and dropout run on `seq / tp` tokens per rank.
+    the tensor-parallel regions, so norms and dropout run on `seq / tp` tokens per rank. Both default to None:
+    on for the `transformers` decoders they are tested on (Llama, Mistral, Qwen2, Starcoder2 causal LMs under
+    their own plan, not cut into pipeline stages; torchtitan's defaults), off otherwise; `False` turns them off.
 
     Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
     every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned
@@ -267,7 +269,7 @@ def shard(
         if why:
             raise ValueError(f"shard: context parallel (cp={cp} in mesh {mesh.shape}): {why}")
     for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-        if value and tp == 1:
+        if value is True and tp == 1:
             raise ValueError(f"shard: {flag}=True needs a tp axis of size > 1 (shape {mesh.shape})")
     if tp_plan is not None and tp == 1:
         raise ValueError(

@@ -53,6 +53,8 @@ __all__ = [
     "expand_plan",
     "match_plan",
     "sequence_parallel_styles",
+    "parallel_defaults",
+    "DEFAULTS_KNOWN",
     "tensor_parallel_norm",
 ]
 
@@ -301,12 +303,61 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             m._parameters[a] = p
 
 
+# The `transformers` decoders (config.model_type) whose sequence parallel and loss parallel are tested equal to one
+# process (tests/test_tensor_parallel.py): for them a tp axis does both by default, as torchtitan does.
+DEFAULTS_KNOWN: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "starcoder2"})
+
+
+def parallel_defaults(module: nn.Module, user_plan: bool) -> str | None:
+    """Why sequence and loss parallel do not apply to `module` by default (None: they do): they are on by default
+    for a `transformers` causal LM of `DEFAULTS_KNOWN` under its own plan, whole (not a pipeline stage), with
+    its output layer an `nn.Linear`.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=2)
+        >>> parallel_defaults(LlamaForCausalLM(cfg), user_plan=False) is None
+        True
+        >>> parallel_defaults(LlamaForCausalLM(cfg), user_plan=True)
+        'a user tp_plan'
+    """
+    from ...stages import Skip
+
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if user_plan:
+        return "a user tp_plan"
+    if model_type not in DEFAULTS_KNOWN:
+        return f"{type(module).__name__} is not a transformers decoder they are tested on ({sorted(DEFAULTS_KNOWN)})"
+    if any(isinstance(m, Skip) for m in module.modules()):
+        return "a pipeline stage (af.pipeline)"
+    get = getattr(module, "get_output_embeddings", None)
+    if not isinstance(get() if callable(get) else None, nn.Linear):
+        return f"{type(module).__name__} has no nn.Linear output layer"
+    return None
+
+
+@contextlib.contextmanager
+def _loss_parallel_by_default() -> Any:
+    """Name the default on an error in the forward or the loss (which now receives vocabulary shards)."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(
+            "shard(): loss_parallel is on by default for this model: the loss function receives the logits split "
+            "over the vocabulary (a DTensor, Shard(-1)), which af.losses.cross_entropy and F.cross_entropy take. "
+            "If the error comes from the loss using the logits otherwise, pass af.shard(..., loss_parallel=False) "
+            "(or call .full_tensor() on them)"
+        )
+        raise
+
+
 @attrs.frozen(eq=False)
 class TensorParallel(TransformBase):
     mesh: Mesh
     plan: tuple[tuple[str, Any], ...] | None = None
-    loss_parallel: bool = False
-    sequence_parallel: bool = False
+    loss_parallel: bool | None = None  # None: on where `parallel_defaults` says it applies
+    sequence_parallel: bool | None = None
     kind: str = "tensor_parallel"
 
     @property
@@ -318,6 +369,8 @@ class TensorParallel(TransformBase):
             ", loss_parallel" if self.loss_parallel else ""
         )
         extra += ", sequence_parallel" if self.sequence_parallel else ""
+        extra += ", no loss_parallel" if self.loss_parallel is False else ""
+        extra += ", no sequence_parallel" if self.sequence_parallel is False else ""
         return f"tensor_parallel(tp={self.size}{extra})"
 
     def lower(self, plan: Plan) -> None:
@@ -338,18 +391,38 @@ class TensorParallel(TransformBase):
                     "parallel plan (Hugging Face models do: config.base_model_tp_plan); pass tp_plan={'layers.*.attn."
                     "q': 'colwise', ...}"
                 )
-        if self.sequence_parallel:
-            styles = sequence_parallel_styles(module, match_plan(module, raw, self.size), self.loss_parallel)
-            plan.notes.append("sequence parallel between the tensor-parallel regions")
+        why_not = None
+        if self.sequence_parallel is None or self.loss_parallel is None:
+            why_not = parallel_defaults(module, user_plan=self.plan is not None)
+        sp = self.sequence_parallel if self.sequence_parallel is not None else why_not is None
+        lp = self.loss_parallel if self.loss_parallel is not None else why_not is None
+        if why_not is not None:
+            plan.notes.append(f"sequence and loss parallel not on by default: {why_not}")
+        elif self.sequence_parallel is None and any(_is_float8(m) for m in module.modules()):
+            sp = False  # torch's styles under it would drop torchao's float8 ones; with those: not yet
+            plan.notes.append(
+                "sequence parallel not on by default under autocast_fp8 (torchao's float8 styles)"
+            )
+        if sp:
+            styles = sequence_parallel_styles(module, match_plan(module, raw, self.size), lp)
+            default = (
+                " (the default: sequence_parallel=False turns it off)"
+                if self.sequence_parallel is None
+                else ""
+            )
+            plan.notes.append(f"sequence parallel between the tensor-parallel regions{default}")
         else:
             styles = expand_plan(module, raw, self.size)
-        if self.loss_parallel:
-            head = self._vocabulary_parallel_head(module, styles, keep=self.sequence_parallel)
+        if lp:
+            head = self._vocabulary_parallel_head(module, styles, keep=sp)
             from torch.distributed.tensor.parallel import loss_parallel
 
+            if self.loss_parallel is None:
+                plan.forward_contexts.append(_loss_parallel_by_default)
             plan.forward_contexts.append(loss_parallel)
             plan.backward_contexts.append(loss_parallel)
-            plan.notes.append(f"loss on vocabulary shards ({head})")
+            default = " (the default: loss_parallel=False turns it off)" if self.loss_parallel is None else ""
+            plan.notes.append(f"loss on vocabulary shards ({head}){default}")
         if not has_meta(module):  # built on the meta device: stays there until sharded (see materialize)
             move(module, self.mesh.device)
         fp8 = [n for n, st in styles.items() if type(st).__name__.startswith("Float8")]

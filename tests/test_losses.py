@@ -209,6 +209,41 @@ def test_loss_parallel_on_two_processes_equals_one_process_in_a_shard_and_a_chun
     assert proc.returncode == 0 and proc.stdout.count("OK rank") == 2, output_of(proc)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_writes_the_same_gradient_over_the_logits_and_needs_no_buffer(dtype):
+    rows, chunk = 256, 32
+    logits, labels = _data((2, rows // 2 + 1), dtype)
+    ref_total, ref_grad = _reference(logits[:, :-1], labels[:, 1:])
+    base = logits.detach().requires_grad_()
+    produced = base * 1  # the logits as a layer's output (not a leaf): the loss writes over them
+    with LiveBytes() as live:
+        loss = af.losses.cross_entropy(
+            produced[:, :-1], labels[:, 1:], chunk_rows=chunk, inplace_backward=True
+        )
+        loss.total.backward()
+    torch.testing.assert_close(loss.total.detach(), ref_total, rtol=1e-6, atol=1e-5)
+    _close(base.grad[:, :-1], ref_grad)
+    _close(produced.detach()[:, :-1], ref_grad)  # the logits now hold their gradient
+    # what remains: the slice's backward (a logits-sized gradient) and the mul's; no loss gradient buffer
+    assert live.peak <= 2 * logits.numel() * logits.element_size() + chunk * V * 4 + 64 * rows
+
+
+def test_inplace_backward_under_another_use_of_the_logits_fails_loudly():
+    logits, labels = _data((8,), torch.float32)
+    leaf = logits.detach().requires_grad_()
+    produced = leaf * 1
+    other = (produced**2).sum()  # saves the logits; made first, so its backward runs after the loss's
+    total = other + af.losses.cross_entropy(produced, labels, inplace_backward=True).total
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        total.backward()
+
+
+def test_inplace_backward_needs_the_chunked_path():
+    logits, labels = _data((4,), torch.float32)
+    with pytest.raises(ValueError, match=r"inplace_backward=True\) needs the chunked loss.*impl='plain'"):
+        af.losses.cross_entropy(logits, labels, impl="plain", inplace_backward=True)
+
+
 # ---- linear_cross_entropy -------------------------------------------------------------------------------------
 
 

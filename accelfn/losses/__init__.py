@@ -84,6 +84,7 @@ def cross_entropy(
     *,
     impl: Impl = "auto",
     chunk_rows: int | None = None,
+    inplace_backward: bool = False,
 ) -> Loss:
     """Summed cross entropy over every position whose label is not `ignore_index`, in fp32.
 
@@ -93,7 +94,9 @@ def cross_entropy(
     logits split over the vocabulary (a DTensor under `shard(..., loss_parallel=True)`) are chunked on each
     rank's shard. Equal to `impl="plain"` (`F.cross_entropy` on the fp32 logits) to fp32 round-off; only the
     plain path has a second derivative, and it is the one "auto" takes for other tensor subclasses and under
-    `torch.func` transforms.
+    `torch.func` transforms. `inplace_backward=True` (chunked paths) writes the gradient over the logits
+    instead of a new buffer, one logits-sized buffer less; the logits hold the gradient after the backward,
+    and a backward that still needs them (another loss on the same logits) fails on autograd's in-place check.
 
     Example:
         >>> import torch, accelfn as af
@@ -110,12 +113,17 @@ def cross_entropy(
         )
     flat_labels = labels.reshape(-1)
     path = _path(logits, impl)
+    if inplace_backward and path == "plain":
+        raise ValueError(
+            f"cross_entropy(inplace_backward=True) needs the chunked loss, but this call takes the plain path "
+            f"(impl={impl!r}, logits a {type(logits).__name__})"
+        )
     if path == "vocab_parallel":
         from accelfn.losses.vocab_parallel import vocab_parallel_cross_entropy
 
-        total = vocab_parallel_cross_entropy(logits, labels, ignore_index, chunk_rows)  # type: ignore[arg-type]
+        total = vocab_parallel_cross_entropy(logits, labels, ignore_index, chunk_rows, inplace_backward)  # type: ignore[arg-type]
     elif path == "chunked":
-        total = chunked_cross_entropy(logits, labels, ignore_index, chunk_rows)
+        total = chunked_cross_entropy(logits, labels, ignore_index, chunk_rows, inplace_backward)
     else:
         total = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),

@@ -99,7 +99,8 @@ def write_chunk_grad(
     """`out = (softmax(x) - onehot(target)) * scale` per row, with one fp32 chunk; `target` None: no onehot here.
 
     `lse` is each row's global log-sum-exp, `scale` each row's gradient (0 on ignored rows); `target` the class
-    index within `x`'s columns (rows whose target lies elsewhere pass -1: no onehot on that row)."""
+    index within `x`'s columns (rows whose target lies elsewhere pass -1: no onehot on that row). `out` may be
+    `x` itself (the gradient written over the logits)."""
     p = torch.sub(x, lse.unsqueeze(1).to(_compute_dtype(x.dtype)))  # the one fp32 chunk
     p.exp_()
     p.mul_(scale.unsqueeze(1))
@@ -124,7 +125,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int
+        logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int, inplace: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with scope(SCOPE):
             valid = labels != ignore_index
@@ -141,10 +142,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        logits, labels, ignore_index, chunk_rows = inputs
+        logits, labels, ignore_index, chunk_rows, inplace = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(logits, labels, output[1])
-        ctx.ignore_index, ctx.chunk_rows = ignore_index, chunk_rows
+        ctx.ignore_index, ctx.chunk_rows, ctx.inplace = ignore_index, chunk_rows, inplace
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -154,25 +155,35 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             valid = labels != ctx.ignore_index
             scale = torch.where(valid, grad_total.to(lse.dtype), 0.0)
             target = torch.where(valid, labels, -1)
+            if ctx.inplace:  # each chunk's gradient over its logits: they are not read again
+                for start, x in row_chunks(logits, ctx.chunk_rows):
+                    rows = slice(start, start + x.shape[0])
+                    write_chunk_grad(x, x, lse[rows], scale[rows], target[rows])
+                return logits.detach(), None, None, None, None
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            flat = grad.view(
-                -1, grad.shape[-1]
-            )  # contiguous: its rows in the order row_chunks walks logits's
+            # contiguous: its rows in the order row_chunks walks the logits'
+            flat = grad.view(-1, grad.shape[-1])
             for start, x in row_chunks(logits, ctx.chunk_rows):
                 rows = slice(start, start + x.shape[0])
                 write_chunk_grad(flat[rows], x, lse[rows], scale[rows], target[rows])
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def chunked_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, chunk_rows: int | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Summed cross entropy of `logits` `(*, classes)` against `labels` `(*)`, `chunk_rows` rows at a time.
 
     Equal to `F.cross_entropy(logits.float(), labels, reduction="sum")` to fp32 round-off, value and gradient;
-    the gradient comes back in the logits' dtype. No double backward."""
+    the gradient comes back in the logits' dtype. No double backward. `inplace_backward=True` writes the
+    gradient over the logits (no gradient buffer): after the backward they hold it, and a backward that
+    needs them afterwards (another loss on them) fails on autograd's in-place check."""
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits.shape[-1])
     if rows < 1:
         raise ValueError(f"cross_entropy: chunk_rows must be a positive number of rows, got {chunk_rows}")
-    total, _ = _ChunkedCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, rows)
+    total, _ = _ChunkedCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, rows, inplace_backward)
     return total  # type: ignore[no-any-return]

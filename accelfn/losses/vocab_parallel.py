@@ -51,7 +51,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        logits: DTensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int, first: int, group: Any
+        logits: DTensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        chunk_rows: int,
+        first: int,
+        group: Any,
+        inplace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         local = logits.to_local()
         with scope(SCOPE):
@@ -78,10 +84,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        logits, labels, ignore_index, chunk_rows, first, _ = inputs
+        logits, labels, ignore_index, chunk_rows, first, _, inplace = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(logits, labels, output[1])
-        ctx.ignore_index, ctx.chunk_rows, ctx.first = ignore_index, chunk_rows, first
+        ctx.ignore_index, ctx.chunk_rows, ctx.first, ctx.inplace = ignore_index, chunk_rows, first, inplace
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_lse: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -93,12 +99,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             scale = torch.where(valid, grad_total.to(lse.dtype), 0.0)
             mine = valid & (labels >= ctx.first) & (labels < ctx.first + local.shape[-1])
             target = torch.where(mine, labels - ctx.first, -1)
-            grad = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-            flat = grad.view(-1, grad.shape[-1])  # contiguous: its rows in the order row_chunks walks local's
+            inplace = ctx.inplace  # the gradient over this rank's logits: they are not read again
+            grad = (
+                local.detach()
+                if inplace
+                else torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            )
+            # a new gradient is contiguous: its rows in the order row_chunks walks the local shard's
+            flat = grad if inplace else grad.view(-1, grad.shape[-1])
             for start, x in row_chunks(local, ctx.chunk_rows):
                 rows = slice(start, start + x.shape[0])
-                write_chunk_grad(flat[rows], x, lse[rows], scale[rows], target[rows])
-        contiguous = torch.empty(logits.shape, device="meta").stride()
+                write_chunk_grad(x if inplace else flat[rows], x, lse[rows], scale[rows], target[rows])
+        contiguous = logits.stride() if inplace else torch.empty(logits.shape, device="meta").stride()
         out = DTensor.from_local(
             grad,
             logits.device_mesh,
@@ -107,11 +119,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             shape=logits.shape,
             stride=contiguous,
         )
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: DTensor, labels: torch.Tensor, ignore_index: int = -100, chunk_rows: int | None = None
+    logits: DTensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Summed cross entropy of `logits` (a DTensor split over its last dim, see `vocab_sharded_dim`).
 
@@ -130,6 +146,6 @@ def vocab_parallel_cross_entropy(
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits.to_local().shape[-1])
     group = (logits.device_mesh, mesh_dim)
     total, _ = _VocabParallelCrossEntropy.apply(
-        logits, labels.reshape(-1), ignore_index, rows, offset[-1], group
+        logits, labels.reshape(-1), ignore_index, rows, offset[-1], group, inplace_backward
     )
     return total  # type: ignore[no-any-return]

@@ -79,6 +79,21 @@ def main():
                 f"fp32 shards (torch's loss_parallel {torch_peak / (shard * 4):.2f})",
                 flush=True,
             )
+    # the gradient written over the logits' shard: no gradient buffer, one fp32 chunk
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(2)
+        logits, labels = (
+            (3 * torch.randn(B, T, V, generator=g)).to(dtype),
+            torch.randint(0, V, (B, T), generator=g),
+        )
+        ref_total, ref_grad = reference(logits, labels, False)
+        total, grad, local_grad, peak = sharded(
+            logits, mesh, labels, False, chunk_rows=CHUNK, inplace_backward=True
+        )
+        torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+        rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=rtol, atol=1e-6)
+        assert peak <= CHUNK * local_grad.shape[-1] * 4 + 64 * B * T, (dtype, "inplace", peak)
     # labels as a replicated DTensor (torch's loss_parallel accepts them so)
     g = torch.Generator().manual_seed(1)  # the same on every rank
     logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)

@@ -28,6 +28,7 @@ __all__ = [
     "real_tensors",
     "on_host",
     "models_a_device",
+    "fp8_support",
 ]
 
 
@@ -66,6 +67,11 @@ class Watcher:
     def models_a_device(self) -> bool:
         """Whether the real run computes on a device apart from the host (the dry run executes it on the host)."""
         return False
+
+    def fp8_support(self, kind: str) -> bool | None:
+        """Whether the device of `kind` the run models has FP8 matmuls (its table row has an fp8 figure); None
+        where the host answers (no device of that kind is modelled)."""
+        return None
 
 
 _watcher: Watcher | None = None
@@ -124,6 +130,12 @@ def models_a_device() -> bool:
     """In a dry run of a job on an accelerator (which executes on the host): True, so that code with a host-only
     shortcut (af.offload's update in place) takes the path the real run takes."""
     return _watcher is not None and _watcher.models_a_device()
+
+
+def fp8_support(kind: str) -> bool | None:
+    """In a dry run modelling a device of `kind` (`accelfn dry-run --device cuda --gpu h100`): whether that device
+    has FP8 matmuls, not the host the dry run executes on; None outside a dry run or where none is modelled."""
+    return None if _watcher is None else _watcher.fp8_support(kind)
 
 
 def device_kind(kind: str) -> str:

@@ -7,8 +7,8 @@ any mix of fsdp / hsdp / ddp, tensor, context and pipeline parallel, remat, comp
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,tp=2 examples/train_llama.py --remat selective
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,cp=2 examples/train_llama.py --remat full
     accelfn dry-run --nproc-per-node 8 --nnodes 8 examples/train_llama.py --model 8b --strategy fsdp
-    accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=8,tp=8 examples/train_llama.py --model 70b --remat
-    accelfn dry-run --nproc-per-node 8 --nnodes 16 --mesh pp=4,dp=4,tp=8 examples/train_llama.py --model 405b
+    accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=8,tp=8 examples/train_llama.py --model 70b --remat --init meta
+    accelfn dry-run --nproc-per-node 8 --nnodes 16 --mesh pp=4,dp=4,tp=8 examples/train_llama.py --model 405b --init meta
 
 The mesh comes from `--mesh` (here or `accelfn launch/dry-run --mesh`): `dp=-1` (default), `dp=8,tp=8`,
 `dp=2,fsdp=-1` (hsdp), `pp=2,dp=2`, `dp=2,cp=2`. A `tp` axis splits the layers with the model's own plan, with

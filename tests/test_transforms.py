@@ -636,6 +636,37 @@ def test_torchao_fp8_refuses_cpu_without_emulate():
         step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
 
 
+def test_torchao_fp8_in_a_dry_run_asks_the_modelled_device_not_the_host():
+    """`accelfn dry-run --device cuda --gpu h100` executes on this CPU but models an H100: the fp8 check asks the
+    dry run (`dry_mode.fp8_support`), and torchao's fp8 linears lower (here on real CPU tensors, unemulated)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from accelfn import dry_mode
+
+    class Models(dry_mode.Watcher):
+        def __init__(self, fp8: bool) -> None:
+            super().__init__()
+            self.fp8, self.asked = fp8, []
+
+        def fp8_support(self, kind):
+            self.asked.append(kind)
+            return self.fp8
+
+    for fp8 in (True, False):
+        step = af.autocast_fp8(af.train_step(token_loss, af.optim.sgd(0.1)), backend="torchao",
+                               module_filter=lambda m, fqn: fqn == "1")  # fmt: skip
+        with dry_mode.watching(Models(fp8)) as watcher:
+            if fp8:
+                state = step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+                state, _ = step(state, {"x": torch.randn(16, 32), "y": torch.randint(0, 32, (16,))})
+                assert isinstance(step.model[1], Float8Linear) and not step.model[1].config.emulate
+            else:  # a modelled device without fp8 (an A100): the same refusal as on that device
+                with pytest.raises(RuntimeError, match="no FP8 matmul support"):
+                    step.init(nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]))
+        assert watcher.asked == ["cpu"]
+    assert dry_mode.fp8_support("cuda") is None  # outside a dry run: the host answers
+
+
 def test_fp8_module_filter_overrides_the_default():
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
     step = af.autocast_fp8(

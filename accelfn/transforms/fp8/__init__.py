@@ -32,6 +32,7 @@ import attrs
 import torch
 from torch import nn
 
+from ... import dry_mode
 from ..._typecheck import checked
 from ...step import Step
 from .._base import TransformBase, conflict, find
@@ -98,7 +99,11 @@ def default_filter(
 
 
 def _device_supports_fp8(plan: Plan) -> bool:
-    """Whether the device the model will compute on (`plan.device`, not where it was built) has FP8 matmuls."""
+    """Whether the device the model will compute on (`plan.device`, not where it was built) has FP8 matmuls; in a
+    dry run, the device it models (`dry_mode.fp8_support`), not the host it executes on."""
+    modelled = dry_mode.fp8_support(plan.platform.kind)
+    if modelled is not None:
+        return modelled
     try:
         return bool(plan.platform.supports_fp8())
     except (RuntimeError, ValueError):

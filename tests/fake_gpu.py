@@ -37,8 +37,60 @@ _SET_UP: list[bool] = []
 _LIBS: list[Any] = []
 
 
+class _Stream:
+    """A device stream that orders nothing (fake tensors run no kernels): what FSDP2 asks of one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CURRENT = _Stream()
+
+
 class _BackendModule:
-    """`torch.fakegpu`: what torch asks of a device module (autocast's dtypes, availability)."""
+    """`torch.fakegpu`: what torch asks of a device module (autocast's dtypes, availability; FSDP2's streams and
+    events, which order nothing here)."""
+
+    Stream = _Stream
+    Event = _Event
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _Stream:
+        return _CURRENT
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:

@@ -437,6 +437,53 @@ def test_all_opens_every_installed_tracker_offline_and_each_gets_the_run(tmp_pat
             assert (run / written[name]).exists(), (name, sorted(p.name for p in run.iterdir()))
 
 
+UNWRITABLE = r"""
+import json, sys
+from accelfn import trackers
+
+spec = json.loads(sys.argv[1])
+errors = {}
+for backend in spec["backends"]:
+    try:
+        trackers.open(spec["run_dir"], backend).close()
+        errors[backend] = None
+    except trackers.TrackerError as e:
+        errors[backend] = [e.backend, str(e)]
+    except Exception as e:  # noqa: BLE001 - reported: the wrapper should have turned it into a TrackerError
+        errors[backend] = ["?", f"{type(e).__name__}: {e}"]
+with open(spec["result"], "w") as f:
+    json.dump({"errors": errors, "attempts": ATTEMPTS}, f)
+"""
+
+WRITING = (
+    "jsonl",
+    "tensorboard",
+    "wandb",
+    *NEW,
+)  # the backends whose files go through trackers.base.writing()
+
+
+def test_every_backend_names_itself_and_the_folder_it_cannot_write(tmp_path):
+    """An unwritable run folder (under a file) for each backend that writes files, in one fresh process with the
+    network blocked: one TrackerError naming the backend and the folder, from `writing()` around each
+    backend's own file operations."""
+    (tmp_path / "file").write_text("not a folder")
+    run_dir = tmp_path / "file" / "run"
+    spec = {"backends": WRITING, "run_dir": str(run_dir), "result": str(tmp_path / "result.json")}
+    proc = subprocess.run(
+        [sys.executable, "-c", NETWORK_GUARD + UNWRITABLE, json.dumps(spec)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=offline_env(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["attempts"] == []
+    for backend, error in result["errors"].items():
+        assert error is not None, f"{backend} opened a run under a file"
+        named, message = error
+        assert named == backend and message.startswith(f"tracker '{backend}': cannot write "), error
+        assert str(tmp_path / "file") in message, error
+
+
 def test_trackers_close_last_opened_first(tmp_path):
     # Comet, Aim and SwanLab each wrap sys.stdout and put back what they found: closing in opening order
     # left the process printing into a closed wrapper (all output lost with log_with="all")

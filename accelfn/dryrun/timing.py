@@ -1,0 +1,305 @@
+"""A per-op compute time model for the dry run (issue 30 item 2): each kernel timed from its shapes against a
+device's row, instead of one flat efficiency over all FLOPs.
+
+- matmuls (`mm`, `addmm`, `bmm`, `baddbmm`, `_scaled_mm`): the larger of their math time and the time to move
+  their operands. The math runs at the peak of the operands' dtype (1-byte floats at the fp8 peak, bf16 and
+  fp16 at theirs, fp32 at tf32's or fp32's as `specs.peak_tflops` reads it) times the fraction of the peak that
+  large GEMMs reach (`gemm_efficiency`, from measurements: `MAMF`), times the tile and wave
+  quantization of the output over the device's SMs (NVIDIA's *Matrix Multiplication Background User's Guide*,
+  https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/): small and skinny
+  GEMMs fill fewer SMs and reach less of the peak.
+- attention (torch's SDPA kernels, forward and backward): the FLOPs of its matmuls (the backward's five, the
+  recomputation included; half of them when causal) at `attention_efficiency` of the bf16 peak.
+- everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
+  bandwidth; views move nothing and launch nothing.
+- eager mode: no kernel takes less than `launch_s` (the host issues one op at a time; a kernel shorter than
+  that leaves the device waiting).
+
+Every figure is in `TimingAssumptions` (printed by `OpTimes.assumes`, overridable).
+
+Example:
+    >>> from accelfn.dryrun.timing import TimingAssumptions, matmul_time
+    >>> from accelfn.platforms.specs import spec
+    >>> import torch
+    >>> t = matmul_time(8192, 8192, 8192, torch.bfloat16, spec("h100-sxm"), TimingAssumptions())
+    >>> round(2 * 8192**3 / t / 1e12)  # TFLOP/s: H100's measured large-GEMM ceiling (792 of 989)
+    788
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..platforms.specs import DeviceSpec, peak_tflops
+
+__all__ = ["TimingAssumptions", "OpTimes", "OpTimer", "matmul_time", "attention_time", "memory_time"]
+
+# Maximum achievable matmul FLOPS (bf16, TFLOP/s) and the shape (m, n, k) that reached it, measured by a search
+# over large shapes (stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table": H100 SXM with CUDA 12.1, A100 SXM with CUDA 12.1, MI300X with ROCm 6.2). Rows are the
+# device table's keys. The large-GEMM efficiency is this over the row's bf16 peak and over the quantization the
+# model gives that shape, so that the model reproduces the measurement at its shape.
+MAMF: Mapping[str, tuple[float, tuple[int, int, int]]] = {
+    "h100-sxm": (792.1, (6144, 17920, 2816)),
+    "a100-80gb": (267.9, (6912, 16384, 2048)),
+    "a100-40gb": (267.9, (6912, 16384, 2048)),
+    "mi300x": (781.9, (4096, 10240, 4864)),
+}
+# Streaming multiprocessors per device (NVIDIA's data sheets and whitepapers: A100 108, H100 SXM 132; the H200
+# and GH200 carry the H100 SXM's die).
+SM_COUNT: Mapping[str, int] = {
+    "h100-sxm": 132,
+    "h200-sxm": 132,
+    "gh200": 132,
+    "a100-80gb": 108,
+    "a100-40gb": 108,
+}
+# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, abstract): FlashAttention-2, the kernel behind torch's
+# SDPA on H100 in 2024, reaches 35% of the H100's peak; FlashAttention-3 75%.
+FA2_ON_H100 = 0.35
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
+_FREE = {
+    "_unsafe_view",
+    "alias",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "lift_fresh",
+}
+
+
+@attrs.frozen
+class TimingAssumptions:
+    """The figures the compute time model assumes; each is in `OpTimes.assumes`.
+
+    `gemm_efficiency`: the fraction of the dense peak large GEMMs reach (None: the device's measured figure in
+    `MAMF`, else `default_gemm_efficiency`); `tiles`: the output tile sizes one SM may compute (the
+    guide: cuBLAS picks among several, 256x128 the largest; the model takes the one that wastes least, at the
+    same efficiency: an assumption); `sm_count` (None: `SM_COUNT`, no wave quantization where unknown); `attention_efficiency`:
+    the fraction of the bf16 peak SDPA's kernels reach; `memory_efficiency`: the fraction of the memory bandwidth
+    memory-bound kernels reach (an assumption: no published figure is held here); `launch_s`: the least time
+    one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether that
+    floor applies (False under `af.compile`, whose kernels are issued together).
+    """
+
+    gemm_efficiency: float | None = None
+    default_gemm_efficiency: float = 0.8
+    tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+    sm_count: int | None = None
+    attention_efficiency: float = FA2_ON_H100
+    memory_efficiency: float = 0.9
+    launch_s: float = 5e-6
+    eager: bool = True
+
+    def gemm(self, device: DeviceSpec) -> float:
+        if self.gemm_efficiency is not None:
+            return self.gemm_efficiency
+        if device.key not in MAMF:
+            return self.default_gemm_efficiency
+        tflops, (m, n, _) = MAMF[device.key]
+        return (
+            tflops
+            / _peak(device, torch.bfloat16)
+            * 1e12
+            / _quantization(m, n, 1, self.tiles, self.sms(device))
+        )
+
+    def sms(self, device: DeviceSpec) -> int | None:
+        return self.sm_count if self.sm_count is not None else SM_COUNT.get(device.key)
+
+
+def _quantization(m: int, n: int, batch: int, tiles: tuple[tuple[int, int], ...], sms: int | None) -> float:
+    """The fraction of the SMs' tile work that is useful, for the tile size that wastes least: the output padded
+    to whole tiles, the tiles run in whole waves over the SMs (1.0 for a large output)."""
+    best = 0.0
+    for tm, tn in tiles:
+        count = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        useful = m * n * batch / (count * tm * tn)
+        if sms is not None:
+            useful *= count / (math.ceil(count / sms) * sms)
+        best = max(best, useful)
+    return best
+
+
+def _peak(device: DeviceSpec, dtype: torch.dtype) -> float:
+    peak = peak_tflops(device, dtype)
+    if peak is None:
+        raise ValueError(
+            f"accelfn.dryrun.timing: the device table's row {device.key!r} has no peak for {dtype}: add one "
+            "to accelfn/platforms/specs.py or model another dtype"
+        )
+    return peak * 1e12
+
+
+def memory_time(nbytes: int, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
+    """Seconds to move `nbytes` through the device's memory (no launch floor).
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> memory_time(3_350_000_000, spec("h100-sxm"), TimingAssumptions(memory_efficiency=1.0))
+        0.001
+    """
+    return nbytes / (device.memory_gbs * 1e9 * assumptions.memory_efficiency)
+
+
+def matmul_time(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    device: DeviceSpec,
+    assumptions: TimingAssumptions,
+    *,
+    batch: int = 1,
+    out_bytes: int = 2,
+) -> float:
+    """Seconds of one (batched) `m x k @ k x n` GEMM with operands in `dtype` (no launch floor): the larger of
+    its math time (quantized as the module docs say) and its memory time.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> h100, a = spec("h100-sxm"), TimingAssumptions()
+        >>> big = matmul_time(8192, 8192, 8192, torch.bfloat16, h100, a)
+        >>> skinny = matmul_time(8192, 8192, 64, torch.bfloat16, h100, a)  # memory-bound: 2 * 64 FLOPs / 2 B
+        >>> 2 * 8192 * 8192 * 64 / skinny < 0.5 * 2 * 8192**3 / big
+        True
+    """
+    flops = 2 * m * n * k * batch
+    q = _quantization(m, n, batch, assumptions.tiles, assumptions.sms(device))
+    math_s = flops / (_peak(device, dtype) * assumptions.gemm(device) * q)
+    size = torch.empty((), dtype=dtype).element_size()
+    moved = (m * k + k * n) * batch * size + m * n * batch * out_bytes
+    return max(math_s, memory_time(moved, device, assumptions))
+
+
+def attention_time(
+    flops: int, device: DeviceSpec, assumptions: TimingAssumptions, dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """Seconds of an attention kernel doing `flops` (its matmuls') at `attention_efficiency` of the peak.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> attention_time(989 * 10**12, spec("h100-sxm"), TimingAssumptions(attention_efficiency=0.5))
+        2.0
+    """
+    return flops / (_peak(device, dtype) * assumptions.attention_efficiency)
+
+
+@attrs.define
+class OpTimes:
+    """Seconds by kind of kernel (`matmul`, `attention`, `memory`), kernels launched, the kernels the launch
+    floor set, and the assumptions."""
+
+    seconds: dict[str, float] = attrs.Factory(lambda: {"matmul": 0.0, "attention": 0.0, "memory": 0.0})
+    kernels: int = 0
+    launch_bound: int = 0
+    assumes: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The argument `name` of an aten op's call, by its schema (None when it has none)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, a.default_value)
+    return None
+
+
+def _sdpa_flops(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key; None for other ops."""
+    if not name.startswith("_scaled_dot_product_") or "attention" not in name:
+        return None
+    q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return None
+    b, h, lq, d = q.shape
+    per_matmul = 2 * b * h * lq * k.shape[-2] * d
+    flops = (5 if name.endswith("_backward") else 2) * per_matmul  # the backward recomputes q @ k^T
+    return flops // 2 if _arg(func, args, kwargs, "is_causal") else flops
+
+
+class OpTimer(TorchDispatchMode):
+    """Times every op run inside it (real or fake tensors) with the model of the module docs, into `times`.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> with OpTimer(spec("h100-sxm"), TimingAssumptions(launch_s=0.0)) as timer:
+        ...     y = torch.ones(64, 32, dtype=torch.bfloat16) @ torch.ones(32, 16, dtype=torch.bfloat16)
+        >>> timer.times.kernels, timer.times.seconds["matmul"] > 0
+        (3, True)
+    """
+
+    def __init__(self, device: DeviceSpec, assumptions: TimingAssumptions | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.assumptions = assumptions or TimingAssumptions()
+        a = self.assumptions
+        self.times = OpTimes(
+            assumes={
+                "gemm_efficiency": a.gemm(device),
+                "tiles": a.tiles,
+                "sm_count": a.sms(device),
+                "attention_efficiency": a.attention_efficiency,
+                "memory_efficiency": a.memory_efficiency,
+                "memory_gbs": device.memory_gbs,
+                "launch_s": a.launch_s if a.eager else 0.0,
+                "peaks": "fp8 matmuls (_scaled_mm) at the fp8 peak; other ops at their operands' dtype's",
+            }
+        )
+
+    def op_time(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> tuple[str, float]:
+        """(kind, seconds) of one op, before the launch floor; ("", 0.0) for ops that launch no kernel."""
+        name = func.__name__.split(".")[0]
+        if getattr(func, "is_view", False) or name in _FREE or getattr(func, "namespace", "") == "prim":
+            return "", 0.0
+        a, device = self.assumptions, self.device
+        if name in _MATMULS:
+            x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+            batch = x.shape[0] if x.ndim == 3 else 1
+            m, k, n = x.shape[-2], x.shape[-1], w.shape[-1]
+            outs = _tensors(out)
+            size = outs[0].element_size() if outs else 2
+            return "matmul", matmul_time(m, n, k, x.dtype, device, a, batch=batch, out_bytes=size)
+        flops = _sdpa_flops(func, name, args, kwargs)
+        if flops is not None:
+            return "attention", attention_time(flops, device, a)
+        moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+        return "memory", memory_time(moved, device, a)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind, seconds = self.op_time(func, args, kwargs, out)
+        if kind:
+            floor = self.assumptions.launch_s if self.assumptions.eager else 0.0
+            if seconds < floor:
+                self.times.launch_bound += 1
+            self.times.seconds[kind] += max(seconds, floor)
+            self.times.kernels += 1
+        return out

@@ -81,9 +81,9 @@ def test_step_tracker_agrees_with_torch_mem_tracker() -> None:
     `track_external`, is its Other (its Optstate only follows torch.optim optimizers); its Activation is what
     is allocated outside a backward pass, its Temp what is allocated inside one, its Gradient only `.grad`s it
     hooked (none here: the grads appear as Temp). Ours puts everything the forward and backward allocate in
-    activations, except the gradients (grads), and what comes after (clipping, update) in temporary. The peak
-    falls at the end of the forward, where both agree: the peak's total, and its activations + temporary
-    against MemTracker's Activation + Temp + Gradient."""
+    activations, except the gradients (grads), and what comes after (clipping, update) in temporary. Both
+    agree on the peak's total, and on its activations + temporary against MemTracker's Activation + Temp +
+    Gradient."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
@@ -110,14 +110,12 @@ def test_step_tracker_agrees_with_torch_mem_tracker() -> None:
     assert snap["Parameter"] == ours.per_rank["params"] == ours.at_peak["params"]
     assert snap["Buffer"] == ours.per_rank["buffers"] == ours.at_peak["buffers"]
     assert snap["Other"] == ours.per_rank["optimizer"] == ours.at_peak["optimizer"]
-    # measured: the peak and the transient bytes equal; the activations equal but for the step key's split (32
-    # bytes), which MemTracker counts as activation and we as temporary
-    assert ours.per_rank["peak"] == snap["Total"]
+    # measured: the peak and the transient bytes at the peak equal, to the byte. The peak falls in the loss's
+    # backward (the chunked cross entropy rebuilds each chunk's gradient there): MemTracker splits what is live
+    # then into Activation (allocated in the forward) and Temp (in the backward), ours counts both as activations
+    # (and the step key's 32-byte split as temporary), so only the sum compares
+    assert ours.per_rank["peak"] == snap["Total"], (ours.per_rank, snap)
     ours_transient = ours.at_peak["activations"] + ours.at_peak["temporary"] + ours.at_peak["grads"]
-    assert ours_transient == snap["Activation"] + snap["Temp"] + snap["Gradient"]
-    assert ours.at_peak["temporary"] == 32
-    assert snap["Activation"] == ours.per_rank["activations"] + ours.at_peak["temporary"], (
-        ours.per_rank,
-        snap,
-    )
+    assert ours_transient == snap["Activation"] + snap["Temp"] + snap["Gradient"], (ours.at_peak, snap)
+    assert ours.at_peak["temporary"] == 32 and snap["Activation"] <= ours.at_peak["activations"]
     assert ours.per_rank["activations"] > 2 * ours.per_rank["params"]  # a figure worth comparing

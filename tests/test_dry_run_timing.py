@@ -154,3 +154,22 @@ def test_wave_count_matches_the_guide_arithmetic() -> None:
     waves = math.ceil(tiles / 132)
     expected = waves * 132 * 256 * 128 * 2 * k / 989e12
     assert matmul_time(m, n, k, torch.bfloat16, H100, a) == pytest.approx(expected)
+
+
+def test_collectives_are_left_to_the_communication_model() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from accelfn import mesh as _mesh
+
+    _mesh.destroy_process_group()  # another test's
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        x = torch.ones(1024)
+        with OpTimer(H100) as t:
+            dist.all_reduce(x)
+            y = torch.ops._c10d_functional.all_gather_into_tensor(x, 8, dist.group.WORLD.group_name)
+            torch.ops._c10d_functional.wait_tensor(y)
+    finally:
+        dist.destroy_process_group()
+    assert t.times.kernels == 0

@@ -56,6 +56,7 @@ MAMF: Mapping[str, tuple[float, tuple[int, int, int]]] = {
 # and GH200 carry the H100 SXM's die).
 SM_COUNT: Mapping[str, int] = {
     "h100-sxm": 132,
+    "h100-96gb": 132,  # the H100 SXM die with 96 GB (torchtitan's benchmark GPUs)
     "h200-sxm": 132,
     "gh200": 132,
     "a100-80gb": 108,
@@ -66,6 +67,7 @@ SM_COUNT: Mapping[str, int] = {
 FA2_ON_H100 = 0.35
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
+_COMMUNICATION = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}  # the comm model's, not compute
 _FREE = {
     "_unsafe_view",
     "alias",
@@ -272,9 +274,16 @@ class OpTimer(TorchDispatchMode):
     def op_time(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> tuple[str, float]:
-        """(kind, seconds) of one op, before the launch floor; ("", 0.0) for ops that launch no kernel."""
+        """(kind, seconds) of one op, before the launch floor; ("", 0.0) for ops that launch no kernel and for
+        collectives (the communication model times those)."""
         name = func.__name__.split(".")[0]
-        if getattr(func, "is_view", False) or name in _FREE or getattr(func, "namespace", "") == "prim":
+        namespace = getattr(func, "namespace", "")
+        if (
+            getattr(func, "is_view", False)
+            or name in _FREE
+            or namespace == "prim"
+            or namespace in _COMMUNICATION
+        ):
             return "", 0.0
         a, device = self.assumptions, self.device
         if name in _MATMULS:

@@ -1,5 +1,5 @@
-"""More of `af.dry_run`'s validation (issue 20, item 5): context parallel against real processes, and the
-measurement of the real side (our `StepTracker` on real tensors) against torch's own `MemTracker`."""
+"""More of `af.dry_run`'s validation (issue 20, item 5): context parallel and local SGD against real processes,
+and the measurement of the real side (our `StepTracker` on real tensors) against torch's own `MemTracker`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ def test_context_parallel_dry_run_matches_the_real_run(
         assert counts(dry)[("all_gather", "cp")][0] == 8  # k and v, 2 layers, forward and recomputation
         over = over_count(dry, real.report)
         assert set(over) <= {"peak"} and abs(over.get("peak", 0)) <= 16, (rank, over)
+        assert dry["flops_per_step"] == real.report["flops_per_step"], rank
+
+
+@pytest.mark.slow
+def test_local_sgd_dry_run_matches_the_real_run(tmp_path: Path) -> None:
+    """examples/local_sgd.py (averaging every update, 2 micro-batches) on 2 processes: on each rank, the one
+    collective (the params' average, no gradient sync) as gloo counted it, and every byte and FLOP, equal."""
+    script, mesh = ROOT / "examples" / "local_sgd.py", "dp=2"
+    script_args = ("--local-sgd-steps", "2", "--accumulation", "2")
+    proc = run_workers("dry_run_script_worker.py", 2, str(tmp_path), mesh, str(script), "--", *script_args,
+                       timeout=240)  # fmt: skip
+    assert proc.returncode == 0, output_of(proc)
+    for rank in range(2):
+        real = read_rank(tmp_path, rank)
+        dry = af.dry_run(script, script_args, nproc_per_node=2, device="cpu", mesh=mesh, search=False,
+                         rank=rank).to_dict()  # fmt: skip
+        assert "local_sgd" in dry["strategy"] and real.gloo == {(0, 1): 1}, (dry["strategy"], real.gloo)
+        assert groups_of(dry, mesh, rank) == groups_of(real.report, mesh, rank) == real.gloo, rank
+        assert counts(dry) == counts(real.report), rank
+        assert over_count(dry, real.report) == {}, rank
         assert dry["flops_per_step"] == real.report["flops_per_step"], rank
 
 

@@ -14,9 +14,11 @@ from tests._launch import expect_ok, output_of, run_workers
 
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
-    # the decoders run with sequence and loss parallel, their default; "no..." turns them off
+    # the decoders run with sequence and loss parallel, their default; "no..." turns them off. compile:blocks without
+    # them is torch 2.13's lost gradient of an AsyncCollectiveTensor input (af.compile waits for it first)
     configs = ["llama", "starcoder2", "mistral", "qwen2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat",
-               "llama:bf16", "llama:compile", "llama:noseqparallel:nolossparallel",
+               "llama:bf16", "llama:compile", "llama:compile:blocks", "llama:compile:blocks:noseqparallel:nolossparallel",
+               "llama:noseqparallel:nolossparallel",
                "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
                "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=600)
@@ -26,8 +28,10 @@ def test_tp2_alone_equals_one_process():
 
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
+    # compile under fsdp x tp compiles each decoder layer on its own, as torchtitan does
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
-               "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel", "llama:fsdp:seqparallel",
+               "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel",
+               "llama:fsdp:seqparallel:compile", "llama:fsdp:compile:noseqparallel:nolossparallel:sgd",
                "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))

@@ -31,7 +31,6 @@ from torch import nn
 
 from ..module import Slots, slots_of
 from ..optim import GradientTransformation
-from ..optim.base import is_dtensor
 from ..state import TrainState
 from .contract import LOCAL, GradSync, Updater
 
@@ -100,7 +99,8 @@ class Plan:
     fp8_skipped: dict[str, str] = attrs.Factory(
         dict
     )  # Linear layers autocast_fp8 kept in high precision, and why
-    # trainable params mixing DTensors with plain tensors (tensor parallel): the update runs on local shards
+    # trainable params mixing DTensors with plain tensors (tensor parallel), or DTensors of several meshes (fsdp x tp
+    # without sequence parallel): the update runs on local shards
     update_on_shards: bool = False
     _frozen: bool = attrs.field(default=False, init=False, repr=False)
 
@@ -118,7 +118,10 @@ class Plan:
         """Record where the (possibly rewritten) module's tensors live. Called after lowering."""
         self.slots = slots_of(self.module)
         named = dict(self.module.named_parameters())
-        self.update_on_shards = len({is_dtensor(named[n]) for n in self.slots.trainable if n in named}) == 2
+        # one multi-tensor kernel takes DTensors of one mesh only: fsdp x tp without sequence parallel leaves the
+        # norms on the fsdp mesh beside the tp-split weights on the 2-D one
+        meshes = {getattr(named[n], "device_mesh", None) for n in self.slots.trainable if n in named}
+        self.update_on_shards = len(meshes) > 1
         tensors = [*self.module.parameters(), *self.module.buffers()]
         self.devices = sorted({t.device for t in tensors}, key=str)
         computing = [d for d in self.devices if d.type != "meta"]

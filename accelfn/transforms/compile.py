@@ -10,6 +10,9 @@ Under `af.shard(strategy="fsdp"|"hsdp")` the step is always compiled per block, 
 is compiled in place (`block.compile()`, so FSDP2's hooks, added afterwards, still run around it: a block
 wrapped as `torch.compile(block)` would hide them) before FSDP2 shards the blocks and the root. A whole-step
 graph would trace through FSDP2's all-gathers and measured 2.1x the unsharded compiled step on an H100.
+With a `tp` axis too (fsdp x tp, torchtitan's 2-D runs) the blocks hold DTensors and are compiled the same way;
+each compiled block is entered with plain tensors where a tensor-parallel style handed it an
+`AsyncCollectiveTensor` (torch 2.13 drops the gradient of such an input to a compiled region).
 
 Example:
     >>> import torch, accelfn as af
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,11 +34,10 @@ from torch import nn
 from .. import dry_mode
 from .._typecheck import checked
 from ..step import Step
-from ._base import TransformBase, conflict, find
+from ._base import TransformBase
 
 if TYPE_CHECKING:
     from ..engine import Plan
-    from ..lowering import Transform
 
 __all__ = ["compile", "find_blocks"]
 
@@ -62,15 +63,42 @@ def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
+def _plain(x: Any) -> Any:
+    """An `AsyncCollectiveTensor` (what `DTensor.to_local()` gives after an async redistribute: tensor-parallel
+    styles with `use_local_output=True`, such as the embedding's `RowwiseParallel`) as a plain tensor; other values
+    as they are. `clone()` waits for the collective and keeps the autograd edge."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _compile_block(block: nn.Module, kwargs: dict[str, Any]) -> None:
+    """`block.compile(**kwargs)` (in place: hooks added later, FSDP2's, run inside it), entered with plain tensors.
+
+    On torch 2.13 a compiled region whose input is an `AsyncCollectiveTensor` returns no gradient for it:
+    autograd then hands zeros as a plain tensor to DTensor's `Redistribute.backward` (an `AttributeError:
+    '_local_tensor'` under tensor parallel) or the tensor before it gets no gradient at all (measured in
+    tests/test_tensor_parallel.py). Waiting for the collective eagerly, before the compiled call, avoids it.
+    """
+    block.compile(**kwargs)
+    compiled = block._compiled_call_impl
+    assert compiled is not None
+
+    def call(*args: Any, **kw: Any) -> Any:
+        return compiled(*[_plain(a) for a in args], **{k: _plain(v) for k, v in kw.items()})
+
+    block._compiled_call_impl = call
+
+
 def _dynamo_settings_for_blocks() -> contextlib.AbstractContextManager[Any]:
     """torchtitan's and Accelerate's settings for per-block compile: `.item()` calls stay in the graph, and
     activation checkpointing's recomputation does not replay the forward's side effects. A context: the step
     enters it around its own forward and backward, so that no other compile in the process sees them."""
     config = torch._dynamo.config
-    settings = {"capture_scalar_outputs": True}
+    settings: dict[str, Any] = {"capture_scalar_outputs": True}
     if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         settings["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
-    return config.patch(**settings)
+    return config.patch(settings)
 
 
 @attrs.frozen
@@ -84,20 +112,6 @@ class Compile(TransformBase):
         if self.regions:
             args.append(f"regions={self.regions!r}")
         return f"compile({', '.join(args)})"
-
-    def check(self, others: Sequence[Transform]) -> None:
-        shard, tp = find(others, "shard"), find(others, "tensor_parallel")
-        if tp is not None and (
-            self.regions == "blocks" or getattr(shard, "strategy", None) in ("fsdp", "hsdp")
-        ):
-            raise conflict(
-                self,
-                shard,
-                "compiling tensor-parallel blocks one by one (as under fsdp) is not reliable on this torch: "
-                "AOTAutograd's per-block backward hands plain tensors to DTensor's redistribution (a crash with tp "
-                "alone, results that drift from one process under fsdp; measured on torch 2.13). Compile the whole "
-                "step with shard(strategy='ddp') and a tp axis, or use fsdp x tp without compile",
-            )
 
     def lower(self, plan: Plan) -> None:
         if dry_mode.active() is not None:
@@ -125,7 +139,7 @@ class Compile(TransformBase):
             for block in blocks:
                 if _untraceable(block):
                     continue
-                block.compile(**kwargs)
+                _compile_block(block, kwargs)
                 compiled += 1
             plan.notes.append(f"compiled {compiled}/{len(blocks)} blocks of {name or 'the model'}")
             if compiled < len(blocks):

@@ -75,10 +75,11 @@ def _activity(item: str | _profiler.ProfilerActivity) -> _profiler.ProfilerActiv
     if isinstance(item, _profiler.ProfilerActivity):
         activity = item
     else:
-        activity = getattr(_profiler.ProfilerActivity, str(item).upper(), None)
-        if not isinstance(activity, _profiler.ProfilerActivity):
+        named = getattr(_profiler.ProfilerActivity, str(item).upper(), None)
+        if not isinstance(named, _profiler.ProfilerActivity):
             names = ", ".join(repr(n.lower()) for n in _profiler.ProfilerActivity.__members__)
             raise ValueError(f"af.profile: unknown activity {item!r}; one of {names} (or a ProfilerActivity)")
+        activity = named
     supported = _profiler.supported_activities()
     if activity not in supported:
         names = ", ".join(sorted(repr(a.name.lower()) for a in supported))

@@ -101,10 +101,10 @@ def split_at(model: nn.Module, points: Sequence[str], *, who: str = "af.pipeline
         stage = sum(1 for a in at if a <= position[name])
         owner[name] = stage
         modules[stage].append(name)
-        for p in m.parameters(recurse=False):
-            if id(p) not in seen:  # a tied weight counts once, with its first holder
-                seen.add(id(p))
-                counts[stage] += p.numel()
+        for param in m.parameters(recurse=False):
+            if id(param) not in seen:  # a tied weight counts once, with its first holder
+                seen.add(id(param))
+                counts[stage] += param.numel()
     empty = [s for s, mods in enumerate(modules) if not mods]
     if empty:
         raise ValueError(
@@ -163,7 +163,8 @@ def balanced_split(model: nn.Module, n_stages: int) -> Split:
     )
     after = sum(p.numel() for p in model.parameters()) - before - sum(size)
     if callable(getattr(model, "get_output_embeddings", None)) and _tied_head(model):
-        after += model.get_output_embeddings().weight.numel()  # a tied head still costs its matmul
+        head: Any = getattr(model, "get_output_embeddings")()  # noqa: B009 - nn.Module's attributes type as Tensor
+        after += head.weight.numel()  # a tied head still costs its matmul
     cost = list(size)
     cost[0] += before
     cost[-1] += after

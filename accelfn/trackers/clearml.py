@@ -54,7 +54,7 @@ class ClearMLTracker:
         self._external = Task.current_task() is not None
         self._was_offline = bool(Task.is_offline())
         if self._external:
-            self._task = Task.current_task()
+            self._task: Any = Task.current_task()
             self.offline = self._was_offline
             return
         if offline is None:

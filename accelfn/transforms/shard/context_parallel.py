@@ -272,7 +272,7 @@ def _positions_are_not_packing() -> Iterator[None]:
     without a cache, e.g. `use_cache=False`) and builds a block mask; under context parallel the jump is the
     seam between this rank's head and tail chunks, and attention is causal by global position. Its detection is
     turned off while the step's forward runs (the attention refuses any mask)."""
-    masking = sys.modules.get("transformers.masking_utils")
+    masking: Any = sys.modules.get("transformers.masking_utils")
     found = getattr(masking, "find_packed_sequence_indices", None)
     if found is None:
         yield

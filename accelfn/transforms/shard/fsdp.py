@@ -112,7 +112,11 @@ class FSDPSync(GradSync):
 
     def describe(self) -> str:
         shard, data = group_size(self.shard_group), group_size(self.data_group)
-        replicas = f", {data // shard} replicas" if data != shard and shard != "?" else ""
+        replicas = (
+            f", {data // shard} replicas"
+            if isinstance(data, int) and isinstance(shard, int) and data != shard
+            else ""
+        )
         return f"FSDP2: params and gradients sharded over {shard} ranks{replicas}"
 
     def any_rank(self, flag: torch.Tensor) -> torch.Tensor:

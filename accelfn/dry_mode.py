@@ -29,6 +29,7 @@ __all__ = [
     "on_host",
     "models_a_device",
     "fp8_support",
+    "modelled_device",
 ]
 
 
@@ -71,6 +72,10 @@ class Watcher:
     def fp8_support(self, kind: str) -> bool | None:
         """Whether the device of `kind` the run models has FP8 matmuls (its table row has an fp8 figure); None
         where the host answers (no device of that kind is modelled)."""
+        return None
+
+    def modelled_device(self) -> str | None:
+        """The name of the device the run models (its table row's), for messages; None where the host is it."""
         return None
 
 
@@ -136,6 +141,12 @@ def fp8_support(kind: str) -> bool | None:
     """In a dry run modelling a device of `kind` (`accelfn dry-run --device cuda --gpu h100`): whether that device
     has FP8 matmuls, not the host the dry run executes on; None outside a dry run or where none is modelled."""
     return None if _watcher is None else _watcher.fp8_support(kind)
+
+
+def modelled_device() -> str | None:
+    """In a dry run modelling an accelerator: its name (`"NVIDIA A100 80GB SXM"`), which messages about the device
+    name instead of the host the dry run executes on; None outside a dry run or where the host is the device."""
+    return None if _watcher is None else _watcher.modelled_device()
 
 
 def device_kind(kind: str) -> str:

@@ -196,6 +196,7 @@ def _run_once(
     capacity = spec.memory_bytes - assumptions.reserve_bytes if spec is not None else None
     session = Session(steps, capacity, search, step)
     session.device_is_host = device == "cpu"
+    session.spec = spec
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
         session.init = InitTracker(fake_mode=detect_fake_mode())

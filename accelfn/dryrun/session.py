@@ -74,6 +74,7 @@ class Session(dry_mode.Watcher):
         self._grads = 0
         self.init: InitTracker | None = None  # the memory before the first training step (a dry run's)
         self.device_is_host = False  # the real run computes on the host (device "cpu"): no separate device
+        self.spec: Any = None  # the device table's row the run models (`accelfn.platforms.specs.DeviceSpec`)
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
@@ -121,6 +122,16 @@ class Session(dry_mode.Watcher):
 
     def models_a_device(self) -> bool:
         return not self.device_is_host
+
+    def fp8_support(self, kind: str) -> bool | None:
+        """Whether the modelled device's row has an fp8 peak (every kind executes as the host here, so the row
+        answers for any `kind` asked); None where the host is the device or no row is known."""
+        if self.device_is_host or self.spec is None:
+            return None
+        return "fp8" in self.spec.tflops
+
+    def modelled_device(self) -> str | None:
+        return None if self.device_is_host or self.spec is None else str(self.spec.name)
 
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         if self.init is not None and self.init.active:

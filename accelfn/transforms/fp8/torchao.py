@@ -13,11 +13,13 @@ if TYPE_CHECKING:
 
 def convert(plan: Plan, keep: ModuleFilter, recipe: str, emulate: bool) -> int:
     """Convert `plan.module` in place; returns the number of converted layers."""
+    from ... import dry_mode
     from . import _device_supports_fp8
 
     if not emulate and not _device_supports_fp8(plan):
+        device = dry_mode.modelled_device() or plan.device  # in a dry run, the device it models
         raise RuntimeError(
-            f"autocast_fp8(backend='torchao'): the model computes on {plan.device}, which has no FP8 matmul support "
+            f"autocast_fp8(backend='torchao'): the model computes on {device}, which has no FP8 matmul support "
             "(needs an NVIDIA GPU of compute capability 8.9+, e.g. H100). Pass emulate=True to run FP8 "
             "numerics emulated (slow; for tests), or drop autocast_fp8."
         )

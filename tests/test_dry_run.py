@@ -6,6 +6,7 @@ ranks, lowered at 8-64 fake ranks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,9 @@ from torch import nn
 
 import accelfn as af
 from accelfn import mesh as _mesh
+from accelfn.dryrun.report import gib
 from accelfn.dryrun.tracker import StepTracker, bus_bytes
+from accelfn.platforms import specs
 from tests._launch import ROOT, output_of, run_workers
 from tests._real_vs_dry import counts, groups_of, over_count, read_rank
 
@@ -62,6 +65,24 @@ def test_tracker_counts_memory_and_flops_of_real_ops() -> None:
     assert peak == 4 * (128 * 64 + 64 * 32 + 128 * 32)  # a, b and c live together
     assert at_peak["temporary"] == peak and own["temporary"] == peak
     assert d.item() == 64 * 128 * 32
+
+
+@pytest.mark.parametrize("impl", ["chunked", "plain"])
+def test_tracker_labels_what_the_loss_allocates(impl: str) -> None:
+    """af.losses' profiler scopes, forward and backward: what is allocated inside is the loss's, what comes
+    before (the logits) and after (once the logits' gradient is made) is not; the logits' gradient is."""
+    with StepTracker() as t:
+        t.phase = "forward_backward"
+        logits = torch.randn(8, 1000, requires_grad=True)
+        loss = af.losses.cross_entropy(logits, torch.randint(0, 1000, (8,)), impl=impl)
+        loss.total.backward()
+        after = torch.ones(3333)
+    made = [(rec.nbytes, rec.module) for _, delta, rec in t.events if delta > 0]
+    logits_sized = [module for nbytes, module in made if nbytes == logits.numel() * 4]
+    # the logits, then the loss's copies of them (one chunk here), fp32 like them: plain: the log-softmax, its
+    # gradient, the logits'; chunked: the forward's chunk, the backward's, the logits' gradient
+    assert logits_sized == ["", "loss", "loss", "loss"], made
+    assert (after.numel() * 4, "") in made and logits.grad is not None
 
 
 # ---- against the published formulas, at 64 fake ranks ----------------------------------------------------------
@@ -335,6 +356,75 @@ def test_value_dependent_data_is_a_clear_error() -> None:
 
     with pytest.raises(RuntimeError, match=r"test_dry_run.py:\d+: `aten.nonzero.default` needs the values"):
         af.dry_run(main, nproc_per_node=2, device="cpu")
+
+
+def _llama_loss_script(impl: str, vocab: int, rows: int, chunk_rows: int):
+    """A one-layer Llama in bf16 autocast whose peak falls in the loss (a large vocabulary, a small hidden size)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def main() -> None:
+        mesh = af.Mesh({"dp": -1})
+        config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=rows // 2 + 1,
+                             use_cache=False, attn_implementation="sdpa")  # fmt: skip
+
+        def loss_fn(model: nn.Module, batch: torch.Tensor) -> af.Loss:
+            logits = model(input_ids=batch).logits[:, :-1]
+            rows_ = {"chunk_rows": chunk_rows} if impl == "chunked" else {}
+            return af.losses.cross_entropy(logits, batch[:, 1:], impl=impl, **rows_)  # type: ignore[arg-type]
+
+        step = af.shard(af.autocast(af.train_step(loss_fn, af.optim.sgd(0.1)), torch.bfloat16), mesh)
+        state = step.init(LlamaForCausalLM(config))
+        step(state, torch.zeros(2, rows // 2 + 1, dtype=torch.long))
+
+    return main
+
+
+def test_the_loss_is_its_own_row_of_activations_at_the_peak() -> None:
+    """The loss's memory is the row "loss" (text and JSON): at the peak (in the loss's backward) the chunked loss
+    holds the logits' gradient in bf16 plus one fp32 chunk, the plain one three fp32 copies of the logits; each
+    plus a few bytes per row (log-sum-exp, masks, targets)."""
+    vocab, rows, chunk_rows = 32768, 256, 64
+    per_row = 32  # at most: an fp32 log-sum-exp and scale, an int64 target, a mask
+    holds = {"chunked": rows * vocab * 2 + chunk_rows * vocab * 4, "plain": 3 * rows * vocab * 4}
+    for impl, expected in holds.items():
+        r = af.dry_run(_llama_loss_script(impl, vocab, rows, chunk_rows), nproc_per_node=1, device="cpu",
+                       search=False)  # fmt: skip
+        loss = dict(r.top_modules)["loss"]
+        assert expected <= loss <= expected + per_row * rows, (impl, loss - expected)
+        assert loss == max(dict(r.top_modules).values()) and "(outside modules)" not in dict(r.top_modules)
+        assert {"module": "loss", "bytes": loss} in r.to_dict()["top_modules"]
+        assert re.search(r"^  loss +" + re.escape(gib(loss)) + "$", str(r), re.M), str(r)
+
+
+_FP8_SCRIPT = """
+import torch
+from torch import nn
+import accelfn as af
+
+mesh = af.Mesh({"dp": -1})
+model = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 64))
+step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))
+step = af.shard(af.autocast_fp8(af.autocast(step, torch.bfloat16)), mesh, strategy="fsdp")
+state = step.init(model)
+for _ in range(3):
+    state, _ = step(state, torch.zeros(4096, 64))
+"""
+
+
+def test_fp8_in_a_dry_run_answers_for_the_modelled_device(tmp_path: Path) -> None:
+    """`accelfn dry-run --device cuda --gpu h100` lowers af.autocast_fp8 as on an H100 (fp8 linears, fp8 peak),
+    on a host without fp8; gpu="a100" (no fp8 in its row) refuses it naming the A100; device="cpu" asks the host."""
+    script = tmp_path / "fp8.py"
+    script.write_text(_FP8_SCRIPT)
+    h100 = _dry(script, out=tmp_path / "h100.json", nproc=2, timeout=180)
+    assert "1 Linear layers in fp8 (torchao)" in h100["strategy"], h100["strategy"]
+    assert h100["predicted"]["assumes"]["peak_tflops"] == specs.spec("h100").tflops["fp8"]
+    a100 = f"computes on {re.escape(specs.spec('a100').name)}, which has no FP8 matmul support"
+    with pytest.raises(RuntimeError, match=a100):
+        af.dry_run(script, nproc_per_node=2, device="cuda", gpu="a100", search=False)
+    with pytest.raises(RuntimeError, match="computes on cpu, which has no FP8"):  # the host answers (no fp8)
+        af.dry_run(script, nproc_per_node=2, device="cpu", search=False)
 
 
 @pytest.mark.parametrize("combinator", ["offload", "fp8", "compile"])

@@ -165,16 +165,16 @@ class Report:
             )
         if self.init is not None:
             i = self.init
-            verdict = {True: "fits", False: "DOES NOT FIT", None: ""}
+            verdicts = {True: "fits", False: "DOES NOT FIT", None: ""}
             lines += [
                 "",
                 "before the first step (model construction, loading, step.init)",
                 f"  {'host, per rank':<22}{gib(i['host_peak']):>15}    per node ({gib(i['host_per_node'])} of "
-                f"{gib(i['host_memory'])}): {verdict[i['fits_host']]}",
+                f"{gib(i['host_memory'])}): {verdicts[i['fits_host']]}",
             ]
             if i["fits_device"] is not None:
                 lines.append(
-                    f"  {'device, per rank':<22}{gib(i['device_peak']):>15}    {verdict[i['fits_device']]}"
+                    f"  {'device, per rank':<22}{gib(i['device_peak']):>15}    {verdicts[i['fits_device']]}"
                 )
         if self.top_modules:
             lines += ["", "activations at the peak, by module"]

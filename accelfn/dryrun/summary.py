@@ -22,7 +22,7 @@ from .layout import _axes_comm, _bus, _layout
 from .records import Measured
 from .report import Assumptions, Report, predict
 from .session import Session
-from .tracker import CATEGORIES
+from .tracker import CATEGORIES, LOSS_ROW
 
 
 def _worst(measured: Sequence[Measured]) -> Measured:
@@ -140,6 +140,8 @@ def _report(
         headroom = capacity - worst.total_peak
         fits = headroom >= 0
     top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
+    if worst.by_module.get(LOSS_ROW) and LOSS_ROW not in dict(top):  # the loss's row, however small
+        top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))
     notes = list(session.notes)
     init = _init_report(session, nproc_per_node, capacity, assumptions, notes)
     if init is not None and init["fits"] is False:

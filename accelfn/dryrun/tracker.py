@@ -29,11 +29,13 @@ import re
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
+from typing import Any, cast
 
 import attrs
 import torch
+from torch.storage import _StorageBase
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -43,6 +45,11 @@ from ..meter import _CPU_ATTENTION
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
 CATEGORIES = ("params", "buffers", "optimizer", "grads", "comm_buffers", "activations", "temporary")
+
+# af.losses runs in profiler scopes named from here (`accelfn.losses.chunked.scope`); what is allocated inside
+# one is the loss's, the row LOSS_ROW of "activations at the peak, by module"
+LOSS_SCOPE = "accelfn.losses."
+LOSS_ROW = "loss"
 
 # collective kind -> bus-bandwidth factor given the group size n (nccl-tests' PERFORMANCE.md)
 _BUS = {
@@ -91,9 +98,9 @@ def _group_of(x: Any) -> tuple[str, int] | None:
 
 
 def _named_group(name: str) -> tuple[str, int]:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return name, int(_resolve_process_group(name).size())
+    return name, int(_resolve_process_group(GroupName(name)).size())
 
 
 # c10d op name -> (kind, where its full buffer is: the bytes of the first or second argument (a tensor or a list
@@ -172,11 +179,11 @@ def _collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out
         group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
         if group_name is None:
             return None
-        group, n = _named_group(group_name)
+        resolved, n = _named_group(group_name)
         size = _nbytes(args[0])  # all-reduce, reduce-scatter, all-to-all: the input
         if kind == "all_gather":  # the output
             size = _nbytes(kwargs["out"]) if "out" in kwargs else _nbytes(out) or _nbytes(args[0]) * n
-        return Collective(kind, group, n, size)
+        return Collective(kind, resolved, n, size)
     return None
 
 
@@ -307,7 +314,7 @@ _SHAPE_ONLY = frozenset(
 
 
 def _in_shape_propagation() -> bool:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return False
@@ -326,6 +333,8 @@ def module_pattern(name: str) -> str:
     """
     if not name:
         return "(outside modules)"
+    if name == LOSS_ROW:
+        return name
     _, _, rest = name.partition(".")
     return re.sub(r"\.\d+(?=\.|$)", ".*", rest or name)
 
@@ -342,6 +351,15 @@ def _held_storage(t: torch.Tensor, fake_mode: Any) -> torch.UntypedStorage | Non
         return None
 
 
+def _on_free(free: Callable[[int], None], key: int) -> Callable[[Any], None]:
+    """A weak reference's callback: `free(key)` when the storage dies."""
+
+    def callback(_ref: Any) -> None:
+        free(key)
+
+    return callback
+
+
 @attrs.define(eq=False)
 class _Alloc:
     nbytes: int
@@ -353,6 +371,9 @@ class _Alloc:
     category: str | None = None
     host: bool = False  # host memory in the real run (af.offload's state and buffers): not the device's
 
+
+_SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 _SKIP_OPS = {
     torch.ops.aten.size.default,
@@ -391,6 +412,9 @@ class StepTracker(TorchDispatchMode):
             **{k: flop_counter.shape_wrapper(f) for k, f in _CPU_ATTENTION.items()},
         }
         self._orig_resize: Any = None
+        # the profiler scopes open now (record_function's handles), each with whether it is the loss's
+        self._scopes: list[tuple[Any, bool]] = []  # (they close in reverse order: context managers)
+        self._in_loss = 0
 
     # ---- allocations -------------------------------------------------------------------------------------------
     def _event(self, delta: int, rec: _Alloc) -> None:
@@ -418,10 +442,13 @@ class StepTracker(TorchDispatchMode):
         if rec is not None:
             rec.comm = rec.comm or comm
             return rec
-        module = self._module_name() if self._module_name is not None else ""
+        if self._in_loss:
+            module = LOSS_ROW
+        else:
+            module = self._module_name() if self._module_name is not None else ""
         rec = _Alloc(st.nbytes(), self.phase, module, comm, host=self.where == "host")
         try:
-            rec.ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+            rec.ref = weakref.ref(st, _on_free(self._freed, key))
         except TypeError:  # pragma: no cover - storages without weak references
             return None
         self._live[key] = rec
@@ -429,7 +456,7 @@ class StepTracker(TorchDispatchMode):
             self._event(rec.nbytes, rec)
         return rec
 
-    def _resize(self, st: torch.UntypedStorage, size: int) -> Any:
+    def _resize(self, st: _StorageBase, size: int) -> Any:
         key = st._cdata
         rec = self._live.get(key)
         before = st.nbytes()
@@ -438,7 +465,7 @@ class StepTracker(TorchDispatchMode):
         if rec is None:
             rec = _Alloc(0, self.phase, "", resized=True)
             try:
-                rec.ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+                rec.ref = weakref.ref(st, _on_free(self._freed, key))
             except TypeError:  # pragma: no cover
                 return out
             self._live[key] = rec
@@ -453,10 +480,11 @@ class StepTracker(TorchDispatchMode):
         self._orig_resize = torch.UntypedStorage.resize_
         tracker = self
 
-        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+        def resize_(st: _StorageBase, size: int) -> Any:
             return tracker._resize(st, size)
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        # (torch's stub types resize_ with `self` twice, which no function matches)
+        torch.UntypedStorage.resize_ = cast(Any, resize_)  # type: ignore[method-assign]
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
@@ -464,8 +492,22 @@ class StepTracker(TorchDispatchMode):
         super().__exit__(*exc)
 
     # ---- dispatch ----------------------------------------------------------------------------------------------
+    def _scope(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A profiler scope's entry (its name, a handle back) or exit (the handle): the stack of open scopes."""
+        out = func(*args, **kwargs)
+        if func is _SCOPE_ENTER:
+            loss = str(args[0]).startswith(LOSS_SCOPE)
+            self._scopes.append((out, loss))
+            self._in_loss += loss
+            return out
+        if self._scopes:  # the innermost (a handle comes back as another object, and has no __eq__)
+            self._in_loss -= self._scopes.pop()[1]
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _SCOPE_ENTER or func is _SCOPE_EXIT:
+            return self._scope(func, args, kwargs)
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
         if any(t.__name__ == "DTensor" for t in types):
@@ -607,7 +649,7 @@ class InitTracker(TorchDispatchMode):
         if rec is not None:
             return rec
         try:
-            ref = weakref.ref(st, lambda _r, key=key: self._freed(key))
+            ref = weakref.ref(st, _on_free(self._freed, key))
         except TypeError:  # pragma: no cover - storages without weak references
             return None
         rec = [st.nbytes(), self.where, ref]

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from accelfn.losses.chunked import chunked_cross_entropy
 
@@ -125,12 +124,9 @@ def cross_entropy(
     elif path == "chunked":
         total = chunked_cross_entropy(logits, labels, ignore_index, chunk_rows, inplace_backward)
     else:
-        total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            flat_labels,
-            ignore_index=ignore_index,
-            reduction="sum",
-        )
+        from accelfn.losses.plain import plain_cross_entropy
+
+        total = plain_cross_entropy(logits, flat_labels, ignore_index)
     count = (flat_labels != ignore_index).sum()
     return Loss(total, count)
 

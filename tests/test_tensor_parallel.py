@@ -28,10 +28,11 @@ def test_tp2_alone_equals_one_process():
 
 @pytest.mark.slow
 def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
-    # compile under fsdp x tp compiles each decoder layer on its own, as torchtitan does
+    # compile under fsdp x tp compiles each decoder layer on its own, as torchtitan does; sgd without sequence
+    # parallel: the norms' DTensors (fsdp mesh) beside the split weights' (fsdp x tp mesh) in one update
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
                "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel",
-               "llama:fsdp:seqparallel:compile", "llama:fsdp:compile:noseqparallel:nolossparallel:sgd",
+               "llama:fsdp:seqparallel:compile", "llama:fsdp:noseqparallel:nolossparallel:sgd",
                "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))

@@ -334,7 +334,12 @@ def test_dry_run_matches_the_real_run(
         assert real.gloo and groups_of(real.report, mesh, rank) == real.gloo, (rank, real.report["comm"])
         assert groups_of(dry, mesh, rank) == real.gloo, (rank, dry["comm"])
         assert counts(dry) == counts(real.report), rank
-        assert over_count(dry, real.report) == over[rank], rank
+        got = over_count(dry, real.report)
+        # the real tp run frees one async collective's 4 KiB buffer before or after the peak, as gloo's thread
+        # finishes (measured: 359,424 or 363,520 bytes of comm buffers on rank 2): that much, and only there
+        slack = {"comm_buffers": 4096, "peak": 4096} if "tp" in mesh else {}
+        assert got.keys() == over[rank].keys(), (rank, got)
+        assert all(abs(got[k] - over[rank][k]) <= slack.get(k, 0) for k in got), (rank, got, over[rank])
         assert dry["flops_per_step"] == real.report["flops_per_step"], rank
 
 

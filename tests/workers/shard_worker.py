@@ -382,7 +382,11 @@ def check(strategy, extra, mesh):
     params = full(state.params)
     diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert diff <= 1e-5, f"rank {mesh.rank}: params differ from the single-process run by {diff}"
+    # AdamW's update is about lr * sign(g) where g is near 0, so fp32 round-off in the loss moves a few params by
+    # a fraction of lr (measured on gpt2: 7.6e-6 with torch's cross entropy, 1.2e-5 with the chunked one, lr
+    # 1e-3); SGD (the "sgd" configs) is linear in the gradient and stays under 2e-7: a gradient's scale shows there
+    tolerance = 1e-5 if "sgd" in extra else 2e-5
+    assert diff <= tolerance, f"rank {mesh.rank}: params differ from the single-process run by {diff}"
     assert loss_diff <= 1e-5, f"rank {mesh.rank}: losses differ by {loss_diff}: {losses} vs {ref_losses}"
     if strategy == "ddp":
         # one all-reduce per gradient bucket and one for (loss sum, count), per call — whatever accumulate does

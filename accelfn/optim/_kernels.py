@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 
 from .. import dry_mode
 from .. import tree as _tree
@@ -60,7 +61,10 @@ def try_fused(kernel: str, device: torch.device, fn: Callable[[], None]) -> bool
     except (RuntimeError, NotImplementedError) as e:
         msg = str(e)
         if "not implemented" in msg.lower() or "NotImplemented" in type(e).__name__ or "supported" in msg:
-            _NO_FUSED.add(key)
+            # remembered for the device only when no dispatch mode (LocalTensorMode, ...) stood in the way: a mode
+            # that lacks the kernel says nothing of the device, and must not turn it off for the whole process
+            if _python_dispatch._get_current_dispatch_mode() is None:
+                _NO_FUSED.add(key)
             return False
         raise
 

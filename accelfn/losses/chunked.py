@@ -120,6 +120,15 @@ def _no_double_backward() -> None:
         )
 
 
+def fill_chunk(
+    x: torch.Tensor, safe: torch.Tensor, rows: slice, lse: torch.Tensor, target: torch.Tensor
+) -> None:
+    """Write one chunk's rows of the log-sum-exp and the target logit (`safe`: labels with ignored rows at 0)."""
+    row_max = x.amax(1).to(lse.dtype)
+    lse[rows] = chunk_logsumexp(x, row_max).log_().add_(row_max)
+    target[rows] = x.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross entropy over rows; saves the logits (no copy), the labels and each row's log-sum-exp."""
 
@@ -134,9 +143,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             target = torch.empty_like(lse)
             for start, x in row_chunks(logits, chunk_rows):
                 rows = slice(start, start + x.shape[0])
-                row_max = x.amax(1).to(lse.dtype)
-                lse[rows] = chunk_logsumexp(x, row_max).log_().add_(row_max)
-                target[rows] = x.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
+                fill_chunk(x, safe, rows, lse, target)
             total = torch.where(valid, lse - target, 0.0).sum()
             return total, lse
 

@@ -26,8 +26,8 @@ from accelfn.losses.chunked import (
     SCOPE,
     _compute_dtype,
     _no_double_backward,
-    chunk_logsumexp,
     default_chunk_rows,
+    fill_chunk,
     row_chunks,
     scope,
     write_chunk_grad,
@@ -53,9 +53,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start, h in row_chunks(hidden, chunk_rows):
                 rows = slice(start, start + h.shape[0])
                 x = h @ weight.T  # this chunk's logits, in the compute dtype
-                row_max = x.amax(1).to(lse.dtype)
-                lse[rows] = chunk_logsumexp(x, row_max).log_().add_(row_max)
-                target[rows] = x.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
+                fill_chunk(x, safe, rows, lse, target)
             total = torch.where(valid, lse - target, 0.0).sum()
             return total, lse
 

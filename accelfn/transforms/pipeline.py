@@ -150,6 +150,12 @@ class PipelineSync(GradSync):
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
     rank_loss: bool = False  # only the last stage computes the loss
 
+    def __attrs_post_init__(self) -> None:
+        # torch's pipelining allocates a module-level tensor when imported (`sum_reducer`'s 0.0): import it now,
+        # when the step is lowered, not inside the first step, where a real run and a dry run would count those
+        # 4 bytes as an activation only in the first step of the process
+        import torch.distributed.pipelining  # noqa: F401
+
     # ---- the engine's protocol ----------------------------------------------------------------------------
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         self.inner.prepare(params)

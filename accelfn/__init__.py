@@ -26,6 +26,7 @@ from .big import (
 )
 from .collective import progress
 from .dryrun import dry_run
+from .planner import plan
 from .launch.notebook import notebook_launch
 from .losses import Loss
 from .lowering import CompositionError
@@ -91,6 +92,7 @@ __all__ = [
     "pipeline",
     "Meter",
     "dry_run",
+    "plan",
     "profile",
     "trackers",
     "find_executable_batch_size",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -26,6 +27,15 @@ ACCELFN_FP8_BACKEND = "ACCELFN_FP8_BACKEND"  # auto|torchao|te (only with mixed 
 ACCELFN_FP8_RECIPE = "ACCELFN_FP8_RECIPE"  # backend-specific recipe name, e.g. "tensorwise"
 ACCELFN_CONFIG_FILE = "ACCELFN_CONFIG_FILE"  # the YAML config the launcher used, if any
 ACCELFN_LOG_WITH = "ACCELFN_LOG_WITH"  # experiment trackers "tensorboard,jsonl" or "none" (accelfn.trackers)
+# The planner's knobs (`accelfn plan --write`, a config's `plan:` section): read by a script through `knob`
+# where it leaves the choice to the launch configuration ("auto"); absent: the script's default applies.
+ACCELFN_STRATEGY = "ACCELFN_STRATEGY"  # af.shard's strategy: ddp|fsdp|hsdp
+ACCELFN_REMAT = "ACCELFN_REMAT"  # activation checkpointing: none|selective|full
+ACCELFN_ACCUMULATE = "ACCELFN_ACCUMULATE"  # micro-batches per step (af.accumulate)
+ACCELFN_GLOBAL_BATCH_SIZE = "ACCELFN_GLOBAL_BATCH_SIZE"  # samples per step over all data-parallel ranks
+ACCELFN_PIPELINE_SCHEDULE = "ACCELFN_PIPELINE_SCHEDULE"  # af.pipeline's schedule, e.g. 1f1b
+ACCELFN_PIPELINE_MICROBATCHES = "ACCELFN_PIPELINE_MICROBATCHES"  # af.pipeline's micro-batches per step
+ACCELFN_OFFLOAD = "ACCELFN_OFFLOAD"  # af.offload: none|optimizer
 
 # Set by torch's elastic agent (torch.distributed.run semantics), read here for convenience.
 RANK = "RANK"
@@ -46,6 +56,13 @@ ACCELFN_VARIABLES = (
     ACCELFN_FP8_RECIPE,
     ACCELFN_CONFIG_FILE,
     ACCELFN_LOG_WITH,
+    ACCELFN_STRATEGY,
+    ACCELFN_REMAT,
+    ACCELFN_ACCUMULATE,
+    ACCELFN_GLOBAL_BATCH_SIZE,
+    ACCELFN_PIPELINE_SCHEDULE,
+    ACCELFN_PIPELINE_MICROBATCHES,
+    ACCELFN_OFFLOAD,
 )
 
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
@@ -195,3 +212,73 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         restart_count=_int(env, RESTART_COUNT, 0),
         log_with=parse_log_with(log_with) if log_with else None,
     )
+
+
+# The knobs a script may leave to the launch configuration: name -> (variable, allowed values or int).
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+REMAT = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer")
+KNOBS: dict[str, tuple[str, tuple[str, ...] | type]] = {
+    "strategy": (ACCELFN_STRATEGY, STRATEGIES),
+    "remat": (ACCELFN_REMAT, REMAT),
+    "accumulate": (ACCELFN_ACCUMULATE, int),
+    "global_batch_size": (ACCELFN_GLOBAL_BATCH_SIZE, int),
+    "pipeline_schedule": (ACCELFN_PIPELINE_SCHEDULE, str),
+    "pipeline_microbatches": (ACCELFN_PIPELINE_MICROBATCHES, int),
+    "offload": (ACCELFN_OFFLOAD, OFFLOAD),
+}
+# The knobs scripts asked for with "auto" in this process (what `accelfn plan` may choose for them).
+ASKED: set[str] = set()
+
+
+def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str | int:
+    """A knob's value from its text (an int for the counts), checked; `source` names the culprit in errors.
+
+    Example:
+        >>> parse_knob("accumulate", "4"), parse_knob("remat", "selective")
+        (4, 'selective')
+    """
+    if name not in KNOBS:
+        raise ValueError(f"unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
+    var, allowed = KNOBS[name]
+    where = source or var
+    if allowed is int:
+        try:
+            n = int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}={raw!r} must be an integer >= 1") from None
+        if isinstance(raw, bool) or n < 1:
+            raise ValueError(f"{where}={raw!r} must be an integer >= 1")
+        return n
+    text = str(raw).strip().lower() if allowed is not str else str(raw).strip()
+    if isinstance(allowed, tuple) and text not in allowed:
+        raise ValueError(f"{where}={raw!r} is not one of {', '.join(allowed)}")
+    if not text:
+        raise ValueError(f"{where}={raw!r} must not be empty")
+    return text
+
+
+def knob(
+    name: str, value: Any = "auto", default: Any = None, environ: Mapping[str, str] | None = None
+) -> Any:
+    """The script's `value` for knob `name`, unless it is `"auto"`: then the launch configuration's (set by
+    `accelfn launch/dry-run --config plan.yaml`, which `accelfn plan --write` writes), else `default`.
+
+    A script leaves a choice to the planner by passing "auto" (e.g. from a `--strategy auto` flag); a value it
+    fixes is kept, and `accelfn plan` says so. Knobs: strategy, remat, accumulate, global_batch_size,
+    pipeline_schedule, pipeline_microbatches, offload.
+
+    Example:
+        >>> knob("strategy", "auto", "fsdp", environ={"ACCELFN_STRATEGY": "hsdp"})
+        'hsdp'
+        >>> knob("strategy", "ddp", "fsdp", environ={"ACCELFN_STRATEGY": "hsdp"}), knob("accumulate", environ={})
+        ('ddp', None)
+    """
+    if name not in KNOBS:
+        raise ValueError(f"accelfn.launch_env.knob: unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
+    if value != "auto":
+        return value
+    ASKED.add(name)
+    env = os.environ if environ is None else environ
+    raw = env.get(KNOBS[name][0], "").strip()
+    return parse_knob(name, raw) if raw else default

@@ -27,8 +27,22 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes (devices) per node (default 8, or the config's)",
+    )
+    p.add_argument("--nnodes", type=int, default=None, help="nodes (default 1, or the config's)")
+    p.add_argument(
+        "--config",
+        "--config-file",
+        dest="config_file",
+        default=None,
+        metavar="FILE",
+        help="a launch config (e.g. `accelfn plan --write plan.yaml`): its processes, mesh, mixed precision and "
+        "plan knobs apply as `accelfn launch --config` applies them (flags given here win)",
+    )
     p.add_argument("--device", default="cuda", help="device kind the job runs on (default cuda)")
     p.add_argument(
         "--gpu", default=None, help="row of the device table (default h100-sxm for cuda); see docs/devices.md"
@@ -68,9 +82,50 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from ..dryrun import Assumptions, dry_run
+def _apply_config(args: argparse.Namespace) -> dict[str, str]:
+    """Fill the flags not given from `--config` (as `accelfn launch` does); return the env the script reads
+    (mixed precision and the plan's knobs). Raises ConfigError naming the file and key."""
+    from ..launch import config as launch_config
+    from ..launch_env import ACCELFN_MIXED_PRECISION
 
+    cfg = launch_config.load(args.config_file) if args.config_file else launch_config.Config()
+    if args.nproc_per_node is None:
+        n = cfg.num_processes if args.config_file else "auto"
+        args.nproc_per_node = 8 if n == "auto" else int(n)
+    if args.nnodes is None:
+        args.nnodes = launch_config.parse_nnodes(cfg.num_machines)[1]
+    if args.mesh is None and cfg.mesh:
+        args.mesh = cfg.mesh
+    env = cfg.plan.env()
+    if args.config_file and cfg.mixed_precision != "no":
+        env[ACCELFN_MIXED_PRECISION] = cfg.mixed_precision
+    return env
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..dryrun import Assumptions, dry_run
+    from ..launch.config import ConfigError
+
+    try:
+        env = _apply_config(args)
+    except ConfigError as e:
+        print(f"accelfn dry-run: --config: {e}", file=sys.stderr)
+        return 2
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _dry_run(args, dry_run, Assumptions)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _dry_run(args: argparse.Namespace, dry_run: Any, Assumptions: Any) -> int:  # noqa: N803
     rank: int | str = args.rank
     if rank != "worst":
         try:

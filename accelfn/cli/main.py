@@ -14,9 +14,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import config, dry_run, env, estimate_memory, launch, plot, test
+from . import config, dry_run, env, estimate_memory, launch, plan, plot, test
 
-COMMANDS = (config, env, test, launch, dry_run, estimate_memory, plot)
+COMMANDS = (config, env, test, launch, dry_run, plan, estimate_memory, plot)
 
 
 def version_line() -> str:
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accelfn", description="Functional training for PyTorch.")
     parser.add_argument("-V", "--version", action=_VersionAction)
     sub = parser.add_subparsers(
-        dest="command", metavar="{config,env,test,launch,dry-run,estimate-memory,plot}", required=True
+        dest="command", metavar="{config,env,test,launch,dry-run,plan,estimate-memory,plot}", required=True
     )
     for command in COMMANDS:
         command.add_parser(sub)

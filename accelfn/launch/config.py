@@ -17,7 +17,16 @@ from typing import Any
 
 import attrs
 
-from ..launch_env import DEVICE_KINDS, FP8_BACKENDS, MIXED_PRECISION, format_mesh, parse_log_with, parse_mesh
+from ..launch_env import (
+    DEVICE_KINDS,
+    FP8_BACKENDS,
+    KNOBS,
+    MIXED_PRECISION,
+    format_mesh,
+    parse_knob,
+    parse_log_with,
+    parse_mesh,
+)
 
 RDZV_BACKENDS = ("c10d", "static")
 
@@ -141,6 +150,54 @@ def _fp8_in(value: Any) -> Any:
     return Fp8Config(**value)
 
 
+def _check_knob(_inst: Any, attr: Any, value: Any) -> None:
+    if value is not None:
+        try:
+            parse_knob(attr.name, value, source=f"config key 'plan.{attr.name}'")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _knob() -> Any:
+    return attrs.field(default=None, validator=_check_knob)
+
+
+@attrs.frozen
+class PlanConfig:
+    """``plan:`` section: the knobs a script leaves to the launch configuration (`accelfn.launch_env.knob` with
+    "auto"), as `accelfn plan --write` chose them; None leaves the script's default.
+
+    Example:
+        >>> PlanConfig(strategy="fsdp", accumulate=2).env()
+        {'ACCELFN_STRATEGY': 'fsdp', 'ACCELFN_ACCUMULATE': '2'}
+    """
+
+    strategy: str | None = _knob()
+    remat: str | None = _knob()
+    accumulate: int | None = _knob()
+    global_batch_size: int | None = _knob()
+    pipeline_schedule: str | None = _knob()
+    pipeline_microbatches: int | None = _knob()
+    offload: str | None = _knob()
+
+    def env(self) -> dict[str, str]:
+        """The knobs that are set, as the launcher passes them to the script (`accelfn.launch_env`)."""
+        return {KNOBS[k][0]: str(v) for k, v in attrs.asdict(self).items() if v is not None}
+
+
+def _plan_in(value: Any) -> Any:
+    if isinstance(value, PlanConfig):
+        return value
+    if value is None:
+        return PlanConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"config key 'plan': expected a mapping with keys {', '.join(KNOBS)}, got {value!r}"
+        )
+    _reject_unknown(value, PlanConfig, prefix="plan.")
+    return PlanConfig(**value)
+
+
 def _reject_unknown(data: Mapping[str, Any], cls: type, *, prefix: str = "") -> None:
     known = [f.name for f in attrs.fields(cls)]
     for key in data:
@@ -175,6 +232,7 @@ class Config:
     )
     fp8: Fp8Config = attrs.field(factory=Fp8Config, converter=_fp8_in)
     log_with: str = attrs.field(default="", converter=_log_with_in, validator=_check_log_with)
+    plan: PlanConfig = attrs.field(factory=PlanConfig, converter=_plan_in)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
@@ -187,8 +245,10 @@ class Config:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for YAML, in field order."""
-        return attrs.asdict(self)
+        """Plain dict for YAML, in field order (the `plan` section only with the knobs that are set)."""
+        out = attrs.asdict(self)
+        plan = {k: v for k, v in out.pop("plan").items() if v is not None}
+        return {**out, "plan": plan} if plan else out
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` (validated)."""

@@ -223,6 +223,7 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     }
     if mesh:
         env[contract.ACCELFN_MESH] = mesh
+    env.update(cfg.plan.env())  # the planner's knobs (`accelfn plan --write`)
     if precision == "fp8":
         env[contract.ACCELFN_FP8_BACKEND] = cfg.fp8.backend
         if cfg.fp8.recipe:

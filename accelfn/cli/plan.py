@@ -1,0 +1,106 @@
+"""``accelfn plan``: the fastest configuration of your unmodified training script that fits, chosen on this
+machine's CPU with dry runs: the mesh (dp, fsdp, tp, pp, cp) and the knobs the script leaves to the launch
+configuration ("auto": strategy, remat, accumulate, pipeline, offload), ranked by predicted tokens/s per GPU.
+
+Exit codes: 0 a configuration fits, 3 none fits, 1 the script fails as one process, 2 bad arguments.
+
+Example:
+    $ accelfn plan --nproc-per-node 8 --nnodes 8 --global-batch-size 256 --write plan.yaml train.py
+    $ accelfn launch --config plan.yaml train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+NONE_FITS = 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose the fastest configuration of a training script that fits, by dry runs on this CPU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--device", default="cuda", help="device kind the job runs on (default cuda)")
+    p.add_argument("--gpu", default=None, help="row of the device table (default h100-sxm for cuda)")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help="the global batch the plan holds fixed (needed when the script leaves it 'auto')",
+    )
+    p.add_argument(
+        "--budget-minutes", type=float, default=15.0, metavar="T", help="time for the dry runs (default 15)"
+    )
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
+    p.add_argument(
+        "--json", dest="json_path", default=None, metavar="FILE", help="also write the plan as JSON"
+    )
+    p.add_argument(
+        "--write", default=None, metavar="PLAN.YAML", help="write the chosen configuration as a launch config"
+    )
+    p.add_argument("--png", default=None, metavar="FILE", help="draw peak memory against tokens/s per GPU")
+    p.add_argument(
+        "--axes", default="dp,tp,pp,cp", help="mesh axes to search, of dp,tp,pp,cp (default all four)"
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="usable memory per device (default: the row's less 2 GiB)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="dry runs at a time (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..planner import plan
+
+    if args.top < 1:
+        print(f"accelfn plan: --top must be >= 1, got {args.top}", file=sys.stderr)
+        return 2
+    try:
+        result = plan(
+            args.script,
+            args.script_args,
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            gpu=args.gpu,
+            device=args.device,
+            global_batch_size=args.global_batch_size,
+            budget_minutes=args.budget_minutes,
+            axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
+            workers=args.workers,
+            progress=not args.no_progress,
+            memory_gib=args.memory_gib,
+        )
+    except ValueError as e:
+        print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)
+        return 1
+    print(result.table(args.top))
+    if args.json_path:
+        Path(args.json_path).write_text(result.to_json() + "\n")
+    if args.png:
+        result.plot(args.png)
+    if result.best is None:
+        return NONE_FITS
+    if args.write:
+        path = result.write_config(args.write)
+        print(
+            f"\nwrote {path}: accelfn launch --config {path} {args.script} {' '.join(args.script_args)}".rstrip()
+        )
+    return 0

@@ -1,0 +1,177 @@
+"""The planner's candidates: every configuration of the knobs a script leaves open, for one world.
+
+A `Candidate` is a mesh (pp, dp replicate/shard, cp, tp; tp and cp inside a node) with the knobs of
+`accelfn.launch_env.knob` (strategy, remat, accumulate, pipeline schedule and micro-batches, offload); `None`
+leaves a knob to the script. `enumerate_candidates` lists them for a `Space`.
+
+Example:
+    >>> space = Space(world=8, nproc_per_node=8, open=frozenset({"mesh", "strategy"}), axes=("dp", "tp"))
+    >>> [c.label for c in enumerate_candidates(space)][:3]
+    ['dp=8 ddp', 'dp=8 fsdp', 'dp=4,tp=2 ddp']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import attrs
+
+from ..launch_env import REMAT, format_mesh
+
+__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size"]
+
+SCHEDULES = ("1f1b", "gpipe")
+MAX_ACCUMULATE = 16
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending.
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def data_size(mesh: dict[str, int]) -> int:
+    """How many shards the global batch is split into (the data axes' product, as `af.Mesh.data_size`)."""
+    from ..mesh import DATA_AXES
+
+    return math.prod(v for k, v in mesh.items() if k in DATA_AXES)
+
+
+@attrs.frozen
+class Candidate:
+    """One configuration: the mesh and the knobs set (None: the script's own choice)."""
+
+    mesh: dict[str, int] = attrs.field(hash=False)
+    strategy: str | None = None
+    remat: str | None = None
+    accumulate: int | None = None
+    global_batch_size: int | None = None
+    pipeline_schedule: str | None = None
+    pipeline_microbatches: int | None = None
+    offload: str | None = None
+
+    @property
+    def mesh_spec(self) -> str:
+        """The mesh as `accelfn launch --mesh` takes it."""
+        return format_mesh(self.mesh)
+
+    def knobs(self) -> dict[str, str | int]:
+        """The knobs this candidate sets (the config's `plan:` section)."""
+        names = ("strategy", "remat", "accumulate", "global_batch_size", "pipeline_schedule")
+        out = {k: getattr(self, k) for k in (*names, "pipeline_microbatches", "offload")}
+        return {k: v for k, v in out.items() if v is not None}
+
+    @property
+    def label(self) -> str:
+        """A short name: the mesh then the knobs, e.g. `dp=4,tp=2 fsdp remat=full acc=2`."""
+        short = {"accumulate": "acc", "pipeline_schedule": "pp", "pipeline_microbatches": "mb"}
+        parts = [self.mesh_spec]
+        for k, v in self.knobs().items():
+            if k == "global_batch_size":
+                continue
+            parts.append(str(v) if k == "strategy" else f"{short.get(k, k)}={v}")
+        return " ".join(parts)
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """What identifies the candidate (dicts are not hashable)."""
+        return (self.mesh_spec, *self.knobs().items())
+
+
+@attrs.frozen
+class Space:
+    """What to enumerate: the world, which knobs are open ("mesh" among them), the global batch, and the
+    mesh axes the script supports (`axes`: of dp, tp, pp, cp; pp only where the script reads the pipeline
+    knobs)."""
+
+    world: int
+    nproc_per_node: int
+    open: frozenset[str]
+    axes: tuple[str, ...] = ("dp", "tp", "pp", "cp")
+    global_batch_size: int | None = None
+    strategies: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
+    remats: tuple[str, ...] = REMAT
+    offloads: tuple[str, ...] = ("none", "optimizer")
+    schedules: tuple[str, ...] = SCHEDULES
+    max_accumulate: int = MAX_ACCUMULATE
+
+
+def _meshes(space: Space) -> Iterator[dict[str, int]]:
+    """pp, dp, cp, tp with tp and cp inside a node (their product divides the node's processes)."""
+    if "mesh" not in space.open:
+        yield {}
+        return
+    node, world = space.nproc_per_node, space.world
+    for tp in divisors(math.gcd(node, world)) if "tp" in space.axes else [1]:
+        for cp in divisors(node // tp) if "cp" in space.axes else [1]:
+            if world % (tp * cp):
+                continue
+            for pp in divisors(world // (tp * cp)) if "pp" in space.axes else [1]:
+                dp = world // (tp * cp * pp)
+                mesh = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+                yield {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
+
+
+def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, int], str | None]]:
+    """(mesh, strategy): ddp and fsdp over dp; hsdp as dp (replicas) x fsdp (shards inside a node)."""
+    if "strategy" not in space.open:
+        yield mesh, None
+        return
+    for s in space.strategies:
+        if s != "hsdp":
+            yield mesh, s
+            continue
+        dp, inner = mesh.get("dp", 1), space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1))
+        for shard in divisors(dp):
+            if 1 < shard < dp and inner % shard == 0:
+                rest = {k: v for k, v in mesh.items() if k != "dp"}
+                yield {"dp": dp // shard, "fsdp": shard, **rest}, "hsdp"
+
+
+def _batches(space: Space, mesh: dict[str, int]) -> Iterator[tuple[int | None, int | None]]:
+    """(global batch, accumulate): the micro-batches that divide each data-parallel rank's share."""
+    gbs = space.global_batch_size if "global_batch_size" in space.open else None
+    if "accumulate" not in space.open:
+        yield gbs, None
+        return
+    share = gbs // data_size(mesh) if gbs and mesh else None
+    for a in divisors(space.max_accumulate):
+        if share is None or (share % a == 0 and a <= share):
+            yield gbs, a
+
+
+def _pipelines(
+    space: Space, mesh: dict[str, int], share: int | None
+) -> Iterator[tuple[str | None, int | None]]:
+    pp = mesh.get("pp", 1)
+    if pp == 1:
+        yield None, None
+        return
+    schedules = space.schedules if "pipeline_schedule" in space.open else (None,)
+    counts: list[int | None] = [None]
+    if "pipeline_microbatches" in space.open:
+        counts = [m for m in (pp, 2 * pp, 4 * pp) if share is None or share % m == 0] or [None]
+    for s in schedules:
+        for m in counts:
+            yield s, m
+
+
+def enumerate_candidates(space: Space) -> list[Candidate]:
+    """Every candidate of `space`, cheapest-to-check first (the mesh varies slowest)."""
+    out: list[Candidate] = []
+    remats = space.remats if "remat" in space.open else (None,)
+    offloads = space.offloads if "offload" in space.open else (None,)
+    for base in _meshes(space):
+        for mesh, strategy in _strategies(space, base):
+            for gbs, acc in _batches(space, mesh):
+                share = gbs // data_size(mesh) // (acc or 1) if gbs and mesh else None
+                for schedule, micro in _pipelines(space, mesh, share):
+                    for remat in remats:
+                        for offload in offloads:
+                            out.append(Candidate(mesh, strategy, remat, acc, gbs, schedule, micro, offload))
+    return out

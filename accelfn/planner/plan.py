@@ -1,0 +1,261 @@
+"""`af.plan`: the fastest configuration of an unmodified training script that fits, chosen on this CPU.
+
+The tiers, cheapest first: a one-process dry run of the script (a probe) tells which knobs it leaves open
+("auto", `accelfn.launch_env.knob`) and the whole model's states; the candidates of those knobs and of the mesh
+are enumerated (`candidates`); the planner's own legality and the exact states bound prune them (`prune`); the
+survivors are dry-run on fake ranks two processes at a time (`search`), first one per mesh (its lowering's
+errors, such as a tp that does not divide the heads, prune every candidate of that mesh), then the rest; the
+measured ones are ranked by predicted tokens/s per GPU (`table`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .. import launch_env
+from .candidates import Candidate, Space, enumerate_candidates
+from .prune import States, illegal, states_bound
+from .search import Job, Pool
+from .table import Fallen, Plan, Row
+
+__all__ = ["plan"]
+
+AXES = ("dp", "tp", "pp", "cp")
+
+
+def _check(name: str, value: Any, minimum: float = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise ValueError(f"af.plan: {name} must be a number >= {minimum}, got {value!r}")
+
+
+def _probe(
+    pool: Pool, script: str, args: tuple[str, ...], gpu: str | None, device: str, gbs: int | None
+) -> dict[str, Any]:
+    """The script as one process: which knobs it asks for, and the whole model's states."""
+    env = {launch_env.ACCELFN_STRATEGY: "ddp", launch_env.ACCELFN_OFFLOAD: "none"}
+    if gbs:
+        env[launch_env.ACCELFN_GLOBAL_BATCH_SIZE] = str(gbs)
+    result = pool.run(Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu))
+    if "error" in result:
+        raise RuntimeError(
+            f"af.plan: the script fails as one process (the planner's probe): {result['error']}"
+        )
+    return result
+
+
+def _job(c: Candidate, base: Job) -> Job:
+    """The dry run of `c`: `base` (the script, the world, the device) with its mesh and knobs."""
+    env = tuple((launch_env.KNOBS[k][0], str(v)) for k, v in c.knobs().items())
+    rank: int | str = "worst" if c.mesh.get("pp", 1) > 1 else 0
+    return attrs.evolve(base, mesh=c.mesh_spec or None, env=env, rank=rank)
+
+
+def plan(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    nproc_per_node: int = 8,
+    nnodes: int = 1,
+    gpu: str | None = None,
+    device: str = "cuda",
+    global_batch_size: int | None = None,
+    budget_minutes: float = 15.0,
+    axes: Sequence[str] = AXES,
+    workers: int = 2,
+    progress: bool = False,
+    prune: bool = True,
+    memory_gib: float | None = None,
+) -> Plan:
+    """Search the configurations of `script` (run unmodified, with `args`) on `nproc_per_node` x `nnodes`
+    devices of row `gpu` (default h100-sxm) and return the `Plan`: candidates ranked by predicted tokens/s per
+    GPU among those that fit, and what fell at each tier and why.
+
+    What the script leaves open is searched: the mesh when it reads `af.Mesh.from_env()` (over `axes`: dp,
+    tp, pp, cp; tp and cp inside a node), and each knob it passes as "auto" to `accelfn.launch_env.knob`
+    (strategy, remat, accumulate, global_batch_size, pipeline_schedule, pipeline_microbatches, offload); what
+    it fixes is kept, and the plan says so. `global_batch_size` is the batch the plan holds fixed (needed when
+    the script leaves it open). `budget_minutes` bounds the dry runs (those not started by then fall at the
+    tier "budget"); `workers` dry runs run at a time, each in its own spawned process (1: in this one).
+    `memory_gib` is the usable memory per device (default: the row's memory less the dry run's reserve).
+    `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
+
+    Example:
+        >>> import accelfn as af
+        >>> p = af.plan("train.py", ["--model", "8b"], nproc_per_node=8, nnodes=8,
+        ...             global_batch_size=256)  # doctest: +SKIP
+        >>> print(p)  # doctest: +SKIP
+        >>> p.write_config("plan.yaml")  # then: accelfn launch --config plan.yaml train.py --model 8b
+    """
+    from ..dryrun.report import Assumptions
+    from ..platforms import specs
+
+    start = time.monotonic()
+    path = Path(script)
+    if not path.is_file():
+        raise ValueError(f"af.plan: no such script: {str(path)!r}")
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes), ("workers", workers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"af.plan: {name} must be an integer >= 1, got {value!r}")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"af.plan: global_batch_size must be an integer >= 1, got {global_batch_size!r}")
+    _check("budget_minutes", budget_minutes, minimum=0)
+    bad = [a for a in axes if a not in AXES]
+    if bad:
+        raise ValueError(f"af.plan: axes {bad} are not mesh axes the planner searches; use some of {AXES}")
+    if gpu is None:
+        gpu = "cpu" if device == "cpu" else "h100-sxm"
+    try:
+        spec = specs.spec(gpu)
+    except ValueError as e:
+        raise ValueError(f"af.plan: gpu={gpu!r}: {e}") from None
+    reserve: int | None = None
+    capacity = spec.memory_bytes - Assumptions().reserve_bytes
+    if memory_gib is not None:
+        _check("memory_gib", memory_gib, minimum=0)
+        capacity = int(memory_gib * 2**30)
+        if capacity > spec.memory_bytes:
+            raise ValueError(
+                f"af.plan: memory_gib={memory_gib} is more than the {gpu} row's {spec.memory_bytes / 2**30:g} GiB"
+            )
+        reserve = spec.memory_bytes - capacity
+    args = tuple(args)
+    text = str(path)
+
+    with Pool(workers) as pool:
+        probe = _probe(pool, text, args, gpu, device, global_batch_size)
+        asked = set(probe["asked"])
+        if "global_batch_size" in asked and global_batch_size is None:
+            raise ValueError(
+                "af.plan: the script leaves the global batch size to the launch configuration ('auto'): give "
+                "global_batch_size (accelfn plan --global-batch-size B), the batch the plan holds fixed"
+            )
+        open_knobs = ["mesh", *[k for k in launch_env.KNOBS if k in asked]]
+        fixed = [k for k in launch_env.KNOBS if k not in asked and k != "global_batch_size"]
+        totals = States.of(probe["report"]["per_rank"])
+        space = Space(
+            world=nproc_per_node * nnodes,
+            nproc_per_node=nproc_per_node,
+            open=frozenset(open_knobs),
+            axes=tuple(axes),
+            global_batch_size=global_batch_size,
+        )
+        candidates = enumerate_candidates(space)
+        fallen: list[Fallen] = []
+        survivors: list[Candidate] = []
+        for c in candidates:
+            why = illegal(c)
+            if why is None and prune:
+                bound = states_bound(c, totals, script_strategy=None)
+                if bound > capacity:
+                    fallen.append(Fallen(c, "states bound", f"{c.label}: params + grads + optimizer >= "
+                                         f"{bound / 2**30:,.2f} GiB per rank > {capacity / 2**30:,.2f} GiB usable"))  # fmt: skip
+                    continue
+            if why is not None:
+                fallen.append(Fallen(c, "legality", f"{c.label}: {why}"))
+            else:
+                survivors.append(c)
+
+        rows: list[Row] = []
+        unfit: list[Row] = []
+        notes: list[str] = []
+        deadline = start + budget_minutes * 60
+        bar = _bar(len(survivors), progress)
+        base = Job(text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve)
+        by_job: dict[Job, Candidate] = {}
+        first: dict[str, Candidate] = {}
+        for c in survivors:
+            first.setdefault(c.mesh_spec, c)
+        bad_mesh: dict[str, str] = {}
+
+        def record(c: Candidate, result: dict[str, Any] | None) -> None:
+            if result is None:
+                fallen.append(
+                    Fallen(c, "budget", f"{c.label}: not run, the budget of {budget_minutes:g} min ran out")
+                )
+            elif "error" in result:
+                tier = "lowering" if result["lowering"] else "failed"
+                fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
+                if prune and first.get(c.mesh_spec) is c and result["lowering"]:
+                    bad_mesh[c.mesh_spec] = result["error"]
+            else:
+                report = result["report"]
+                if c.mesh and report["mesh"] != c.mesh:
+                    fallen.append(
+                        Fallen(c, "script fixes the mesh", f"{c.label}: the script ran on {report['mesh']}")
+                    )
+                    return
+                row = Row.of(c, report)
+                if row.fits is False:
+                    unfit.append(row)
+                    fallen.append(
+                        Fallen(c, "does not fit", f"{c.label}: peak {row.peak / 2**30:,.2f} GiB per rank")
+                    )
+                else:
+                    rows.append(row)
+
+        for wave in (
+            [c for c in survivors if first[c.mesh_spec] is c],
+            [c for c in survivors if first[c.mesh_spec] is not c],
+        ):
+            jobs = []
+            for c in wave:
+                if c.mesh_spec in bad_mesh:
+                    reason = f"{c.label}: {bad_mesh[c.mesh_spec]} (as the first candidate of its mesh)"
+                    fallen.append(Fallen(c, "lowering", reason))
+                    bar.update(1)
+                    continue
+                job = _job(c, base)
+                by_job[job] = c
+                jobs.append(job)
+            for job, result in pool.map(jobs, deadline=deadline, done=lambda: bar.update(1)):
+                record(by_job[job], result)
+        bar.close()
+    rows.sort(key=lambda r: (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak))
+    if "mesh" in open_knobs and any(f.tier == "script fixes the mesh" for f in fallen):
+        notes.append("the script fixes its mesh (it does not read af.Mesh.from_env()): the plan keeps it")
+    if rows and rows[0].error_band is None:
+        notes.append("the predictions carry no error band yet (uncalibrated time model): compare close rows "
+                     "with care")  # fmt: skip
+    return Plan(
+        script=text,
+        args=list(args),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        gpu=gpu,
+        rows=rows,
+        fallen=fallen,
+        open_knobs=open_knobs,
+        fixed_knobs=fixed,
+        candidates=len(candidates),
+        elapsed_s=time.monotonic() - start,
+        notes=notes,
+        unfit=sorted(unfit, key=lambda r: -(r.tokens_per_s_per_gpu or 0.0)),
+        capacity_bytes=capacity,
+    )
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    """A progress bar over the dry runs (tqdm, on stderr), or nothing."""
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="accelfn plan: dry runs", unit="run")

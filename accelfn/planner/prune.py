@@ -1,0 +1,79 @@
+"""The planner's first two tiers: legality, then the exact states bound.
+
+Legality here is what the planner itself promises the script (its global batch splits evenly over the
+data-parallel ranks); everything the lowering checks (heads and kv heads by tp, layers by pp, sequence by cp,
+batch by micro-batches) is left to the lowering itself, which the search runs on fake ranks (`search.py`):
+its error is the reason a candidate falls. The states bound is the bytes of parameters, gradients and
+optimizer state one rank holds at least, known without running a step: the whole model's (a one-process dry
+run measures them) divided by the ways the candidate splits them; a candidate whose bound exceeds the device's
+usable memory cannot fit.
+
+Example:
+    >>> from accelfn.planner.candidates import Candidate
+    >>> totals = States(params=4 * 10**9, grads=4 * 10**9, optimizer=8 * 10**9)
+    >>> states_bound(Candidate({"dp": 8}, "fsdp"), totals, script_strategy=None)
+    2000000000
+    >>> states_bound(Candidate({"dp": 8}, "ddp"), totals, script_strategy=None)
+    16000000000
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .candidates import Candidate, data_size
+
+__all__ = ["States", "states_bound", "illegal", "shards"]
+
+
+@attrs.frozen
+class States:
+    """The whole model's states in bytes (one process holds them all): params (buffers included), grads,
+    optimizer."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @classmethod
+    def of(cls, per_rank: dict[str, int]) -> States:
+        """From a one-process dry run's `per_rank`."""
+        return cls(
+            params=per_rank.get("params", 0) + per_rank.get("buffers", 0),
+            grads=per_rank.get("grads", 0),
+            optimizer=per_rank.get("optimizer", 0),
+        )
+
+
+def shards(strategy: str | None, mesh: dict[str, int]) -> int:
+    """Over how many ranks a data-parallel `strategy` splits the states: fsdp over the data axes and cp, hsdp
+    over its `fsdp` axis, ddp none; a strategy the script fixes (None: unknown here) as fsdp, so that the
+    bound stays a lower bound."""
+    if strategy in ("fsdp", None):
+        return data_size(mesh) * mesh.get("cp", 1)
+    if strategy == "hsdp":
+        return mesh.get("fsdp", 1) * mesh.get("cp", 1)
+    return 1
+
+
+def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -> int:
+    """The least bytes of params, grads and optimizer state a rank of `c` holds: each is split at most over
+    tp x pp (a stage holds at least the average) and the strategy's shards; offloaded optimizer state is on
+    the host."""
+    strategy = c.strategy or script_strategy
+    split = c.mesh.get("tp", 1) * c.mesh.get("pp", 1) * shards(strategy, c.mesh)
+    optimizer = 0 if c.offload == "optimizer" else totals.optimizer
+    return (totals.params + totals.grads + optimizer) // split
+
+
+def illegal(c: Candidate) -> str | None:
+    """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
+    the data-parallel ranks and their micro-batches."""
+    gbs, dp = c.global_batch_size, data_size(c.mesh) if c.mesh else 1
+    if gbs is None:
+        return None
+    if gbs % dp:
+        return f"global batch {gbs} is not divisible by the {dp} data-parallel ranks"
+    if c.accumulate and (gbs // dp) % c.accumulate:
+        return f"each rank's {gbs // dp} samples do not split into {c.accumulate} micro-batches"
+    return None

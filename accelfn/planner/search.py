@@ -1,0 +1,152 @@
+"""The planner's last tier: dry runs of the candidates that survived, two worker processes at a time.
+
+Each `Job` is one `af.dry_run` of the unmodified script with the candidate's mesh and knobs in the
+environment (as `accelfn launch --config plan.yaml` passes them); a worker process is reused from job to job
+(the imports and the script's module-level work are paid once). A job returns plain data: the report as a
+dict, or the error the lowering raised, and the knobs the script asked for ("auto").
+
+Example:
+    >>> job = Job(script="train.py", args=("--model", "tiny"), nproc_per_node=8, nnodes=1, mesh="dp=8")
+    >>> job.world
+    8
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import io
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from .. import launch_env
+
+__all__ = ["Job", "run_job", "Pool"]
+
+
+@attrs.frozen
+class Job:
+    """One dry run: the script and its args, the world, the device row, the mesh and the knobs' env."""
+
+    script: str
+    args: tuple[str, ...]
+    nproc_per_node: int
+    nnodes: int
+    mesh: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    device: str = "cuda"
+    gpu: str | None = None
+    rank: int | str = 0
+    reserve_bytes: int | None = None  # the device memory kept free (None: the dry run's default)
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run `job` in this process: `{"report": dict, "asked": [...]}`, or `{"error": str, "lowering": bool,
+    "asked": [...]}` where the script (its lowering, when `lowering`) raised."""
+    from ..dryrun import Assumptions, dry_run
+
+    knob_vars = [var for var, _ in launch_env.KNOBS.values()]
+    saved = {k: os.environ.get(k) for k in (*knob_vars, launch_env.ACCELFN_MESH)}
+    for k in knob_vars:
+        os.environ.pop(k, None)
+    os.environ.update(dict(job.env))
+    launch_env.ASKED.clear()
+    quiet = io.StringIO()  # the script's own prints
+    try:
+        with contextlib.redirect_stdout(quiet):
+            report = dry_run(
+                job.script,
+                job.args,
+                nproc_per_node=job.nproc_per_node,
+                nnodes=job.nnodes,
+                device=job.device,
+                gpu=job.gpu,
+                mesh=job.mesh,
+                rank=job.rank,
+                search=False,
+                assumptions=Assumptions()
+                if job.reserve_bytes is None
+                else Assumptions(reserve_bytes=job.reserve_bytes),
+            )
+        return {"report": report.to_dict(), "asked": sorted(launch_env.ASKED)}
+    except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
+        lowering = isinstance(e, (ValueError, NotImplementedError))
+        return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _init_worker() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class Pool:
+    """`workers` spawned processes that run jobs (this process when `workers` is 1); a context manager.
+
+    Example:
+        >>> with Pool(workers=1) as pool:  # doctest: +SKIP
+        ...     result = pool.run(Job("train.py", (), 8, 1))
+    """
+
+    def __init__(self, workers: int = 2) -> None:
+        self.workers = workers
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Pool:
+        if self.workers > 1:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = cf.ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=ctx, initializer=_init_worker
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def run(self, job: Job) -> dict[str, Any]:
+        """One job, waited for."""
+        return self._pool.submit(run_job, job).result() if self._pool is not None else run_job(job)
+
+    def map(
+        self, jobs: Iterable[Job], *, deadline: float | None = None, done: Callable[[], None] | None = None
+    ) -> Iterator[tuple[Job, dict[str, Any] | None]]:
+        """Yield `(job, result)` as jobs finish, `result` None for the jobs not started before `deadline` (a
+        `time.monotonic()` value)."""
+        pending = list(jobs)
+        running: dict[cf.Future[dict[str, Any]], Job] = {}
+        width = self.workers if self._pool is not None else 1
+        while pending or running:
+            while pending and len(running) < width:
+                job = pending.pop(0)
+                if deadline is not None and time.monotonic() > deadline:
+                    yield job, None
+                elif self._pool is None:
+                    yield job, run_job(job)
+                else:
+                    running[self._pool.submit(run_job, job)] = job
+                    continue
+                if done:
+                    done()
+            if not running:
+                continue
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for f in finished:
+                job = running.pop(f)
+                yield job, f.result()
+                if done:
+                    done()

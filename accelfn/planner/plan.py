@@ -92,7 +92,7 @@ def plan(
         >>> print(p)  # doctest: +SKIP
         >>> p.write_config("plan.yaml")  # then: accelfn launch --config plan.yaml train.py --model 8b
     """
-    from ..dryrun.report import Assumptions
+    from ..dryrun.report import Assumptions, gib
     from ..platforms import specs
 
     start = time.monotonic()
@@ -156,7 +156,7 @@ def plan(
                 bound = states_bound(c, totals, script_strategy=None)
                 if bound > capacity:
                     fallen.append(Fallen(c, "states bound", f"{c.label}: params + grads + optimizer >= "
-                                         f"{bound / 2**30:,.2f} GiB per rank > {capacity / 2**30:,.2f} GiB usable"))  # fmt: skip
+                                         f"{gib(bound)} per rank > {gib(capacity)} usable"))  # fmt: skip
                     continue
             if why is not None:
                 fallen.append(Fallen(c, "legality", f"{c.label}: {why}"))
@@ -174,6 +174,7 @@ def plan(
         for c in survivors:
             first.setdefault(c.mesh_spec, c)
         bad_mesh: dict[str, str] = {}
+        runs = 0
 
         def record(c: Candidate, result: dict[str, Any] | None) -> None:
             if result is None:
@@ -195,9 +196,7 @@ def plan(
                 row = Row.of(c, report)
                 if row.fits is False:
                     unfit.append(row)
-                    fallen.append(
-                        Fallen(c, "does not fit", f"{c.label}: peak {row.peak / 2**30:,.2f} GiB per rank")
-                    )
+                    fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
                 else:
                     rows.append(row)
 
@@ -217,6 +216,7 @@ def plan(
                 jobs.append(job)
             for job, result in pool.map(jobs, deadline=deadline, done=lambda: bar.update(1)):
                 record(by_job[job], result)
+                runs += result is not None
         bar.close()
     rows.sort(key=lambda r: (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak))
     if "mesh" in open_knobs and any(f.tier == "script fixes the mesh" for f in fallen):
@@ -239,6 +239,8 @@ def plan(
         notes=notes,
         unfit=sorted(unfit, key=lambda r: -(r.tokens_per_s_per_gpu or 0.0)),
         capacity_bytes=capacity,
+        global_batch_size=global_batch_size,
+        dry_runs=runs,
     )
 
 

@@ -116,6 +116,8 @@ class Plan:
     notes: list[str] = attrs.Factory(list)
     unfit: list[Row] = attrs.Factory(list)  # measured, but over the device's memory
     capacity_bytes: int | None = None
+    global_batch_size: int | None = None
+    dry_runs: int = 0  # how many dry runs the search ran
 
     @property
     def best(self) -> Row | None:
@@ -158,7 +160,10 @@ class Plan:
             "nproc_per_node": self.nproc_per_node,
             "nnodes": self.nnodes,
             "gpu": self.gpu,
+            "global_batch_size": self.global_batch_size,
+            "capacity_bytes": self.capacity_bytes,
             "candidates": self.candidates,
+            "dry_runs": self.dry_runs,
             "open_knobs": self.open_knobs,
             "fixed_knobs": self.fixed_knobs,
             "chosen": best.to_dict() if best else None,
@@ -177,9 +182,11 @@ class Plan:
         world = self.nproc_per_node * self.nnodes
         lines = [
             f"accelfn plan: {self.script} on {self.nproc_per_node} x {self.nnodes} = {world} "
-            f"{self.gpu or 'devices'}; {self.candidates} candidates in {self.elapsed_s:,.1f} s",
-            f"  chosen by the plan: {', '.join(self.open_knobs) or 'nothing (the script fixes every knob)'}",
+            f"{self.gpu or 'devices'}; {self.candidates} candidates, {self.dry_runs} dry runs, {self.elapsed_s:,.1f} s",
+            f"  chosen by the plan: {', '.join(k for k in self.open_knobs if k != 'global_batch_size')}",
         ]
+        if self.global_batch_size:
+            lines.append(f"  global batch held at {self.global_batch_size}")
         if self.fixed_knobs:
             lines.append(f"  kept as the script fixes them: {', '.join(self.fixed_knobs)}")
         head = (

@@ -1,0 +1,293 @@
+"""`accelfn plan` / `af.plan`: the candidates, the tiers (legality by the lowering's own checks, the exact
+states bound), the choice against an exhaustive search, the written config applied by `accelfn launch` and
+`accelfn dry-run`, and bad input.
+
+The planned script is tests/workers/plan_worker.py: a tiny Llama (4 heads, 2 kv heads) that leaves its mesh and
+its strategy / accumulate / global batch (and remat / offload, unless fixed by a flag) to the launch config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import accelfn as af
+from accelfn import launch_env
+from accelfn.launch.config import Config, ConfigError, load
+from accelfn.planner import Candidate, Space, States, enumerate_candidates, states_bound
+from tests._launch import WORKERS, output_of, run_workers
+
+SCRIPT = str(WORKERS / "plan_worker.py")
+FIXED = ["--remat", "none", "--offload", "none"]  # the grid: mesh x strategy x accumulate
+MEMORY_GIB = 1.3 / 1024  # usable memory: ddp over 8 ranks cannot hold the states, fsdp can
+
+
+# ---- the knobs and the config ----------------------------------------------------------------------------------
+
+
+def test_knob_auto_takes_the_launch_config_and_a_fixed_value_is_kept() -> None:
+    env = {"ACCELFN_STRATEGY": "hsdp", "ACCELFN_ACCUMULATE": "4"}
+    launch_env.ASKED.clear()
+    assert launch_env.knob("strategy", "auto", "ddp", environ=env) == "hsdp"
+    assert launch_env.knob("accumulate", "auto", 1, environ=env) == 4
+    assert launch_env.knob("remat", "auto", "none", environ=env) == "none"  # unset: the script's default
+    assert launch_env.knob("strategy", "fsdp", "ddp", environ=env) == "fsdp"  # fixed by the script: kept
+    assert {"strategy", "accumulate", "remat"} == launch_env.ASKED
+
+
+def test_a_config_plan_section_round_trips_and_reaches_the_launched_env(tmp_path: Path) -> None:
+    from accelfn.launch.launcher import LaunchOptions, resolve
+
+    cfg = Config.from_dict(
+        {"num_processes": 2, "mesh": "dp=2", "plan": {"strategy": "fsdp", "accumulate": 2}}
+    )
+    path = tmp_path / "plan.yaml"
+    from accelfn.launch.config import save
+
+    save(cfg, path)
+    assert load(path) == cfg
+    env = resolve(LaunchOptions(script="x.py", config_file=str(path), cpu=True), environ={}).env
+    assert (env["ACCELFN_STRATEGY"], env["ACCELFN_ACCUMULATE"], env["ACCELFN_MESH"]) == ("fsdp", "2", "dp=2")
+    assert "ACCELFN_REMAT" not in env
+
+
+@pytest.mark.parametrize(
+    ("plan", "culprit"),
+    [
+        ({"strategy": "zero9"}, "plan.strategy"),
+        ({"accumulate": 0}, "plan.accumulate"),
+        ({"remat": "some"}, "plan.remat"),
+        ({"stratgy": "ddp"}, "plan.stratgy"),
+    ],
+)
+def test_a_bad_plan_section_names_the_key(plan: dict[str, object], culprit: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(culprit)):
+        Config.from_dict({"plan": plan})
+
+
+def test_a_bad_knob_in_the_environment_names_the_variable() -> None:
+    with pytest.raises(ValueError, match="ACCELFN_STRATEGY='zero9'"):
+        launch_env.knob("strategy", "auto", environ={"ACCELFN_STRATEGY": "zero9"})
+    with pytest.raises(ValueError, match="unknown knob 'stratgy'"):
+        launch_env.knob("stratgy")
+
+
+# ---- candidates and the states bound ---------------------------------------------------------------------------
+
+
+def test_candidates_are_every_mesh_with_tp_and_cp_inside_a_node() -> None:
+    space = Space(world=32, nproc_per_node=8, open=frozenset({"mesh"}), axes=("dp", "tp", "pp", "cp"))
+    got = sorted(tuple(sorted(c.mesh.items())) for c in enumerate_candidates(space))
+    want = []  # every (pp, dp, cp, tp) multiplying to 32 with tp x cp dividing a node's 8
+    for pp in range(1, 33):
+        for cp in range(1, 9):
+            for tp in range(1, 9):
+                if 32 % (pp * cp * tp) == 0 and 8 % (tp * cp) == 0:
+                    mesh = {"pp": pp, "dp": 32 // (pp * cp * tp), "cp": cp, "tp": tp}
+                    want.append(tuple(sorted((k, v) for k, v in mesh.items() if v > 1 or k == "dp")))
+    assert got == sorted(want)
+
+
+def test_candidates_split_the_global_batch_evenly() -> None:
+    space = Space(
+        world=8,
+        nproc_per_node=8,
+        open=frozenset({"mesh", "accumulate", "global_batch_size"}),
+        axes=("dp", "tp"),
+        global_batch_size=16,
+    )
+    for c in enumerate_candidates(space):
+        dp = c.mesh["dp"]
+        assert c.global_batch_size == 16 and (16 // dp) % c.accumulate == 0, c.label
+
+
+# ---- the planner on the tiny Llama, pruned and exhaustive ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plans() -> tuple[af.planner.Plan, af.planner.Plan]:
+    kw = dict(nproc_per_node=8, global_batch_size=8, axes=("dp", "tp"), memory_gib=MEMORY_GIB)
+    return af.plan(SCRIPT, FIXED, **kw), af.plan(SCRIPT, FIXED, prune=False, **kw)  # type: ignore[arg-type]
+
+
+def test_the_plan_says_what_it_chooses_and_what_the_script_fixes(plans) -> None:
+    pruned, _ = plans
+    assert pruned.open_knobs == ["mesh", "strategy", "accumulate", "global_batch_size"]
+    assert "remat" in pruned.fixed_knobs and "offload" in pruned.fixed_knobs
+
+
+def test_legality_prunes_a_tp_that_does_not_divide_the_heads_with_the_lowerings_reason(plans) -> None:
+    pruned, _ = plans
+    heads, kv_heads = 4, 2  # plan_worker.py's defaults
+    for f in pruned.fallen:
+        tp = f.candidate.mesh.get("tp", 1)
+        if kv_heads % tp:
+            field, n = ("num_attention_heads", heads) if heads % tp else ("num_key_value_heads", kv_heads)
+            assert f.tier == "lowering", f
+            assert f"tp={tp} does not divide the model's {field} = {n}" in f.reason
+    assert not [r for r in pruned.rows if kv_heads % r.candidate.mesh.get("tp", 1)]
+    assert {f.candidate.mesh.get("tp") for f in pruned.fallen if f.tier == "lowering"} == {4, 8}
+
+
+def test_the_states_bound_is_below_every_measured_rank_and_prunes_only_what_does_not_fit(plans) -> None:
+    pruned, exhaustive = plans
+    params = 4 * sum(p.numel() for p in _model().parameters())  # fp32; adamw's two moments
+    totals = States(params=params, grads=params, optimizer=2 * params)
+    for r in (
+        exhaustive.rows + exhaustive.unfit
+    ):  # the bound from the model's size, below what the dry run counts
+        assert states_bound(r.candidate, totals, script_strategy=None) <= r.states, r.candidate.label
+    bounded = [f.candidate for f in pruned.fallen if f.tier == "states bound"]
+    assert bounded, "the usable memory was chosen so that ddp over 8 ranks falls at the states bound"
+    unfit = {r.candidate.key for r in exhaustive.unfit}
+    assert all(c.key in unfit for c in bounded)  # the dry run agrees: none of them fits
+    assert "does not fit" in {f.tier for f in pruned.fallen}  # the bound is not the whole memory
+
+
+def test_the_choice_is_within_3_percent_of_the_exhaustive_best(plans) -> None:
+    pruned, exhaustive = plans
+    assert pruned.best is not None and exhaustive.best is not None
+    best = max(r.tokens_per_s_per_gpu or 0.0 for r in exhaustive.rows)
+    assert pruned.best.tokens_per_s_per_gpu >= 0.97 * best
+    assert exhaustive.dry_runs == exhaustive.candidates
+    skipped = sum("as the first candidate of its mesh" in f.reason for f in pruned.fallen)
+    assert skipped > 0  # the tiers saved dry runs: the states bound, and a mesh whose lowering fails
+    assert pruned.dry_runs == exhaustive.dry_runs - pruned.counts()["states bound"] - skipped
+
+
+def test_the_ranking_is_by_predicted_tokens_per_s_and_everything_in_it_fits(plans) -> None:
+    pruned, _ = plans
+    tokens = [r.tokens_per_s_per_gpu for r in pruned.rows]
+    assert tokens == sorted(tokens, reverse=True)
+    assert all(r.fits and r.peak <= pruned.capacity_bytes for r in pruned.rows)
+    assert all(r.peak > pruned.capacity_bytes for r in pruned.unfit)
+
+
+def test_the_dry_run_of_the_written_config_reproduces_the_plan(plans, tmp_path: Path) -> None:
+    from accelfn.cli.main import main
+
+    pruned, _ = plans
+    path = pruned.write_config(tmp_path / "plan.yaml")
+    best = pruned.best
+    assert best is not None
+    assert load(path).mesh == best.candidate.mesh_spec
+    out = tmp_path / "report.json"
+    code = main(["dry-run", "--config", str(path), "--no-search", "--json", str(out), SCRIPT, *FIXED])
+    report = json.loads(out.read_text())
+    assert report["mesh"] == best.candidate.mesh and report["world_size"] == 8
+    assert report["per_rank"]["peak"] == best.peak
+    assert math.isclose(report["predicted"]["step_time_s"], best.step_time_s, rel_tol=1e-9)
+    assert code == 0  # (against the whole device: the plan's usable memory was an argument of the plan)
+
+
+def test_the_table_json_and_picture(plans, tmp_path: Path) -> None:
+    pruned, _ = plans
+    text = pruned.table(top=3)
+    assert pruned.best.candidate.label in text and "candidates by tier" in text and "states bound" in text
+    data = json.loads(pruned.to_json())
+    assert data["chosen"]["candidate"]["label"] == pruned.best.candidate.label
+    assert sum(data["tiers"].values()) == data["candidates"] == len(pruned.fallen) + len(pruned.rows)
+    png = pruned.plot(tmp_path / "plan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the written config launched --------------------------------------------------------------------------------
+
+
+def _model() -> torch.nn.Module:
+    """plan_worker.py's model with its defaults, built by transformers directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _reference_losses(global_batch: int, steps: int) -> list[float]:
+    """One process, plain PyTorch on the global batch: the same model, data and AdamW as plan_worker.py."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (global_batch, 33), generator=gen)
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path) -> None:
+    from accelfn.cli.main import main
+
+    path, js = tmp_path / "plan.yaml", tmp_path / "plan.json"
+    args = ["--nproc-per-node", "2", "--global-batch-size", "4", "--axes", "dp,tp", "--no-progress"]
+    code = main(["plan", *args, "--write", str(path), "--json", str(js), SCRIPT, "--offload", "none"])
+    assert code == 0
+    chosen = json.loads(js.read_text())["chosen"]["candidate"]
+    proc = run_workers("plan_worker.py", 2, "--offload", "none", launch_args=("--config", str(path)))
+    assert proc.returncode == 0, output_of(proc)
+    ran = re.search(
+        r"config mesh=(\{.*?\}) strategy=(\w+) remat=(\w+) accumulate=(\d+) global_batch=(\d+)", proc.stdout
+    )
+    assert ran, output_of(proc)
+    assert eval(ran.group(1)) == chosen["mesh"]  # noqa: S307 - a dict the worker printed
+    assert (ran.group(2), ran.group(3), int(ran.group(4)), int(ran.group(5))) == (
+        chosen["strategy"], chosen["remat"], chosen["accumulate"], 4,
+    )  # fmt: skip
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", proc.stdout)]
+    assert losses == pytest.approx(_reference_losses(4, 2), abs=2e-5)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"script": "no_such.py"}, "no such script: 'no_such.py'"),
+        ({"nproc_per_node": 0}, "nproc_per_node must be an integer >= 1, got 0"),
+        ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1, got 0"),
+        ({"axes": ("dp", "ep")}, "axes ['ep'] are not mesh axes"),
+        ({"gpu": "h900"}, "gpu='h900'"),
+        ({"memory_gib": 1000.0}, "memory_gib=1000.0 is more than the h100-sxm row's"),
+    ],
+)
+def test_bad_arguments_name_the_culprit(kwargs: dict[str, object], message: str) -> None:
+    script = kwargs.pop("script", SCRIPT)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        af.plan(script, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_script_leaving_the_global_batch_open_needs_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelfn.cli.main import main
+
+    code = main(["plan", "--nproc-per-node", "2", "--axes", "dp", "--workers", "1", "--no-progress", SCRIPT])
+    assert code == 2
+    assert "give global_batch_size (accelfn plan --global-batch-size B)" in capsys.readouterr().err
+
+
+def test_the_cli_rejects_a_bad_config_for_the_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from accelfn.cli.main import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("plan:\n  strategy: zero9\n")
+    assert main(["dry-run", "--config", str(bad), SCRIPT]) == 2
+    assert "plan.strategy" in capsys.readouterr().err
+
+
+def test_a_candidate_label_names_its_mesh_and_knobs() -> None:
+    c = Candidate({"dp": 4, "tp": 2}, "fsdp", "full", 2, 16)
+    assert c.label == "dp=4,tp=2 fsdp remat=full acc=2" and c.knobs()["global_batch_size"] == 16

@@ -35,6 +35,7 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("fp8", "swap Linear layers for fp8 ones"),
     ("pipeline", "keep this rank's pipeline stages of the model"),
     ("tensor_parallel", "shard layers over the tp axis"),
+    ("expert_parallel", "shard experts over the ep axis"),
     ("activation_checkpointing", "recompute blocks in the backward"),
     ("compile", "torch.compile the step or its blocks"),
     ("shard", "data-parallel strategy over the data axes"),

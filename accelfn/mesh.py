@@ -44,8 +44,9 @@ __all__ = [
 MESH_ENV = ACCELFN_MESH
 """Environment variable with the mesh shape set by `accelfn launch --mesh`, e.g. `dp=2,tp=1`."""
 
-DATA_AXES: tuple[str, ...] = ("dp", "dp_replicate", "dp_shard", "fsdp")
-"""Axis names over which the batch is split (data-parallel axes), in mesh order."""
+DATA_AXES: tuple[str, ...] = ("dp", "dp_replicate", "dp_shard", "fsdp", "ep")
+"""Axis names over which the batch is split (data-parallel axes), in mesh order. `ep` (expert parallel) is one:
+its ranks read their own rows and are data-parallel for the dense layers (torchtitan's borrowed ranks)."""
 
 GRAD_AXES: tuple[str, ...] = (*DATA_AXES, "cp")
 """Axis names over which gradients are summed: the data axes and `cp` (context-parallel ranks read the same
@@ -379,6 +380,12 @@ class Mesh:
         """The process group over the gradient axes: the data axes and `cp`. Collective on first use."""
         mesh = self.grad_mesh()
         return mesh.get_group() if mesh is not None else None
+
+    def axes_group(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+        """The process group over `axes` (flattened when there are several). Collective on first use."""
+        for n in axes:
+            self._check_axis(n)
+        return self._flattened(axes).get_group()
 
     def _index(self, axes: tuple[str, ...]) -> int:
         """This process's coordinate over `axes`, as one index (the first axis outermost)."""

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..state import TrainState
     from .phases import TrainPhases
 
-__all__ = ["GradSync", "Updater"]
+__all__ = ["GradSync", "Updater", "split_axes", "summed_axes"]
 
 
 class GradSync:
@@ -45,6 +45,11 @@ class GradSync:
 
     `rank_loss` (a flag) says whether the loss summed on a rank before `reduce` is the loss of its own rows,
     reported as `metrics["rank_loss"]` (not under a pipeline, where only the last stage has a loss).
+
+    Parameters split over a gradient axis (experts sharded over `ep`: a DTensor `Shard(0)` over that axis, each
+    rank holding other experts) are summed only over the gradient axes they are not split over (`summed_axes`):
+    summing over `ep` too would add different experts' gradients (or, counted per rank, make them `ep` times too
+    large: Megatron #5956). `norm` counts each element once however it is split (Megatron #5916).
 
     A strategy whose backend owns whole phases (DeepSpeed's engine runs backward, clipping and the update)
     sets `phases` to a `TrainPhases` subclass that overrides those phases, and may build its own optimizer
@@ -99,6 +104,31 @@ class GradSync:
     def describe(self) -> str:
         """One line for `print(step)`."""
         return type(self).__name__
+
+
+def split_axes(param: torch.Tensor) -> tuple[str, ...]:
+    """The mesh axes a parameter is split over: the named dims of a DTensor's mesh where it is sharded.
+
+    Example:
+        >>> split_axes(torch.zeros(2))
+        ()
+    """
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return ()
+    names = param.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    return tuple(n for n, p in zip(names, placements) if p.is_shard())
+
+
+def summed_axes(param: torch.Tensor, grad_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The gradient axes over which `param`'s gradient is summed: `grad_axes` less those it is split over.
+
+    Example:
+        >>> summed_axes(torch.zeros(2), ("dp", "ep"))
+        ('dp', 'ep')
+    """
+    split = split_axes(param)
+    return tuple(a for a in grad_axes if a not in split)
 
 
 LOCAL = GradSync()  # one process: every hook is the identity

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = ["shard", "STRATEGIES"]
 
-NOT_SPLIT = {"ep": "expert parallel"}
+NOT_SPLIT: dict[str, str] = {}  # mesh axes af.shard refuses to split over (none at present)
+EP_STRATEGIES = ("ddp",)  # what expert parallel combines with in this version
 DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
 _LOCAL_SGD_WHOLE = "local SGD averages whole replicas"
 
@@ -164,6 +165,10 @@ class Shard(TransformBase):
             from .tensor_parallel import TensorParallelSync
 
             sync = TensorParallelSync(sync if sync is not None else LOCAL)
+        if any(t.kind == "expert_parallel" for t in plan.transforms):
+            from .expert_parallel import ExpertParallelSync
+
+            sync = ExpertParallelSync(sync if sync is not None else LOCAL)
         pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
         if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
             sync = pipeline.wrap(sync if sync is not None else LOCAL)
@@ -174,6 +179,11 @@ class Shard(TransformBase):
             raise ValueError(
                 "shard(strategy='local_sgd') averages whole replicas: it is not combined with af.pipeline "
                 "(use strategy='ddp' or 'fsdp' with a pipeline)"
+            )
+        ep = self.mesh.axis_size("ep") if "ep" in self.mesh.axis_names else 1
+        if ep > 1 and any(t.kind == "pipeline" for t in others):
+            raise ValueError(
+                f"shard: expert parallel (ep={ep}) is not combined with af.pipeline in this version"
             )
         pp = self.mesh.axis_size("pp") if "pp" in self.mesh.axis_names else 1
         if pp > 1 and not any(t.kind == "pipeline" for t in others):
@@ -200,6 +210,7 @@ def shard(
     tp_plan: Mapping[str, Any] | None = None,
     loss_parallel: bool | None = None,
     sequence_parallel: bool | None = None,
+    ep_plan: Mapping[str, str] | None = None,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), context-parallel over its `cp` axis and
     tensor-parallel over its `tp` axis; see the module docs.
@@ -220,6 +231,12 @@ def shard(
     the tensor-parallel regions, so norms and dropout run on `seq / tp` tokens per rank. Both default to None:
     on for the `transformers` decoders they are tested on (Llama, Mistral, Qwen2, Starcoder2 causal LMs under
     their own plan, not cut into pipeline stages; torchtitan's defaults), off otherwise; `False` turns them off.
+
+    Expert parallel (an `ep` axis of size > 1, strategy "ddp"): the ep ranks read their own rows (data-parallel
+    for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their experts by
+    all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
+    (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it; see
+    `accelfn.transforms.shard.expert_parallel`.
 
     Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
     every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned
@@ -275,6 +292,22 @@ def shard(
         raise ValueError(
             f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})"
         )
+    ep = mesh.axis_size("ep") if "ep" in mesh.axis_names else 1
+    if ep_plan is not None and ep == 1:
+        raise ValueError(
+            f"shard: ep_plan given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"
+        )
+    if ep > 1 and (strategy, backend) not in [(s, "torch") for s in EP_STRATEGIES]:
+        raise ValueError(
+            f"shard: expert parallel (ep={ep} in mesh {mesh.shape}) combines with strategy='ddp' (backend 'torch') "
+            f"in this version, not strategy={strategy!r}, backend={backend!r} (experts FSDP-sharded over the other "
+            "data axes, efsdp, is not built yet)"
+        )
+    if ep > 1 and (tp > 1 or cp > 1):
+        raise ValueError(
+            f"shard: expert parallel (ep={ep}) is not combined with tensor or context parallel in this version "
+            f"(mesh {mesh.shape})"
+        )
     if tp > 1 and isinstance(row.tp, str) and row.backend == "torch":
         raise ValueError(f"shard(strategy={strategy!r}) on a tp axis of size {tp}: {row.tp}")
     if tp > 1 and isinstance(row.tp, str):
@@ -316,6 +349,12 @@ def shard(
 
         plan_items = tuple(tp_plan.items()) if tp_plan is not None else None
         step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel, sequence_parallel))
+    if ep > 1:
+        from .expert_parallel import ExpertParallel
+
+        step = step.with_transform(
+            ExpertParallel(mesh, tuple(ep_plan.items()) if ep_plan is not None else None)
+        )
     return step
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -116,13 +116,22 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
         )
 
 
-def broadcast_from_first(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(
-            local_tensor(t.data), src=src, group=group
-        )  # a tensor-parallel shard: among its replicas
+def broadcast_from_first(
+    module: nn.Module,
+    group: dist.ProcessGroup | None,
+    groups: Mapping[str, Any] | None = None,
+    skip: object = None,
+) -> None:
+    """Give every rank of `group` the params and buffers of its first rank (as torch DDP does at start); a param
+    named in `groups` among the ranks of its own group there (experts split over `ep`: among their replicas), or
+    not at all where that is `skip`."""
+    groups = groups or {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        g = groups.get(name, group)
+        if g is skip and name in groups:
+            continue
+        src = dist.get_global_rank(g, 0) if g is not None else 0
+        dist.broadcast(local_tensor(t.data), src=src, group=g)  # a tensor-parallel shard: among its replicas
 
 
 def group_size(group: dist.ProcessGroup | None) -> int | str:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...dtensor import local_tensor
-from ...engine.contract import GradSync
+from ...engine.contract import GradSync, summed_axes
 from ...module import move
 from ...optim.clip import global_norm
 from .common import (
@@ -38,13 +38,18 @@ from .common import (
 
 if TYPE_CHECKING:
     from ...engine import Plan
+    from ...mesh import Mesh
     from . import Shard
+
+
+NOT_SUMMED = object()  # `DDPSync.build(groups=...)`: a param whose gradient no other rank shares
 
 
 @attrs.define
 class _Bucket:
     names: list[str]
     index: list[int]  # positions in the engine's gradient list (the trainable order)
+    group: Any = None  # the ranks its gradients are summed over
     ready: int = 0
     flat: torch.Tensor | None = None
     work: Any = None
@@ -67,24 +72,36 @@ class DDPSync(GradSync):
     params: dict[str, torch.Tensor] = attrs.Factory(dict)  # the bound params of the current step
 
     # ---- set-up -------------------------------------------------------------------------------------------
-    def build(self, module: nn.Module, trainable: tuple[str, ...]) -> None:
+    def build(
+        self, module: nn.Module, trainable: tuple[str, ...], groups: Mapping[str, Any] | None = None
+    ) -> None:
+        """Buckets over `trainable`; `groups` maps the params summed over other ranks than `self.group` (experts
+        split over `ep`, see `contract.summed_axes`) to theirs, or to `NOT_SUMMED`."""
         self.module = module
+        groups = groups or {}
         params = dict(module.named_parameters())
         order = {n: i for i, n in enumerate(trainable)}
         current: list[str] = []
         size, key = 0, None
         for name in reversed(trainable):
+            group = groups.get(name, self.group)
+            if group is NOT_SUMMED:
+                continue
             p = local_tensor(params[name])  # under tensor parallel: this rank's shard
-            k = (p.device, p.dtype)
+            k = (p.device, p.dtype, id(group))
             nbytes = p.numel() * p.element_size()
             if current and (k != key or size + nbytes > self.bucket_bytes):
-                self.buckets.append(_Bucket(current, [order[n] for n in current]))
+                self.buckets.append(
+                    _Bucket(current, [order[n] for n in current], groups.get(current[0], self.group))
+                )
                 current, size = [], 0
             current.append(name)
             size += nbytes
             key = k
         if current:
-            self.buckets.append(_Bucket(current, [order[n] for n in current]))
+            self.buckets.append(
+                _Bucket(current, [order[n] for n in current], groups.get(current[0], self.group))
+            )
         self.hook(params)
 
     def hook(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -121,7 +138,7 @@ class DDPSync(GradSync):
         else:
             parts = [local_tensor(grads[i]).reshape(-1) for i in bucket.index]
         bucket.flat = torch.cat(parts)
-        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
 
     # ---- the engine's protocol ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -177,6 +194,17 @@ class DDPSync(GradSync):
         return mean_metrics(values, self.group)
 
 
+def _split_groups(mesh: Mesh, module: nn.Module) -> dict[str, Any]:
+    """The params split over a gradient axis (experts over `ep`), each with the group its gradient is summed over
+    (`NOT_SUMMED` when it is split over every gradient axis)."""
+    out: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        axes = summed_axes(p, mesh.grad_axes)
+        if axes != mesh.grad_axes:
+            out[name] = mesh.axes_group(axes) if axes else NOT_SUMMED
+    return out
+
+
 def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
     from ...module import slots_of
 
@@ -186,10 +214,11 @@ def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
         mesh.grad_group()
     )  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
     check_same_model(plan.module, group)
-    broadcast_from_first(plan.module, group)
+    groups = _split_groups(mesh, plan.module)
+    broadcast_from_first(plan.module, group, groups, NOT_SUMMED)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)
-    sync.build(plan.module, slots_of(plan.module).trainable)
+    sync.build(plan.module, slots_of(plan.module).trainable, groups)
     plan.notes.append(
         f"ddp over {mesh.grad_size} ranks, {len(sync.buckets)} bucket(s)"
         + (", overlapped with backward" if overlap else "")

@@ -1,0 +1,213 @@
+"""Expert parallel over the mesh's `ep` axis — lowered after tensor parallel and before FSDP/DDP.
+
+The `ep` ranks are data-parallel ranks for the dense layers (they read their own rows; `ep` is one of the mesh's
+data axes), and split the experts: each holds `E / ep` consecutive experts of every MoE layer. The plan maps
+names (`*` = one name part) to styles, as `transformers` writes them (`config.base_model_ep_plan`, under the
+base model's prefix), or as the user passes it, `af.shard(step, mesh, ep_plan={...})`:
+
+  grouped_gemm          a parameter stacked over experts on dim 0 (`gate_up_proj [E, 2F, D]`,
+                        `down_proj [E, D, F]`): becomes a DTensor `Shard(0)` over `ep` (its global shape stays)
+  ep_dispatch_experts   an experts module (`experts(hidden, top_k_index, top_k_weights)`): its forward
+                        dispatches rows to the experts' ranks and back (`accelfn.moe`)
+
+Gradients: a dense param is summed over every data axis, ep included; an expert only over the data axes it is
+not split over (`contract.summed_axes`); the global norm counts each expert once (`ExpertParallelSync`).
+
+Example (one process: ep=1 keeps all experts on the rank):
+    >>> import torch, accelfn as af
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+    ...                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+    ...                      num_experts_per_tok=2)
+    >>> model = Qwen3MoeForCausalLM(cfg)
+    >>> sorted(expert_params(model, model_ep_plan(model)))
+    ['model.layers.0.mlp.experts.down_proj', 'model.layers.0.mlp.experts.gate_up_proj']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from ...engine.contract import LOCAL, GradSync
+from ...mesh import Mesh
+from ...module import move
+from .._base import TransformBase
+from .common import max_over
+from .tensor_parallel import tensor_parallel_norm
+
+if TYPE_CHECKING:
+    from ...engine import Plan
+
+__all__ = ["ExpertParallel", "ExpertParallelSync", "model_ep_plan", "expert_params", "STYLES"]
+
+STYLES = ("grouped_gemm", "ep_dispatch_experts")
+
+
+def model_ep_plan(module: nn.Module) -> dict[str, str] | None:
+    """A Hugging Face model's own expert-parallel plan (full names), or None (see the module's example)."""
+    base = getattr(getattr(module, "config", None), "base_model_ep_plan", None)
+    if not base:
+        return None
+    prefix = getattr(module, "base_model_prefix", "")
+    nested = prefix and hasattr(module, prefix)
+    return {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}
+
+
+def _match(key: str, names: list[str]) -> list[str]:
+    regex = re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
+    return [n for n in names if regex.match(n)]
+
+
+def _matched(module: nn.Module, plan: Mapping[str, str], style: str) -> list[str]:
+    """The names (params for grouped_gemm, modules for ep_dispatch_experts) the plan's `style` entries match;
+    ValueError naming an entry that matches nothing, or a style that is not known."""
+    params = [n for n, _ in module.named_parameters()]
+    modules = [n for n, _ in module.named_modules() if n]
+    out: list[str] = []
+    for key, value in plan.items():
+        if value not in STYLES:
+            raise ValueError(
+                f"ep_plan[{key!r}] = {value!r} is not a style accelfn knows; use one of {list(STYLES)}"
+            )
+        if value != style:
+            continue
+        names = params if style == "grouped_gemm" else modules
+        hits = _match(key, names)
+        if not hits:
+            last = key.rsplit(".", 1)[-1]
+            near = [n for n in names if n.rsplit(".", 1)[-1] == last][:3]
+            what = "parameter" if style == "grouped_gemm" else "module"
+            hint = f"; {what}s with that last name: {near}" if near else f"; some {what} names: {names[:6]}"
+            raise ValueError(f"ep_plan entry {key!r} ({value}) matches no {what} of the model{hint}")
+        out += hits
+    return out
+
+
+def expert_params(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """`{param name: name of its experts module}` for the params the plan stacks over experts; checked: every
+    entry matches, every such param lies in an `ep_dispatch_experts` module and vice versa."""
+    params = _matched(module, plan, "grouped_gemm")
+    owners = _matched(module, plan, "ep_dispatch_experts")
+    out: dict[str, str] = {}
+    for p in params:
+        owner = next((m for m in owners if p.startswith(m + ".") and "." not in p[len(m) + 1 :]), None)
+        if owner is None:
+            raise ValueError(
+                f"ep_plan: the parameter {p!r} is stacked over experts (grouped_gemm) but its module is not an "
+                "'ep_dispatch_experts' entry of the plan"
+            )
+        out[p] = owner
+    empty = [m for m in owners if m not in out.values()]
+    if empty:
+        raise ValueError(f"ep_plan: the experts module {empty[0]!r} has no parameter marked 'grouped_gemm'")
+    return out
+
+
+@attrs.frozen(eq=False)
+class ExpertParallel(TransformBase):
+    mesh: Mesh
+    plan: tuple[tuple[str, str], ...] | None = None
+    kind: str = "expert_parallel"
+
+    @property
+    def size(self) -> int:
+        return self.mesh.axis_size("ep")
+
+    def describe(self) -> str:
+        return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''})"
+
+    def lower(self, plan: Plan) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from ...moe import AllToAllDispatcher, ep_forward
+
+        module = plan.module
+        if any(getattr(p, "placements", None) is not None for p in module.parameters()):
+            plan.notes.append(f"ep={self.size} (already sharded)")
+            return  # initialised again, or an eval step on the training step's module
+        raw = dict(self.plan) if self.plan is not None else model_ep_plan(module)
+        if raw is None:
+            raise ValueError(
+                f"shard: the mesh has an ep axis (ep={self.size}) but {type(module).__name__} brings no expert-"
+                "parallel plan (transformers MoE models do: config.base_model_ep_plan); pass ep_plan={'layers.*."
+                "experts.w': 'grouped_gemm', 'layers.*.experts': 'ep_dispatch_experts'}"
+            )
+        stacked = expert_params(module, raw)
+        move(module, self.mesh.device)
+        ep_mesh = self.mesh.submesh("ep")
+        group = self.mesh.group("ep")
+        owners: dict[str, int] = {}
+        for name, owner in stacked.items():
+            p = module.get_parameter(name)
+            experts = p.shape[0]
+            if owners.setdefault(owner, experts) != experts:
+                raise ValueError(
+                    f"ep_plan: the params of {owner!r} stack different numbers of experts on dim 0"
+                )
+            if experts % self.size:
+                raise ValueError(
+                    f"expert parallel: {name} stacks {experts} experts on dim 0, which ep={self.size} does not "
+                    f"divide (use an ep that divides {experts})"
+                )
+            sub, _, leaf = name.rpartition(".")
+            shard = distribute_tensor(
+                p.detach(), ep_mesh, [Shard(0)]
+            )  # from ep rank 0: the same on every rank
+            setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
+        for owner, experts in owners.items():
+            m = module.get_submodule(owner)
+            m.forward = functools.partial(ep_forward, m, AllToAllDispatcher(group, experts, self.size))
+        per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
+        plan.notes.append(
+            f"ep={self.size}: {len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, "
+            "per-expert loop"
+        )
+
+
+@attrs.define(eq=False)
+class ExpertParallelSync(GradSync):
+    """The gradient sync under expert parallel: the data-parallel one (`inner`, which sums each expert only over
+    the data axes it is not split over) for the sums; the norm and the overflow check over every rank, since the
+    ep ranks hold different experts (each counted once: Megatron #5916)."""
+
+    inner: GradSync = LOCAL
+
+    def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        self.inner.prepare(params)
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.microbatch(last)
+
+    def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
+        self.inner.record_unused(names, missing)
+
+    def reduce(
+        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.reduce(grads, loss_sum, count)
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return tensor_parallel_norm(grads)
+
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        return max_over(flag, None)
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.max_over_ranks(x)
+
+    def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        self.inner.after_update(params, step)
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.inner.reduce_metrics(values)
+
+    def describe(self) -> str:
+        return f"expert parallel (norm and overflow over all ranks); {self.inner.describe()}"

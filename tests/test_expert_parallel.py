@@ -1,0 +1,152 @@
+"""Expert parallel over an `ep` mesh axis: dispatch and combine, the experts' forward, plans and their errors in
+one process; ep2 and dp2 x ep2 on real processes (gloo, through `accelfn launch`) vs one process on the global
+batch (tests/workers/ep_worker.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accelfn as af
+from accelfn import mesh as _mesh
+from accelfn.moe import AllToAllDispatcher, ep_forward
+from accelfn.transforms.shard.expert_parallel import expert_params, model_ep_plan
+from tests._launch import expect_ok, run_workers
+
+EXPERTS = 4
+
+
+def qwen(layers: int = 1, experts: int = EXPERTS) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=experts, num_experts_per_tok=2)  # fmt: skip
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def test_dispatch_then_combine_is_the_identity():
+    d = AllToAllDispatcher(None, EXPERTS, 1)
+    x, experts = torch.randn(9, 3), torch.tensor([3, 0, 3, 1, 1, 0, 2, 3, 0])
+    rows, counts, handle = d.dispatch(x, experts)
+    assert counts.tolist() == [3, 2, 1, 3]
+    assert torch.equal(rows, x[torch.argsort(experts, stable=True)])  # grouped by expert, stable
+    assert torch.equal(d.combine(rows, handle), x)
+
+
+def test_experts_not_divisible_by_ep_is_refused():
+    with pytest.raises(ValueError, match="6 experts cannot be split over ep=4"):
+        AllToAllDispatcher(None, 6, 4)
+
+
+def test_ep_forward_equals_transformers_experts_with_gradients():
+    """The dispatching forward (one rank: every expert local) gives transformers' output and the same gradients
+    for the experts, the routing weights and the hidden states (the router's gradient flows through them)."""
+    experts = qwen().model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, 16, generator=g, requires_grad=True)
+    weights = torch.rand(7, 2, generator=g, requires_grad=True)
+    index = torch.tensor([[0, 3], [3, 1], [1, 0], [3, 0], [0, 1], [1, 3], [3, 1]])  # expert 2 gets no token
+
+    def grads(fn):
+        out = fn()
+        params = [hidden, weights, experts.gate_up_proj, experts.down_proj]
+        return out, torch.autograd.grad((out * torch.linspace(-1, 1, 16)).sum(), params)
+
+    ref, ref_grads = grads(lambda: experts(hidden, index, weights))
+    out, out_grads = grads(
+        lambda: ep_forward(experts, AllToAllDispatcher(None, EXPERTS, 1), hidden, index, weights)
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(out_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert out_grads[2][2].abs().max() == 0  # the idle expert: a zero gradient
+
+
+def test_model_ep_plan_and_user_plan():
+    model = qwen(layers=2)
+    plan = model_ep_plan(model)
+    assert plan is not None and plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    owners = expert_params(model, plan)
+    assert owners["model.layers.1.mlp.experts.down_proj"] == "model.layers.1.mlp.experts"
+    assert len(owners) == 4
+    assert model_ep_plan(nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"model.layers.*.mlp.expert.gate_up_proj": "grouped_gemm", "model.layers.*.mlp.experts": "ep_dispatch_experts"},
+         r"ep_plan entry 'model.layers.\*.mlp.expert.gate_up_proj' \(grouped_gemm\) matches no parameter"),
+        ({"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.gate": "ep_dispatch_experts",
+          "model.layers.*.mlp.experts.down_proj": "grouped_gemm"},
+         r"experts module 'model.layers.0.mlp.gate' has no parameter marked 'grouped_gemm'"),
+        ({"model.layers.*.mlp.experts.down_proj": "grouped_gemm"}, "not an 'ep_dispatch_experts' entry"),
+        ({"model.layers.*.mlp.experts": "colwise"}, r"ep_plan\['model.layers.\*.mlp.experts'\] = 'colwise' is not"),
+    ],
+)  # fmt: skip
+def test_a_bad_plan_names_its_entry(plan, message):
+    with pytest.raises(ValueError, match=message):
+        expert_params(qwen(), plan)
+
+
+@pytest.fixture
+def ep2() -> Iterator[af.Mesh]:
+    """An ep=2 mesh over torch's fake process group (errors raised at lowering, before any collective)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _mesh.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield af.Mesh({"ep": 2}, device="cpu")
+    finally:
+        _mesh.destroy_process_group()
+
+
+def _step(mesh: af.Mesh, **kw) -> af.Step:
+    return af.shard(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), mesh, **kw)
+
+
+def test_ep_refusals_name_the_culprit(ep2):
+    with pytest.raises(ValueError, match="Linear brings no expert-parallel plan"):
+        _step(ep2).init(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="stacks 3 experts on dim 0, which ep=2 does not divide"):
+        _step(ep2).init(qwen(experts=3))
+    with pytest.raises(ValueError, match="combines with strategy='ddp'.*not strategy='fsdp'"):
+        _step(ep2, strategy="fsdp")
+    with pytest.raises(
+        ValueError, match=r"ep_plan entry 'experts' \(ep_dispatch_experts\) matches no module"
+    ):
+        _step(ep2, ep_plan={"experts": "ep_dispatch_experts"}).init(nn.Linear(2, 2))
+
+
+def test_ep_plan_without_an_ep_axis_is_refused():
+    with (
+        af.Mesh({"dp": -1}, device="cpu") as mesh,
+        pytest.raises(ValueError, match="ep_plan given, but the mesh has no ep axis"),
+    ):
+        _step(mesh, ep_plan={"experts": "ep_dispatch_experts"})
+
+
+@pytest.mark.slow
+def test_ep2_equals_one_process():
+    """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
+    to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan."""
+    configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1"]
+    expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_ep2_on_four_processes_equals_one_process():
+    """Experts summed over dp only (each ep rank holds other experts: not ep x too large), the norm counting each
+    expert once."""
+    configs = ["qwen:clip", "user:to=0"]
+    expect_ok(run_workers("ep_worker.py", 4, "dp=2,ep=2", *configs, timeout=300), configs, 4)

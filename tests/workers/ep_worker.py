@@ -1,0 +1,198 @@
+"""Worker: expert parallel (ep, alone or with dp) == one process on the global batch, SGD, fp32.
+
+    accelfn launch --nproc-per-node 2 --cpu tests/workers/ep_worker.py ep=2 qwen qwen:to=0 user:clip
+
+Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE, its own ep plan), user (a
+user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
+clips), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
+Checked: the loss, the gradient norm and the params (experts, router, attention, embeddings) after each of 2 SGD
+steps; the experts really split; the identity of dispatch-then-combine over the ep group.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accelfn as af
+from accelfn.launch_env import parse_mesh
+from accelfn.moe import AllToAllDispatcher, local_part
+
+CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
+VOCAB, EXPERTS, TOPK = 64, 4, 2
+
+
+class UserExperts(nn.Module):
+    """A user's experts: w_in [E, F, D], w_out [E, D, F], GELU, no gate; transformers' experts interface."""
+
+    def __init__(self, d=16, f=8):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, f, d) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, d, f) * 0.3)
+
+    def one(self, x, w_in, w_out):
+        return nn.functional.gelu(x @ w_in.T) @ w_out.T
+
+    def forward(self, hidden, idx, weights):  # the dense reference: every expert on this rank
+        out = torch.zeros_like(hidden)
+        for e in range(EXPERTS):
+            tok, pos = torch.where(idx == e)
+            y = self.one(hidden[tok], self.w_in[e], self.w_out[e]) * weights[tok, pos, None]
+            out = out.index_add(0, tok, y)
+        return out
+
+    def ep_local_forward(self, rows, counts):  # under ep: this rank's experts on rows grouped by expert
+        w_in, w_out = local_part(self.w_in), local_part(self.w_out)
+        parts = rows.split(counts.tolist())
+        return torch.cat([self.one(x, w_in[e], w_out[e]) for e, x in enumerate(parts)])
+
+
+class UserMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.router = nn.Linear(16, EXPERTS, bias=False)
+        self.experts = UserExperts()
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        flat = h.reshape(-1, 16)
+        probs = self.router(flat).softmax(-1)
+        w, idx = probs.topk(TOPK, dim=-1)
+        return self.head(h + self.experts(flat, idx, w).view_as(h))
+
+
+USER_PLAN = {
+    "experts.w_in": "grouped_gemm",
+    "experts.w_out": "grouped_gemm",
+    "experts": "ep_dispatch_experts",
+}
+
+
+def make_model(kind, to):
+    torch.manual_seed(0)
+    if kind == "user":
+        model = UserMoE()
+        routers = [model.router]
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                             num_experts=EXPERTS, num_experts_per_tok=TOPK, max_position_embeddings=32,
+                             tie_word_embeddings=False)  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():  # transformers zero-initialises the router: give it weights to learn from
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.5)
+        routers = [layer.mlp.gate for layer in model.model.layers]
+    if to is not None:  # every choice to rank `to`'s experts (ep=2: experts 2*to, 2*to+1)
+        for r in routers:
+            r.register_forward_hook(lambda m, a, out, to=to: _force(out, to))
+    return model
+
+
+def _force(out, to):
+    if isinstance(out, tuple):  # transformers' router: (logits, scores, indices)
+        return (*out[:2], out[2] % 2 + 2 * to)
+    keep = torch.tensor(
+        [e // 2 == to for e in range(EXPERTS)]
+    )  # the user's router: logits of other experts down
+    return out.masked_fill(~keep, -1e4)
+
+
+def batches(n=2, rows=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (rows, 12), generator=g)
+        labels = ids.clone()
+        for r in range(rows):  # uneven valid-token counts per row, so per data rank
+            labels[r, (r * 3) % 11 + 1 :] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def lm_loss(model, b):
+    out = model(input_ids=b["input_ids"])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def check_identity(mesh):
+    """dispatch then combine is the identity, with uneven and empty sends, over the ep group."""
+    g = torch.Generator().manual_seed(10 + mesh.rank)
+    ep = mesh.axis_size("ep")
+    d = AllToAllDispatcher(mesh.group("ep"), EXPERTS, ep)
+    for n in (0, 1, 7):
+        x = torch.randn(n, 5, generator=g)
+        experts = torch.randint(0, EXPERTS, (n,), generator=g)
+        rows, counts, handle = d.dispatch(x, experts)
+        assert counts.sum().item() == rows.shape[0], (counts, rows.shape)
+        assert torch.equal(d.combine(rows, handle), x)
+
+
+def check(mesh, kind, options):
+    to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
+    clip = 0.05 if "clip" in options else 1e9
+    data = batches()
+    ref_step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
+    ref = ref_step.init(make_model(kind, to), seed=3)
+    ref_params, ref_losses, ref_norms = [], [], []
+    for b in data:
+        ref, m = ref_step(ref, b)
+        ref_losses.append(m["loss"].item())
+        ref_norms.append(m["grad_norm"].item())
+        ref_params.append({k: v.clone() for k, v in ref.params.items()})
+
+    step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
+    step = af.shard(step, mesh, inputs="global", ep_plan=USER_PLAN if kind == "user" else None)
+    state = step.init(make_model(kind, to), seed=3)
+    text = repr(step)
+    assert "expert_parallel(ep=" in text and f"ep={mesh.axis_size('ep')}: " in text, text
+    experts = [n for n in state.params if "experts" in n]
+    ep = mesh.axis_size("ep")
+    for n in experts:
+        p = state.params[n]
+        assert p.placements[0].is_shard() and p.to_local().shape[0] == EXPERTS // ep, (n, p)
+    tol = 2e-5
+    for i, b in enumerate(data):
+        state, m = step(state, b)
+        assert abs(m["loss"].item() - ref_losses[i]) < tol, (i, m["loss"].item(), ref_losses[i])
+        assert abs(m["grad_norm"].item() - ref_norms[i]) < tol * ref_norms[i], (
+            i,
+            m["grad_norm"],
+            ref_norms[i],
+        )
+        assert sorted(state.params) == sorted(ref_params[i])
+        for k, v in state.params.items():
+            diff = (full(v) - ref_params[i][k]).abs().max().item()
+            assert diff < tol, f"step {i + 1}: {k} differs from one process by {diff}"
+    if (
+        to is not None
+    ):  # the other rank's experts got no token: zero gradients, unchanged (in one process too)
+        first = make_model(kind, to).state_dict()
+        idle = [e for e in range(EXPERTS) if e // (EXPERTS // ep) != to]
+        for n in experts:
+            assert torch.equal(full(state.params[n])[idle], first[n][idle]), n
+
+
+def main():
+    mesh = af.Mesh(parse_mesh(sys.argv[1]), device="cpu")
+    check_identity(mesh)
+    for config in CONFIGS:
+        kind, *options = config
+        check(mesh, kind, options)
+        print(f"rank {mesh.rank}: OK {kind} {sorted(options)}", flush=True)
+    dist.barrier()
+    mesh.close()
+
+
+if __name__ == "__main__":
+    main()

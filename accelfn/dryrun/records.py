@@ -40,6 +40,8 @@ class Measured:
     # bytes (by category) of the other step objects' states alive beside this call: they share the memory
     others: dict[str, int] = attrs.Factory(dict)
     host: int = 0  # host memory the call holds at its peak (af.offload's state and buffers), not the device's
+    # the kernels (timing.OpCost) and collectives (tracker.Collective) in the order they ran: the time model's
+    timeline: list[Any] = attrs.Factory(list)
 
     @property
     def total_peak(self) -> int:

@@ -9,6 +9,10 @@ from typing import Any
 
 import attrs
 
+from .comm_time import CommAssumptions
+from .step_time import StepTime
+from .timing import TimingAssumptions
+
 __all__ = ["Report", "Prediction", "Assumptions", "predict", "gib"]
 
 
@@ -22,78 +26,93 @@ def gib(n: float) -> str:
 
 @attrs.frozen
 class Assumptions:
-    """What the predicted step time assumes (all of it is in the report).
+    """What the dry run assumes (all of it is in the report).
 
-    `compute_efficiency`: the fraction of the dense peak the matmuls reach (40-55% is typical of well-tuned
-    LLM training on H100s); `comm_efficiency`: the fraction of the link bandwidth a collective's bus bandwidth
-    reaches (nccl-tests reach ~80% on NVLink and InfiniBand); `overlap`: the fraction of the communication
-    hidden behind compute (FSDP's prefetch and DDP's bucketed all-reduces overlap most of it).
+    `timing`: the per-op compute model's figures (`accelfn.dryrun.timing.TimingAssumptions`: the GEMM
+    efficiency, attention efficiency, memory efficiency, launch floor, ...); `comm`: the collectives' model's
+    (`accelfn.dryrun.comm_time.CommAssumptions`: link efficiencies, NCCL's latencies); `reserve_bytes`: device
+    memory kept free; `host_memory_bytes`: host memory of a node.
+
+    Example:
+        >>> from accelfn.dryrun.timing import TimingAssumptions
+        >>> Assumptions(timing=TimingAssumptions(attention_efficiency=0.6)).timing.attention_efficiency
+        0.6
     """
 
-    compute_efficiency: float = 0.45
-    comm_efficiency: float = 0.8
-    overlap: float = 1.0
+    timing: TimingAssumptions = attrs.Factory(TimingAssumptions)
+    comm: CommAssumptions = attrs.Factory(CommAssumptions)
     reserve_bytes: int = 2 * 2**30  # CUDA context, NCCL buffers and allocator slack kept free on each device
     host_memory_bytes: int = 2048 * 2**30  # host memory of a node (a DGX H100 / H200 has 2 TiB)
 
 
 @attrs.frozen
 class Prediction:
+    """A predicted step: `step_time_s` = `compute_s` + `exposed_comm_s` + `bubble_s` (see
+    accelfn/dryrun/step_time.py); `comm_s` all collectives' time, overlapped or not; `mfu` the counted FLOPs
+    over the step time and the compute dtype's peak; `assumes` every figure used."""
+
     step_time_s: float
     compute_s: float
     comm_s: float
     tokens_per_s: float | None
     mfu: float | None
     assumes: dict[str, Any]
+    exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0
 
 
 def predict(
-    *,
-    flops: int,
-    comm: Mapping[str, Mapping[str, Mapping[str, Any]]],
-    peak_tflops: float | None,
-    bandwidth_gbs: Mapping[bool, float],
-    tokens_per_step: int | None,
-    assumptions: Assumptions,
-    dtype: str,
+    step: StepTime, *, flops: int, peak_tflops: float | None, tokens_per_step: int | None, dtype: str
 ) -> Prediction:
-    """Step time from this rank's FLOPs and bus bytes against the device table.
-
-    `comm` is the report's `{kind: {axis: {"bus_bytes", "intra_node", ...}}}`; `bandwidth_gbs[intra]` the
-    per-device link bandwidth within / across nodes.
+    """The report's prediction from a `StepTime` (`step_time.predict_step`), this rank's counted FLOPs and
+    tokens.
 
     Example:
-        >>> p = predict(flops=10**15, comm={}, peak_tflops=1000.0, bandwidth_gbs={True: 450, False: 50},
-        ...             tokens_per_step=4096, assumptions=Assumptions(compute_efficiency=0.5), dtype="bf16")
-        >>> p.step_time_s, p.mfu
-        (2.0, 0.5)
+        >>> from accelfn.dryrun.step_time import StepTime
+        >>> t = StepTime(2.0, 1.5, 1.0, 0.5, 0.0, {}, 10, 0, {})
+        >>> p = predict(t, flops=10**15, peak_tflops=1000.0, tokens_per_step=4096, dtype="bf16")
+        >>> p.step_time_s, p.mfu, p.tokens_per_s
+        (2.0, 0.5, 2048.0)
     """
-    compute = flops / (peak_tflops * 1e12 * assumptions.compute_efficiency) if peak_tflops else 0.0
-    comm_s = 0.0
-    for by_axis in comm.values():
-        for row in by_axis.values():
-            bw = bandwidth_gbs[bool(row["intra_node"])] * 1e9 * assumptions.comm_efficiency
-            comm_s += row["bus_bytes"] / bw if bw else 0.0
-    exposed = max(0.0, comm_s - assumptions.overlap * compute)
-    step = compute + exposed
-    tokens = tokens_per_step / step if tokens_per_step and step > 0 else None
-    mfu = flops / (step * peak_tflops * 1e12) if peak_tflops and step > 0 else None
+    total = step.step_s
     return Prediction(
-        step_time_s=step,
-        compute_s=compute,
-        comm_s=comm_s,
-        tokens_per_s=tokens,
-        mfu=mfu,
+        step_time_s=total,
+        compute_s=step.compute_s,
+        comm_s=step.comm_s,
+        exposed_comm_s=step.exposed_comm_s,
+        bubble_s=step.bubble_s,
+        tokens_per_s=tokens_per_step / total if tokens_per_step and total > 0 else None,
+        mfu=flops / (total * peak_tflops * 1e12) if peak_tflops and total > 0 else None,
         assumes={
             "peak_tflops": peak_tflops,
             "compute_dtype": dtype,
-            "compute_efficiency": assumptions.compute_efficiency,
-            "comm_efficiency": assumptions.comm_efficiency,
-            "intra_node_gbs": bandwidth_gbs[True],
-            "inter_node_gbs": bandwidth_gbs[False],
-            "overlap": assumptions.overlap,
+            **step.assumes,
+            "kernels": step.kernels,
+            "launch_bound_kernels": step.launch_bound,
+            "compute_by_kind_s": step.by_kind,
             "flops": "counted by torch.utils.flop_counter on this rank, recomputation included (hardware FLOPs)",
         },
+    )
+
+
+def _assumes(a: Mapping[str, Any]) -> str:
+    """The prediction's figures in one line (the JSON's `predicted.assumes` holds all of them)."""
+    if "gemm_efficiency" not in a:
+        return ", ".join(f"{k}={v}" for k, v in a.items())
+    by = a.get("compute_by_kind_s", {})
+    kinds = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in by.items())
+    return (
+        f"{a['peak_tflops']} TFLOP/s ({a['compute_dtype']}): GEMMs at {a['gemm_efficiency']:.0%} of their dtype's "
+        f"peak (quantized over {a['sm_count']} SMs), attention at {a['attention_efficiency']:.0%}, memory-bound "
+        f"ops at {a['memory_efficiency']:.0%} of {a['memory_gbs']:,.0f} GB/s ({kinds}); "
+        + (
+            "compiled (fused, no launch floor)"
+            if a["compiled"]
+            else f"eager, launch floor {a['launch_s'] * 1e6:.0f} us"
+        )
+        + f", {a['kernels']:,} kernels; links {a['intra_efficiency']:.0%} of {a['intra_node_gbs']:,.0f} / "
+        f"{a['inter_efficiency']:.0%} of {a['inter_node_gbs']:,.0f} GB/s intra/inter-node, NCCL latencies "
+        f"{a['ring_base_us']} us + {a['nvlink_hop_us']}/{a['net_hop_us']} us per hop; {a['overlap']}"
     )
 
 
@@ -210,12 +229,11 @@ class Report:
                 + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
                 + (f", MFU {p.mfu:.1%}" if p.mfu is not None else "")
             )
-            a = p.assumes
             lines.append(
-                f"  assumes {a['compute_efficiency']:.0%} of {a['peak_tflops']} TFLOP/s ({a['compute_dtype']}), "
-                f"{a['comm_efficiency']:.0%} of {a['intra_node_gbs']}/{a['inter_node_gbs']} GB/s "
-                f"intra/inter-node, {a['overlap']:.0%} of communication overlapped"
+                f"  exposed communication {p.exposed_comm_s * 1e3:,.1f} ms"
+                + (f", pipeline bubble {p.bubble_s * 1e3:,.1f} ms" if p.bubble_s else "")
             )
+            lines.append(f"  assumes {_assumes(p.assumes)}")
         for title, items in (("notes", self.notes), ("skipped", self.skipped)):
             if items:
                 lines += ["", f"{title}:"] + [f"  {x}" for x in items]

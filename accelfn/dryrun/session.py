@@ -364,6 +364,7 @@ class Session(dry_mode.Watcher):
                 rows=rows,
                 tokens=tokens,
                 host=tracker.host_peak_bytes,
+                timeline=tracker.timeline,
             ),
             out,
         )

@@ -22,6 +22,7 @@ from .layout import _axes_comm, _bus, _layout
 from .records import Measured
 from .report import Assumptions, Report, predict
 from .session import Session
+from .step_time import pipeline_of, predict_step
 from .tracker import CATEGORIES, LOSS_ROW
 
 
@@ -45,6 +46,8 @@ def _combined(parts: list[tuple[Any, int, int]], tokens: int | None) -> Any:
         step_time_s=step,
         compute_s=sum(p.compute_s * n for p, _, n in parts),
         comm_s=sum(p.comm_s * n for p, _, n in parts),
+        exposed_comm_s=sum(p.exposed_comm_s * n for p, _, n in parts),
+        bubble_s=sum(p.bubble_s * n for p, _, n in parts),
         tokens_per_s=tokens / step if tokens and step > 0 else None,
         mfu=flops / (step * peak * 1e12) if peak and step > 0 else None,
         assumes={**main.assumes, "loop": "the sum of the step objects' times in one iteration of the loop"},
@@ -77,13 +80,22 @@ def _report(
         rec_tokens = last.tokens * data if last.tokens else None
         prediction = None
         if spec is not None:
+            step_time = predict_step(
+                last.timeline,
+                spec,
+                groups=groups,
+                shape=shape,
+                nproc_per_node=nproc_per_node,
+                compiled="compile(" in rec.name,
+                pipeline=pipeline_of(rec.name),
+                timing=assumptions.timing,
+                comm=assumptions.comm,
+            )
             prediction = predict(
+                step_time,
                 flops=last.flops,
-                comm=own,
                 peak_tflops=specs.peak_tflops(spec, rec.dtype),
-                bandwidth_gbs={True: spec.intra_node_gbs, False: spec.inter_node_gbs},
                 tokens_per_step=rec_tokens,
-                assumptions=assumptions,
                 dtype=str(rec.dtype).removeprefix("torch."),
             )
         if times:

@@ -39,7 +39,17 @@ from torch.utils._pytree import tree_flatten
 
 from ..platforms.specs import DeviceSpec, peak_tflops
 
-__all__ = ["TimingAssumptions", "OpTimes", "OpTimer", "matmul_time", "attention_time", "memory_time"]
+__all__ = [
+    "TimingAssumptions",
+    "OpTimes",
+    "OpTimer",
+    "OpCost",
+    "op_cost",
+    "cost_time",
+    "matmul_time",
+    "attention_time",
+    "memory_time",
+]
 
 # Maximum achievable matmul FLOPS (bf16, TFLOP/s) and the shape (m, n, k) that reached it, measured by a search
 # over large shapes (stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
@@ -239,7 +249,95 @@ def _sdpa_flops(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
     b, h, lq, d = q.shape
     per_matmul = 2 * b * h * lq * k.shape[-2] * d
     flops = (5 if name.endswith("_backward") else 2) * per_matmul  # the backward recomputes q @ k^T
-    return flops // 2 if _arg(func, args, kwargs, "is_causal") else flops
+    mask = _arg(func, args, kwargs, "attn_mask")
+    # a square mask over all heads is a decoder's causal mask (transformers builds one where the CPU kernel
+    # needs it; on CUDA it passes is_causal and the flash kernel skips the masked half): an assumption
+    causal = _arg(func, args, kwargs, "is_causal") or (
+        isinstance(mask, torch.Tensor)
+        and lq == k.shape[-2]
+        and mask.shape[-2:] == (lq, lq)
+        and mask.shape[-3] == 1
+    )
+    return flops // 2 if causal else flops
+
+
+@attrs.frozen(slots=True)
+class OpCost:
+    """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
+    of `out_bytes` per element, an attention kernel's `flops`, or a memory-bound kernel's `nbytes` moved;
+    `backward` whether autograd ran it (the dry run's tracker records one per op, `cost_time` times it).
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> c = OpCost("memory", nbytes=3_350_000_000)
+        >>> cost_time(c, spec("h100-sxm"), TimingAssumptions(memory_efficiency=1.0))
+        0.001
+    """
+
+    kind: str  # "matmul", "attention" or "memory"
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    batch: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    out_bytes: int = 2
+    flops: int = 0
+    nbytes: int = 0
+    backward: bool = False
+
+
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpCost | None:
+    """The `OpCost` of one aten op (None for views, allocations and collectives: they launch no compute kernel
+    or are the communication model's)."""
+    name = func.__name__.split(".")[0]
+    namespace = getattr(func, "namespace", "")
+    if getattr(func, "is_view", False) or name in _FREE or namespace == "prim" or namespace in _COMMUNICATION:
+        return None
+    backward = torch._C._current_autograd_node() is not None
+    if name in _MATMULS:
+        x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+        batch = x.shape[0] if x.ndim == 3 else 1
+        outs = _tensors(out)
+        size = outs[0].element_size() if outs else 2
+        return OpCost(
+            "matmul", x.shape[-2], w.shape[-1], x.shape[-1], batch, _math_dtype(x), size, backward=backward
+        )
+    flops = _sdpa_flops(func, name, args, kwargs)
+    if flops is not None:
+        q = _arg(func, args, kwargs, "query")
+        return OpCost("attention", flops=flops, dtype=q.dtype, backward=backward)
+    moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+    return OpCost("memory", nbytes=moved, backward=backward)
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul operand is multiplied in: a float8 training tensor's (torchao's
+    `Float8TrainingTensor` reports its original dtype, its `_data` is fp8: its `mm` runs `_scaled_mm` inside
+    the subclass, out of the tracker's sight), else its own."""
+    data = getattr(x, "_data", None)
+    if isinstance(data, torch.Tensor) and data.dtype.is_floating_point and data.element_size() == 1:
+        return data.dtype
+    return x.dtype
+
+
+def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
+    """Seconds of one kernel (no launch floor) on `device`: `matmul_time`, `attention_time` (fp32 attention at
+    the bf16 peak: SDPA's flash kernels take only 2-byte inputs) or `memory_time`."""
+    if cost.kind == "matmul":
+        return matmul_time(
+            cost.m,
+            cost.n,
+            cost.k,
+            cost.dtype,
+            device,
+            assumptions,
+            batch=cost.batch,
+            out_bytes=cost.out_bytes,
+        )
+    if cost.kind == "attention":
+        dtype = cost.dtype if cost.dtype.itemsize == 2 else torch.bfloat16
+        return attention_time(cost.flops, device, assumptions, dtype)
+    return memory_time(cost.nbytes, device, assumptions)
 
 
 class OpTimer(TorchDispatchMode):
@@ -276,28 +374,10 @@ class OpTimer(TorchDispatchMode):
     ) -> tuple[str, float]:
         """(kind, seconds) of one op, before the launch floor; ("", 0.0) for ops that launch no kernel and for
         collectives (the communication model times those)."""
-        name = func.__name__.split(".")[0]
-        namespace = getattr(func, "namespace", "")
-        if (
-            getattr(func, "is_view", False)
-            or name in _FREE
-            or namespace == "prim"
-            or namespace in _COMMUNICATION
-        ):
+        cost = op_cost(func, args, kwargs, out)
+        if cost is None:
             return "", 0.0
-        a, device = self.assumptions, self.device
-        if name in _MATMULS:
-            x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-            batch = x.shape[0] if x.ndim == 3 else 1
-            m, k, n = x.shape[-2], x.shape[-1], w.shape[-1]
-            outs = _tensors(out)
-            size = outs[0].element_size() if outs else 2
-            return "matmul", matmul_time(m, n, k, x.dtype, device, a, batch=batch, out_bytes=size)
-        flops = _sdpa_flops(func, name, args, kwargs)
-        if flops is not None:
-            return "attention", attention_time(flops, device, a)
-        moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
-        return "memory", memory_time(moved, device, a)
+        return cost.kind, cost_time(cost, self.device, self.assumptions)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
+from .timing import OpCost, op_cost
 
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
@@ -149,6 +150,8 @@ class Collective:
     group: str
     size: int
     nbytes: int
+    phase: str = ""  # the engine phase it ran in (the tracker's `phase`)
+    backward: bool = False  # whether autograd's backward ran it
 
     @property
     def bus_bytes(self) -> int:
@@ -399,6 +402,8 @@ class StepTracker(TorchDispatchMode):
         self._module_name = module_name
         self.flops = 0
         self.collectives: list[Collective] = []
+        # the kernels and collectives in the order they ran, for the time model (accelfn/dryrun/step_time.py)
+        self.timeline: list[OpCost | Collective] = []
         self.events: list[tuple[int, int, _Alloc]] = []  # (seq, delta bytes, allocation)
         self._live: dict[int, _Alloc] = {}
         self._live_bytes = 0
@@ -517,7 +522,9 @@ class StepTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         coll = _collective(func, args, kwargs, out)
         if coll is not None:
+            coll.phase, coll.backward = self.phase, torch._C._current_autograd_node() is not None
             self.collectives.append(coll)
+            self.timeline.append(coll)
             for t in tree_flatten((args, out))[0]:
                 if isinstance(t, torch.Tensor):
                     self._see(t, comm=True)
@@ -528,6 +535,9 @@ class StepTracker(TorchDispatchMode):
         formula = self._registry.get(packet)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.timeline.append(cost)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._see(t)

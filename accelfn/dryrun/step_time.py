@@ -1,0 +1,219 @@
+"""A step's predicted time from what one rank ran (issue 30 item 2): `predict_step(timeline, ...)` replays the
+kernels and collectives the dry run recorded, in their order, on one compute stream and two communication
+streams, each op timed by the per-op model (`timing.cost_time`) and each collective by NCCL's cost model
+(`comm_time.collective_time`), with the overlap each strategy really has:
+
+- data-parallel all-gathers in the forward/backward (FSDP's): prefetched one ahead: issued when the previous
+  one was needed, so the first is exposed and each later one hides behind the compute of the block before it
+  (bounded by it);
+- data-parallel reduce-scatters and all-reduces in the forward/backward (FSDP's, DDP's buckets): issued when
+  their gradients are ready, on their own stream; the step waits for the last one before the update (so the
+  last is exposed);
+- everything else (tensor/context-parallel collectives, the clip's and the loss's all-reduces, pipeline
+  sends and receives): on the critical path;
+- the pipeline's bubble: the idle time of a stage while the schedule fills and drains, `(pp - 1) / (m v)` of
+  the stage's busy time for `m` micro-batches and `v` stages per rank (Narayanan et al. 2021: 1F1B `v = 1`,
+  interleaved 1F1B `v = 2`);
+- under `af.compile` no launch floor, and each run of memory-bound kernels between two matmuls, attention
+  kernels or collectives is one fused kernel moving what its largest op moves (an assumption: inductor's
+  fusion).
+
+Example:
+    >>> from accelfn.platforms.specs import spec
+    >>> from accelfn.dryrun.timing import OpCost
+    >>> from accelfn.dryrun.tracker import Collective
+    >>> mm = OpCost("matmul", 8192, 8192, 8192)
+    >>> ag = Collective("all_gather", "g", 8, 2**28, phase="forward_backward")
+    >>> t = predict_step([ag, mm, ag, mm], spec("h100-sxm"), groups={"g": ("fsdp",)})
+    >>> t.exposed_comm_s < t.comm_s, t.step_s > t.compute_s  # the second all-gather hides behind a matmul
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ..mesh import GRAD_AXES
+from ..platforms.specs import DeviceSpec
+from .comm_time import CommAssumptions, collective_time, group_nodes
+from .layout import _intra_node
+from .timing import OpCost, TimingAssumptions, cost_time
+from .tracker import Collective
+
+__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of"]
+
+
+@attrs.frozen
+class Pipeline:
+    """A pipeline's shape for the bubble: `stages` ranks, `microbatches` per step, `stages_per_rank` (v)."""
+
+    stages: int
+    microbatches: int
+    stages_per_rank: int = 1
+
+
+@attrs.frozen
+class StepTime:
+    """A predicted step: `step_s` = compute + exposed communication + bubble. `compute_s` is the compute
+    stream's kernel time (by kind in `by_kind`), `comm_s` all collectives' time, `exposed_comm_s` what of it the
+    compute stream waited for, `bubble_s` the pipeline's idle time, `kernels` launched and `launch_bound` those
+    the eager launch floor set; `assumes` every figure used."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    by_kind: dict[str, float]
+    kernels: int
+    launch_bound: int
+    assumes: dict[str, Any]
+
+
+def pipeline_of(strategy: str) -> Pipeline | None:
+    """The `Pipeline` a step's description names (`af.pipeline`'s `describe()`), or None.
+
+    Example:
+        >>> pipeline_of("pipeline(interleaved_1f1b, pp=8, stages [0, 8] of 16, 32 micro-batches) over ...")
+        Pipeline(stages=8, microbatches=32, stages_per_rank=2)
+    """
+    m = re.search(r"pipeline\((\w+), pp=(\d+), stages \[[^\]]*\] of (\d+), (\d+) micro-batches", strategy)
+    if m is not None:
+        pp, n_stages, micro = int(m[2]), int(m[3]), int(m[4])
+        return Pipeline(pp, micro, max(1, n_stages // pp))
+    m = re.search(r"pipeline\((\w+), pp=(\d+), microbatches=(\d+)\)", strategy)
+    if m is not None:
+        from ..transforms.pipeline import SCHEDULES
+
+        info = SCHEDULES.get(m[1])
+        return Pipeline(int(m[2]), int(m[3]), info.stages_per_rank if info is not None else 1)
+    return None
+
+
+def _where(
+    c: Collective, groups: Mapping[str, tuple[str, ...]], shape: Mapping[str, int], nproc_per_node: int
+) -> tuple[tuple[str, ...], int]:
+    axes = groups.get(c.group, ())
+    intra = _intra_node(axes, dict(shape), nproc_per_node) if axes else c.size <= nproc_per_node
+    return axes, group_nodes(c.size, intra, nproc_per_node)
+
+
+def predict_step(
+    timeline: Sequence[Any],
+    device: DeviceSpec,
+    *,
+    groups: Mapping[str, tuple[str, ...]] | None = None,
+    shape: Mapping[str, int] | None = None,
+    nproc_per_node: int = 8,
+    compiled: bool = False,
+    pipeline: Pipeline | None = None,
+    timing: TimingAssumptions | None = None,
+    comm: CommAssumptions | None = None,
+) -> StepTime:
+    """The predicted time of one step from its `timeline` (the dry run's `Measured.timeline`: `OpCost`s and
+    `Collective`s in the order they ran) on `device`; `groups` maps process group names to the mesh axes they
+    span (`shape` the mesh, row-major, `nproc_per_node` ranks per node); `compiled` the step runs under
+    `af.compile`. See the module docs for the model."""
+    groups = groups or {}
+    shape = shape or {}
+    ta = attrs.evolve(timing or TimingAssumptions(), eager=not compiled)
+    ca = comm or CommAssumptions()
+    floor = ta.launch_s if ta.eager else 0.0
+    by_kind = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
+    kernels = launch_bound = 0
+    now = 0.0  # the compute stream's clock
+    waited = 0.0  # time the compute stream spent waiting for communication
+    gather_free = reduce_free = 0.0  # when the all-gather and reduce-scatter streams are free
+    prev_need = 0.0  # when the previous prefetched all-gather was needed
+    pending = 0.0  # when the last asynchronous reduction ends
+    comm_s = 0.0
+    fused = 0  # bytes of the largest memory-bound op of the current run (compiled)
+
+    def compute(seconds: float, kind: str) -> None:
+        nonlocal now, kernels, launch_bound
+        if seconds < floor:
+            launch_bound += 1
+        seconds = max(seconds, floor)
+        by_kind[kind] += seconds
+        now += seconds
+        kernels += 1
+
+    def flush() -> None:
+        nonlocal fused
+        if fused:
+            compute(cost_time(OpCost("memory", nbytes=fused), device, ta), "memory")
+            fused = 0
+
+    def wait(until: float) -> None:
+        nonlocal now, waited
+        if until > now:
+            waited += until - now
+            now = until
+
+    in_fb = False
+    for ev in timeline:
+        if isinstance(ev, OpCost):
+            if ev.kind == "memory" and compiled:
+                fused = max(fused, ev.nbytes)
+                continue
+            flush()
+            compute(cost_time(ev, device, ta), ev.kind)
+            continue
+        if not isinstance(ev, Collective):
+            continue
+        flush()
+        if in_fb and ev.phase != "forward_backward":
+            wait(pending)  # the update needs every gradient
+        in_fb = ev.phase == "forward_backward"
+        axes, nodes = _where(ev, groups, shape, nproc_per_node)
+        seconds = collective_time(ev.kind, ev.nbytes, ev.size, nodes, device, ca)
+        comm_s += seconds
+        data = bool(axes) and set(axes) <= set(GRAD_AXES) and in_fb
+        if data and ev.kind == "all_gather":
+            start = max(gather_free, prev_need)
+            gather_free = start + seconds
+            prev_need = now
+            wait(gather_free)
+        elif data and ev.kind in ("reduce_scatter", "all_reduce"):
+            reduce_free = max(reduce_free, now) + seconds
+            pending = max(pending, reduce_free)
+        else:
+            wait(now + seconds)
+    flush()
+    wait(pending)
+    compute_s = sum(by_kind.values())
+    bubble = 0.0
+    if pipeline is not None and pipeline.stages > 1:
+        bubble = now * (pipeline.stages - 1) / (pipeline.microbatches * pipeline.stages_per_rank)
+    assumes: dict[str, Any] = {
+        **{k: v for k, v in attrs.asdict(ta).items() if k != "gemm_efficiency"},
+        "gemm_efficiency": ta.gemm(device),
+        "sm_count": ta.sms(device),
+        "memory_gbs": device.memory_gbs,
+        **attrs.asdict(ca),
+        "intra_node_gbs": device.intra_node_gbs,
+        "inter_node_gbs": device.inter_node_gbs,
+        "compiled": compiled,
+        "fusion": "compiled: each run of memory-bound kernels between matmuls/attention/collectives is one "
+        "kernel moving its largest op's bytes"
+        if compiled
+        else "eager: one kernel per op",
+        "overlap": "data-parallel all-gathers prefetched one ahead, reductions async until the update; "
+        "other collectives on the critical path",
+        "pipeline": attrs.asdict(pipeline) if pipeline is not None else None,
+    }
+    return StepTime(
+        step_s=now + bubble,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        exposed_comm_s=waited,
+        bubble_s=bubble,
+        by_kind=by_kind,
+        kernels=kernels,
+        launch_bound=launch_bound,
+        assumes=assumes,
+    )

@@ -4,6 +4,8 @@ batch (tests/workers/ep_worker.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +17,7 @@ import accelfn as af
 from accelfn import mesh as _mesh
 from accelfn.moe import AllToAllDispatcher, ep_forward
 from accelfn.transforms.shard.expert_parallel import expert_params, model_ep_plan
-from tests._launch import expect_ok, run_workers
+from tests._launch import ROOT, expect_ok, launch_command, output_of, run_workers
 
 EXPERTS = 4
 
@@ -150,3 +152,13 @@ def test_dp2_x_ep2_on_four_processes_equals_one_process():
     expert once."""
     configs = ["qwen:clip", "user:to=0"]
     expect_ok(run_workers("ep_worker.py", 4, "dp=2,ep=2", *configs, timeout=300), configs, 4)
+
+
+@pytest.mark.slow
+def test_example_train_moe_under_accelfn_launch_with_an_ep_axis():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELFN_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    cmd = launch_command(ROOT / "examples" / "train_moe.py", 2, ("--steps", "20"), ("--mesh", "ep=2"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "CHECK moe loss falls: OK" in proc.stdout, output_of(proc)
+    assert "each rank holds 4 of 8 experts" in proc.stdout, output_of(proc)

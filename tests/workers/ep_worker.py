@@ -155,7 +155,7 @@ def check(mesh, kind, options):
     step = af.shard(step, mesh, inputs="global", ep_plan=USER_PLAN if kind == "user" else None)
     state = step.init(make_model(kind, to), seed=3)
     text = repr(step)
-    assert "expert_parallel(ep=" in text and f"ep={mesh.axis_size('ep')}: " in text, text
+    assert "expert_parallel(ep=" in text and f"{EXPERTS // mesh.axis_size('ep')} of {EXPERTS} experts per rank" in text, text
     experts = [n for n in state.params if "experts" in n]
     ep = mesh.axis_size("ep")
     for n in experts:

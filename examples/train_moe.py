@@ -1,0 +1,88 @@
+"""A small mixture of experts (a `transformers` Qwen3-MoE config, no weights) trained with expert parallelism:
+each of the `ep` processes holds `experts / ep` experts of every MoE layer, reads its own rows (data-parallel for
+the attention and embeddings) and sends each token to the ranks of its top-k experts by all-to-all.
+
+    accelfn launch --nproc-per-node 2 --cpu --mesh ep=2 examples/train_moe.py
+    accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,ep=2 examples/train_moe.py
+    python examples/train_moe.py                        # one process: every expert local
+
+The model's own plan (`config.base_model_ep_plan`) says which parameters are stacked over experts; the mesh
+comes from `--mesh` (`af.Mesh.from_env()`). Ends with `CHECK moe loss falls: OK` (else FAILED, exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import accelfn as af
+
+
+def make_model(experts: int, seed: int) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # transformers zero-initialises the routers (it expects pretrained weights)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.02)
+    return model
+
+
+def make_data(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """Sequences that count up by a per-row stride (mod 64): learnable next-token prediction."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 64, (rows, 1), generator=g), torch.randint(1, 4, (rows, 1), generator=g)
+    return {"input_ids": (start + stride * torch.arange(seq)) % 64}
+
+
+def loss_fn(model, batch):
+    ids = batch["input_ids"]
+    return af.losses.cross_entropy(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of ep)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per process per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    with af.Mesh.from_env(device="cpu") as mesh:
+        step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.0), clip_grad_norm=1.0)
+        step = af.shard(step, mesh)  # an ep axis: experts split over it (the model's own ep_plan)
+        state = step.init(make_model(args.experts, args.seed), seed=args.seed)
+        loader = af.data.DataLoader(make_data(512, 16, args.seed), batch_size=args.batch_size, mesh=mesh,
+                                    shuffle=True, seed=args.seed, drop_last=True)  # fmt: skip
+        if mesh.is_main:
+            print(step)
+        losses: list[float] = []
+        while len(losses) < args.steps:
+            for batch in loader:
+                state, metrics = step(state, batch)
+                losses.append(metrics["loss"].item())
+                if mesh.is_main and len(losses) % 10 == 0:
+                    print(
+                        f"step {len(losses)}: loss {losses[-1]:.3f}, grad norm {metrics['grad_norm'].item():.3f}"
+                    )
+                if len(losses) == args.steps:
+                    break
+        ep = mesh.axis_size("ep") if "ep" in mesh.axis_names else 1
+        local = state.params["model.layers.0.mlp.experts.gate_up_proj"]
+        held = (local.to_local() if hasattr(local, "to_local") else local).shape[0]
+        ok = losses[-1] < 0.7 * losses[0] and held == args.experts // ep
+        if mesh.is_main:
+            print(
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; each rank holds {held} of {args.experts} experts"
+            )
+            print(f"CHECK moe loss falls: {'OK' if ok else 'FAILED'}")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of ep)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 

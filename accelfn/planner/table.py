@@ -39,10 +39,14 @@ class Row:
     states: int = 0  # params, buffers, grads and optimizer state on the device, per rank
     error_band: float | None = None  # the prediction's expected relative error, where the time model gives it
 
+    exposed_s: float | None = None  # the prediction's exposed communication, where the time model gives it
+
     @property
     def exposed_comm_s(self) -> float | None:
-        """The step time not spent computing (communication not hidden, and the bubble when the model counts
-        it there)."""
+        """The communication not hidden behind compute: the prediction's own figure, else the step time not
+        spent computing or in the bubble."""
+        if self.exposed_s is not None:
+            return self.exposed_s
         if self.step_time_s is None or self.compute_s is None:
             return None
         return max(0.0, self.step_time_s - self.compute_s - (self.bubble_s or 0.0))
@@ -67,6 +71,7 @@ class Row:
                 int(report["per_rank"].get(k, 0)) for k in ("params", "buffers", "grads", "optimizer")
             ),
             error_band=p.get("error_band"),
+            exposed_s=p.get("exposed_comm_s"),
         )
 
     def to_dict(self) -> dict[str, Any]:

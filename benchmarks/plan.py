@@ -1,0 +1,95 @@
+"""How long `accelfn plan` takes at full scale on this machine, and how much host memory it uses (issue 30 item 6).
+
+Each row runs `accelfn plan` on examples/train_llama.py unmodified (a `transformers` Llama config, no weights,
+built on the meta device) in a fresh process and reads the peak RSS of the planner and of its two dry-run
+workers (`os.wait4` on the planner: the largest of the processes it waited for). train_llama.py fixes its
+strategy (fsdp), remat and per-rank batch by flags, so the plan searches the mesh (dp, tp, pp, cp; tp and cp
+inside a node) and keeps the rest. The targets (issue 30): 8B on 64 GPUs <= 5 min, 70B on 256 <= 10, 405B on
+512 <= 15, host memory <= 4 GiB.
+
+    python benchmarks/plan.py            # prints a markdown table
+    python benchmarks/plan.py --only 0   # the 8B row
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "examples" / "train_llama.py"
+
+ROWS = [  # name, nproc per node, nodes, script args, target seconds
+    ("8B, 64 H100s", 8, 8, ("--model", "8b", "--remat", "selective"), 300),
+    ("70B, 256 H100s", 8, 32, ("--model", "70b", "--remat", "full"), 600),
+    ("405B, 512 H100s", 8, 64, ("--model", "405b", "--remat", "full"), 900),
+]
+COMMON = ("--seq-len", "8192", "--bf16", "--init", "meta")
+
+
+def run(row: tuple, budget_minutes: float) -> dict:
+    name, nproc, nnodes, args, target = row
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        cmd = [sys.executable, "-m", "accelfn.cli.main", "plan", "--nproc-per-node", str(nproc), "--nnodes",
+               str(nnodes), "--budget-minutes", str(budget_minutes), "--no-progress", "--json", str(out),
+               str(SCRIPT), *args, *COMMON]  # fmt: skip
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        stdout, stderr = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
+        code = os.waitstatus_to_exitcode(status)
+        if code not in (0, 3):
+            raise SystemExit(f"{name}: exit {code}\n{stdout}\n{stderr[-4000:]}")
+        plan = json.loads(out.read_text())
+    chosen = plan["chosen"] or {}
+    return {
+        "name": name,
+        "seconds": seconds,
+        "target": target,
+        "rss_gib": usage.ru_maxrss / 2**20,  # KiB on Linux
+        "candidates": plan["candidates"],
+        "dry_runs": plan["dry_runs"],
+        "tiers": plan["tiers"],
+        "chosen": chosen.get("candidate", {}).get("label", "none fits"),
+        "tokens": chosen.get("tokens_per_s_per_gpu"),
+        "peak_gib": chosen["peak"] / 2**30 if chosen else None,
+        "table": stdout,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", type=int, default=None, help="run one row (0-based)")
+    p.add_argument(
+        "--budget-minutes", type=float, default=None, help="the planner's budget (default: the target)"
+    )
+    p.add_argument("--verbose", action="store_true", help="also print each plan's table")
+    args = p.parse_args()
+    rows = ROWS if args.only is None else [ROWS[args.only]]
+    print("| model, world (seq 8192, bf16, meta init) | plan time | target | host peak RSS (largest process) | "
+          "candidates | dry runs | fell: lowering / does not fit / budget | chosen | tokens/s/GPU | peak/GPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        budget = args.budget_minutes or row[4] / 60 * 0.9
+        r = run(row, budget)
+        t = r["tiers"]
+        print(
+            f"| {r['name']} | {r['seconds']:.0f} s | <= {r['target']} s | {r['rss_gib']:.2f} GiB | "
+            f"{r['candidates']} | {r['dry_runs']} | {t['lowering']} / {t['does not fit']} / {t['budget']} | "
+            f"{r['chosen']} | {r['tokens'] or 0:,.0f} | {r['peak_gib'] or 0:.1f} GiB |",
+            flush=True,
+        )
+        if args.verbose:
+            print(r["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from .. import launch_env
+from .calibrate import Calibration
 from .candidates import Candidate, Space, enumerate_candidates
 from .prune import States, illegal, states_bound
 from .search import Job, Pool
@@ -52,7 +53,7 @@ def _probe(
 def _job(c: Candidate, base: Job) -> Job:
     """The dry run of `c`: `base` (the script, the world, the device) with its mesh and knobs."""
     env = tuple((launch_env.KNOBS[k][0], str(v)) for k, v in c.knobs().items())
-    rank: int | str = "worst" if c.mesh.get("pp", 1) > 1 else 0
+    rank: int | str = "ends" if c.mesh.get("pp", 1) > 1 else 0
     return attrs.evolve(base, mesh=c.mesh_spec or None, env=env, rank=rank)
 
 
@@ -71,6 +72,7 @@ def plan(
     progress: bool = False,
     prune: bool = True,
     memory_gib: float | None = None,
+    calibration: Calibration | None = None,
 ) -> Plan:
     """Search the configurations of `script` (run unmodified, with `args`) on `nproc_per_node` x `nnodes`
     devices of row `gpu` (default h100-sxm) and return the `Plan`: candidates ranked by predicted tokens/s per
@@ -83,6 +85,8 @@ def plan(
     the script leaves it open). `budget_minutes` bounds the dry runs (those not started by then fall at the
     tier "budget"); `workers` dry runs run at a time, each in its own spawned process (1: in this one).
     `memory_gib` is the usable memory per device (default: the row's memory less the dry run's reserve).
+    `calibration` (`accelfn.planner.calibrate.load(gpu)`, from `accelfn plan --calibrate RUN_DIR`) scales the
+    compute model to the measured runs on that device and gives each row its error band.
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
 
     Example:
@@ -118,6 +122,11 @@ def plan(
         raise ValueError(f"af.plan: gpu={gpu!r}: {e}") from None
     reserve: int | None = None
     capacity = spec.memory_bytes - Assumptions().reserve_bytes
+    scale, band = 1.0, None
+    if calibration is not None:
+        if calibration.gpu != gpu:
+            raise ValueError(f"af.plan: the calibration is of {calibration.gpu!r}, the plan is for {gpu!r}")
+        scale, band = calibration.scale, calibration.residual
     if memory_gib is not None:
         _check("memory_gib", memory_gib, minimum=0)
         capacity = int(memory_gib * 2**30)
@@ -168,7 +177,9 @@ def plan(
         notes: list[str] = []
         deadline = start + budget_minutes * 60
         bar = _bar(len(survivors), progress)
-        base = Job(text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve)
+        base = Job(
+            text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve, scale=scale
+        )
         by_job: dict[Job, Candidate] = {}
         first: dict[str, Candidate] = {}
         for c in survivors:
@@ -194,6 +205,8 @@ def plan(
                     )
                     return
                 row = Row.of(c, report)
+                if band is not None and row.error_band is None:
+                    row = attrs.evolve(row, error_band=band)
                 if row.fits is False:
                     unfit.append(row)
                     fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
@@ -221,7 +234,12 @@ def plan(
     rows.sort(key=lambda r: (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak))
     if "mesh" in open_knobs and any(f.tier == "script fixes the mesh" for f in fallen):
         notes.append("the script fixes its mesh (it does not read af.Mesh.from_env()): the plan keeps it")
-    if rows and rows[0].error_band is None:
+    if calibration is not None:
+        notes.append(
+            f"calibrated on {gpu} from {len(calibration.points)} run(s): compute model x {calibration.scale:.3f}, "
+            f"residual {calibration.residual:.1%}"
+        )
+    elif rows and rows[0].error_band is None:
         notes.append("the predictions carry no error band yet (uncalibrated time model): compare close rows "
                      "with care")  # fmt: skip
     return Plan(

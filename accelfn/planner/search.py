@@ -41,8 +41,11 @@ class Job:
     env: tuple[tuple[str, str], ...] = ()
     device: str = "cuda"
     gpu: str | None = None
-    rank: int | str = 0
+    rank: int | str = (
+        0  # or "ends": the first and the last rank (a pipeline's first and last stages), the worse
+    )
     reserve_bytes: int | None = None  # the device memory kept free (None: the dry run's default)
+    scale: float = 1.0  # the calibrated compute speed (`calibrate.scaled_assumptions`)
 
     @property
     def world(self) -> int:
@@ -52,7 +55,8 @@ class Job:
 def run_job(job: Job) -> dict[str, Any]:
     """Run `job` in this process: `{"report": dict, "asked": [...]}`, or `{"error": str, "lowering": bool,
     "asked": [...]}` where the script (its lowering, when `lowering`) raised."""
-    from ..dryrun import Assumptions, dry_run
+    from ..dryrun import dry_run
+    from .calibrate import scaled_assumptions
 
     knob_vars = [var for var, _ in launch_env.KNOBS.values()]
     saved = {k: os.environ.get(k) for k in (*knob_vars, launch_env.ACCELFN_MESH)}
@@ -61,22 +65,26 @@ def run_job(job: Job) -> dict[str, Any]:
     os.environ.update(dict(job.env))
     launch_env.ASKED.clear()
     quiet = io.StringIO()  # the script's own prints
+    ranks = [0, job.world - 1] if job.rank == "ends" else [job.rank]
     try:
-        with contextlib.redirect_stdout(quiet):
-            report = dry_run(
-                job.script,
-                job.args,
-                nproc_per_node=job.nproc_per_node,
-                nnodes=job.nnodes,
-                device=job.device,
-                gpu=job.gpu,
-                mesh=job.mesh,
-                rank=job.rank,
-                search=False,
-                assumptions=Assumptions()
-                if job.reserve_bytes is None
-                else Assumptions(reserve_bytes=job.reserve_bytes),
-            )
+        reports = []
+        for rank in ranks:
+            with contextlib.redirect_stdout(quiet):
+                reports.append(
+                    dry_run(
+                        job.script,
+                        job.args,
+                        nproc_per_node=job.nproc_per_node,
+                        nnodes=job.nnodes,
+                        device=job.device,
+                        gpu=job.gpu,
+                        mesh=job.mesh,
+                        rank=rank,
+                        search=False,
+                        assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes),
+                    )
+                )
+        report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
         return {"report": report.to_dict(), "asked": sorted(launch_env.ASKED)}
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
         lowering = isinstance(e, (ValueError, NotImplementedError))

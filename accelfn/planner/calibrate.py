@@ -1,0 +1,184 @@
+"""Calibration from real runs (issue 30 item 4): the measured step times of a run (`af.Meter`'s `step_time`,
+as a tracker wrote them to `RUN_DIR/metrics.jsonl`) against the dry run of the configuration it ran, to fit
+the device's compute efficiency; the plan's later predictions on that device use it and carry the fit's error.
+
+The fit has one term per device, `scale`: every efficiency of the compute model (GEMMs, attention, memory-bound
+ops, the flat `compute_efficiency` of the older model) times `scale` and the eager launch floor over it, so that
+the predicted compute time is exactly the model's over `scale`; communication and the bubble are left as the
+model has them. Each calibrated run adds a point (its predicted compute `c`, the rest of its step `n`, its
+measured step `m`) to the store, and `scale` is the least-squares fit of `c / scale + n = m` over the points;
+the residual (root mean square of the relative misses) is the error band the plan prints. With one point the
+fit is exact and the band is the spread of the measured step times.
+
+Example:
+    >>> points = [Point(compute_s=1.0, other_s=0.5, measured_s=2.5, run="a", label="dp=8")]
+    >>> Calibration.fit("h100-sxm", points).scale
+    0.5
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["Point", "Calibration", "read_step_times", "scaled_assumptions", "default_store", "load", "save"]
+
+EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "compute_efficiency")
+
+
+@attrs.frozen
+class Point:
+    """One calibrated run: the model's compute time and the rest of its predicted step (communication not
+    hidden, bubble) at scale 1, and the measured step time (the median over the run's logged steps)."""
+
+    compute_s: float
+    other_s: float
+    measured_s: float
+    run: str
+    label: str
+    spread: float = 0.0  # relative spread of the measured step times (stdev / median)
+
+
+@attrs.frozen
+class Calibration:
+    """The fitted `scale` of a device row (`gpu`), its `residual` (relative), and the points it came from."""
+
+    gpu: str
+    scale: float
+    residual: float
+    points: tuple[Point, ...]
+
+    @classmethod
+    def fit(cls, gpu: str, points: Sequence[Point]) -> Calibration:
+        """Least squares of `compute / scale + other = measured` over `points` (see the module's docstring)."""
+        if not points:
+            raise ValueError("calibration: no measured runs to fit")
+        num = sum(p.compute_s * (p.measured_s - p.other_s) for p in points)
+        den = sum(p.compute_s**2 for p in points)
+        if den <= 0 or num <= 0:
+            raise ValueError(
+                "calibration: the measured step times are shorter than the predicted communication and bubble "
+                f"alone ({[(p.label, p.measured_s, p.other_s) for p in points]}): the fit has no compute left"
+            )
+        inverse = num / den
+        misses = [(p.compute_s * inverse + p.other_s - p.measured_s) / p.measured_s for p in points]
+        residual = math.sqrt(sum(x * x for x in misses) / len(misses))
+        if len(points) == 1:
+            residual = max(residual, points[0].spread)
+        return cls(gpu=gpu, scale=1.0 / inverse, residual=residual, points=tuple(points))
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        return cls(
+            gpu=data["gpu"],
+            scale=float(data["scale"]),
+            residual=float(data["residual"]),
+            points=tuple(Point(**p) for p in data["points"]),
+        )
+
+
+def read_step_times(run_dir: str | Path) -> list[float]:
+    """The `step_time` of every record of `run_dir/metrics.jsonl` (`af.Meter.figures()` logged by a tracker),
+    the first left out when there are several (it holds the warm-up); errors name the run."""
+    from ..cli.plot import PlotError, read_metrics
+
+    try:
+        records = read_metrics(run_dir)
+    except PlotError as e:
+        raise ValueError(f"calibration: {e}") from None
+    times = [float(r["step_time"]) for r in records if isinstance(r.get("step_time"), (int, float))]
+    if not times:
+        raise ValueError(
+            f"calibration: {run_dir} has no 'step_time' in its metrics.jsonl: log af.Meter's figures "
+            "(tracker.log(meter.figures(), step=...)) in the run to calibrate from it"
+        )
+    return times[1:] if len(times) > 1 else times
+
+
+def point(run_dir: str | Path, report: dict[str, Any], label: str) -> Point:
+    """The calibration point of a run and the dry run of its configuration (at scale 1)."""
+    times = read_step_times(run_dir)
+    measured = statistics.median(times)
+    p = report.get("predicted") or {}
+    if not p.get("compute_s"):
+        raise ValueError("calibration: the dry run predicted no compute time (no device row to time against)")
+    spread = statistics.pstdev(times) / measured if len(times) > 1 and measured > 0 else 0.0
+    return Point(
+        compute_s=float(p["compute_s"]),
+        other_s=float(p["step_time_s"]) - float(p["compute_s"]),
+        measured_s=measured,
+        run=str(run_dir),
+        label=label,
+        spread=spread,
+    )
+
+
+def scaled_assumptions(scale: float, gpu: str | None, reserve_bytes: int | None = None) -> Any:
+    """The dry run's `Assumptions` with the compute model's efficiencies times `scale` (and the launch floor
+    over it): the predicted compute time over `scale`.
+
+    Example:
+        >>> a = scaled_assumptions(1.0, "h100-sxm")
+        >>> type(a).__name__
+        'Assumptions'
+    """
+    from ..dryrun.report import Assumptions
+    from ..platforms import specs
+
+    base = Assumptions() if reserve_bytes is None else Assumptions(reserve_bytes=reserve_bytes)
+    if scale == 1.0:
+        return base
+    timing = getattr(base, "timing", None)
+    if timing is None:  # the flat model: one compute efficiency
+        flat = base.compute_efficiency * scale  # type: ignore[attr-defined, unused-ignore]
+        return attrs.evolve(base, compute_efficiency=flat)  # type: ignore[call-arg, unused-ignore]
+    changes: dict[str, Any] = {}
+    for name in EFFICIENCIES:
+        value = getattr(timing, name, None)
+        if name == "gemm_efficiency" and value is None and gpu is not None and hasattr(timing, "gemm"):
+            value = timing.gemm(specs.spec(gpu))  # the device's measured figure
+        if isinstance(value, float):
+            changes[name] = value * scale
+    if isinstance(getattr(timing, "launch_s", None), float):
+        changes["launch_s"] = timing.launch_s / scale
+    return attrs.evolve(base, timing=attrs.evolve(timing, **changes))
+
+
+def default_store() -> Path:
+    """Where calibrations are kept: beside the launcher's default config (`~/.cache/accelfn/calibration.json`)."""
+    from ..launch.config import default_config_path
+
+    return default_config_path().parent / "calibration.json"
+
+
+def load(gpu: str, store: str | Path | None = None) -> Calibration | None:
+    """The calibration of device row `gpu` in `store` (default `default_store()`), or None."""
+    path = Path(store) if store is not None else default_store()
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return Calibration.from_dict(data[gpu]) if gpu in data else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"calibration file {str(path)!r} cannot be read: {e}") from None
+
+
+def save(calibration: Calibration, store: str | Path | None = None) -> Path:
+    """Write `calibration` under its device row in `store` (the other rows kept), atomically."""
+    path = Path(store) if store is not None else default_store()
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[calibration.gpu] = calibration.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path

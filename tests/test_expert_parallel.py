@@ -122,7 +122,9 @@ def test_ep_refusals_name_the_culprit(ep2):
         _step(ep2).init(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="stacks 3 experts on dim 0, which ep=2 does not divide"):
         _step(ep2).init(qwen(experts=3))
-    with pytest.raises(ValueError, match="combines with strategy='ddp'.*not strategy='fsdp'"):
+    with pytest.raises(ValueError, match="combines with strategy 'ddp' or 'fsdp'.*not strategy='local_sgd'"):
+        _step(ep2, strategy="local_sgd")
+    with pytest.raises(ValueError, match="FSDP-sharded over the data axes other than ep.*has none"):
         _step(ep2, strategy="fsdp")
     with pytest.raises(
         ValueError, match=r"ep_plan entry 'experts' \(ep_dispatch_experts\) matches no module"
@@ -147,11 +149,12 @@ def test_ep2_equals_one_process():
 
 
 @pytest.mark.slow
-def test_dp2_x_ep2_on_four_processes_equals_one_process():
-    """Experts summed over dp only (each ep rank holds other experts: not ep x too large), the norm counting each
-    expert once."""
-    configs = ["qwen:clip", "user:to=0"]
-    expect_ok(run_workers("ep_worker.py", 4, "dp=2,ep=2", *configs, timeout=300), configs, 4)
+def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
+    """ddp: experts summed over the other data axis only (each ep rank holds other experts: not ep x too large);
+    fsdp: dense layers sharded over all 4 ranks, experts FSDP-sharded over fsdp within their ep rank (efsdp);
+    the norm counting each expert once."""
+    configs = ["qwen:clip", "user:to=0", "qwen:fsdp", "qwen:fsdp:clip:to=1", "user:fsdp:to=0"]
+    expect_ok(run_workers("ep_worker.py", 4, "fsdp=2,ep=2", *configs, timeout=300), configs, 4)
 
 
 @pytest.mark.slow

@@ -139,6 +139,7 @@ def check_identity(mesh):
 
 
 def check(mesh, kind, options):
+    strategy = "fsdp" if "fsdp" in options else "ddp"
     to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
     clip = 0.05 if "clip" in options else 1e9
     data = batches()
@@ -152,7 +153,7 @@ def check(mesh, kind, options):
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
 
     step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
-    step = af.shard(step, mesh, inputs="global", ep_plan=USER_PLAN if kind == "user" else None)
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None)
     state = step.init(make_model(kind, to), seed=3)
     text = repr(step)
     assert "expert_parallel(ep=" in text and f"{EXPERTS // mesh.axis_size('ep')} of {EXPERTS} experts per rank" in text, text
@@ -160,7 +161,9 @@ def check(mesh, kind, options):
     ep = mesh.axis_size("ep")
     for n in experts:
         p = state.params[n]
-        assert p.placements[0].is_shard() and p.to_local().shape[0] == EXPERTS // ep, (n, p)
+        names = p.device_mesh.mesh_dim_names
+        assert "ep" in names and p.placements[names.index("ep")].is_shard(), (n, p)
+        assert p.to_local().shape[0] == EXPERTS // ep // (2 if strategy == "fsdp" else 1), (n, p)
     tol = 2e-5
     for i, b in enumerate(data):
         state, m = step(state, b)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ... import tree as _tree
 from ...dtensor import local_tensor
+from ...engine.contract import summed_axes
 from ...mesh import Mesh
 
 
@@ -114,6 +115,34 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None
             f"the ranks' models differ: {diff}. Every rank must build the same model (on the meta device or not) "
             "and freeze the same params (requires_grad) before step.init()"
         )
+
+
+NOT_SUMMED = object()  # `split_groups`: a param whose gradient no other rank shares
+
+
+def split_groups(mesh: Mesh, module: nn.Module) -> dict[str, Any]:
+    """The params split over a gradient axis (experts over `ep`), each with the group its gradient is summed over
+    (`NOT_SUMMED` when it is split over every gradient axis); see `contract.summed_axes`."""
+    out: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        axes = summed_axes(p, mesh.grad_axes)
+        if axes != mesh.grad_axes:
+            out[name] = mesh.axes_group(axes) if axes else NOT_SUMMED
+    return out
+
+
+def split_units(mesh: Mesh, module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """The modules that own params split over a gradient axis (experts modules under ep), each with the gradient
+    axes its params are summed over (FSDP shards such a module over those: torchtitan's `efsdp`)."""
+    out: list[tuple[nn.Module, tuple[str, ...]]] = []
+    for m in module.modules():
+        axes = {summed_axes(p, mesh.grad_axes) for p in m._parameters.values() if p is not None}
+        axes.discard(mesh.grad_axes)
+        if len(axes) > 1:
+            raise ValueError(f"{type(m).__name__} has params split over different mesh axes: {sorted(axes)}")
+        if axes:
+            out.append((m, axes.pop()))
+    return out
 
 
 def broadcast_from_first(

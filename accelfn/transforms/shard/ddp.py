@@ -24,25 +24,23 @@ import torch.distributed as dist
 from torch import nn
 
 from ...dtensor import local_tensor
-from ...engine.contract import GradSync, summed_axes
+from ...engine.contract import GradSync
 from ...module import move
 from ...optim.clip import global_norm
 from .common import (
+    NOT_SUMMED,
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
     group_size,
     max_over,
     mean_metrics,
+    split_groups,
 )
 
 if TYPE_CHECKING:
     from ...engine import Plan
-    from ...mesh import Mesh
     from . import Shard
-
-
-NOT_SUMMED = object()  # `DDPSync.build(groups=...)`: a param whose gradient no other rank shares
 
 
 @attrs.define
@@ -194,17 +192,6 @@ class DDPSync(GradSync):
         return mean_metrics(values, self.group)
 
 
-def _split_groups(mesh: Mesh, module: nn.Module) -> dict[str, Any]:
-    """The params split over a gradient axis (experts over `ep`), each with the group its gradient is summed over
-    (`NOT_SUMMED` when it is split over every gradient axis)."""
-    out: dict[str, Any] = {}
-    for name, p in module.named_parameters():
-        axes = summed_axes(p, mesh.grad_axes)
-        if axes != mesh.grad_axes:
-            out[name] = mesh.axes_group(axes) if axes else NOT_SUMMED
-    return out
-
-
 def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
     from ...module import slots_of
 
@@ -214,7 +201,7 @@ def lower_ddp(shard: Shard, plan: Plan) -> DDPSync:
         mesh.grad_group()
     )  # the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
     check_same_model(plan.module, group)
-    groups = _split_groups(mesh, plan.module)
+    groups = split_groups(mesh, plan.module)
     broadcast_from_first(plan.module, group, groups, NOT_SUMMED)
     overlap = mesh.platform.overlaps_communication() if shard.overlap is None else shard.overlap
     sync = DDPSync(group, int(shard.bucket_mb * 2**20), overlap=overlap)

@@ -167,8 +167,7 @@ class ExpertParallel(TransformBase):
             m.forward = functools.partial(ep_forward, m, AllToAllDispatcher(group, experts, self.size))
         per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
         plan.notes.append(
-            f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, "
-            "per-expert loop"
+            f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, per-expert loop"
         )
 
 

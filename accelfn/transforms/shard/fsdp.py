@@ -26,12 +26,15 @@ from ...materialize import has_meta, materialize
 from ...module import move
 from ..compile import find_blocks
 from .common import (
+    NOT_SUMMED,
     broadcast_buffers,
     broadcast_from_first,
     check_same_model,
     group_size,
     max_over,
     mean_metrics,
+    split_groups,
+    split_units,
 )
 
 if TYPE_CHECKING:
@@ -192,8 +195,8 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
                 f"the host ({real!r}); each rank would shard its own host values. Build every parameter on the "
                 "meta device (af.init_empty()) and load weights after step.init, or build the model on the host"
             )
-    else:
-        broadcast_from_first(plan.module, data_group)
+    else:  # experts split over ep: among the ranks that hold the same ones
+        broadcast_from_first(plan.module, data_group, split_groups(mesh, plan.module), NOT_SUMMED)
     if shard.strategy == "hsdp":
         fsdp_mesh = mesh.submesh("dp", "fsdp")
     else:
@@ -211,6 +214,8 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             fully_shard(part, mesh=fsdp_mesh, mp_policy=mp)
         fully_shard(module, mesh=fsdp_mesh, mp_policy=mp)
 
+    for unit, axes in split_units(mesh, plan.module):  # experts: over the data axes but ep (efsdp)
+        fully_shard(unit, mesh=mesh.submesh(*axes), mp_policy=mp)
     try:
         _, blocks = find_blocks(plan.module)
         for block in blocks:

@@ -173,3 +173,150 @@ def test_collectives_are_left_to_the_communication_model() -> None:
     finally:
         dist.destroy_process_group()
     assert t.times.kernels == 0
+
+
+# ---- communication per collective (accelfn/dryrun/comm_time.py) ------------------------------------------------
+def _nccl_ring(kind: str, nbytes: int, n: int, nodes: int, intra_gbs: float, inter_gbs: float) -> float:
+    """NCCL's ring cost, written out from src/graph/tuning.cc (Simple protocol) and nccl-tests' bus bytes."""
+    steps, inter = (2 * (n - 1), 2 * (nodes - 1)) if kind == "all_reduce" else (n - 1, nodes - 1)
+    latency = 8.4 + (steps - inter) * 3.4 + inter * 14.0
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    bw = (intra_gbs if nodes == 1 else inter_gbs) * 1e9 * 0.8
+    return latency * 1e-6 + factor * nbytes / bw
+
+
+@pytest.mark.parametrize(
+    "kind, nbytes, n, nodes",
+    [
+        ("all_gather", 2**30, 8, 1),  # FSDP over a node: NVLink
+        ("reduce_scatter", 2**31, 128, 16),  # FSDP over 16 nodes: each GPU's NIC
+        ("all_reduce", 2**28, 8, 1),
+        ("all_to_all", 2**20, 8, 1),
+    ],
+)
+def test_a_collective_costs_ncclS_ring_latency_and_bus_bytes_over_its_link(kind, nbytes, n, nodes) -> None:
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+
+    got = collective_time(kind, nbytes, n, nodes, H100, CommAssumptions())
+    assert got == pytest.approx(_nccl_ring(kind, nbytes, n, nodes, 450.0, 50.0), rel=1e-12)
+
+
+def test_a_small_all_reduce_over_many_nodes_takes_the_tree_and_a_large_one_the_ring() -> None:
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+
+    a, n, nodes = CommAssumptions(), 1024, 128
+    small = collective_time("all_reduce", 4096, n, nodes, H100, a)
+    tree = (8.4 + 2 * (7 * 3.4 + math.log2(nodes) * 14.0)) * 1e-6 + 2 * 4096 / 40e9
+    assert small == pytest.approx(tree) and small < _nccl_ring("all_reduce", 4096, n, nodes, 450, 50)
+    large = collective_time("all_reduce", 2**32, 16, 2, H100, a)  # few hops: the ring's 2 (n - 1) / n wins
+    assert large == pytest.approx(_nccl_ring("all_reduce", 2**32, 16, 2, 450, 50))
+    assert collective_time("all_reduce", 4096, n, nodes, H100, CommAssumptions(tree=False)) > small
+
+
+# ---- the step's time: overlap as each strategy has it (accelfn/dryrun/step_time.py) -----------------------------
+def _step(timeline, axes, **kw):
+    from accelfn.dryrun.step_time import predict_step
+
+    return predict_step(timeline, H100, groups={"g": axes}, shape={axes[0]: 8}, nproc_per_node=8, **kw)
+
+
+def _coll(kind: str, nbytes: int, phase: str = "forward_backward"):
+    from accelfn.dryrun.tracker import Collective
+
+    return Collective(kind, "g", 8, nbytes, phase=phase)
+
+
+def test_fsdp_all_gathers_prefetch_one_ahead_and_tensor_parallel_ones_block() -> None:
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+    from accelfn.dryrun.timing import OpCost, cost_time
+
+    a = TimingAssumptions(launch_s=0.0)
+    block = OpCost("matmul", 8192, 8192, 8192)
+    c = cost_time(block, H100, a)
+    small, large = _coll("all_gather", 2**28), _coll("all_gather", 2**33)  # shorter / longer than a block
+    ts, tl = (collective_time("all_gather", x.nbytes, 8, 1, H100, CommAssumptions()) for x in (small, large))
+    assert ts < c < tl
+    fsdp = _step([small, block, small, block, small, block], ("fsdp",), timing=a)
+    # the first all-gather is exposed; each later one is issued when the one before it was needed, and hides
+    # behind the block before it
+    assert fsdp.step_s == pytest.approx(ts + 3 * c) and fsdp.exposed_comm_s == pytest.approx(ts)
+    slow = _step([large, block, large, block], ("fsdp",), timing=a)
+    # prefetch is bounded by the block's compute: the second waits for what the first block did not hide
+    assert slow.step_s == pytest.approx(tl + max(c, tl) + c)
+    tp = _step([small, block, small, block, small, block], ("tp",), timing=a)  # on the critical path
+    assert tp.step_s == pytest.approx(3 * ts + 3 * c) and tp.comm_s == pytest.approx(3 * ts)
+
+
+def test_gradient_reductions_overlap_the_backward_until_the_update_needs_them() -> None:
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+    from accelfn.dryrun.timing import OpCost, cost_time
+
+    a = TimingAssumptions(launch_s=0.0)
+    block = OpCost("matmul", 8192, 8192, 8192, backward=True)
+    c = cost_time(block, H100, a)
+    rs = _coll("reduce_scatter", 2**28)
+    t = collective_time("reduce_scatter", rs.nbytes, 8, 1, H100, CommAssumptions())
+    update = OpCost("memory", nbytes=10**9)
+    u = cost_time(update, H100, a)
+    loss_sum = _coll("all_reduce", 8, phase="reduce")
+    ar = collective_time("all_reduce", 8, 8, 1, H100, CommAssumptions())
+    assert t < c
+    got = _step([block, rs, block, rs, loss_sum, update], ("dp",), timing=a)
+    # the first reduce-scatter hides behind the second block, the last is exposed before the update
+    assert got.step_s == pytest.approx(2 * c + t + ar + u)
+    assert got.exposed_comm_s == pytest.approx(t + ar)
+
+
+def test_compiled_steps_fuse_each_run_of_memory_bound_ops_and_have_no_launch_floor() -> None:
+    from accelfn.dryrun.timing import OpCost
+
+    mm = OpCost("matmul", 4096, 4096, 4096)
+    run = [OpCost("memory", nbytes=n) for n in (10**6, 5 * 10**6, 2 * 10**6)]
+    timeline = [mm, *run, mm, *run]
+    eager, compiled = _step(timeline, ("dp",)), _step(timeline, ("dp",), compiled=True)
+    assert eager.kernels == 8 and compiled.kernels == 4
+    assert compiled.by_kind["memory"] == pytest.approx(2 * 5 * 10**6 / (3350e9 * 0.9))
+    assert eager.by_kind["memory"] == pytest.approx(
+        2 * sum(max(5e-6, op.nbytes / (3350e9 * 0.9)) for op in run)
+    )
+
+
+def test_the_pipeline_bubble_shrinks_with_interleaving() -> None:
+    from accelfn.dryrun.step_time import Pipeline, pipeline_of
+    from accelfn.dryrun.timing import OpCost
+
+    busy = [OpCost("matmul", 4096, 4096, 4096)] * 32
+    one = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 1))
+    two = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 2))
+    # Narayanan et al. 2021: the bubble is (p - 1) / (m v) of the ideal time
+    assert one.bubble_s == pytest.approx(one.compute_s * 7 / 32) and two.bubble_s == pytest.approx(
+        one.bubble_s / 2
+    )
+    assert pipeline_of(
+        "pipeline(interleaved_1f1b, pp=8, stages [0, 8] of 16, 32 micro-batches) over x"
+    ) == Pipeline(8, 32, 2)
+    assert pipeline_of("shard(fsdp, dp=8)") is None
+
+
+def test_the_tracker_records_each_kernel_and_collective_in_order_with_its_phase_and_direction() -> None:
+    from accelfn.dryrun.timing import OpCost, cost_time
+    from accelfn.dryrun.tracker import StepTracker
+
+    a = TimingAssumptions()
+    rows, d, hidden = 4096, 1024, 4096
+    with FakeTensorMode():
+        bf16 = torch.bfloat16
+        model = torch.nn.Sequential(
+            torch.nn.Linear(d, hidden, bias=False, dtype=bf16),
+            torch.nn.Linear(hidden, d, bias=False, dtype=bf16),
+        )
+        x = torch.randn(rows, d, dtype=bf16, requires_grad=True)
+        with StepTracker() as t:
+            t.phase = "forward_backward"
+            model(x).sum().backward()
+    mms = [e for e in t.timeline if isinstance(e, OpCost) and e.kind == "matmul"]
+    assert [e.backward for e in mms] == [False, False, True, True, True, True]
+    got = sum(cost_time(e, H100, a) for e in mms)
+    assert got == pytest.approx(
+        _linear_times(rows, d, hidden, a) + _linear_times(rows, hidden, d, a), rel=1e-12
+    )

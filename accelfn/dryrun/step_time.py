@@ -1,6 +1,6 @@
 """A step's predicted time from what one rank ran (issue 30 item 2): `predict_step(timeline, ...)` replays the
-kernels and collectives the dry run recorded, in their order, on one compute stream and two communication
-streams, each op timed by the per-op model (`timing.cost_time`) and each collective by NCCL's cost model
+kernels and collectives the dry run recorded, in their order, on one compute stream and one communication
+stream per link (within a node, across nodes: collectives on one link share its bandwidth), each op timed by the per-op model (`timing.cost_time`) and each collective by NCCL's cost model
 (`comm_time.collective_time`), with the overlap each strategy really has:
 
 - data-parallel all-gathers in the forward/backward (FSDP's): prefetched one ahead: issued when the previous
@@ -127,7 +127,9 @@ def predict_step(
     kernels = launch_bound = 0
     now = 0.0  # the compute stream's clock
     waited = 0.0  # time the compute stream spent waiting for communication
-    gather_free = reduce_free = 0.0  # when the all-gather and reduce-scatter streams are free
+    # when each link (within a node, across nodes) is free: collectives on one link share its bandwidth, so
+    # they run one after another
+    link_free = {True: 0.0, False: 0.0}
     prev_need = 0.0  # when the previous prefetched all-gather was needed
     pending = 0.0  # when the last asynchronous reduction ends
     comm_s = 0.0
@@ -173,16 +175,17 @@ def predict_step(
         seconds = collective_time(ev.kind, ev.nbytes, ev.size, nodes, device, ca)
         comm_s += seconds
         data = bool(axes) and set(axes) <= set(GRAD_AXES) and in_fb
+        link = nodes <= 1
         if data and ev.kind == "all_gather":
-            start = max(gather_free, prev_need)
-            gather_free = start + seconds
+            link_free[link] = max(link_free[link], prev_need) + seconds
             prev_need = now
-            wait(gather_free)
+            wait(link_free[link])
         elif data and ev.kind in ("reduce_scatter", "all_reduce"):
-            reduce_free = max(reduce_free, now) + seconds
-            pending = max(pending, reduce_free)
+            link_free[link] = max(link_free[link], now) + seconds
+            pending = max(pending, link_free[link])
         else:
-            wait(now + seconds)
+            link_free[link] = max(link_free[link], now) + seconds
+            wait(link_free[link])
     flush()
     wait(pending)
     compute_s = sum(by_kind.values())

@@ -4,7 +4,8 @@
 
 Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE, its own ep plan), user (a
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
-clips), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
+clips), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
+FSDP-sharded over the data axes but ep), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
 Checked: the loss, the gradient norm and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps; the experts really split; the identity of dispatch-then-combine over the ep group.
 """
@@ -153,10 +154,19 @@ def check(mesh, kind, options):
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
 
     step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
-    step = af.shard(step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None)
+    if "accumulate" in options:
+        step = af.accumulate(step, 2)
+    if "remat" in options:
+        step = af.remat(step, "full")
+    step = af.shard(
+        step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None
+    )
     state = step.init(make_model(kind, to), seed=3)
     text = repr(step)
-    assert "expert_parallel(ep=" in text and f"{EXPERTS // mesh.axis_size('ep')} of {EXPERTS} experts per rank" in text, text
+    assert (
+        "expert_parallel(ep=" in text
+        and f"{EXPERTS // mesh.axis_size('ep')} of {EXPERTS} experts per rank" in text
+    ), text
     experts = [n for n in state.params if "experts" in n]
     ep = mesh.axis_size("ep")
     for n in experts:

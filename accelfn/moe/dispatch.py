@@ -79,6 +79,7 @@ class AllToAllDispatcher:
     group: Any
     num_experts: int
     size: int
+    tokens: torch.Tensor | None = None  # rows this rank sent to each expert since `take_tokens` (a statistic)
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts % self.size:
@@ -91,12 +92,19 @@ class AllToAllDispatcher:
     def local_experts(self) -> int:
         return self.num_experts // self.size
 
+    def take_tokens(self) -> torch.Tensor:
+        """The rows this rank routed to each expert ([num_experts]) since the last call; resets the count."""
+        tokens = self.tokens if self.tokens is not None else torch.zeros(self.num_experts, dtype=torch.int64)
+        self.tokens = None
+        return tokens
+
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         n_local = self.local_experts
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)
+        self.tokens = counts.detach() if self.tokens is None else self.tokens + counts.detach()
         if self.size == 1:
             return x[order], counts, DispatchHandle(order, torch.arange(0), [x.shape[0]], [x.shape[0]])
         got = torch.empty_like(counts)  # [source rank, local expert]: rows each rank sends to each of mine

@@ -6,7 +6,7 @@ Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
 clips), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
 FSDP-sharded over the data axes but ep), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
-Checked: the loss, the gradient norm and the params (experts, router, attention, embeddings) after each of 2 SGD
+Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps; the experts really split; the identity of dispatch-then-combine over the ep group.
 """
 
@@ -92,7 +92,20 @@ def make_model(kind, to):
     if to is not None:  # every choice to rank `to`'s experts (ep=2: experts 2*to, 2*to+1)
         for r in routers:
             r.register_forward_hook(lambda m, a, out, to=to: _force(out, to))
+    model.chosen = {}  # router -> the experts it chose in the last forward (the reference's token counts)
+    for i, r in enumerate(routers):
+        r.register_forward_hook(lambda m, a, out, i=i: model.chosen.__setitem__(i, _chosen(out)))
     return model
+
+
+def _chosen(out):
+    return out[2] if isinstance(out, tuple) else out.softmax(-1).topk(TOPK, dim=-1).indices
+
+
+def imbalance(chosen):
+    """Over the layers, the largest ratio of the most loaded expert's rows to the mean (the step's metric)."""
+    counts = torch.stack([torch.bincount(c.reshape(-1), minlength=EXPERTS).float() for c in chosen.values()])
+    return (counts.max(1).values / counts.mean(1)).max().item()
 
 
 def _force(out, to):
@@ -146,9 +159,10 @@ def check(mesh, kind, options):
     data = batches()
     ref_step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
     ref = ref_step.init(make_model(kind, to), seed=3)
-    ref_params, ref_losses, ref_norms = [], [], []
+    ref_params, ref_losses, ref_norms, ref_imbalance = [], [], [], []
     for b in data:
         ref, m = ref_step(ref, b)
+        ref_imbalance.append(imbalance(ref_step.model.chosen))
         ref_losses.append(m["loss"].item())
         ref_norms.append(m["grad_norm"].item())
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
@@ -183,13 +197,16 @@ def check(mesh, kind, options):
             m["grad_norm"],
             ref_norms[i],
         )
+        assert abs(m["moe_imbalance"].item() - ref_imbalance[i]) < 1e-6, (
+            i,
+            m["moe_imbalance"],
+            ref_imbalance[i],
+        )
         assert sorted(state.params) == sorted(ref_params[i])
         for k, v in state.params.items():
             diff = (full(v) - ref_params[i][k]).abs().max().item()
             assert diff < tol, f"step {i + 1}: {k} differs from one process by {diff}"
-    if (
-        to is not None
-    ):  # the other rank's experts got no token: zero gradients, unchanged (in one process too)
+    if to is not None:  # the other rank's experts got no token: zero gradients, unchanged (one process too)
         first = make_model(kind, to).state_dict()
         idle = [e for e in range(EXPERTS) if e // (EXPERTS // ep) != to]
         for n in experts:

@@ -165,10 +165,12 @@ class Shard(TransformBase):
             from .tensor_parallel import TensorParallelSync
 
             sync = TensorParallelSync(sync if sync is not None else LOCAL)
-        if any(t.kind == "expert_parallel" for t in plan.transforms):
+        ep = next((t for t in plan.transforms if t.kind == "expert_parallel"), None)
+        if ep is not None:
             from .expert_parallel import ExpertParallelSync
 
-            sync = ExpertParallelSync(sync if sync is not None else LOCAL)
+            inner = sync if sync is not None else LOCAL
+            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.data_group())
         pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
         if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
             sync = pipeline.wrap(sync if sync is not None else LOCAL)

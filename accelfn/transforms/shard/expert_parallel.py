@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...engine.contract import LOCAL, GradSync
@@ -116,6 +117,8 @@ class ExpertParallel(TransformBase):
     mesh: Mesh
     plan: tuple[tuple[str, str], ...] | None = None
     kind: str = "expert_parallel"
+    # the lowered experts modules' dispatchers (filled by `lower`; the sync reads their token counts)
+    dispatchers: list[Any] = attrs.field(factory=list, eq=False)
 
     @property
     def size(self) -> int:
@@ -162,9 +165,11 @@ class ExpertParallel(TransformBase):
                 p.detach(), ep_mesh, [Shard(0)]
             )  # from ep rank 0: the same on every rank
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
+        self.dispatchers.clear()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
-            m.forward = functools.partial(ep_forward, m, AllToAllDispatcher(group, experts, self.size))
+            self.dispatchers.append(AllToAllDispatcher(group, experts, self.size))
+            m.forward = functools.partial(ep_forward, m, self.dispatchers[-1])
         per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
         plan.notes.append(
             f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, per-expert loop"
@@ -175,11 +180,16 @@ class ExpertParallel(TransformBase):
 class ExpertParallelSync(GradSync):
     """The gradient sync under expert parallel: the data-parallel one (`inner`, which sums each expert only over
     the data axes it is not split over) for the sums; the norm and the overflow check over every rank, since the
-    ep ranks hold different experts (each counted once: Megatron #5916)."""
+    ep ranks hold different experts (each counted once: Megatron #5916). Adds `metrics["moe_imbalance"]`: over the
+    MoE layers, the largest ratio of the most loaded expert's rows to the mean, on the step's global batch."""
 
     inner: GradSync = LOCAL
+    dispatchers: list[Any] = attrs.Factory(list)
+    data_group: Any = None  # the ranks that read different rows (their token counts add up)
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
+        for d in self.dispatchers:  # count this step's rows only (not an eval step's, nor a failed step's)
+            d.take_tokens()
         self.inner.prepare(params)
 
     def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -206,7 +216,13 @@ class ExpertParallelSync(GradSync):
         self.inner.after_update(params, step)
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.inner.reduce_metrics(values)
+        values = self.inner.reduce_metrics(values)
+        if not self.dispatchers:
+            return values
+        counts = torch.stack([d.take_tokens() for d in self.dispatchers]).float()
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.data_group)
+        ratio = counts.max(1).values / counts.mean(1).clamp_min(1e-12)
+        return {**values, "moe_imbalance": ratio.max()}
 
     def describe(self) -> str:
         return f"expert parallel (norm and overflow over all ranks); {self.inner.describe()}"

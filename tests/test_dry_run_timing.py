@@ -320,3 +320,20 @@ def test_the_tracker_records_each_kernel_and_collective_in_order_with_its_phase_
     assert got == pytest.approx(
         _linear_times(rows, d, hidden, a) + _linear_times(rows, hidden, d, a), rel=1e-12
     )
+
+
+def test_a_backward_prefetch_goes_on_the_link_before_the_reductions_issued_after_it() -> None:
+    """FSDP's backward: all-gather, block, reduce-scatter per layer, all on one link. Each all-gather is issued
+    when the one before it was needed (before that block's reduce-scatter), so with a block longer than an
+    all-gather and a reduce-scatter together only the first all-gather and the last reduce-scatter show."""
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+    from accelfn.dryrun.timing import OpCost, cost_time
+
+    a = TimingAssumptions(launch_s=0.0)
+    block = OpCost("matmul", 8192, 8192, 8192, backward=True)
+    ag, rs = _coll("all_gather", 2**27), _coll("reduce_scatter", 2**28)
+    c = cost_time(block, H100, a)
+    tg, tr = (collective_time(x.kind, x.nbytes, 8, 1, H100, CommAssumptions()) for x in (ag, rs))
+    assert tg + tr < c
+    got = _step([ag, block, rs] * 3, ("fsdp",), timing=a)
+    assert got.step_s == pytest.approx(tg + 3 * c + tr) and got.exposed_comm_s == pytest.approx(tg + tr)

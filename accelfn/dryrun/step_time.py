@@ -150,6 +150,17 @@ def predict_step(
             compute(cost_time(OpCost("memory", nbytes=fused), device, ta), "memory")
             fused = 0
 
+    # asynchronous reductions not yet on their link: (issued at, seconds, link); each link serves in the order
+    # of issue, so a prefetched all-gather issued earlier goes before them
+    queued: list[tuple[float, float, bool]] = []
+
+    def place(before: float) -> None:
+        nonlocal pending
+        while queued and queued[0][0] <= before:
+            issued, seconds, link = queued.pop(0)
+            link_free[link] = max(link_free[link], issued) + seconds
+            pending = max(pending, link_free[link])
+
     def wait(until: float) -> None:
         nonlocal now, waited
         if until > now:
@@ -169,6 +180,7 @@ def predict_step(
             continue
         flush()
         if in_fb and ev.phase != "forward_backward":
+            place(float("inf"))
             wait(pending)  # the update needs every gradient
         in_fb = ev.phase == "forward_backward"
         axes, nodes = _where(ev, groups, shape, nproc_per_node)
@@ -176,17 +188,19 @@ def predict_step(
         comm_s += seconds
         data = bool(axes) and set(axes) <= set(GRAD_AXES) and in_fb
         link = nodes <= 1
-        if data and ev.kind == "all_gather":
+        if data and ev.kind == "all_gather":  # issued when the one before it was needed
+            place(prev_need)
             link_free[link] = max(link_free[link], prev_need) + seconds
             prev_need = now
             wait(link_free[link])
         elif data and ev.kind in ("reduce_scatter", "all_reduce"):
-            link_free[link] = max(link_free[link], now) + seconds
-            pending = max(pending, link_free[link])
+            queued.append((now, seconds, link))
         else:
+            place(now)
             link_free[link] = max(link_free[link], now) + seconds
             wait(link_free[link])
     flush()
+    place(float("inf"))
     wait(pending)
     compute_s = sum(by_kind.values())
     bubble = 0.0

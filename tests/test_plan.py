@@ -227,8 +227,10 @@ def _reference_losses(global_batch: int, steps: int) -> list[float]:
     return losses
 
 
-def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path) -> None:
+def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path, monkeypatch) -> None:
     from accelfn.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no calibration of this machine's user
 
     path, js = tmp_path / "plan.yaml", tmp_path / "plan.json"
     args = ["--nproc-per-node", "2", "--global-batch-size", "4", "--axes", "dp,tp", "--no-progress"]
@@ -247,6 +249,49 @@ def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path
     )  # fmt: skip
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", proc.stdout)]
     assert losses == pytest.approx(_reference_losses(4, 2), abs=2e-5)
+
+
+# ---- calibration ----------------------------------------------------------------------------------------------
+
+
+def test_calibration_fits_a_runs_step_time_and_later_plans_predict_it(tmp_path: Path, monkeypatch) -> None:
+    from accelfn.launch.config import PlanConfig, save
+    from accelfn.planner.calibrate import calibrate
+    from accelfn.planner.calibrate import load as load_calibration
+
+    knobs = {"strategy": "fsdp", "accumulate": 1, "global_batch_size": 8}
+    save(Config(num_processes=8, mesh="dp=8", plan=PlanConfig(**knobs)), tmp_path / "run.yaml")
+    for name, value in knobs.items():  # the reference: the dry run of that configuration, uncalibrated
+        monkeypatch.setenv(launch_env.KNOBS[name][0], str(value))
+    report = af.dry_run(SCRIPT, FIXED, nproc_per_node=8, mesh="dp=8", search=False)
+    for name in knobs:
+        monkeypatch.delenv(launch_env.KNOBS[name][0])
+    compute, step = report.predicted.compute_s, report.predicted.step_time_s
+    # the run measured compute three times slower than the model: a warm-up, then steps within +-1%
+    measured = [3 * compute + (step - compute)] * 4
+    times = [10 * measured[0], measured[0] * 0.99, measured[0], measured[0] * 1.01, measured[0]]
+    run = tmp_path / "runs" / "exp"
+    run.mkdir(parents=True)
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "step_time": t}) + "\n" for i, t in enumerate(times))
+    )
+    store = tmp_path / "calibration.json"
+    cal = calibrate(run, SCRIPT, FIXED, config=tmp_path / "run.yaml", store=store)
+    assert cal.gpu == "h100-sxm" and len(cal.points) == 1
+    assert cal.residual == pytest.approx(0.01 / math.sqrt(2), rel=1e-6)  # the spread of the measured steps
+    kw = dict(nproc_per_node=8, global_batch_size=8, axes=("dp",), workers=1)
+    calibrated = af.plan(SCRIPT, FIXED, calibration=load_calibration("h100-sxm", store), **kw)  # type: ignore[arg-type]
+    row = next(r for r in calibrated.rows if r.candidate.label == "dp=8 fsdp acc=1")
+    assert row.step_time_s == pytest.approx(measured[0], rel=1e-3)
+    assert row.error_band == cal.residual and "calibrated on h100-sxm from 1 run(s)" in calibrated.table()
+
+
+def test_calibration_names_a_run_without_step_times(tmp_path: Path) -> None:
+    from accelfn.planner.calibrate import calibrate
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    with pytest.raises(ValueError, match="has no 'step_time' in its metrics.jsonl"):
+        calibrate(tmp_path, SCRIPT, store=tmp_path / "c.json")
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="processes (devices) per node (default 8)"
+    )
+    p.add_argument("--nnodes", type=int, default=None, help="nodes (default 1)")
     p.add_argument("--device", default="cuda", help="device kind the job runs on (default cuda)")
     p.add_argument("--gpu", default=None, help="row of the device table (default h100-sxm for cuda)")
     p.add_argument(
@@ -58,18 +60,72 @@ def add_parser(sub: Any) -> None:
         help="usable memory per device (default: the row's less 2 GiB)",
     )
     p.add_argument("--workers", type=int, default=2, help="dry runs at a time (default 2)")
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="RUN_DIR",
+        help="instead of planning: fit the compute model to a real run's step times (af.Meter's step_time in "
+        "RUN_DIR/metrics.jsonl), the run's configuration given by --config; later plans on that device use it",
+    )
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="with --calibrate: the launch config of the run"
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="the calibrations' file (default ~/.cache/accelfn/calibration.json); 'none': plan uncalibrated",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_run)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from ..planner.calibrate import calibrate
+
+    try:
+        cal = calibrate(
+            args.calibrate,
+            args.script,
+            args.script_args,
+            config=args.config,
+            nproc_per_node=args.nproc_per_node if args.nproc_given else None,
+            nnodes=args.nnodes if args.nnodes_given else None,
+            gpu=args.gpu,
+            device=args.device,
+            store=args.calibration,
+        )
+    except ValueError as e:
+        print(f"accelfn plan --calibrate: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"accelfn plan --calibrate: {e}", file=sys.stderr)
+        return 1
+    last = cal.points[-1]
+    after = last.compute_s / cal.scale + last.other_s
+    print(
+        f"calibrated {cal.gpu} from {len(cal.points)} run(s): compute model x {cal.scale:.3f}, residual "
+        f"{cal.residual:.1%}\n  {last.run} ({last.label}): measured {last.measured_s * 1e3:,.1f} ms/step, predicted "
+        f"{(last.compute_s + last.other_s) * 1e3:,.1f} ms before, {after * 1e3:,.1f} ms after"
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..planner import plan
+    from ..planner.calibrate import load
 
+    args.nproc_given, args.nnodes_given = args.nproc_per_node is not None, args.nnodes is not None
+    args.nproc_per_node = 8 if args.nproc_per_node is None else args.nproc_per_node
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    if args.calibrate:
+        return _calibrate(args)
     if args.top < 1:
         print(f"accelfn plan: --top must be >= 1, got {args.top}", file=sys.stderr)
         return 2
+    gpu = args.gpu or ("cpu" if args.device == "cpu" else "h100-sxm")
     try:
         result = plan(
             args.script,
@@ -84,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=not args.no_progress,
             memory_gib=args.memory_gib,
+            calibration=None if args.calibration == "none" else load(gpu, args.calibration),
         )
     except ValueError as e:
         print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)

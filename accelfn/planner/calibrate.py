@@ -27,7 +27,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Point", "Calibration", "read_step_times", "scaled_assumptions", "default_store", "load", "save"]
+__all__ = [
+    "Point",
+    "Calibration",
+    "calibrate",
+    "read_step_times",
+    "scaled_assumptions",
+    "default_store",
+    "load",
+    "save",
+]
 
 EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "compute_efficiency")
 
@@ -104,8 +113,8 @@ def read_step_times(run_dir: str | Path) -> list[float]:
     return times[1:] if len(times) > 1 else times
 
 
-def point(run_dir: str | Path, report: dict[str, Any], label: str) -> Point:
-    """The calibration point of a run and the dry run of its configuration (at scale 1)."""
+def point(run_dir: str | Path, report: dict[str, Any], label: str, scale: float = 1.0) -> Point:
+    """The calibration point of a run and the dry run of its configuration (made at `scale`), at scale 1."""
     times = read_step_times(run_dir)
     measured = statistics.median(times)
     p = report.get("predicted") or {}
@@ -113,7 +122,7 @@ def point(run_dir: str | Path, report: dict[str, Any], label: str) -> Point:
         raise ValueError("calibration: the dry run predicted no compute time (no device row to time against)")
     spread = statistics.pstdev(times) / measured if len(times) > 1 and measured > 0 else 0.0
     return Point(
-        compute_s=float(p["compute_s"]),
+        compute_s=float(p["compute_s"]) * scale,
         other_s=float(p["step_time_s"]) - float(p["compute_s"]),
         measured_s=measured,
         run=str(run_dir),
@@ -182,3 +191,64 @@ def save(calibration: Calibration, store: str | Path | None = None) -> Path:
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def calibrate(
+    run_dir: str | Path,
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    config: str | Path | None = None,
+    nproc_per_node: int | None = None,
+    nnodes: int | None = None,
+    gpu: str | None = None,
+    device: str = "cuda",
+    store: str | Path | None = None,
+) -> Calibration:
+    """Dry-run the configuration `run_dir` ran (`script` with `args` under the launch `config` it was started
+    with), add the run's point to the device's calibration in `store` and refit it; return the calibration.
+
+    Example:
+        >>> cal = calibrate("runs/exp1", "train.py", config="plan.yaml", gpu="h100-sxm")  # doctest: +SKIP
+        >>> cal.scale, cal.residual  # doctest: +SKIP
+    """
+    from ..launch import config as launch_config
+    from ..launch_env import ACCELFN_MIXED_PRECISION
+    from .search import Job, run_job
+
+    if not Path(script).is_file():
+        raise ValueError(f"calibration: no such script: {str(script)!r}")
+    read_step_times(run_dir)  # the run's errors first, before a dry run
+    cfg = launch_config.load(config) if config else launch_config.Config()
+    if nproc_per_node is None:
+        nproc_per_node = cfg.num_processes if isinstance(cfg.num_processes, int) else 8
+    if nnodes is None:
+        nnodes = launch_config.parse_nnodes(cfg.num_machines)[1]
+    gpu = gpu or ("cpu" if device == "cpu" else "h100-sxm")
+    env = cfg.plan.env()
+    if cfg.mixed_precision != "no":
+        env[ACCELFN_MIXED_PRECISION] = cfg.mixed_precision
+    pp = launch_config.parse_mesh(cfg.mesh).get("pp", 1) if cfg.mesh else 1
+    job = Job(str(script), tuple(args), nproc_per_node, nnodes, mesh=cfg.mesh or None,
+              env=tuple(env.items()), device=device, gpu=gpu, rank="ends" if pp > 1 else 0)  # fmt: skip
+    label = " ".join(
+        [
+            cfg.mesh or f"world={job.world}",
+            *(f"{k}={v}" for k, v in attrs.asdict(cfg.plan).items() if v is not None),
+        ]
+    )
+    old = load(gpu, store)
+    others = [p for p in (old.points if old else ()) if p.run != str(run_dir)]
+    scale = old.scale if old else 1.0
+    for _ in range(4):  # the exposed communication can depend on the compute time: refit at the fitted scale
+        result = run_job(attrs.evolve(job, scale=scale))
+        if "error" in result:
+            raise RuntimeError(
+                f"calibration: the dry run of the run's configuration fails: {result['error']}"
+            )
+        calibration = Calibration.fit(gpu, [*others, point(run_dir, result["report"], label, scale)])
+        if abs(calibration.scale - scale) <= 1e-6 * scale:
+            break
+        scale = calibration.scale
+    save(calibration, store)
+    return calibration

@@ -100,17 +100,29 @@ def test_a_bad_plan_names_its_entry(plan, message):
         expert_params(qwen(), plan)
 
 
-@pytest.fixture
-def ep2() -> Iterator[af.Mesh]:
-    """An ep=2 mesh over torch's fake process group (errors raised at lowering, before any collective)."""
+def _fake(shape: dict[str, int]) -> Iterator[af.Mesh]:
+    """A mesh over torch's fake process group (errors raised at lowering, before any collective)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _mesh.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    world = 1
+    for size in shape.values():
+        world *= size
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield af.Mesh({"ep": 2}, device="cpu")
+        yield af.Mesh(shape, device="cpu")
     finally:
         _mesh.destroy_process_group()
+
+
+@pytest.fixture
+def ep2() -> Iterator[af.Mesh]:
+    yield from _fake({"ep": 2})
+
+
+@pytest.fixture
+def ep2_tp2() -> Iterator[af.Mesh]:
+    yield from _fake({"ep": 2, "tp": 2})
 
 
 def _step(mesh: af.Mesh, **kw) -> af.Step:
@@ -130,6 +142,20 @@ def test_ep_refusals_name_the_culprit(ep2):
         ValueError, match=r"ep_plan entry 'experts' \(ep_dispatch_experts\) matches no module"
     ):
         _step(ep2, ep_plan={"experts": "ep_dispatch_experts"}).init(nn.Linear(2, 2))
+
+
+def test_ep_with_tensor_parallel_is_refused(ep2_tp2):
+    with pytest.raises(
+        ValueError, match=r"expert parallel \(ep=2\) is not combined with tensor or context parallel"
+    ):
+        _step(ep2_tp2)
+
+
+def test_ep_with_a_pipeline_is_refused():
+    base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    for mesh in _fake({"pp": 2, "ep": 2}):
+        with pytest.raises(ValueError, match=r"expert parallel \(ep=2\) is not combined with af.pipeline"):
+            af.shard(af.pipeline(base, mesh, microbatches=2), mesh).init(qwen())
 
 
 def test_ep_plan_without_an_ep_axis_is_refused():

@@ -167,12 +167,13 @@ def test_ep_plan_without_an_ep_axis_is_refused():
 
 
 @pytest.mark.slow
-def test_ep2_equals_one_process():
+def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
     to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan;
-    under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward)."""
+    under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
+    saved and loaded at ep2 (exact)."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1",
-               "user:accumulate"]  # fmt: skip
+               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
 
 

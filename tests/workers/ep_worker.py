@@ -5,7 +5,7 @@
 Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE, its own ep plan), user (a
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
 clips), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
-FSDP-sharded over the data axes but ep), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
+FSDP-sharded over the data axes but ep), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps; the experts really split; the identity of dispatch-then-combine over the ep group.
 """
@@ -206,6 +206,15 @@ def check(mesh, kind, options):
         for k, v in state.params.items():
             diff = (full(v) - ref_params[i][k]).abs().max().item()
             assert diff < tol, f"step {i + 1}: {k} differs from one process by {diff}"
+    save = next((o[5:] for o in options if o.startswith("save=")), None)
+    if save is not None:  # saved at this ep layout, loaded into a fresh state of the same layout: exact
+        af.checkpoint.save(save, state)
+        fresh = step.init(make_model(kind, to), seed=5)
+        loaded = af.checkpoint.load(save, like=fresh)
+        for k, v in state.params.items():
+            assert torch.equal(full(loaded.params[k]), full(v)), k
+        state2, m2 = step(loaded, data[0])
+        assert torch.isfinite(m2["loss"]), m2
     if to is not None:  # the other rank's experts got no token: zero gradients, unchanged (one process too)
         first = make_model(kind, to).state_dict()
         idle = [e for e in range(EXPERTS) if e // (EXPERTS // ep) != to]

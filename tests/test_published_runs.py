@@ -1,0 +1,139 @@
+"""The dry run's predicted throughput held to published runs (issue 30 item 3): each row of
+accelfn/dryrun/published_runs.json that CI can afford is dry-run with its own command, and its predicted
+tokens/s per GPU compared with the published figure; the order between rows (compile faster than eager, fp8
+faster than bf16) is checked against the published order.
+
+The goal is within 15% of every row. Rows the model does not reach yet are strict xfails (an improvement that
+brings one within 15% fails them: move it to `WITHIN`), and every row is held to the ratio measured when this
+file was written (`RATIO`, within 5%), so that the model cannot drift unnoticed. docs/dry_run.md ("Predicted
+time against published runs") has the table and says what carries the result.
+
+Dry-run time of each row on this project's 2-core machine (shared with other sessions): Table 1 at 8 ranks 8-14 s, Table 3 at 128
+ranks 9-22 s, the 0.9B rows 2 s (the file: about 85 s). Table 5 (405B, 512 ranks, pp=8) takes 192 s per row: not here.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accelfn as af
+
+ROWS = {
+    r["id"]: r
+    for r in json.loads((Path(af.__file__).parent / "dryrun" / "published_runs.json").read_text())["rows"]
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+# predicted / published tokens/s per GPU, measured with this commit's model (default assumptions)
+RATIO = {
+    "torchtitan-t1-8b-8-eager": 1.34,
+    "torchtitan-t1-8b-8-compile": 1.62,
+    "torchtitan-t1-8b-8-fp8": 1.52,
+    "torchtitan-t3-8b-128-eager": 1.29,
+    "torchtitan-t3-8b-128-compile": 1.40,
+    "torchtitan-t3-8b-128-fp8": 1.27,
+    "accelfn-h100-0.9b-compile": 1.40,
+    "accelfn-h100-0.9b-eager": 1.10,
+}
+WITHIN = {"accelfn-h100-0.9b-eager"}  # rows the model predicts within 15%
+CI_ROWS = [
+    "torchtitan-t1-8b-8-eager",
+    "torchtitan-t1-8b-8-compile",
+    "torchtitan-t1-8b-8-fp8",
+    "torchtitan-t3-8b-128-eager",
+    "torchtitan-t3-8b-128-compile",
+    "torchtitan-t3-8b-128-fp8",
+    "accelfn-h100-0.9b-compile",
+    "accelfn-h100-0.9b-eager",
+]
+
+
+def dry_run_kwargs(command: str) -> tuple[str, list[str], dict[str, Any]]:
+    """(script, script args, af.dry_run's keyword arguments) of an `accelfn dry-run ...` command line.
+
+    Example:
+        >>> dry_run_kwargs("accelfn dry-run --nproc-per-node 8 --gpu h100-96gb examples/train_llama.py --model 8b")
+        ('examples/train_llama.py', ['--model', '8b'], {'nproc_per_node': 8, 'gpu': 'h100-96gb'})
+    """
+    words = shlex.split(command)
+    if words[:2] != ["accelfn", "dry-run"]:
+        raise ValueError(f"not an accelfn dry-run command: {command!r}")
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    opts = words[2:at]
+    kwargs: dict[str, Any] = {}
+    for key, value in zip(opts[::2], opts[1::2], strict=True):
+        kwargs[key.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
+    return words[at], words[at + 1 :], kwargs
+
+
+_cache: dict[str, float] = {}
+
+
+def predicted(row_id: str) -> float:
+    """The dry run's predicted tokens/s per GPU for a row (each row dry-run once per session)."""
+    if row_id not in _cache:
+        script, args, kwargs = dry_run_kwargs(ROWS[row_id]["command"])
+        report = af.dry_run(str(ROOT / script), args=args, search=False, **kwargs)
+        assert report.predicted is not None and report.predicted.tokens_per_s is not None
+        _cache[row_id] = report.predicted.tokens_per_s / report.world_size
+    return _cache[row_id]
+
+
+def _ratio(row_id: str) -> float:
+    return predicted(row_id) / ROWS[row_id]["published"]["tokens_per_s_per_gpu"]
+
+
+def test_every_row_has_its_source_command_and_published_figures() -> None:
+    for rid, row in ROWS.items():
+        assert row["source"]["url"] and row["source"]["table"], rid
+        script, _, kwargs = dry_run_kwargs(row["command"])
+        assert (ROOT / script).exists() and kwargs["nproc_per_node"] * kwargs.get("nnodes", 1) == row[
+            "config"
+        ]["gpus"]
+        assert row["published"]["tokens_per_s_per_gpu"] > 0 and row["published"]["memory_gib"] > 0, rid
+        assert row["published"]["memory_kind"] in ("reserved", "allocated"), rid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row_id", CI_ROWS)
+def test_the_prediction_stays_where_it_was_measured(row_id: str) -> None:
+    assert _ratio(row_id) == pytest.approx(RATIO[row_id], rel=0.05), predicted(row_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "row_id",
+    [
+        pytest.param(
+            r,
+            marks=[] if r in WITHIN else pytest.mark.xfail(strict=True, reason=f"predicted at {RATIO[r]}x"),
+        )
+        for r in CI_ROWS
+    ],
+)
+def test_the_prediction_is_within_15_percent_of_the_published_run(row_id: str) -> None:
+    assert _ratio(row_id) == pytest.approx(1.0, rel=0.15), predicted(row_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "slower, faster",
+    [
+        ("torchtitan-t1-8b-8-eager", "torchtitan-t1-8b-8-compile"),  # compile faster than eager
+        ("torchtitan-t1-8b-8-compile", "torchtitan-t1-8b-8-fp8"),  # fp8 faster than bf16
+        ("torchtitan-t3-8b-128-eager", "torchtitan-t3-8b-128-compile"),
+        ("torchtitan-t3-8b-128-compile", "torchtitan-t3-8b-128-fp8"),
+        ("torchtitan-t3-8b-128-eager", "torchtitan-t1-8b-8-eager"),  # 8 GPUs faster per GPU than 128
+        ("torchtitan-t3-8b-128-fp8", "torchtitan-t1-8b-8-fp8"),
+        ("accelfn-h100-0.9b-eager", "accelfn-h100-0.9b-compile"),
+    ],
+)
+def test_the_rows_come_in_the_published_order(slower: str, faster: str) -> None:
+    published = {r: ROWS[r]["published"]["tokens_per_s_per_gpu"] for r in (slower, faster)}
+    assert published[slower] < published[faster]
+    assert predicted(slower) < predicted(faster), (predicted(slower), predicted(faster))

@@ -15,7 +15,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn import mesh as _mesh
-from accelfn.moe import AllToAllDispatcher, ep_forward
+from accelfn.moe import AllToAllDispatcher, ep_forward, local_experts
 from accelfn.transforms.shard.expert_parallel import expert_params, model_ep_plan
 from tests._launch import ROOT, expect_ok, launch_command, output_of, run_workers
 
@@ -71,6 +71,30 @@ def test_ep_forward_equals_transformers_experts_with_gradients():
     for a, b in zip(out_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert out_grads[2][2].abs().max() == 0  # the idle expert: a zero gradient
+
+
+def test_grouped_gemms_equal_the_per_expert_loop_with_gradients(monkeypatch):
+    """torch._grouped_mm (what a platform with it uses; CPU runs it too, in fp32) == the loop, an idle expert
+    included; no rows at all: the loop (grouped GEMMs take no empty input)."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    experts = qwen().model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    for counts in (torch.tensor([3, 0, 4, 2]), torch.zeros(4, dtype=torch.int64)):
+        rows = torch.randn(int(counts.sum()), 16, requires_grad=True)
+        outs = []
+        for grouped in ((), (torch.float32,)):
+            y = local_experts(experts, rows, counts, grouped)
+            g = torch.autograd.grad(
+                (y * torch.linspace(-1, 1, 16)).sum(), [rows, experts.gate_up_proj, experts.down_proj]
+            )
+            outs.append((y, *g))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 2  # the two GEMMs of the grouped run with rows; none for the empty one
 
 
 def test_model_ep_plan_and_user_plan():

@@ -47,9 +47,26 @@ def _gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up  # type: ignore[no-any-return,operator]
 
 
-def local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """This rank's experts on `rows` grouped by local expert (`counts[e]` rows for local expert e): a loop over
-    every local expert, also those with no rows (their weights then get zero gradients, not none)."""
+def _grouped_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """`torch._grouped_mm` takes these: some rows, and rows of every operand 16-byte aligned."""
+    size = rows.element_size()
+    return rows.shape[0] > 0 and all(n * size % 16 == 0 for n in (*gate_up.shape[1:], down.shape[1]))
+
+
+def _grouped(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The local experts as two grouped GEMMs (`torch._grouped_mm`, offsets from `counts`)."""
+    offs = counts.cumsum(0).to(torch.int32)
+    hidden = _gate(module, torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs))
+    return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offs)
+
+
+def local_experts(
+    module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grouped: tuple[torch.dtype, ...] = ()
+) -> torch.Tensor:
+    """This rank's experts on `rows` grouped by local expert (`counts[e]` rows for local expert e): two grouped
+    GEMMs where `grouped` (the platform's `grouped_mm_dtypes()`) has the rows' dtype, else a loop over every local
+    expert, also those with no rows (their weights then get zero gradients, not none)."""
     custom = getattr(module, "ep_local_forward", None)
     if custom is not None:
         return custom(rows, counts)  # type: ignore[no-any-return]
@@ -61,6 +78,8 @@ def local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -
                 "for another layout)"
             )
     gate_up, down = local_part(module.gate_up_proj), local_part(module.down_proj)  # type: ignore[arg-type]
+    if rows.dtype in grouped and gate_up.dtype == rows.dtype and _grouped_ok(rows, gate_up, down):
+        return _grouped(module, rows, counts, gate_up, down)
     outs = []
     for e, part in enumerate(rows.split(counts.tolist())):
         hidden = _gate(module, nn.functional.linear(part, gate_up[e]))
@@ -74,14 +93,15 @@ def ep_forward(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    grouped: tuple[torch.dtype, ...] = (),
     **_: Any,
 ) -> torch.Tensor:
     """The experts' output for `hidden` [T, D] routed to `top_k_index` [T, k] with `top_k_weights` [T, k]:
     each (token, choice) row dispatched, computed by its expert's rank, combined back, then weighted in fp32 and
-    summed over the k choices in a fixed order."""
+    summed over the k choices in a fixed order. `grouped`: the dtypes in which to use `torch._grouped_mm`."""
     tokens, k = top_k_index.shape
     rows = hidden.repeat_interleave(k, dim=0)  # row t*k + j: token t's j-th choice
     received, counts, handle = dispatcher.dispatch(rows, top_k_index.reshape(-1))
-    back = dispatcher.combine(local_experts(module, received, counts), handle).view(tokens, k, -1)
+    back = dispatcher.combine(local_experts(module, received, counts, grouped), handle).view(tokens, k, -1)
     out = (back.float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return out.to(hidden.dtype)

@@ -93,6 +93,10 @@ class Platform:
         """Whether FP8 matmuls run natively (otherwise FP8 training works only emulated, for tests)."""
         return False
 
+    def grouped_mm_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes in which `torch._grouped_mm` runs natively here (MoE experts use it, else a per-expert loop)."""
+        return ()
+
     def supports_float64(self) -> bool:
         """Whether tensors of this kind can be float64 (e.g. metrics stacked in one wide dtype)."""
         return True

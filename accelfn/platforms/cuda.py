@@ -51,6 +51,11 @@ class CudaPlatform(TorchAccelerator):
             return False
         return torch.cuda.get_device_capability() >= (8, 9)
 
+    def grouped_mm_dtypes(self) -> tuple[torch.dtype, ...]:
+        if not self.is_available() or torch.version.cuda is None or not hasattr(torch, "_grouped_mm"):
+            return ()
+        return (torch.bfloat16,) if torch.cuda.get_device_capability() >= (9, 0) else ()
+
     def pins_host_copies(self) -> bool:
         return self.is_available()
 

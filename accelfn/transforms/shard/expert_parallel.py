@@ -165,14 +165,19 @@ class ExpertParallel(TransformBase):
                 p.detach(), ep_mesh, [Shard(0)]
             )  # from ep rank 0: the same on every rank
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
+        grouped = (
+            self.mesh.platform.grouped_mm_dtypes()
+        )  # the expert GEMMs: grouped where native, else a loop
         self.dispatchers.clear()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
             self.dispatchers.append(AllToAllDispatcher(group, experts, self.size))
-            m.forward = functools.partial(ep_forward, m, self.dispatchers[-1])
+            m.forward = functools.partial(ep_forward, m, self.dispatchers[-1], grouped=grouped)
         per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
         plan.notes.append(
-            f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, per-expert loop"
+            f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, "
+            + (f"grouped GEMMs in {', '.join(str(d)[6:] for d in grouped)}, else " if grouped else "")
+            + "per-expert loop"
         )
 
 

@@ -64,12 +64,12 @@ def run_job(job: Job) -> dict[str, Any]:
         os.environ.pop(k, None)
     os.environ.update(dict(job.env))
     launch_env.ASKED.clear()
-    quiet = io.StringIO()  # the script's own prints
+    quiet = io.StringIO()  # the script's own prints and progress bars
     ranks = [0, job.world - 1] if job.rank == "ends" else [job.rank]
     try:
         reports = []
         for rank in ranks:
-            with contextlib.redirect_stdout(quiet):
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 reports.append(
                     dry_run(
                         job.script,

@@ -281,20 +281,22 @@ def test_compiled_steps_fuse_each_run_of_memory_bound_ops_and_have_no_launch_flo
     )
 
 
-def test_the_pipeline_bubble_shrinks_with_interleaving() -> None:
-    from accelfn.dryrun.step_time import Pipeline, pipeline_of
+def test_the_pipeline_bubble_comes_from_the_schedules_order_and_shrinks_with_interleaving() -> None:
+    from accelfn.dryrun.step_time import Pipeline, makespan, pipeline_of
     from accelfn.dryrun.timing import OpCost
 
-    busy = [OpCost("matmul", 4096, 4096, 4096)] * 32
-    one = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 1))
-    two = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 2))
-    # Narayanan et al. 2021: the bubble is (p - 1) / (m v) of the ideal time
+    fwd, bwd = OpCost("matmul", 4096, 4096, 4096), OpCost("matmul", 4096, 4096, 4096, backward=True)
+    busy = [fwd, bwd, bwd] * 32  # backward twice the forward
+    one = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 1, "1f1b"))
+    two = _step(busy, ("pp",), pipeline=Pipeline(8, 32, 2, "interleaved_1f1b"))
+    # equal stages: the simulated order's idle time is Narayanan et al.'s (p - 1) / (m v) of the busy time
     assert one.bubble_s == pytest.approx(one.compute_s * 7 / 32) and two.bubble_s == pytest.approx(
         one.bubble_s / 2
     )
-    assert pipeline_of(
-        "pipeline(interleaved_1f1b, pp=8, stages [0, 8] of 16, 32 micro-batches) over x"
-    ) == Pipeline(8, 32, 2)
+    # a hand-over between stages lengthens the fill and drain
+    assert makespan(4, 8, 1, 1.0, 2.0, p2p=0.5) > makespan(4, 8, 1, 1.0, 2.0) == 8 * 3.0 + 3 * 3.0
+    got = pipeline_of("pipeline(interleaved_1f1b, pp=8, stages [0, 8] of 16, 32 micro-batches) over x")
+    assert got == Pipeline(8, 32, 2, "interleaved_1f1b")
     assert pipeline_of("shard(fsdp, dp=8)") is None
 
 

@@ -11,9 +11,9 @@ stream per link (within a node, across nodes: collectives on one link share its 
   last is exposed);
 - everything else (tensor/context-parallel collectives, the clip's and the loss's all-reduces, pipeline
   sends and receives): on the critical path;
-- the pipeline's bubble: the idle time of a stage while the schedule fills and drains, `(pp - 1) / (m v)` of
-  the stage's busy time for `m` micro-batches and `v` stages per rank (Narayanan et al. 2021: 1F1B `v = 1`,
-  interleaved 1F1B `v = 2`);
+- the pipeline's bubble: the idle time of a rank while the schedule fills and drains, from the schedule's own
+  order of actions (1F1B, interleaved 1F1B: `makespan`) with this rank's forward and backward times per
+  micro-batch and stage; other schedules: `(pp - 1) / (m v)` of the busy time (Narayanan et al. 2021);
 - under `af.compile` no launch floor, and each run of memory-bound kernels between two matmuls, attention
   kernels or collectives is one fused kernel moving what its largest op moves (an assumption: inductor's
   fusion).
@@ -54,6 +54,7 @@ class Pipeline:
     stages: int
     microbatches: int
     stages_per_rank: int = 1
+    schedule: str = "1f1b"
 
 
 @attrs.frozen
@@ -74,23 +75,98 @@ class StepTime:
     assumes: dict[str, Any]
 
 
+def _unit(k: int, backward: bool, r: int, pp: int, v: int) -> tuple[int, int]:
+    """(stage, micro-batch) of rank r's k-th forward (or backward): micro-batches in groups of pp, each group
+    through the rank's stages in turn (backwards in reverse), as Megatron-LM's interleaved schedule."""
+    chunk = (k // pp) % v
+    if backward:
+        chunk = v - 1 - chunk
+    return chunk * pp + r, (k // (pp * v)) * pp + k % pp
+
+
+def _orders(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Each rank's actions in order, (F or B, stage, micro-batch), as Megatron-LM's and torch's 1F1B (v = 1)
+    and interleaved 1F1B (v > 1, stages placed round-robin: rank r holds stages r, r + pp, ...) order them."""
+    out = []
+    total = m * v
+    for r in range(pp):
+        if v == 1:
+            warm = min(pp - 1 - r, m)
+        else:
+            warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        acts: list[tuple[str, int, int]] = []
+        f = b = 0
+        for _ in range(warm):
+            acts.append(("F", *_unit(f, False, r, pp, v)))
+            f += 1
+        while f < total:
+            acts.append(("F", *_unit(f, False, r, pp, v)))
+            f += 1
+            acts.append(("B", *_unit(b, True, r, pp, v)))
+            b += 1
+        while b < total:
+            acts.append(("B", *_unit(b, True, r, pp, v)))
+            b += 1
+        out.append(acts)
+    return out
+
+
+def makespan(pp: int, m: int, v: int, tf: float, tb: float, p2p: float = 0.0) -> float:
+    """The time a pipeline of `pp` ranks takes to run `m` micro-batches through `pp v` stages, each forward
+    `tf` and backward `tb` long and each hand-over `p2p`: every rank runs its actions (`_orders`) in order,
+    each when its input is there (the stage before's forward, the stage after's backward).
+
+    Example:
+        >>> makespan(8, 32, 1, 1.0, 2.0) / (32 * 3.0) - 1  # Narayanan et al.: (pp - 1) / (m v)
+        0.21875
+        >>> makespan(8, 32, 2, 0.5, 1.0) / (32 * 3.0) - 1
+        0.109375
+    """
+    orders = _orders(pp, m, v)
+    n_stages = pp * v
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * pp
+    idx = [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while idx[r] < len(orders[r]):
+                kind, s, mb = orders[r][idx[r]]
+                if kind == "F":
+                    dep = [("F", s - 1, mb)] if s > 0 else []
+                else:
+                    dep = [("B", s + 1, mb)] if s < n_stages - 1 else [("F", s, mb)]
+                if any(d not in done for d in dep):
+                    break
+                start = max([free[r]] + [done[d] + p2p for d in dep])
+                free[r] = start + (tf if kind == "F" else tb)
+                done[(kind, s, mb)] = free[r]
+                idx[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked")
+    return max(free)
+
+
 def pipeline_of(strategy: str) -> Pipeline | None:
     """The `Pipeline` a step's description names (`af.pipeline`'s `describe()`), or None.
 
     Example:
         >>> pipeline_of("pipeline(interleaved_1f1b, pp=8, stages [0, 8] of 16, 32 micro-batches) over ...")
-        Pipeline(stages=8, microbatches=32, stages_per_rank=2)
+        Pipeline(stages=8, microbatches=32, stages_per_rank=2, schedule='interleaved_1f1b')
     """
     m = re.search(r"pipeline\((\w+), pp=(\d+), stages \[[^\]]*\] of (\d+), (\d+) micro-batches", strategy)
     if m is not None:
         pp, n_stages, micro = int(m[2]), int(m[3]), int(m[4])
-        return Pipeline(pp, micro, max(1, n_stages // pp))
+        return Pipeline(pp, micro, max(1, n_stages // pp), m[1])
     m = re.search(r"pipeline\((\w+), pp=(\d+), microbatches=(\d+)\)", strategy)
     if m is not None:
         from ..transforms.pipeline import SCHEDULES
 
         info = SCHEDULES.get(m[1])
-        return Pipeline(int(m[2]), int(m[3]), info.stages_per_rank if info is not None else 1)
+        return Pipeline(int(m[2]), int(m[3]), info.stages_per_rank if info is not None else 1, m[1])
     return None
 
 
@@ -135,11 +211,17 @@ def predict_step(
     comm_s = 0.0
     fused = 0  # bytes of the largest memory-bound op of the current run (compiled)
 
-    def compute(seconds: float, kind: str) -> None:
-        nonlocal now, kernels, launch_bound
+    forward_s = backward_s = 0.0
+
+    def compute(seconds: float, kind: str, backward: bool = False) -> None:
+        nonlocal now, kernels, launch_bound, forward_s, backward_s
         if seconds < floor:
             launch_bound += 1
         seconds = max(seconds, floor)
+        if backward:
+            backward_s += seconds
+        else:
+            forward_s += seconds
         by_kind[kind] += seconds
         now += seconds
         kernels += 1
@@ -174,7 +256,7 @@ def predict_step(
                 fused = max(fused, ev.nbytes)
                 continue
             flush()
-            compute(cost_time(ev, device, ta), ev.kind)
+            compute(cost_time(ev, device, ta), ev.kind, ev.backward)
             continue
         if not isinstance(ev, Collective):
             continue
@@ -205,7 +287,13 @@ def predict_step(
     compute_s = sum(by_kind.values())
     bubble = 0.0
     if pipeline is not None and pipeline.stages > 1:
-        bubble = now * (pipeline.stages - 1) / (pipeline.microbatches * pipeline.stages_per_rank)
+        pp, m, v = pipeline.stages, pipeline.microbatches, pipeline.stages_per_rank
+        if pipeline.schedule in ("1f1b", "interleaved_1f1b") and forward_s + backward_s > 0:
+            tf, tb = forward_s / (m * v), backward_s / (m * v)  # one action of this rank
+            idle = makespan(pp, m, v, tf, tb) / (m * v * (tf + tb)) - 1
+        else:  # other schedules: Narayanan et al.'s closed form
+            idle = (pp - 1) / (m * v)
+        bubble = now * idle
     assumes: dict[str, Any] = {
         **{k: v for k, v in attrs.asdict(ta).items() if k != "gemm_efficiency"},
         "gemm_efficiency": ta.gemm(device),

@@ -15,7 +15,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn import mesh as _mesh
-from accelfn.moe import AllToAllDispatcher, ep_forward, local_experts
+from accelfn.moe import AllToAllDispatcher, ep_forward, load_balancing_loss, local_experts
 from accelfn.transforms.shard.expert_parallel import expert_params, model_ep_plan
 from tests._launch import ROOT, expect_ok, launch_command, output_of, run_workers
 
@@ -95,6 +95,16 @@ def test_grouped_gemms_equal_the_per_expert_loop_with_gradients(monkeypatch):
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert len(calls) == 2  # the two GEMMs of the grouped run with rows; none for the empty one
+
+
+def test_load_balancing_loss_with_padding_equals_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(3)
+    logits = tuple(torch.randn(2 * 5, EXPERTS, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    ref = load_balancing_loss_func(logits, EXPERTS, 2, mask)
+    torch.testing.assert_close(load_balancing_loss(logits, EXPERTS, 2, mask), ref)
 
 
 def test_model_ep_plan_and_user_plan():
@@ -195,9 +205,9 @@ def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
     to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan;
     under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
-    saved and loaded at ep2 (exact)."""
+    saved and loaded at ep2 (exact); the load-balancing loss of the global batch (vs transformers' aux_loss)."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1",
-               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}"]  # fmt: skip
+               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
 
 
@@ -206,7 +216,14 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
     """ddp: experts summed over the other data axis only (each ep rank holds other experts: not ep x too large);
     fsdp: dense layers sharded over all 4 ranks, experts FSDP-sharded over fsdp within their ep rank (efsdp);
     the norm counting each expert once."""
-    configs = ["qwen:clip", "user:to=0", "qwen:fsdp", "qwen:fsdp:clip:to=1", "user:fsdp:to=0"]
+    configs = [
+        "qwen:clip",
+        "user:to=0",
+        "qwen:fsdp",
+        "qwen:fsdp:clip:to=1",
+        "user:fsdp:to=0",
+        "qwen:fsdp:aux",
+    ]
     expect_ok(run_workers("ep_worker.py", 4, "fsdp=2,ep=2", *configs, timeout=300), configs, 4)
 
 

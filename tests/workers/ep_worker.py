@@ -4,7 +4,8 @@
 
 Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE, its own ep plan), user (a
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
-clips), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
+clips), aux (plus the load-balancing loss of the global batch, vs transformers' aux_loss in one process),
+accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
 FSDP-sharded over the data axes but ep), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps; the experts really split; the identity of dispatch-then-combine over the ep group.
@@ -18,7 +19,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn.launch_env import parse_mesh
-from accelfn.moe import AllToAllDispatcher, local_part
+from accelfn.moe import AllToAllDispatcher, add_aux_loss, load_balancing_loss, local_part
 
 CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
 VOCAB, EXPERTS, TOPK = 64, 4, 2
@@ -135,6 +136,21 @@ def lm_loss(model, b):
     return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
 
 
+def aux_loss(group=None, reference=False):
+    """The LM loss plus 0.1 x the load-balancing loss of the global batch: transformers' own (`aux_loss`) in
+    the reference process, accelfn's global one (this rank's share) under ep."""
+
+    def fn(model, b):
+        out = model(input_ids=b["input_ids"], output_router_logits=True)
+        ce = af.losses.cross_entropy(out.logits[:, :-1], b["labels"][:, 1:])
+        if reference:
+            return af.Loss(ce.total + 0.1 * ce.count * out.aux_loss, ce.count)
+        share = load_balancing_loss(out.router_logits, EXPERTS, TOPK, group=group)
+        return add_aux_loss(ce, share, 0.1, group)
+
+    return fn
+
+
 def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
@@ -157,7 +173,10 @@ def check(mesh, kind, options):
     to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
     clip = 0.05 if "clip" in options else 1e9
     data = batches()
-    ref_step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
+    aux = "aux" in options
+    ref_step = af.train_step(
+        aux_loss(reference=True) if aux else lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip
+    )
     ref = ref_step.init(make_model(kind, to), seed=3)
     ref_params, ref_losses, ref_norms, ref_imbalance = [], [], [], []
     for b in data:
@@ -167,7 +186,9 @@ def check(mesh, kind, options):
         ref_norms.append(m["grad_norm"].item())
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
 
-    step = af.train_step(lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip)
+    step = af.train_step(
+        aux_loss(mesh.data_group()) if aux else lm_loss, af.optim.sgd(0.5), clip_grad_norm=clip
+    )
     if "accumulate" in options:
         step = af.accumulate(step, 2)
     if "remat" in options:

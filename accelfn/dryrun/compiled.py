@@ -1,0 +1,186 @@
+"""The dry run's model of `af.compile`'s memory: each compiled block's forward and backward as the compiler splits them.
+
+A compiled region saves for its backward what torch's min-cut partitioner chooses (the tensors AOTAutograd's
+joint graph cuts at: it recomputes cheap pointwise ops in the backward instead of saving their outputs), not
+what eager autograd saves. The dry run cannot run Inductor on fake tensors, but it can trace: `partition_block`
+replaces a block's forward by `aot_function(forward, partition_fn=min_cut_rematerialization_partition)` whose
+forward and backward graphs run op by op on the dry run's fake tensors. The tracker then sees the partitioner's
+saved tensors as the block's activations (exact for the partitioner torch ships), and the graphs' other tensors
+as temporaries. Inductor also fuses chains of pointwise ops, whose intermediates never exist: here they do,
+one op at a time, so a compiled step's transient peak is an estimate from above (as eager's).
+
+Identical blocks (same class, parameter shapes, arguments) share one traced graph, as Inductor's cache does.
+Activation checkpointing stays outside the traced region (torch's checkpoint cannot be traced without Dynamo):
+the block's checkpoint wraps the partitioned forward, so under `af.remat` the checkpoint's policy decides what is
+kept, as in a compiled region that holds a checkpoint.
+
+Example:
+    >>> import torch
+    >>> from accelfn.dryrun.compiled import partition_block
+    >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))
+    >>> partition_block(block)
+    True
+    >>> block(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    >>> block[0].weight.grad.shape
+    torch.Size([4, 4])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _python_dispatch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["partition_block", "saved_bytes"]
+
+_Key = tuple[Any, ...]
+_GRAPHS: dict[_Key, Callable[..., Any]] = {}
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (type(t), tuple(t.shape), t.dtype, t.requires_grad)
+
+
+def _key(
+    block: nn.Module, names: list[str], tensors: list[torch.Tensor], spec: Any, consts: list[Any]
+) -> _Key:
+    return (
+        type(block),
+        tuple(names),
+        tuple(_meta(t) for t in tensors),
+        str(spec),
+        tuple(repr(c) for c in consts),
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
+
+
+def _eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """The "compiler" of the partitioned graphs: runs them op by op (on fake tensors in a dry run)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm)
+
+
+def _trace(
+    block: nn.Module, forward: Callable[..., Any], names: list[str], spec: Any, consts: list[Any]
+) -> Any:
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    n_state = len(names)
+
+    def fn(*flat: torch.Tensor) -> Any:
+        tensors = iter(flat[n_state:])
+        args, kwargs = tree_unflatten([next(tensors) if c is _TENSOR else c for c in consts], spec)
+        with _reparametrize_module(block, dict(zip(names, flat[:n_state], strict=True))):
+            return forward(*args, **kwargs)
+
+    return aot_function(
+        fn, fw_compiler=_eager, bw_compiler=_eager, partition_fn=min_cut_rematerialization_partition
+    )
+
+
+class _Tensor:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _Tensor()
+
+
+def _traceable(t: Any) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) or type(t).__name__ == "FakeTensor"
+
+
+def _holds_subclass_modules(block: nn.Module) -> bool:
+    return any(type(m).__module__.startswith(("torchao", "transformer_engine")) for m in block.modules())
+
+
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    """No dispatch modes (the tracker, FLOP counting) and no global module hooks (FLOP counting's module tracker
+    puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the joint graph refuses)."""
+    from torch.nn.modules import module as m
+
+    saved = [(d, dict(d)) for d in (m._global_forward_pre_hooks, m._global_forward_hooks)]
+    for d, _ in saved:
+        d.clear()
+    try:
+        with _python_dispatch._disable_current_modes():
+            yield
+    finally:
+        for d, items in saved:
+            d.update(items)
+
+
+def partition_block(block: nn.Module) -> bool:
+    """Run `block`'s forward (and its backward) as the partitioned graphs of a compiled region; True if done.
+
+    False (the block stays eager) where its parameters are tensor subclasses (DTensor under tensor parallel) or
+    it holds torchao's or Transformer Engine's modules: AOTAutograd would trace through them, which the dry run
+    does not model. A checkpoint `af.remat` put on the block stays outermost.
+    """
+    from ..transforms.remat import checkpoint_in_place
+
+    if getattr(block, "_accelfn_partitioned", False):
+        return True
+    state0 = dict(block.named_parameters()) | dict(block.named_buffers())
+    if not all(_traceable(t) for t in state0.values()) or _holds_subclass_modules(block):
+        return False
+    remat = getattr(block, "_accelfn_remat", None)
+    if remat is not None:  # put the checkpoint back around the partitioned forward
+        object.__delattr__(block, "forward")
+        object.__delattr__(block, "_accelfn_remat")
+    forward = block.forward
+
+    def partitioned(*args: Any, **kwargs: Any) -> Any:
+        state = dict(block.named_parameters()) | dict(block.named_buffers())
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        flat = [*state.values(), *tensors]
+        if not torch.is_grad_enabled() or not all(_traceable(t) for t in flat):
+            return forward(*args, **kwargs)
+        consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        key = _key(block, list(state), flat, spec, consts)
+        graph = _GRAPHS.get(key)
+        if graph is None:
+            graph = _trace(block, forward, list(state), spec, consts)
+            with _unwatched():  # tracing is not this step's memory or FLOPs
+                graph(*[t.detach().requires_grad_(t.requires_grad) for t in flat])
+            _GRAPHS[key] = graph
+        return graph(*flat)
+
+    object.__setattr__(block, "forward", partitioned)
+    object.__setattr__(block, "_accelfn_partitioned", True)
+    if remat is not None:
+        checkpoint_in_place(block, remat)
+    return True
+
+
+def saved_bytes(fn: Callable[[], Any]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while `fn()` runs (`fn`'s forward).
+
+    Example:
+        >>> import torch
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> saved_bytes(lambda: (torch.randn(2, 4) @ w).relu())
+        64
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

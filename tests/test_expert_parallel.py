@@ -235,3 +235,13 @@ def test_example_train_moe_under_accelfn_launch_with_an_ep_axis():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0 and "CHECK moe loss falls: OK" in proc.stdout, output_of(proc)
     assert "each rank holds 4 of 8 experts" in proc.stdout, output_of(proc)
+
+
+def test_dry_run_of_the_example_counts_the_all_to_alls_on_the_ep_axis():
+    """16 ranks (dp=2 x ep=8) on fake tensors: the dispatch models a balanced router (no expert ids to read), the
+    rows move through the same all-to-alls (4 per layer and step: dispatch and combine, forward and backward),
+    and the experts' gradients are summed over dp only."""
+    report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "16"], nproc_per_node=8,
+                        nnodes=2, device="cpu", mesh="dp=2,ep=8", search=False)  # fmt: skip
+    assert report.comm["all_to_all"]["ep"]["count"] == 8, report.comm
+    assert "dp" in report.comm["all_reduce"], report.comm  # the experts' gradients: over dp, not dp x ep

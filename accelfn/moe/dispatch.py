@@ -24,6 +24,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from .. import dry_mode
+
 __all__ = ["Dispatcher", "AllToAllDispatcher", "DispatchHandle"]
 
 
@@ -45,8 +47,8 @@ class Dispatcher(Protocol):
 class DispatchHandle:
     """What `combine` needs to send rows back: the two permutations and the split sizes of each direction."""
 
-    order: torch.Tensor  # rows of x sorted by expert (hence by destination rank)
-    regroup: torch.Tensor  # received rows (by source rank, then expert) sorted by local expert
+    order: torch.Tensor | None  # rows of x sorted by expert (hence by destination rank); None: a dry run's
+    regroup: torch.Tensor | None  # received rows (by source rank, then expert) sorted by local expert
     send: list[int]  # rows sent to each rank
     recv: list[int]  # rows received from each rank
 
@@ -101,6 +103,8 @@ class AllToAllDispatcher:
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        if dry_mode.active() is not None:
+            return self._modelled(x)
         n_local = self.local_experts
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)
@@ -117,8 +121,25 @@ class AllToAllDispatcher:
         per_expert = got.view(self.size, n_local).sum(0)
         return rows[regroup], per_expert, DispatchHandle(order, regroup, send, recv)
 
+    def _modelled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """A dry run (fake tensors: no expert ids to read): the rows move as a balanced router sends them (each
+        expert `rows / E`), through the same all-to-all, so its traffic and the experts' work are counted."""
+        n, n_local = x.shape[0], self.local_experts
+        counts = [n // self.num_experts + (e < n % self.num_experts) for e in range(self.num_experts)]
+        send = [sum(counts[r * n_local : (r + 1) * n_local]) for r in range(self.size)]
+        me = dist.get_rank(self.group) if self.size > 1 else 0
+        recv = [send[me]] * self.size  # every rank routes alike
+        with dry_mode.real_tensors():
+            mine = torch.tensor(counts[me * n_local : (me + 1) * n_local]) * self.size
+            self.tokens = torch.tensor(counts) if self.tokens is None else self.tokens + torch.tensor(counts)
+        rows = _exchange(x, recv, send, self.group) if self.size > 1 else x
+        return rows, mine, DispatchHandle(None, None, send, recv)
+
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        if handle.order is None:  # a dry run's modelled routing: no permutation
+            return _exchange(y, handle.send, handle.recv, self.group) if self.size > 1 else y
         if self.size > 1:
+            assert handle.regroup is not None
             y = y[torch.argsort(handle.regroup)]  # back to (source rank, expert) order
             y = _exchange(y, handle.send, handle.recv, self.group)
         return y[torch.argsort(handle.order)]

@@ -22,11 +22,11 @@ from tests._launch import ROOT, expect_ok, launch_command, output_of, run_worker
 EXPERTS = 4
 
 
-def qwen(layers: int = 1, experts: int = EXPERTS) -> nn.Module:
+def qwen(layers: int = 1, experts: int = EXPERTS, vocab: int = 32) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                          num_experts=experts, num_experts_per_tok=2)  # fmt: skip
     return Qwen3MoeForCausalLM(cfg)
@@ -205,10 +205,19 @@ def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
     to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan;
     under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
-    saved and loaded at ep2 (exact); the load-balancing loss of the global batch (vs transformers' aux_loss)."""
+    saved and loaded at ep2, and without ep in one process (exact); the load-balancing loss of the global batch (vs transformers' aux_loss)."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1",
                "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
+    # the ep2 checkpoint loads without ep, in one process: the same params (resharded from the experts' pieces)
+    from safetensors.torch import load_file
+
+    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(qwen(layers=2, vocab=64))
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    want = load_file(tmp_path / "ckpt-full.safetensors")
+    assert sorted(loaded.params) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(loaded.params[k], v), k
 
 
 @pytest.mark.slow

@@ -230,6 +230,11 @@ def check(mesh, kind, options):
     save = next((o[5:] for o in options if o.startswith("save=")), None)
     if save is not None:  # saved at this ep layout, loaded into a fresh state of the same layout: exact
         af.checkpoint.save(save, state)
+        gathered = {k: full(v).contiguous() for k, v in state.params.items()}  # collective: on every rank
+        if mesh.is_main:  # the whole params, for the test to compare a load without ep with
+            from safetensors.torch import save_file
+
+            save_file(gathered, save + "-full.safetensors")
         fresh = step.init(make_model(kind, to), seed=5)
         loaded = af.checkpoint.load(save, like=fresh)
         for k, v in state.params.items():

@@ -324,11 +324,18 @@ def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) 
     """Seconds of one kernel (no launch floor) on `device`: `matmul_time`, `attention_time` (fp32 attention at
     the bf16 peak: SDPA's flash kernels take only 2-byte inputs) or `memory_time`."""
     if cost.kind == "matmul":
+        dtype = cost.dtype
+        if peak_tflops(device, dtype) is None:
+            # fp8 emulated on a device without fp8 (af.autocast_fp8's emulate=True) runs in bf16; integer and
+            # fp64 matmuls have no row: priced at fp32's (else bf16's) peak
+            dtype = torch.bfloat16 if dtype.itemsize == 1 else torch.float32
+            if peak_tflops(device, dtype) is None:
+                dtype = torch.bfloat16
         return matmul_time(
             cost.m,
             cost.n,
             cost.k,
-            cost.dtype,
+            dtype,
             device,
             assumptions,
             batch=cost.batch,

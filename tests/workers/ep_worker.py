@@ -6,7 +6,7 @@ Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
 clips), aux (plus the load-balancing loss of the global batch, vs transformers' aux_loss in one process),
 accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
-FSDP-sharded over the data axes but ep), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
+FSDP-sharded over the data axes but ep), repeat (a second run is bitwise the same), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps; the experts really split; the identity of dispatch-then-combine over the ep group.
 """
@@ -227,6 +227,12 @@ def check(mesh, kind, options):
         for k, v in state.params.items():
             diff = (full(v) - ref_params[i][k]).abs().max().item()
             assert diff < tol, f"step {i + 1}: {k} differs from one process by {diff}"
+    if "repeat" in options:  # a second run from the same start: bitwise the same params
+        again = step.init(make_model(kind, to), seed=3)
+        for b in data:
+            again, _ = step(again, b)
+        for k, v in state.params.items():
+            assert torch.equal(full(again.params[k]), full(v)), f"{k}: two runs differ"
     save = next((o[5:] for o in options if o.startswith("save=")), None)
     if save is not None:  # saved at this ep layout, loaded into a fresh state of the same layout: exact
         af.checkpoint.save(save, state)

@@ -104,17 +104,26 @@ def _holds_subclass_modules(block: nn.Module) -> bool:
     return any(type(m).__module__.startswith(("torchao", "transformer_engine")) for m in block.modules())
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @contextlib.contextmanager
 def _unwatched() -> Iterator[None]:
     """No dispatch modes (the tracker, FLOP counting) and no global module hooks (FLOP counting's module tracker
-    puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the joint graph refuses)."""
+    puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the joint graph refuses), and
+    no saved-tensor hooks (an enclosing checkpoint's)."""
     from torch.nn.modules import module as m
 
     saved = [(d, dict(d)) for d in (m._global_forward_pre_hooks, m._global_forward_hooks)]
     for d, _ in saved:
         d.clear()
     try:
-        with _python_dispatch._disable_current_modes():
+        # identity hooks: an enclosing checkpoint's must not see the trace's saved tensors
+        with (
+            _python_dispatch._disable_current_modes(),
+            torch.autograd.graph.saved_tensors_hooks(_same, _same),
+        ):
             yield
     finally:
         for d, items in saved:

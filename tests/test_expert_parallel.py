@@ -205,9 +205,9 @@ def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
     to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan;
     under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
-    saved and loaded at ep2, and without ep in one process (exact); two runs bitwise identical; the load-balancing loss of the global batch (vs transformers' aux_loss)."""
+    saved and loaded at ep2, and without ep in one process (exact); two runs bitwise identical; under af.autocast bf16 (vs one process under it); the load-balancing loss of the global batch (vs transformers' aux_loss)."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1:repeat",
-               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip"]  # fmt: skip
+               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip", "qwen:bf16"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
     # the ep2 checkpoint loads without ep, in one process: the same params (resharded from the experts' pieces)
     from safetensors.torch import load_file

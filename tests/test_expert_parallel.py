@@ -237,6 +237,13 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
 
 
 @pytest.mark.slow
+def test_ep4_one_expert_per_rank_equals_one_process():
+    """4 ranks exchange rows with each other; two of them receive no token (to=...)."""
+    configs = ["qwen:clip", "user:to=1"]
+    expect_ok(run_workers("ep_worker.py", 4, "ep=4", *configs, timeout=300), configs, 4)
+
+
+@pytest.mark.slow
 def test_example_train_moe_under_accelfn_launch_with_an_ep_axis():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELFN_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)

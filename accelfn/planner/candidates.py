@@ -7,7 +7,7 @@ leaves a knob to the script. `enumerate_candidates` lists them for a `Space`.
 Example:
     >>> space = Space(world=8, nproc_per_node=8, open=frozenset({"mesh", "strategy"}), axes=("dp", "tp"))
     >>> [c.label for c in enumerate_candidates(space)][:3]
-    ['dp=8 ddp', 'dp=8 fsdp', 'dp=4,tp=2 ddp']
+    ['dp=8 ddp', 'dp=8 fsdp', 'dp=4,fsdp=2 hsdp']
 """
 
 from __future__ import annotations

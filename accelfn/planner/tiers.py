@@ -90,11 +90,23 @@ def plan(
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
 
     Example:
-        >>> import accelfn as af
-        >>> p = af.plan("train.py", ["--model", "8b"], nproc_per_node=8, nnodes=8,
-        ...             global_batch_size=256)  # doctest: +SKIP
-        >>> print(p)  # doctest: +SKIP
-        >>> p.write_config("plan.yaml")  # then: accelfn launch --config plan.yaml train.py --model 8b
+        >>> import pathlib, tempfile, accelfn as af
+        >>> script = pathlib.Path(tempfile.mkdtemp()) / "train.py"
+        >>> _ = script.write_text(
+        ...     "import torch, accelfn as af\\n"
+        ...     "from accelfn.launch_env import knob\\n"
+        ...     "mesh = af.Mesh.from_env()\\n"
+        ...     "step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))\\n"
+        ...     "step = af.shard(step, mesh, strategy=knob('strategy', 'auto', 'ddp'))\\n"
+        ...     "state = step.init(torch.nn.Linear(512, 512))\\n"
+        ...     "for _ in range(2):\\n"
+        ...     "    state, _ = step(state, torch.randn(8, 512))\\n"
+        ... )
+        >>> p = af.plan(script, nproc_per_node=2, axes=("dp",), workers=1)
+        >>> p.open_knobs, sorted(r.candidate.label for r in p.rows)
+        (['mesh', 'strategy'], ['dp=2 ddp', 'dp=2 fsdp'])
+        >>> p.write_config(script.parent / "plan.yaml").name  # accelfn launch --config plan.yaml train.py
+        'plan.yaml'
     """
     from ..dryrun.report import Assumptions, gib
     from ..platforms import specs
@@ -214,8 +226,8 @@ def plan(
                     rows.append(row)
 
         for wave in (
-            [c for c in survivors if first[c.mesh_spec] is c],
-            [c for c in survivors if first[c.mesh_spec] is not c],
+            _interleaved([c for c in survivors if first[c.mesh_spec] is c]),
+            _interleaved([c for c in survivors if first[c.mesh_spec] is not c]),
         ):
             jobs = []
             for c in wave:
@@ -260,6 +272,27 @@ def plan(
         global_batch_size=global_batch_size,
         dry_runs=runs,
     )
+
+
+def _interleaved(candidates: list[Candidate]) -> list[Candidate]:
+    """Round-robin over the (tp, cp) groups, each in its order (pp ascending): a search the budget cuts short
+    has tried every intra-node split, not only the first ones enumerated.
+
+    Example:
+        >>> cs = [Candidate({"dp": 4}), Candidate({"pp": 2, "dp": 2}), Candidate({"dp": 2, "tp": 2})]
+        >>> [c.mesh_spec for c in _interleaved(cs)]
+        ['dp=4', 'dp=2,tp=2', 'pp=2,dp=2']
+    """
+    groups: dict[tuple[int, int], list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault((c.mesh.get("tp", 1), c.mesh.get("cp", 1)), []).append(c)
+    out: list[Candidate] = []
+    queues = list(groups.values())
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
 
 
 class _NoBar:

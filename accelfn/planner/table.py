@@ -243,7 +243,14 @@ class Plan:
             ax.scatter(
                 [best.tokens_per_s_per_gpu], [best.peak / 2**30], s=120, marker="*", c="red", label="chosen"
             )
-            ax.annotate(best.candidate.label, (best.tokens_per_s_per_gpu, best.peak / 2**30), fontsize=8)
+            ax.annotate(
+                best.candidate.label,
+                (best.tokens_per_s_per_gpu, best.peak / 2**30),
+                xytext=(-6, 8),
+                textcoords="offset points",
+                ha="right",
+                fontsize=8,
+            )
         ax.set_xlabel("predicted tokens/s per GPU")
         ax.set_ylabel("peak memory per rank (GiB)")
         ax.set_title(f"accelfn plan: {Path(self.script).name}, {self.nproc_per_node * self.nnodes} ranks")

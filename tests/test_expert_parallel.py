@@ -178,6 +178,11 @@ def test_ep_refusals_name_the_culprit(ep2):
         _step(ep2, ep_plan={"experts": "ep_dispatch_experts"}).init(nn.Linear(2, 2))
 
 
+def test_ep_with_compile_is_refused(ep2):
+    with pytest.raises(af.CompositionError, match=r"expert_parallel\(ep=2\) cannot be combined with compile"):
+        af.compile(_step(ep2), backend="aot_eager").init(qwen())
+
+
 def test_ep_with_tensor_parallel_is_refused(ep2_tp2):
     with pytest.raises(
         ValueError, match=r"expert parallel \(ep=2\) is not combined with tensor or context parallel"

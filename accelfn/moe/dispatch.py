@@ -18,7 +18,7 @@ Example (one process: the group of one rank keeps every row):
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import torch
@@ -43,8 +43,7 @@ class Dispatcher(Protocol):
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
 
-@attrs.frozen
-class DispatchHandle:
+class DispatchHandle(NamedTuple):
     """What `combine` needs to send rows back: the two permutations and the split sizes of each direction."""
 
     order: torch.Tensor | None  # rows of x sorted by expert (hence by destination rank); None: a dry run's

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -40,7 +40,7 @@ from torch import nn
 from ...engine.contract import LOCAL, GradSync
 from ...mesh import Mesh
 from ...module import move
-from .._base import TransformBase
+from .._base import TransformBase, conflict
 from .common import max_over
 from .tensor_parallel import tensor_parallel_norm
 
@@ -123,6 +123,13 @@ class ExpertParallel(TransformBase):
     @property
     def size(self) -> int:
         return self.mesh.axis_size("ep")
+
+    def check(self, others: Sequence[Any]) -> None:
+        compiled = next((t for t in others if t.kind == "compile"), None)
+        if compiled is not None:  # dynamo fails on the experts' local DTensor pieces (torch 2.13)
+            raise conflict(
+                self, compiled, "the experts' dispatch is not compiled in this version: leave af.compile out"
+            )
 
     def describe(self) -> str:
         return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''})"

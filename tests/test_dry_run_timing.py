@@ -339,3 +339,48 @@ def test_a_backward_prefetch_goes_on_the_link_before_the_reductions_issued_after
     assert tg + tr < c
     got = _step([ag, block, rs] * 3, ("fsdp",), timing=a)
     assert got.step_s == pytest.approx(tg + 3 * c + tr) and got.exposed_comm_s == pytest.approx(tg + tr)
+
+
+def _mlp_main() -> None:
+    import accelfn as af
+
+    mesh = af.Mesh({"dp": -1})
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
+    step = af.shard(
+        af.autocast(af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3)), torch.bfloat16),
+        mesh,
+        strategy="fsdp",
+    )
+    state = step.init(model)
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4096, 2048))
+
+
+def test_the_dry_run_prints_every_assumption_and_takes_overrides() -> None:
+    import attrs
+
+    import accelfn as af
+    from accelfn.dryrun.comm_time import CommAssumptions
+
+    base = af.dry_run(_mlp_main, nproc_per_node=8, nnodes=2, gpu="h100", search=False)
+    assumes = base.to_dict()["predicted"]["assumes"]
+    for field in [*attrs.fields_dict(TimingAssumptions), *attrs.fields_dict(CommAssumptions)]:
+        assert field in assumes, field
+    assert "attention at 35%" in str(base) and "links 80% of 450 / 80% of 50 GB/s" in str(base)
+    no_latency = CommAssumptions(ring_base_us=0.0, tree_base_us=0.0, nvlink_hop_us=0.0, net_hop_us=0.0)
+    fast = af.dry_run(
+        _mlp_main,
+        nproc_per_node=8,
+        nnodes=2,
+        gpu="h100",
+        search=False,
+        assumptions=af.dryrun.Assumptions(comm=no_latency),
+    )
+    slow_net = af.dryrun.Assumptions(comm=attrs.evolve(no_latency, inter_efficiency=0.1))
+    slow = af.dry_run(_mlp_main, nproc_per_node=8, nnodes=2, gpu="h100", search=False, assumptions=slow_net)
+    assert "80% of 450 / 10% of 50 GB/s" in str(slow)
+    # fsdp over 2 nodes: every collective runs on the network, 8x slower, and more of it shows
+    assert slow.predicted.comm_s == pytest.approx(fast.predicted.comm_s * 8, rel=1e-9)
+    assert slow.predicted.exposed_comm_s > fast.predicted.exposed_comm_s
+    assert slow.predicted.compute_s == pytest.approx(base.predicted.compute_s)
+    assert base.predicted.comm_s > fast.predicted.comm_s  # NCCL's latencies

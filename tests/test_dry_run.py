@@ -425,6 +425,11 @@ def test_fp8_in_a_dry_run_answers_for_the_modelled_device(tmp_path: Path) -> Non
     h100 = _dry(script, out=tmp_path / "h100.json", nproc=2, timeout=180)
     assert "1 Linear layers in fp8 (torchao)" in h100["strategy"], h100["strategy"]
     assert h100["predicted"]["assumes"]["peak_tflops"] == specs.spec("h100").tflops["fp8"]
+    # the fp8 FLOPs: the 4096 x 4096 layer's three GEMMs (forward, input and weight gradients) on 4,096 rows
+    # (this rank's batch); the other layers stay bf16 (their shapes gain nothing)
+    (rec,) = h100["step_objects"]
+    assert rec["fp8_flops_per_step"] == 3 * 2 * 4096 * 4096 * 4096, rec["fp8_flops_per_step"]
+    assert rec["fp8_flops_per_step"] < rec["flops_per_step"]
     a100 = f"computes on {re.escape(specs.spec('a100').name)}, which has no FP8 matmul support"
     with pytest.raises(RuntimeError, match=a100):
         af.dry_run(script, nproc_per_node=2, device="cuda", gpu="a100", search=False)

@@ -42,6 +42,7 @@ class Measured:
     host: int = 0  # host memory the call holds at its peak (af.offload's state and buffers), not the device's
     # the kernels (timing.OpCost) and collectives (tracker.Collective) in the order they ran: the time model's
     timeline: list[Any] = attrs.Factory(list)
+    fp8_flops: int = 0  # of `flops`, those of ops with fp8 operands (fp8 matmuls)
 
     @property
     def total_peak(self) -> int:

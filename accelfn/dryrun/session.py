@@ -361,6 +361,7 @@ class Session(dry_mode.Watcher):
                 grads=self._grads,
                 comm=tracker.collectives_by_group(),
                 flops=tracker.flops,
+                fp8_flops=tracker.fp8_flops,
                 rows=rows,
                 tokens=tokens,
                 host=tracker.host_peak_bytes,

@@ -127,6 +127,7 @@ def _report(
                 "comm": own,
                 "total_bus_bytes": _bus(own),
                 "flops_per_step": last.flops,
+                "fp8_flops_per_step": last.fp8_flops,
                 "tokens_per_step": rec_tokens,
                 "predicted": attrs.asdict(prediction) if prediction is not None else None,
             }

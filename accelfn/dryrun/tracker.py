@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
-from .timing import OpCost, op_cost
+from .timing import OpCost, _math_dtype, op_cost
 
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
@@ -327,6 +327,15 @@ def _in_shape_propagation() -> bool:
     return False
 
 
+_FP8 = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and "float8" in str(d))
+
+
+def _fp8_operands(args: tuple[Any, ...]) -> bool:
+    """Whether an op multiplies fp8 operands (its FLOPs run at the device's fp8 peak): torchao's float8 training
+    tensors (their `mm` runs `_scaled_mm` inside the subclass) or plain fp8 tensors (`timing._math_dtype`)."""
+    return any(isinstance(a, torch.Tensor) and _math_dtype(a) in _FP8 for a in args)
+
+
 def module_pattern(name: str) -> str:
     """A module path without its root's class name and with block numbers folded, for the report.
 
@@ -401,6 +410,7 @@ class StepTracker(TorchDispatchMode):
         self.phase = "start"
         self._module_name = module_name
         self.flops = 0
+        self.fp8_flops = 0  # of them, those of fp8 matmuls (the fp8 peak)
         self.collectives: list[Collective] = []
         # the kernels and collectives in the order they ran, for the time model (accelfn/dryrun/step_time.py)
         self.timeline: list[OpCost | Collective] = []
@@ -534,7 +544,10 @@ class StepTracker(TorchDispatchMode):
         packet = func._overloadpacket
         formula = self._registry.get(packet)
         if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.flops += flops
+            if _fp8_operands(args):
+                self.fp8_flops += flops
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
             self.timeline.append(cost)

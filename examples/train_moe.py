@@ -5,6 +5,8 @@ the attention and embeddings) and sends each token to the ranks of its top-k exp
     accelfn launch --nproc-per-node 2 --cpu --mesh ep=2 examples/train_moe.py
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,ep=2 examples/train_moe.py
     python examples/train_moe.py                        # one process: every expert local
+    accelfn dry-run --nproc-per-node 8 --nnodes 8 --gpu h100 --mesh fsdp=8,ep=8 examples/train_moe.py \\
+        --model 235b-a22b --init meta --strategy fsdp --bf16 --remat --seq 4096 --batch-size 1
 
 The model's own plan (`config.base_model_ep_plan`) says which parameters are stacked over experts; the mesh
 comes from `--mesh` (`af.Mesh.from_env()`). Ends with `CHECK moe loss falls: OK` (else FAILED, exit status 1).
@@ -13,18 +15,31 @@ comes from `--mesh` (`af.Mesh.from_env()`). Ends with `CHECK moe loss falls: OK`
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import accelfn as af
 
+# Qwen3-MoE's published shapes (config.json on the hub), for dry runs at scale (`--init meta`)
+MODELS = {
+    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                    num_experts=128, num_experts_per_tok=8),
+    "235b-a22b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                      num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                      num_experts=128, num_experts_per_tok=8),
+}  # fmt: skip
 
-def make_model(experts: int, seed: int) -> Qwen3MoeForCausalLM:
+
+def make_model(experts: int, seed: int, size: str = "tiny") -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    shape = MODELS.get(size) or dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
+    )  # fmt: skip
+    cfg = Qwen3MoeConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # transformers zero-initialises the routers (it expects pretrained weights)
         for layer in model.model.layers:
@@ -33,7 +48,7 @@ def make_model(experts: int, seed: int) -> Qwen3MoeForCausalLM:
 
 
 def make_data(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
-    """Sequences that count up by a per-row stride (mod 64): learnable next-token prediction."""
+    """Sequences that count up by a per-row stride (mod 64): learnable next-token prediction (any vocabulary)."""
     g = torch.Generator().manual_seed(seed)
     start, stride = torch.randint(0, 64, (rows, 1), generator=g), torch.randint(1, 4, (rows, 1), generator=g)
     return {"input_ids": (start + stride * torch.arange(seq)) % 64}
@@ -51,13 +66,31 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per step")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model", choices=["tiny", *MODELS], default="tiny", help="Qwen3-MoE shape (tiny: --experts)"
+    )
+    p.add_argument(
+        "--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: experts sharded over efsdp"
+    )
+    p.add_argument("--init", choices=["host", "meta"], default="host", help="meta: build on the meta device")
+    p.add_argument("--seq", type=int, default=16, help="tokens per row")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    p.add_argument("--remat", action="store_true", help="recompute each decoder layer in the backward")
     args = p.parse_args()
 
     with af.Mesh.from_env(device="cpu") as mesh:
         step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.0), clip_grad_norm=1.0)
-        step = af.shard(step, mesh)  # an ep axis: experts split over it (the model's own ep_plan)
-        state = step.init(make_model(args.experts, args.seed), seed=args.seed)
-        loader = af.data.DataLoader(make_data(512, 16, args.seed), batch_size=args.batch_size, mesh=mesh,
+        if args.remat:
+            step = af.remat(step, "full")
+        if args.bf16:
+            step = af.autocast(step, "bf16")
+        step = af.shard(
+            step, mesh, strategy=args.strategy
+        )  # an ep axis: experts split over it (the model's plan)
+        with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
+            model = make_model(args.experts, args.seed, args.model)
+        state = step.init(model, seed=args.seed)
+        loader = af.data.DataLoader(make_data(512, args.seq, args.seed), batch_size=args.batch_size, mesh=mesh,
                                     shuffle=True, seed=args.seed, drop_last=True)  # fmt: skip
         if mesh.is_main:
             print(step)
@@ -73,13 +106,17 @@ def main() -> None:
                 if len(losses) == args.steps:
                     break
         ep = mesh.axis_size("ep") if "ep" in mesh.axis_names else 1
+        experts = step.model.config.num_experts
+        held = (
+            experts // ep
+        )  # the experts of this rank's ep coordinate (under fsdp, sharded again over efsdp)
         local = state.params["model.layers.0.mlp.experts.gate_up_proj"]
-        held = (local.to_local() if hasattr(local, "to_local") else local).shape[0]
-        ok = losses[-1] < 0.7 * losses[0] and held == args.experts // ep
+        split = ep == 1 or "ep" in (
+            getattr(getattr(local, "device_mesh", None), "mesh_dim_names", None) or ()
+        )
+        ok = losses[-1] < 0.7 * losses[0] and split
         if mesh.is_main:
-            print(
-                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; each rank holds {held} of {args.experts} experts"
-            )
+            print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; each rank holds {held} of {experts} experts")
             print(f"CHECK moe loss falls: {'OK' if ok else 'FAILED'}")
     raise SystemExit(0 if ok else 1)
 

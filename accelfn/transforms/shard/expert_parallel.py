@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine.contract import LOCAL, GradSync
+from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
 from .._base import TransformBase, conflict
@@ -151,7 +152,8 @@ class ExpertParallel(TransformBase):
                 "experts.w': 'grouped_gemm', 'layers.*.experts': 'ep_dispatch_experts'}"
             )
         stacked = expert_params(module, raw)
-        move(module, self.mesh.device)
+        if not has_meta(module):  # built on the meta device: the strategy allocates the shards (fsdp)
+            move(module, self.mesh.device)
         ep_mesh = self.mesh.submesh("ep")
         group = self.mesh.group("ep")
         owners: dict[str, int] = {}

@@ -1,0 +1,60 @@
+"""torchtitan's published Llama 3.1 8B configurations (docs/performance.md, Tables 1 and 3: 8 and 128 H100s of
+96 GB) dry-run at their real world size: each lowers, fits, and its peak is within 15% of the published memory
+(torchtitan's max reserved memory; the dry run's is live bytes). The rows, commands and figures are read from
+accelfn/dryrun/published_runs.json (issue 31 item 7)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import pytest
+
+import accelfn as af
+from tests._launch import ROOT
+
+RUNS = json.loads((ROOT / "accelfn" / "dryrun" / "published_runs.json").read_text())["rows"]
+GIB = 2**30
+
+
+def _rows(prefix: str) -> list[dict[str, Any]]:
+    return [r for r in RUNS if r["id"].startswith(prefix)]
+
+
+def dry_run_of(row: dict[str, Any]) -> af.dryrun.Report:
+    """The row's `accelfn dry-run ...` command, run in this process (its options, the script and its arguments)."""
+    words = shlex.split(row["command"])
+    assert words[:2] == ["accelfn", "dry-run"], row["command"]
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    opts = dict(zip(words[2:at:2], words[3:at:2], strict=True))
+    known = {"--nproc-per-node", "--nnodes", "--gpu"}
+    assert set(opts) <= known, f"{row['id']}: options {sorted(set(opts) - known)} not handled here"
+    return af.dry_run(
+        ROOT / words[at],
+        words[at + 1 :],
+        nproc_per_node=int(opts["--nproc-per-node"]),
+        nnodes=int(opts.get("--nnodes", 1)),
+        device="cuda",
+        gpu=opts["--gpu"],
+        search=False,
+    )
+
+
+# Table 3's compile + Float8 row (128 ranks) misses: its dry-run peak is 74.6 GiB against 61.8 published (1.21x):
+# the fp8 layers hold a weight-sized copy each from the forward to the backward (about 0.42 GiB a layer of the 8B,
+# measured on a two-layer model), which torchao with FSDP's float8 all-gather does not keep (docs/dry_run.md)
+_FP8_COPIES = pytest.mark.xfail(strict=True, reason="fp8 layers hold weight copies to the backward (1.21x)")
+ROWS = _rows("torchtitan-t1-") + [
+    pytest.param(r, marks=_FP8_COPIES) if r["config"]["fp8"] else r for r in _rows("torchtitan-t3-")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r["id"])
+def test_torchtitan_8b_configuration_fits_within_15_percent_of_published_memory(row: dict[str, Any]) -> None:
+    report = dry_run_of(row)
+    assert report.world_size == row["config"]["gpus"] and report.fits
+    published = row["published"]["memory_gib"]
+    predicted = report.per_rank["peak"] / GIB
+    assert 0.85 <= predicted / published <= 1.15, (row["id"], predicted, published)

@@ -286,15 +286,52 @@ class OpCost:
     backward: bool = False
 
 
+_KIND: dict[Any, str] = {}  # op overload -> "", "matmul", "sdpa" or "memory" (classified once)
+
+
+def _kind(func: Any) -> str:
+    kind = _KIND.get(func)
+    if kind is None:
+        name = func.__name__.split(".")[0]
+        namespace = getattr(func, "namespace", "")
+        if (
+            getattr(func, "is_view", False)
+            or name in _FREE
+            or namespace == "prim"
+            or namespace in _COMMUNICATION
+        ):
+            kind = ""
+        elif name in _MATMULS:
+            kind = "matmul"
+        elif name.startswith("_scaled_dot_product_") and "attention" in name:
+            kind = "sdpa"
+        else:
+            kind = "memory"
+        _KIND[func] = kind
+    return kind
+
+
+def _bytes_of(x: Any) -> int:
+    """Bytes of the tensors in an op's argument or output (a tensor, or a list / tuple of them, one level)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(t.numel() * t.element_size() for t in x if isinstance(t, torch.Tensor))
+    return 0
+
+
 def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpCost | None:
     """The `OpCost` of one aten op (None for views, allocations and collectives: they launch no compute kernel
     or are the communication model's)."""
-    name = func.__name__.split(".")[0]
-    namespace = getattr(func, "namespace", "")
-    if getattr(func, "is_view", False) or name in _FREE or namespace == "prim" or namespace in _COMMUNICATION:
+    kind = _kind(func)
+    if not kind:
         return None
     backward = torch._C._current_autograd_node() is not None
-    if name in _MATMULS:
+    if kind == "memory":
+        moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
+        return OpCost("memory", nbytes=moved, backward=backward)
+    name = func.__name__.split(".")[0]
+    if kind == "matmul":
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
         batch = x.shape[0] if x.ndim == 3 else 1
         outs = _tensors(out)
@@ -303,11 +340,10 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             "matmul", x.shape[-2], w.shape[-1], x.shape[-1], batch, _math_dtype(x), size, backward=backward
         )
     flops = _sdpa_flops(func, name, args, kwargs)
-    if flops is not None:
-        q = _arg(func, args, kwargs, "query")
-        return OpCost("attention", flops=flops, dtype=q.dtype, backward=backward)
-    moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
-    return OpCost("memory", nbytes=moved, backward=backward)
+    if flops is None:
+        return None
+    q = _arg(func, args, kwargs, "query")
+    return OpCost("attention", flops=flops, dtype=q.dtype, backward=backward)
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:

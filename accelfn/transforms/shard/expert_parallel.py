@@ -170,13 +170,10 @@ class ExpertParallel(TransformBase):
                     f"divide (use an ep that divides {experts})"
                 )
             sub, _, leaf = name.rpartition(".")
-            shard = distribute_tensor(
-                p.detach(), ep_mesh, [Shard(0)]
-            )  # from ep rank 0: the same on every rank
+            # scattered from ep rank 0: every ep group holds one consistent set of experts
+            shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
-        grouped = (
-            self.mesh.platform.grouped_mm_dtypes()
-        )  # the expert GEMMs: grouped where native, else a loop
+        grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
         self.dispatchers.clear()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)

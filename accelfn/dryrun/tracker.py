@@ -29,7 +29,7 @@ import re
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any, cast
 
@@ -351,6 +351,22 @@ def module_pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", rest or name)
 
 
+def _memory_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The plain tensors whose storages hold `values`' memory: a wrapper tensor subclass (torchao's float8
+    tensors) by its inner tensors (its own storage is a placeholder of its reported dtype's size: a float8
+    training tensor of bf16 would count 2 bytes an element on top of its 1-byte data), others as they are."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t) and type(t).__name__ != "DTensor":
+            inner, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+            yield from _memory_tensors(getattr(t, name) for name in inner)
+        else:
+            yield t
+
+
 def _held_storage(t: torch.Tensor, fake_mode: Any) -> torch.UntypedStorage | None:
     """The storage `t` holds memory in, for a tracker of the run whose fake mode is `fake_mode`: None for meta
     tensors, another fake mode's (torch's own shape propagation) and storage-less tensors."""
@@ -535,9 +551,8 @@ class StepTracker(TorchDispatchMode):
             coll.phase, coll.backward = self.phase, torch._C._current_autograd_node() is not None
             self.collectives.append(coll)
             self.timeline.append(coll)
-            for t in tree_flatten((args, out))[0]:
-                if isinstance(t, torch.Tensor):
-                    self._see(t, comm=True)
+            for t in _memory_tensors(tree_flatten((args, out))[0]):
+                self._see(t, comm=True)
             return out
         if not types and _in_shape_propagation():  # a factory called by DTensor's propagation
             return out
@@ -551,9 +566,8 @@ class StepTracker(TorchDispatchMode):
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
             self.timeline.append(cost)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._see(t)
+        for t in _memory_tensors(tree_flatten(out)[0]):
+            self._see(t)
         return out
 
     # ---- after the step ----------------------------------------------------------------------------------------
@@ -561,9 +575,7 @@ class StepTracker(TorchDispatchMode):
         """Give the storages of `tensors` (live now) `category`; returns their bytes, each storage once."""
         seen: set[int] = set()
         total = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _memory_tensors(tensors):
             rec = self._see(t)
             if rec is None or id(rec) in seen:
                 continue
@@ -708,9 +720,8 @@ class InitTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _in_shape_propagation():  # DTensor's propagation of shapes (global-size examples): no memory
             return out
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._see(t)
+        for t in _memory_tensors(tree_flatten(out)[0]):
+            self._see(t)
         return out
 
 

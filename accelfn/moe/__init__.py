@@ -1,15 +1,21 @@
 """Mixture-of-experts pieces for expert parallelism (`af.shard` over an `ep` mesh axis): the swappable
-`Dispatcher` (`dispatch`), the experts' forward (`experts`), the load-balancing loss of the global batch
-(`balance`). See `accelfn.transforms.shard.expert_parallel`.
+`Dispatcher` (`dispatch`), the experts' forward (`experts`), the load-balancing and router z-losses of the
+global batch (`balance`), aux-loss-free balancing by an expert bias (`bias`). See `accelfn.transforms.shard.expert_parallel`.
 """
 
-from .balance import add_aux_loss, load_balancing_loss
+from .balance import add_aux_loss, load_balancing_loss, router_z_loss
+from .bias import add_expert_bias, biased_topk, register_expert_bias, update_expert_bias
 from .dispatch import AllToAllDispatcher, Dispatcher, DispatchHandle
 from .experts import ep_forward, local_experts, local_part
 
 __all__ = [
     "add_aux_loss",
     "load_balancing_loss",
+    "router_z_loss",
+    "add_expert_bias",
+    "biased_topk",
+    "register_expert_bias",
+    "update_expert_bias",
     "AllToAllDispatcher",
     "Dispatcher",
     "DispatchHandle",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..losses import Loss
 
-__all__ = ["load_balancing_loss", "add_aux_loss"]
+__all__ = ["load_balancing_loss", "add_aux_loss", "router_z_loss"]
 
 
 def _sum_over(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -72,3 +72,27 @@ def add_aux_loss(loss: Loss, aux: torch.Tensor, coef: float, group: Any = None) 
     `af.accumulate` each micro-batch's aux loss is its own (global over the ranks), weighted by its tokens."""
     count = _sum_over(loss.count.float().reshape(()), group)
     return Loss(loss.total + coef * count * aux, loss.count)
+
+
+def router_z_loss(
+    router_logits: Sequence[torch.Tensor], attention_mask: torch.Tensor | None = None, group: Any = None
+) -> torch.Tensor:
+    """This rank's share of the router z-loss of the global batch (ST-MoE): over the MoE layers, the sum of the
+    mean over the batch's rows of `logsumexp(logits)**2`, the mean taken over the rows of every rank in `group`
+    (the row count summed first, no gradient through it), so the ranks' shares add up to one process's value.
+    Add it with `add_aux_loss(loss, share, coef, group)`.
+
+    Example (one process):
+        >>> import torch
+        >>> logits = [torch.randn(6, 4)]
+        >>> torch.allclose(router_z_loss(logits), torch.logsumexp(logits[0], -1).pow(2).mean())
+        True
+    """
+    device = router_logits[0].device
+    mask = attention_mask.reshape(-1).to(device, torch.float32) if attention_mask is not None else None
+    total = torch.zeros((), device=device)
+    for logits in router_logits:
+        z = torch.logsumexp(logits.float(), dim=-1).pow(2)
+        total = total + (z * mask).sum() if mask is not None else total + z.sum()
+    rows = mask.sum() if mask is not None else torch.tensor(float(router_logits[0].shape[0]), device=device)
+    return total / _sum_over(rows.reshape(()), group).clamp_min(1)

@@ -62,7 +62,9 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "tensorboard, wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, swanlab; all (every "
         "installed one); or none (ACCELFN_LOG_WITH)",
     )
-    s.add_argument("--config-file", help="YAML written by `accelfn config` (default: the cache folder's)")
+    s.add_argument(
+        "--config-file", "--config", help="YAML written by `accelfn config` (default: the cache folder's)"
+    )
     o = p.add_argument_group("output")
     o.add_argument(
         "--log-dir",

@@ -1,0 +1,15 @@
+"""Expert-parallel checkpoints: resharded between ep layouts (real processes), and Hugging Face's per-expert
+layout written by `save_pretrained` and read by `load_pretrained`."""
+
+import pytest
+
+from tests._launch import output_of, run_workers
+
+
+@pytest.mark.slow
+def test_an_ep2_checkpoint_loads_at_ep4_and_at_fsdp2_x_ep2(tmp_path):
+    """Params and AdamW state exact after the reshard; one more step equal to the saved layout's."""
+    proc = run_workers("ep_ckpt_worker.py", 4, str(tmp_path / "ckpt"), timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    for layout in ("ep4", "fsdp2xep2"):
+        assert proc.stdout.count(f"OK {layout}") == 4, output_of(proc)

@@ -59,7 +59,7 @@ def biased_topk(router: nn.Module, scores: torch.Tensor, k: int) -> tuple[torch.
 
 def _topk_router_forward(router: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`transformers`' softmax top-k router (Qwen3-MoE, OLMoE, Mixtral...) with the biased choice."""
-    hidden_states = hidden_states.reshape(-1, router.hidden_dim)  # type: ignore[arg-type]
+    hidden_states = hidden_states.reshape(-1, int(router.hidden_dim))  # type: ignore[arg-type]
     logits = nn.functional.linear(hidden_states, router.weight)  # type: ignore[arg-type]
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     values, idx = biased_topk(router, probs, router.top_k)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ saves, checked against a real Inductor-compiled block on CPU, and the dry run of
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
@@ -30,6 +31,7 @@ def _saved(layer: torch.nn.Module, x: torch.Tensor, pe: tuple[torch.Tensor, torc
         return saved_bytes(lambda: layer(x, position_embeddings=pe, attention_mask=None))
 
 
+@pytest.mark.slow  # an Inductor compile on CPU: 40-60 s
 def test_partitioned_block_saves_what_inductor_saves() -> None:
     # the reference: a real torch.compile (Inductor, CPU) of a Llama layer under bf16 autocast; the dry run's
     # partitioned graphs on fake tensors must save the same bytes for the backward, fewer than eager

@@ -31,7 +31,7 @@ from .. import dry_mode
 from .._typecheck import checked
 from ..stages import is_carved
 from ..state import TrainState, check_not_donated
-from . import atomic, io
+from . import atomic, experts, io
 from ._dist import Comm, is_dtensor
 from .format import HF_INDEX, CheckpointMismatchError, hf_index, parse_size
 from .leaves import alias_key, dtype_name, dtype_of
@@ -113,6 +113,10 @@ def save_pretrained(
     `merge=True`, instead the base model with the active adapter merged into its weights (as
     `save_adapter(merge=True)`), which `AutoModelForCausalLM.from_pretrained(path)` loads as a plain model.
 
+    Fused experts (`mlp.experts.gate_up_proj`, `down_proj`, whole or `Shard(0)` over `ep`) are written per
+    expert (`mlp.experts.{e}.gate_proj.weight`, ...) where transformers' own `save_pretrained` does so (the
+    model types its conversion mapping converts, e.g. Qwen3-MoE).
+
     With a transformers config, the names written are checked against the model it describes (the module,
     or the class its `architectures` names): weights that `from_pretrained` would leave at their random
     initialisation (or ignore) raise a `ValueError` naming them, before anything is written.
@@ -169,6 +173,8 @@ def save_pretrained(
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     full = gather_full(named)
+    if full is not None and experts.splits_experts(config):  # transformers' own layout: one key per expert
+        full = experts.split(full)
     if full is not None:
         write_folder(final, lambda tmp: write_weights(tmp, full, size, config, module), _is_weight_file)
     Comm().barrier()
@@ -436,7 +442,10 @@ def load_pretrained(
     """Read Hugging Face weights (one file or index + shards) as `{name: tensor}`.
 
     With `like` (e.g. `state.params`, donated), values are copied into its tensors (cast to their dtype,
-    sliced to their DTensor shard) and names `like` lacks raise unless `strict=False`.
+    sliced to their DTensor shard) and names `like` lacks raise unless `strict=False`. Fused experts in `like`
+    (`mlp.experts.gate_up_proj [E, 2F, D]`, `down_proj`) are read from the per-expert keys transformers writes
+    (`mlp.experts.{e}.gate_proj.weight`, ...); each rank reads only the slices of its own experts (an `ep` or
+    FSDP shard), never the whole tensor.
     """
     folder = Path(path)
     files = _weight_files(folder)
@@ -447,8 +456,14 @@ def load_pretrained(
         return out
     headers = {f: io.read_header(f)[0] for f in files}
     where_of = {k: f for f, h in headers.items() for k in h if k != "__metadata__"}
-    missing = [k for k in like if k not in where_of]
-    unexpected = [k for k in where_of if k not in like]
+    fused = {
+        k: src
+        for k, v in like.items()
+        if k not in where_of and (src := experts.fused_sources(k, set(where_of), list(v.shape))) is not None
+    }
+    consumed = {key for src in fused.values() for key, _ in src}
+    missing = [k for k in like if k not in where_of and k not in fused]
+    unexpected = [k for k in where_of if k not in like and k not in consumed]
     if missing or (strict and unexpected):
         raise CheckpointMismatchError(
             f"weights at '{folder}' do not match `like`: missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -457,14 +472,21 @@ def load_pretrained(
     targets: dict[str, Target] = {}
     used: set[Any] = set()
     for name, v in like.items():
+        if name in fused:
+            _check_expert_shapes(name, list(v.shape), fused[name], headers, where_of)
+            targets[name] = Target(name, v, fresh=alias_key(v) in used or _is_meta(v))
+            used.add(alias_key(v))
+            continue
         info = headers[where_of[name]][name]
         check_leaf(name, v.dtype, info["shape"], v, f"'{where_of[name]}'")  # dtype is cast, shape must match
         key = alias_key(v)
         local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
         targets[name] = Target(name, v, fresh=key in used or local.device.type == "meta")
         used.add(key)
+    for name, sources in fused.items():
+        _read_experts(targets[name], sources, where_of)
     for f in files:
-        names = {n for n in targets if where_of[n] == f}
+        names = {n for n in targets if n not in fused and where_of[n] == f}
         if not names:
             continue
         into = {
@@ -478,3 +500,44 @@ def load_pretrained(
     for t in targets.values():
         t.check_complete(folder)
     return {n: t.value for n, t in targets.items()}
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return (t.to_local() if is_dtensor(t) else t).device.type == "meta"  # type: ignore[attr-defined]
+
+
+def _check_expert_shapes(
+    name: str,
+    shape: list[int],
+    sources: list[tuple[str, list[int]]],
+    headers: dict[Path, dict[str, Any]],
+    where_of: dict[str, Path],
+) -> None:
+    """Raise `CheckpointMismatchError` when a per-expert key does not have its share of `name`'s `shape`."""
+    rows = shape[1] // 2 if name.endswith("gate_up_proj") else shape[1]
+    for key, _ in sources:
+        got = headers[where_of[key]][key]["shape"]
+        if got != [rows, shape[2]]:
+            raise CheckpointMismatchError(
+                f"{key!r} in '{where_of[key]}' has shape {tuple(got)}, but {name!r} of shape {tuple(shape)} "
+                f"needs ({rows}, {shape[2]}) per expert"
+            )
+
+
+def _read_experts(target: Target, sources: list[tuple[str, list[int]]], where_of: dict[str, Path]) -> None:
+    """Fill this rank's piece of a fused expert tensor from the per-expert keys it overlaps, reading only
+    the overlapping slice of each (`safe_open(...).get_slice`): the other ranks' experts are not read."""
+    from safetensors import safe_open
+
+    lo, size = target.offset, list(target.local.shape)
+    for key, (e, row, col) in sources:
+        if not lo[0] <= e < lo[0] + size[0]:
+            continue
+        with safe_open(str(where_of[key]), framework="pt") as f:
+            piece = f.get_slice(key)
+            rows, cols = piece.get_shape()
+            r0, r1 = max(lo[1] - row, 0), min(lo[1] + size[1] - row, rows)
+            c0, c1 = max(lo[2] - col, 0), min(lo[2] + size[2] - col, cols)
+            if r1 <= r0 or c1 <= c0:
+                continue
+            target.fill(piece[r0:r1, c0:c1].unsqueeze(0), [e, row + r0, col + c0])

@@ -7,7 +7,8 @@ On 4 processes, one run in phases: train a tiny transformers Qwen3-MoE 2 AdamW s
 FSDP-sharded within their ep rank too), each into a fresh state of another seed. Checked: every param and every
 optimizer-state tensor, gathered, equal to the saved ones (torch.equal: a reshard moves bytes, it computes
 nothing); the experts really held as other pieces; one more step after the load equal on both layouts (fp32
-round-off) to one more step of the saved layout.
+round-off) to one more step of the saved layout. The same state written by `save_pretrained` (Hugging Face's
+per-expert keys) read back by `load_pretrained` at each layout: exact, each rank reading only its experts.
 """
 
 import sys
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import accelfn as af
+from accelfn.checkpoint._dist import region
 from accelfn.tree import flatten_with_path
 from tests.workers.ep_worker import EXPERTS, batches, full, lm_loss, make_model
 
@@ -47,6 +49,44 @@ def experts_per_rank(state):
     return {tuple(v.to_local().shape) for k, v in state.params.items() if "experts" in k}
 
 
+def check_pretrained(hf, step, saved, mesh):
+    """The Hugging Face folder written at ep2 read into this layout: exact, each rank opening only the
+    per-expert keys of the experts it holds."""
+    import safetensors
+
+    opened = []
+    real = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, path, framework):
+            self.f = real(path, framework=framework)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_slice(self, key):
+            opened.append(key)
+            return self.inner.get_slice(key)
+
+    like = step.init(make_model("qwen", None), seed=7).params
+    safetensors.safe_open = Spy
+    try:
+        params = af.checkpoint.load_pretrained(hf, like=like)
+    finally:
+        safetensors.safe_open = real
+    for k, v in params.items():
+        assert torch.equal(full(v), saved[f"params/{k}"]), f"load_pretrained: {k} differs"
+    mine = {int(k.split(".experts.")[1].split(".")[0]) for k in opened}
+    pieces = [v for k, v in params.items() if k.endswith("experts.gate_up_proj")]
+    lo, n = region(pieces[0])[0][0], pieces[0].to_local().shape[0]
+    assert mine == set(range(lo, lo + n)), (mesh.rank, sorted(mine), lo, n)
+    assert n < EXPERTS
+
+
 def main():
     folder = sys.argv[1]
     data = batches()
@@ -55,7 +95,14 @@ def main():
     for b in data:
         state, _ = step(state, b)
     af.checkpoint.save(folder, state)
+    af.checkpoint.save_pretrained(folder + "-hf", state, model=step.model)
     saved = gathered(state)
+    if mesh.is_main:  # the whole params, for the test to compare transformers' from_pretrained with
+        from safetensors.torch import save_file
+
+        save_file(
+            {k[7:]: v for k, v in saved.items() if k.startswith("params/")}, folder + "-full.safetensors"
+        )
     assert any(k.startswith("opt/") and "experts" in k for k in saved), sorted(saved)
     after, m_ref = step(state, data[0])
     want_next = gathered(after)
@@ -74,6 +121,7 @@ def main():
         for k, v in gathered(nxt).items():
             diff = (v - want_next[k]).abs().max().item()
             assert diff < 2e-5, f"{layout}: {k} after a step differs from the ep2 run by {diff}"
+        check_pretrained(folder + "-hf", step, saved, mesh)  # last: a new init rebinds the FSDP params
         print(f"rank {mesh.rank}: OK {layout}", flush=True)
     dist.barrier()
     mesh.close()

@@ -4,6 +4,7 @@ layout written by `save_pretrained` and read by `load_pretrained`."""
 import pytest
 import torch
 
+import accelfn as af
 from tests._launch import output_of, run_workers
 
 
@@ -25,3 +26,62 @@ def test_an_ep2_checkpoint_loads_at_ep4_and_at_fsdp2_x_ep2(tmp_path):
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def _qwen_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)  # fmt: skip
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def test_save_pretrained_writes_the_per_expert_keys_transformers_own_save_writes(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    model = _qwen_moe()
+    model.save_pretrained(tmp_path / "theirs")
+    af.checkpoint.save_pretrained(tmp_path / "ours", model)
+    theirs = load_file(tmp_path / "theirs" / "model.safetensors")
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in ours
+    assert sorted(ours) == sorted(theirs)
+    for k, v in theirs.items():
+        assert torch.equal(ours[k], v), k
+    back, info = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not any(info.values()), info
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_load_pretrained_joins_per_expert_keys_into_fused_experts(tmp_path):
+    model = _qwen_moe()
+    model.save_pretrained(tmp_path / "theirs")  # transformers' own folder
+    like = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    loaded = af.checkpoint.load_pretrained(tmp_path / "theirs", like=like)
+    assert sorted(loaded) == sorted(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_load_pretrained_names_a_missing_or_misshapen_expert(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _qwen_moe()
+    model.save_pretrained(tmp_path / "w")
+    path = tmp_path / "w" / "model.safetensors"
+    tensors = load_file(path)
+    like = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    save_file({**tensors, "model.layers.0.mlp.experts.2.up_proj.weight": torch.zeros(8, 15)}, path)
+    with pytest.raises(af.checkpoint.CheckpointMismatchError, match=r"experts.2.up_proj.weight.*\(8, 16\)"):
+        af.checkpoint.load_pretrained(tmp_path / "w", like=like)
+    del tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(
+        af.checkpoint.CheckpointMismatchError, match=r"missing \['model.layers.0.mlp.experts.gate_up"
+    ):
+        af.checkpoint.load_pretrained(tmp_path / "w", like=like)

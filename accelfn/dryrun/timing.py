@@ -326,7 +326,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     kind = _kind(func)
     if not kind:
         return None
-    backward = torch._C._current_autograd_node() is not None
+    backward = torch._C._current_graph_task_id() != -1
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
         return OpCost("memory", nbytes=moved, backward=backward)

@@ -548,7 +548,7 @@ class StepTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         coll = _collective(func, args, kwargs, out)
         if coll is not None:
-            coll.phase, coll.backward = self.phase, torch._C._current_autograd_node() is not None
+            coll.phase, coll.backward = self.phase, torch._C._current_graph_task_id() != -1
             self.collectives.append(coll)
             self.timeline.append(coll)
             for t in _memory_tensors(tree_flatten((args, out))[0]):

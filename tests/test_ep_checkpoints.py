@@ -85,3 +85,21 @@ def test_load_pretrained_names_a_missing_or_misshapen_expert(tmp_path):
         af.checkpoint.CheckpointMismatchError, match=r"missing \['model.layers.0.mlp.experts.gate_up"
     ):
         af.checkpoint.load_pretrained(tmp_path / "w", like=like)
+
+
+def test_per_expert_keys_are_written_only_where_transformers_writes_those_names():
+    from transformers import GPT2Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    from accelfn.checkpoint.experts import splits_experts
+
+    assert splits_experts(Qwen3MoeConfig()) and splits_experts(OlmoeConfig())
+    assert not splits_experts(MixtralConfig())  # its per-expert keys are block_sparse_moe.experts.*.w1/w2/w3
+    assert not splits_experts(GPT2Config()) and not splits_experts(None)
+
+
+def test_experts_docstring_example_runs():
+    import doctest
+
+    from accelfn.checkpoint import experts
+
+    assert doctest.testmod(experts).failed == 0

@@ -30,8 +30,8 @@ PER_EXPERT = re.compile(
 
 def splits_experts(config: Any) -> bool:
     """Whether transformers' own `save_pretrained` of a model with this config writes its fused experts per
-    expert (its checkpoint conversion mapping for the model type joins `experts.*.gate_proj/up_proj` into
-    `experts.gate_up_proj`)."""
+    expert: its checkpoint conversion mapping for the model type joins `mlp.experts.*.gate_proj/up_proj` into
+    `mlp.experts.gate_up_proj` (Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...), with no other rename of those keys."""
     model_type = getattr(config, "model_type", None)
     if not model_type:
         return False
@@ -40,10 +40,13 @@ def splits_experts(config: Any) -> bool:
     except ImportError:  # pragma: no cover - transformers 4 loads fused experts as saved
         return False
     for conv in get_checkpoint_conversion_mapping(model_type) or ():
-        targets = getattr(conv, "target_patterns", None) or []
-        if any(str(t).endswith("experts.gate_up_proj") for t in targets):
+        sources = [str(p) for p in getattr(conv, "source_patterns", None) or []]
+        targets = [str(t) for t in getattr(conv, "target_patterns", None) or []]
+        if sources == ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"] and targets == [
+            "mlp.experts.gate_up_proj"
+        ]:
             return True
-    return False
+    return False  # other renames (Mixtral's block_sparse_moe.experts.*.w1, ...) are not written: see the docs
 
 
 def split(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

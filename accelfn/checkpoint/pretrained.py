@@ -530,14 +530,16 @@ def _read_experts(target: Target, sources: list[tuple[str, list[int]]], where_of
     from safetensors import safe_open
 
     lo, size = target.offset, list(target.local.shape)
-    for key, (e, row, col) in sources:
-        if not lo[0] <= e < lo[0] + size[0]:
-            continue
-        with safe_open(str(where_of[key]), framework="pt") as f:
-            piece = f.get_slice(key)
-            rows, cols = piece.get_shape()
-            r0, r1 = max(lo[1] - row, 0), min(lo[1] + size[1] - row, rows)
-            c0, c1 = max(lo[2] - col, 0), min(lo[2] + size[2] - col, cols)
-            if r1 <= r0 or c1 <= c0:
-                continue
-            target.fill(piece[r0:r1, c0:c1].unsqueeze(0), [e, row + r0, col + c0])
+    by_file: dict[Path, list[tuple[str, list[int]]]] = {}
+    for key, offset in sources:
+        if lo[0] <= offset[0] < lo[0] + size[0]:  # one of this rank's experts
+            by_file.setdefault(where_of[key], []).append((key, offset))
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key, (e, row, col) in keys:
+                piece = f.get_slice(key)
+                rows, cols = piece.get_shape()
+                r0, r1 = max(lo[1] - row, 0), min(lo[1] + size[1] - row, rows)
+                c0, c1 = max(lo[2] - col, 0), min(lo[2] + size[2] - col, cols)
+                if r1 > r0 and c1 > c0:
+                    target.fill(piece[r0:r1, c0:c1].unsqueeze(0), [e, row + r0, col + c0])

@@ -53,7 +53,8 @@ def biased_topk(router: nn.Module, scores: torch.Tensor, k: int) -> tuple[torch.
     idx = torch.topk(scores.detach().float() + bias, k, dim=-1).indices
     if _counting():
         tokens: torch.Tensor = getattr(router, TOKENS)
-        tokens.add_(torch.bincount(idx.reshape(-1), minlength=tokens.numel()).to(tokens.dtype))
+        flat = idx.reshape(-1)  # scatter, not bincount: a static shape, so fake tensors (the dry run) take it
+        tokens.scatter_add_(0, flat, torch.ones_like(flat, dtype=tokens.dtype))
     return scores.gather(-1, idx), idx
 
 

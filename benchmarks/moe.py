@@ -135,7 +135,7 @@ def dryrun() -> list[dict]:
                 raise SystemExit(f"{mesh}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
             r = json.loads(report.read_text())
         out.append({"mesh": mesh, "peak_gib": r["per_rank"]["peak"] / 2**30, "fits": r["fits"],
-                    "bus_gib": r["comm"]["total_bus_bytes"] / 2**30, "step_s": r["predicted"]["step_time_s"],
+                    "bus_gib": r["total_bus_bytes"] / 2**30, "step_s": r["predicted"]["step_time_s"],
                     "tokens_per_s": r["predicted"]["tokens_per_s"], "mfu": r["predicted"]["mfu"],
                     "cpu_s": time.perf_counter() - start})  # fmt: skip
     return out

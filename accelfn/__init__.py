@@ -26,13 +26,13 @@ from .big import (
 )
 from .collective import progress
 from .dryrun import dry_run
-from .planner import plan
 from .launch.notebook import notebook_launch
 from .losses import Loss
 from .lowering import CompositionError
 from .mesh import Mesh
 from .meter import Meter
 from .module import bind, partition
+from .planner import plan
 from .profile import profile
 from .state import TrainState
 from .step import Step, eval_step, train_step

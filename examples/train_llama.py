@@ -27,7 +27,7 @@ import contextlib
 import torch
 
 import accelfn as af
-from accelfn.launch_env import parse_mesh
+from accelfn.launch_env import knob, parse_mesh
 
 MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 344, 2, 4, 2, 1024),
@@ -80,15 +80,17 @@ def main() -> None:
         default=None,
         help="the mesh, e.g. dp=8,tp=8 or pp=2,dp=2 or dp=2,cp=2 (default: the launcher's)",
     )
-    p.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp"), default="fsdp")
+    # "auto" (the default of the knobs below): the launch config's choice (`accelfn plan --write`), else the
+    # default named in the help
+    p.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp", "auto"), default="auto", help="default fsdp")
     p.add_argument(
         "--remat",
         nargs="?",
         const="full",
-        default="none",
-        choices=("full", "selective", "none"),
+        default="auto",
+        choices=("full", "selective", "none", "auto"),
         help="recompute each decoder layer in the backward pass: full (`--remat` alone), selective (keep the "
-        "matmuls' outputs), none",
+        "matmuls' outputs), none (the default)",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile the step (af.compile)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
@@ -109,13 +111,12 @@ def main() -> None:
         default=None,
         help="with a tp axis: the loss on the logits' vocabulary shards (default: on, as torchtitan)",
     )
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--accumulate", default="auto", help="micro-batches per step (default 1)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule, with a pp axis in the mesh")
+    p.add_argument("--schedule", default="auto", help="pipeline schedule, with a pp axis (default 1f1b)")
     p.add_argument(
         "--microbatches",
-        type=int,
-        default=None,
+        default="auto",
         help="pipeline micro-batches per step, with a pp axis (default: one sequence each)",
     )
     p.add_argument(
@@ -133,6 +134,18 @@ def main() -> None:
         **axes
     )  # else `--mesh` of accelfn launch / dry-run; {"dp": world size} by default
     pp = mesh.axis_size("pp") if "pp" in mesh.axis_names else 1
+    strategy = knob("strategy", args.strategy, "fsdp")
+    remat = knob("remat", args.remat, "none")
+    accumulate = int(knob("accumulate", args.accumulate, 1))
+    schedule = knob("pipeline_schedule", args.schedule, "1f1b")
+    microbatches = knob("pipeline_microbatches", args.microbatches, None)
+    global_batch = knob("global_batch_size", "auto", None) if args.batch_size is None else None
+    if global_batch is not None:  # the launch config's global batch: this rank's share of it
+        if int(global_batch) % mesh.data_size:
+            raise SystemExit(
+                f"global batch {global_batch} does not split over {mesh.data_size} data-parallel ranks"
+            )
+        args.batch_size = int(global_batch) // mesh.data_size
     batch_size = args.batch_size or max(2, pp)  # a 1F1B pipeline needs a micro-batch per stage
     with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
         model = build(args.model, args.seq_len)
@@ -146,17 +159,17 @@ def main() -> None:
         )
     if args.bf16:
         step = af.autocast(step, torch.bfloat16)
-    if args.remat != "none":
-        step = af.remat(step, args.remat)
-    if args.accumulate > 1:
-        step = af.accumulate(step, args.accumulate)
+    if remat != "none":
+        step = af.remat(step, remat)
+    if accumulate > 1:
+        step = af.accumulate(step, accumulate)
     if pp > 1:  # pipeline parallel: every rank of a pipeline reads the same batch
-        microbatches = args.microbatches or batch_size // args.accumulate
-        step = af.pipeline(step, mesh, microbatches=microbatches, schedule=args.schedule)
+        microbatches = int(microbatches or batch_size // accumulate)
+        step = af.pipeline(step, mesh, microbatches=microbatches, schedule=schedule)
     step = af.shard(
         step,
         mesh,
-        strategy=args.strategy,
+        strategy=strategy,
         sequence_parallel=args.sequence_parallel,
         loss_parallel=args.loss_parallel,
     )

@@ -26,7 +26,8 @@ from tests._launch import ROOT
 
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
-COVERED_ELSEWHERE = {"train_llama.py", "long_context.py"}  # tests/test_dry_run.py
+# their dry runs are tested in test_dry_run.py and test_expert_parallel.py
+COVERED_ELSEWHERE = {"train_llama.py", "long_context.py", "train_moe.py"}
 INFERENCE = {"big_model_inference.py", "distributed_inference.py"}
 
 

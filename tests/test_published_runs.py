@@ -14,20 +14,9 @@ ranks 9-22 s, the 0.9B rows 2 s (the file: about 85 s). Table 5 (405B, 512 ranks
 
 from __future__ import annotations
 
-import json
-import shlex
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-import accelfn as af
-
-ROWS = {
-    r["id"]: r
-    for r in json.loads((Path(af.__file__).parent / "dryrun" / "published_runs.json").read_text())["rows"]
-}
-ROOT = Path(__file__).resolve().parents[1]
+from tests._published import ROOT, ROWS, dry_run_kwargs, outcome
 
 # predicted / published tokens/s per GPU, measured with this commit's model (default assumptions)
 RATIO = {
@@ -53,35 +42,9 @@ CI_ROWS = [
 ]
 
 
-def dry_run_kwargs(command: str) -> tuple[str, list[str], dict[str, Any]]:
-    """(script, script args, af.dry_run's keyword arguments) of an `accelfn dry-run ...` command line.
-
-    Example:
-        >>> dry_run_kwargs("accelfn dry-run --nproc-per-node 8 --gpu h100-96gb examples/train_llama.py --model 8b")
-        ('examples/train_llama.py', ['--model', '8b'], {'nproc_per_node': 8, 'gpu': 'h100-96gb'})
-    """
-    words = shlex.split(command)
-    if words[:2] != ["accelfn", "dry-run"]:
-        raise ValueError(f"not an accelfn dry-run command: {command!r}")
-    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    opts = words[2:at]
-    kwargs: dict[str, Any] = {}
-    for key, value in zip(opts[::2], opts[1::2], strict=True):
-        kwargs[key.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
-    return words[at], words[at + 1 :], kwargs
-
-
-_cache: dict[str, float] = {}
-
-
 def predicted(row_id: str) -> float:
     """The dry run's predicted tokens/s per GPU for a row (each row dry-run once per session)."""
-    if row_id not in _cache:
-        script, args, kwargs = dry_run_kwargs(ROWS[row_id]["command"])
-        report = af.dry_run(str(ROOT / script), args=args, search=False, **kwargs)
-        assert report.predicted is not None and report.predicted.tokens_per_s is not None
-        _cache[row_id] = report.predicted.tokens_per_s / report.world_size
-    return _cache[row_id]
+    return outcome(row_id).tokens_per_s_per_gpu
 
 
 def _ratio(row_id: str) -> float:

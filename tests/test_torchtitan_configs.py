@@ -5,52 +5,29 @@ accelfn/dryrun/published_runs.json (issue 31 item 7)."""
 
 from __future__ import annotations
 
-import json
-import shlex
 from typing import Any
 
 import pytest
 
-import accelfn as af
-from tests._launch import ROOT
+from tests._published import ROWS, outcome
 
-RUNS = json.loads((ROOT / "accelfn" / "dryrun" / "published_runs.json").read_text())["rows"]
 GIB = 2**30
 
 
 def _rows(prefix: str) -> list[dict[str, Any]]:
-    return [r for r in RUNS if r["id"].startswith(prefix)]
+    return [r for r in ROWS.values() if r["id"].startswith(prefix)]
 
 
-def dry_run_of(row: dict[str, Any]) -> af.dryrun.Report:
-    """The row's `accelfn dry-run ...` command, run in this process (its options, the script and its arguments)."""
-    words = shlex.split(row["command"])
-    assert words[:2] == ["accelfn", "dry-run"], row["command"]
-    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    opts = dict(zip(words[2:at:2], words[3:at:2], strict=True))
-    known = {"--nproc-per-node", "--nnodes", "--gpu"}
-    assert set(opts) <= known, f"{row['id']}: options {sorted(set(opts) - known)} not handled here"
-    return af.dry_run(
-        ROOT / words[at],
-        words[at + 1 :],
-        nproc_per_node=int(opts["--nproc-per-node"]),
-        nnodes=int(opts.get("--nnodes", 1)),
-        device="cuda",
-        gpu=opts["--gpu"],
-        search=False,
-    )
-
-
-ROWS = _rows("torchtitan-t1-") + _rows("torchtitan-t3-")
+CONFIGS = _rows("torchtitan-t1-") + _rows("torchtitan-t3-")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: r["id"])
+@pytest.mark.parametrize("row", CONFIGS, ids=lambda r: r["id"])
 def test_torchtitan_8b_configuration_fits_within_15_percent_of_published_memory(row: dict[str, Any]) -> None:
-    report = dry_run_of(row)
-    assert report.world_size == row["config"]["gpus"] and report.fits
+    got = outcome(row["id"])  # the row's own command (shared with tests/test_published_runs.py)
+    assert got.world_size == row["config"]["gpus"] and got.fits
     published = row["published"]["memory_gib"]
-    predicted = report.per_rank["peak"] / GIB
+    predicted = got.peak_bytes / GIB
     assert 0.85 <= predicted / published <= 1.15, (row["id"], predicted, published)
 
 

@@ -12,8 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -282,3 +283,27 @@ def knob(
     env = os.environ if environ is None else environ
     raw = env.get(KNOBS[name][0], "").strip()
     return parse_knob(name, raw) if raw else default
+
+
+@contextlib.contextmanager
+def environ_set(env: Mapping[str, str], unset: Iterable[str] = ()) -> Iterator[None]:
+    """`os.environ` with `env` set and `unset` removed for the block, then as it was.
+
+    Example:
+        >>> with environ_set({"ACCELFN_STRATEGY": "ddp"}):
+        ...     os.environ["ACCELFN_STRATEGY"]
+        'ddp'
+    """
+    unset = tuple(unset)
+    saved = {k: os.environ.get(k) for k in (*env, *unset)}
+    for k in unset:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

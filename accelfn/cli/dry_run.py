@@ -103,26 +103,17 @@ def _apply_config(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import os
-
     from ..dryrun import Assumptions, dry_run
     from ..launch.config import ConfigError
+    from ..launch_env import environ_set
 
     try:
         env = _apply_config(args)
     except ConfigError as e:
         print(f"accelfn dry-run: --config: {e}", file=sys.stderr)
         return 2
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ_set(env):
         return _dry_run(args, dry_run, Assumptions)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _dry_run(args: argparse.Namespace, dry_run: Any, Assumptions: Any) -> int:  # noqa: N803

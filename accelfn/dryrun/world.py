@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..launch_env import environ_set
 from .tracker import HostReads
 
 
@@ -52,26 +52,20 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
     }
     if mesh:
         env["ACCELFN_MESH"] = mesh
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        with (
-            _object_collectives(),
-            _real_device_meshes(),
-            FakeTensorMode(allow_non_fake_inputs=True) as mode,
-            _swappable_fakes(mode),
-            HostReads(real_bookkeeping=True) as reads,
-        ):
-            yield reads
-    finally:
-        _mesh.destroy_process_group()
-        _clear_dtensor_caches()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ_set(env):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            with (
+                _object_collectives(),
+                _real_device_meshes(),
+                FakeTensorMode(allow_non_fake_inputs=True) as mode,
+                _swappable_fakes(mode),
+                HostReads(real_bookkeeping=True) as reads,
+            ):
+                yield reads
+        finally:
+            _mesh.destroy_process_group()
+            _clear_dtensor_caches()
 
 
 def _group_size(group: Any) -> int:

@@ -59,17 +59,17 @@ def run_job(job: Job) -> dict[str, Any]:
     from .calibrate import scaled_assumptions
 
     knob_vars = [var for var, _ in launch_env.KNOBS.values()]
-    saved = {k: os.environ.get(k) for k in (*knob_vars, launch_env.ACCELFN_MESH)}
-    for k in knob_vars:
-        os.environ.pop(k, None)
-    os.environ.update(dict(job.env))
     launch_env.ASKED.clear()
     quiet = io.StringIO()  # the script's own prints and progress bars
     ranks = [0, job.world - 1] if job.rank == "ends" else [job.rank]
     try:
         reports = []
         for rank in ranks:
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            with (
+                launch_env.environ_set(dict(job.env), unset=knob_vars),
+                contextlib.redirect_stdout(quiet),
+                contextlib.redirect_stderr(quiet),
+            ):
                 reports.append(
                     dry_run(
                         job.script,
@@ -89,12 +89,6 @@ def run_job(job: Job) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
         lowering = isinstance(e, (ValueError, NotImplementedError))
         return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _init_worker() -> None:

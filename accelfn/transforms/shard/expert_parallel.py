@@ -26,7 +26,6 @@ Example (one process: ep=1 keeps all experts on the rank):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -37,13 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...engine.contract import LOCAL, GradSync
 from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
 from .._base import TransformBase, conflict
-from .common import max_over
-from .tensor_parallel import tensor_parallel_norm
+from .tensor_parallel import TensorParallelSync
 
 if TYPE_CHECKING:
     from ...engine import Plan
@@ -188,13 +185,13 @@ class ExpertParallel(TransformBase):
 
 
 @attrs.define(eq=False)
-class ExpertParallelSync(GradSync):
+class ExpertParallelSync(TensorParallelSync):
     """The gradient sync under expert parallel: the data-parallel one (`inner`, which sums each expert only over
-    the data axes it is not split over) for the sums; the norm and the overflow check over every rank, since the
-    ep ranks hold different experts (each counted once: Megatron #5916). Adds `metrics["moe_imbalance"]`: over the
-    MoE layers, the largest ratio of the most loaded expert's rows to the mean, on the step's global batch."""
+    the data axes it is not split over) for the sums; the norm and the overflow check over every rank, as under
+    tensor parallel, since the ep ranks hold different experts (each counted once: Megatron #5916). Adds
+    `metrics["moe_imbalance"]`: over the MoE layers, the largest ratio of the most loaded expert's rows to the
+    mean, on the step's global batch."""
 
-    inner: GradSync = LOCAL
     dispatchers: list[Any] = attrs.Factory(list)
     data_group: Any = None  # the ranks that read different rows (their token counts add up)
 
@@ -203,28 +200,8 @@ class ExpertParallelSync(GradSync):
             d.take_tokens()
         self.inner.prepare(params)
 
-    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        return self.inner.microbatch(last)
-
-    def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
-        self.inner.record_unused(names, missing)
-
-    def reduce(
-        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.reduce(grads, loss_sum, count)
-
-    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return tensor_parallel_norm(grads)
-
-    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
-        return max_over(flag, None)
-
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.max_over_ranks(x)
-
-    def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
-        self.inner.after_update(params, step)
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         values = self.inner.reduce_metrics(values)

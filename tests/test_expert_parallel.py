@@ -97,6 +97,24 @@ def test_grouped_gemms_equal_the_per_expert_loop_with_gradients(monkeypatch):
     assert len(calls) == 2  # the two GEMMs of the grouped run with rows; none for the empty one
 
 
+def test_grouped_gemms_run_in_autocasts_dtype_on_fp32_master_weights(monkeypatch):
+    """Under autocast bf16 the fp32 experts' weights are cast as `linear` casts them, so a platform whose grouped
+    GEMMs take bf16 (CUDA from sm90) runs them on fp32 master weights, equal to the bf16 loop."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    experts = qwen().model.layers[0].mlp.experts
+    counts = torch.tensor([3, 0, 4, 2])
+    rows = torch.randn(9, 16)
+    outs = []
+    for grouped in ((), (torch.bfloat16,)):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = local_experts(experts, rows, counts, grouped)
+        outs.append(torch.autograd.grad((y.float() * torch.linspace(-1, 1, 16)).sum(), experts.down_proj)[0])
+    assert calls == [torch.bfloat16, torch.bfloat16] and experts.down_proj.dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
 def test_load_balancing_loss_with_padding_equals_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -190,11 +208,28 @@ def test_ep_with_tensor_parallel_is_refused(ep2_tp2):
         _step(ep2_tp2)
 
 
-def test_ep_with_a_pipeline_is_refused():
-    base = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+def test_router_logits_under_a_pipeline_are_refused():
+    """pp2 x ep2 lowers (each stage's experts over its ep group); a loss asking for the router logits (an aux or
+    z-loss, which the last stage would compute on its own layers only) is refused in the first step, on every
+    stage (the shape probe runs the loss before any message), and so is a config that asks for them."""
+    ids = torch.randint(0, 32, (4, 6))
+
+    def aux_loss(m, b):
+        out = m(input_ids=b, output_router_logits=True)
+        return out.logits.sum() + out.aux_loss
+
     for mesh in _fake({"pp": 2, "ep": 2}):
-        with pytest.raises(ValueError, match=r"expert parallel \(ep=2\) is not combined with af.pipeline"):
-            af.shard(af.pipeline(base, mesh, microbatches=2), mesh).init(qwen())
+        step = af.shard(af.pipeline(af.train_step(aux_loss, af.optim.sgd(0.1)), mesh, microbatches=2), mesh)
+        state = step.init(qwen(layers=2))
+        assert "expert_parallel(ep=2)" in repr(step) and "2 of 4 experts per rank" in repr(step), repr(step)
+        assert not any("layers.1" in k for k in state.params)  # stage 0 of 2: layer 1 is the other stage's
+        with pytest.raises(ValueError, match="asks for output_router_logits=True.*expert bias"):
+            step(state, ids)
+        model = qwen(layers=2)
+        model.config.output_router_logits = True
+        base = af.train_step(lambda m, b: m(input_ids=b).logits.sum(), af.optim.sgd(0.1))
+        with pytest.raises(ValueError, match="config.output_router_logits is True"):
+            af.shard(af.pipeline(base, mesh, microbatches=2), mesh).init(model)
 
 
 def test_ep_plan_without_an_ep_axis_is_refused():

@@ -53,6 +53,15 @@ def _grouped_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     return rows.shape[0] > 0 and all(n * size % 16 == 0 for n in (*gate_up.shape[1:], down.shape[1]))
 
 
+def _math_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype the experts' GEMMs run in: autocast's where it is on (as it casts `linear`'s operands: fp32
+    master weights under `af.autocast` bf16 run bf16 GEMMs), else the rows' when the weights share it."""
+    kind = rows.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return rows.dtype if weight.dtype == rows.dtype else None
+
+
 def _grouped(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The local experts as two grouped GEMMs (`torch._grouped_mm`, offsets from `counts`)."""
@@ -65,7 +74,8 @@ def local_experts(
     module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grouped: tuple[torch.dtype, ...] = ()
 ) -> torch.Tensor:
     """This rank's experts on `rows` grouped by local expert (`counts[e]` rows for local expert e): two grouped
-    GEMMs where `grouped` (the platform's `grouped_mm_dtypes()`) has the rows' dtype, else a loop over every local
+    GEMMs where `grouped` (the platform's `grouped_mm_dtypes()`) has the dtype they compute in (autocast's, else
+    the rows' and weights'), else a loop over every local
     expert, also those with no rows (their weights then get zero gradients, not none)."""
     custom = getattr(module, "ep_local_forward", None)
     if custom is not None:
@@ -78,8 +88,9 @@ def local_experts(
                 "for another layout)"
             )
     gate_up, down = local_part(module.gate_up_proj), local_part(module.down_proj)  # type: ignore[arg-type]
-    if rows.dtype in grouped and gate_up.dtype == rows.dtype and _grouped_ok(rows, gate_up, down):
-        return _grouped(module, rows, counts, gate_up, down)
+    dtype = _math_dtype(rows, gate_up)
+    if dtype in grouped and _grouped_ok(rows.to(dtype), gate_up, down):
+        return _grouped(module, rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
     outs = []
     for e, part in enumerate(rows.split(counts.tolist())):
         hidden = _gate(module, nn.functional.linear(part, gate_up[e]))
@@ -87,6 +98,7 @@ def local_experts(
     return torch.cat(outs)
 
 
+@torch.compiler.disable  # type: ignore[misc]
 def ep_forward(
     module: nn.Module,
     dispatcher: Dispatcher,
@@ -98,7 +110,10 @@ def ep_forward(
 ) -> torch.Tensor:
     """The experts' output for `hidden` [T, D] routed to `top_k_index` [T, k] with `top_k_weights` [T, k]:
     each (token, choice) row dispatched, computed by its expert's rank, combined back, then weighted in fp32 and
-    summed over the k choices in a fixed order. `grouped`: the dtypes in which to use `torch._grouped_mm`."""
+    summed over the k choices in a fixed order. `grouped`: the dtypes in which to use `torch._grouped_mm`.
+
+    Never compiled (`torch.compiler.disable`): under `af.compile` the blocks around it are (the attention, the
+    router), and the dispatch (data-dependent splits, collectives) and the experts' DTensor pieces run eagerly."""
     tokens, k = top_k_index.shape
     rows = hidden.repeat_interleave(k, dim=0)  # row t*k + j: token t's j-th choice
     received, counts, handle = dispatcher.dispatch(rows, top_k_index.reshape(-1))

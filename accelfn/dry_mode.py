@@ -29,6 +29,7 @@ __all__ = [
     "on_host",
     "models_a_device",
     "fp8_support",
+    "grouped_mm_dtypes",
     "modelled_device",
 ]
 
@@ -72,6 +73,11 @@ class Watcher:
     def fp8_support(self, kind: str) -> bool | None:
         """Whether the device of `kind` the run models has FP8 matmuls (its table row has an fp8 figure); None
         where the host answers (no device of that kind is modelled)."""
+        return None
+
+    def grouped_mm_dtypes(self) -> tuple[Any, ...] | None:
+        """The dtypes in which the modelled device runs `torch._grouped_mm` (MoE experts); None where the host
+        answers (no device is modelled)."""
         return None
 
     def modelled_device(self) -> str | None:
@@ -141,6 +147,13 @@ def fp8_support(kind: str) -> bool | None:
     """In a dry run modelling a device of `kind` (`accelfn dry-run --device cuda --gpu h100`): whether that device
     has FP8 matmuls, not the host the dry run executes on; None outside a dry run or where none is modelled."""
     return None if _watcher is None else _watcher.fp8_support(kind)
+
+
+def grouped_mm_dtypes() -> tuple[Any, ...] | None:
+    """In a dry run modelling an accelerator: the dtypes its `torch._grouped_mm` takes (`(torch.bfloat16,)` on an
+    H100), so that the experts lower as on that device rather than as on the host; None outside a dry run or
+    where the host is the device."""
+    return None if _watcher is None else _watcher.grouped_mm_dtypes()
 
 
 def modelled_device() -> str | None:

@@ -384,3 +384,42 @@ def test_the_dry_run_prints_every_assumption_and_takes_overrides() -> None:
     assert slow.predicted.exposed_comm_s > fast.predicted.exposed_comm_s
     assert slow.predicted.compute_s == pytest.approx(base.predicted.compute_s)
     assert base.predicted.comm_s > fast.predicted.comm_s  # NCCL's latencies
+
+
+def test_a_grouped_gemm_is_one_kernel_timed_per_group_and_counts_the_loops_flops() -> None:
+    """The experts' `torch._grouped_mm` (forward, input and weight gradients): one kernel each, timed as a batched
+    GEMM of the groups' mean shape, and the same FLOPs as the per-expert loop of `mm`s torch's counter counts."""
+    from accelfn.dryrun.tracker import StepTracker
+
+    a = TimingAssumptions()
+    experts, per, d, f = 8, 2048, 4096, 3072
+    flops = {}
+    for grouped in (True, False):
+        with FakeTensorMode():
+            bf16 = torch.bfloat16
+            w = torch.randn(experts, f, d, dtype=bf16, requires_grad=True)
+            x = torch.randn(experts * per, d, dtype=bf16, requires_grad=True)
+            grad = torch.randn(experts * per, f, dtype=bf16)
+            offs = torch.arange(1, experts + 1, dtype=torch.int32) * per
+            with StepTracker() as t, OpTimer(H100, a) as timer:
+                if grouped:
+                    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+                else:
+                    y = torch.cat([p @ w[e].T for e, p in enumerate(x.split(per))])
+                y.backward(grad)
+        flops[grouped] = t.flops
+        if grouped:
+            assert timer.times.kernels == 3  # forward, input gradient, weight gradient (no copies)
+            expected = 3 * matmul_time(per, f, d, torch.bfloat16, H100, a, batch=experts)
+            assert timer.times.seconds["matmul"] == pytest.approx(expected, rel=0.05)
+    assert flops[True] == flops[False] == 3 * 2 * experts * per * d * f
+
+
+def test_a_dry_run_of_a_gpu_job_lowers_the_experts_as_that_gpu_would() -> None:
+    """Grouped GEMMs in bf16 where the modelled device runs them (sm90 and newer), the loop on an A100."""
+    from accelfn.dryrun.timing import grouped_mm_dtypes
+
+    assert grouped_mm_dtypes(spec("h100-sxm")) == (torch.bfloat16,)
+    assert grouped_mm_dtypes(spec("b200")) == (torch.bfloat16,)
+    assert grouped_mm_dtypes(spec("a100-80gb")) == ()
+    assert grouped_mm_dtypes(spec("cpu")) == ()

@@ -130,6 +130,13 @@ class Session(dry_mode.Watcher):
             return None
         return "fp8" in self.spec.tflops
 
+    def grouped_mm_dtypes(self) -> tuple[Any, ...] | None:
+        if self.device_is_host or self.spec is None:
+            return None
+        from .timing import grouped_mm_dtypes
+
+        return grouped_mm_dtypes(self.spec)
+
     def modelled_device(self) -> str | None:
         return None if self.device_is_host or self.spec is None else str(self.spec.name)
 

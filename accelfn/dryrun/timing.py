@@ -1,7 +1,8 @@
 """A per-op compute time model for the dry run (issue 30 item 2): each kernel timed from its shapes against a
 device's row, instead of one flat efficiency over all FLOPs.
 
-- matmuls (`mm`, `addmm`, `bmm`, `baddbmm`, `_scaled_mm`): the larger of their math time and the time to move
+- matmuls (`mm`, `addmm`, `bmm`, `baddbmm`, `_scaled_mm`, and `_grouped_mm`, the experts' grouped GEMM: one
+  kernel over all groups, its tiles quantized per group of the mean size): the larger of their math time and the time to move
   their operands. The math runs at the peak of the operands' dtype (1-byte floats at the fp8 peak, bf16 and
   fp16 at theirs, fp32 at tf32's or fp32's as `specs.peak_tflops` reads it) times the fraction of the peak that
   large GEMMs reach (`gemm_efficiency`, from measurements: `MAMF`), times the tile and wave
@@ -49,6 +50,9 @@ __all__ = [
     "matmul_time",
     "attention_time",
     "memory_time",
+    "grouped_mm_flops",
+    "grouped_mm_dtypes",
+    "FLOP_FORMULAS",
 ]
 
 # Maximum achievable matmul FLOPS (bf16, TFLOP/s) and the shape (m, n, k) that reached it, measured by a search
@@ -76,7 +80,10 @@ SM_COUNT: Mapping[str, int] = {
 # SDPA on H100 in 2024, reaches 35% of the H100's peak; FlashAttention-3 75%.
 FA2_ON_H100 = 0.35
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"}
+# CUDA rows before compute capability 9.0, where torch's `_grouped_mm` does not run (accelfn's CUDA platform picks
+# it from 9.0: Hopper, Blackwell, and ROCm's MI300 series, which report 9.4)
+_NO_GROUPED_MM = {"a100-40gb", "a100-80gb", "l40s", "l4", "a10g"}
 _COMMUNICATION = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}  # the comm model's, not compute
 _FREE = {
     "_unsafe_view",
@@ -333,9 +340,16 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     name = func.__name__.split(".")[0]
     if kind == "matmul":
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-        batch = x.shape[0] if x.ndim == 3 else 1
         outs = _tensors(out)
         size = outs[0].element_size() if outs else 2
+        if name == "_grouped_mm":
+            m, n, k, groups = _grouped_shape(x, w)
+            # the weight gradient: out [G, K, N]
+            if x.ndim == 2 and w.ndim == 2 and outs and outs[0].ndim == 3:
+                groups = outs[0].shape[0]
+                m, k = x.shape[0], max(1, x.shape[1] // groups)
+            return OpCost("matmul", m, n, k, groups, _math_dtype(x), size, backward=backward)
+        batch = x.shape[0] if x.ndim == 3 else 1
         return OpCost(
             "matmul", x.shape[-2], w.shape[-1], x.shape[-1], batch, _math_dtype(x), size, backward=backward
         )
@@ -344,6 +358,54 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         return None
     q = _arg(func, args, kwargs, "query")
     return OpCost("attention", flops=flops, dtype=q.dtype, backward=backward)
+
+
+def _grouped_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
+    """(m, n, k, groups) of `torch._grouped_mm(a, b, offs)`: 2-D x 3-D (the experts' forward and input gradient:
+    rows [M, K] by weights [G, K, N]), 2-D x 2-D (the weight gradient: [K, M] by [M, N], the contraction over M
+    split into G groups, out [G, K, N]), 3-D x 3-D (a batched GEMM); m is the rows of one group (the mean)."""
+    if a.ndim == 2 and b.ndim == 3:
+        g = b.shape[0]
+        return max(1, a.shape[0] // g), b.shape[-1], a.shape[-1], g
+    if a.ndim == 2 and b.ndim == 2:
+        return a.shape[0], b.shape[-1], a.shape[-1], 1  # groups: the caller's (the offsets')
+    if a.ndim == 3 and b.ndim == 2:
+        g = a.shape[0]
+        return a.shape[1], max(1, b.shape[-1] // g), a.shape[-1], g
+    return a.shape[-2], b.shape[-1], a.shape[-1], a.shape[0]
+
+
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of `torch._grouped_mm(a, b, offs=...)` (torch's flop counter has no formula for it: 0), twice the
+    multiply-adds of all its groups together.
+
+    Example:
+        >>> rows, w = torch.empty(64, 32), torch.empty(4, 32, 48)  # 4 experts, 16 rows each
+        >>> grouped_mm_flops(rows, w) == 2 * 64 * 32 * 48
+        True
+    """
+    if a.ndim == 2 and b.ndim == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    m, n, k, g = _grouped_shape(a, b)
+    return 2 * m * n * k * g
+
+
+# formulas the dry run's FLOP count adds to torch's (`torch.utils.flop_counter.flop_registry`)
+FLOP_FORMULAS: dict[Any, Any] = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+
+
+def grouped_mm_dtypes(device: DeviceSpec) -> tuple[torch.dtype, ...]:
+    """The dtypes in which `device` (a row of the device table) runs `torch._grouped_mm`, as accelfn's platform
+    for it would say on that device: bf16 on CUDA rows from compute capability 9.0, none elsewhere.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> grouped_mm_dtypes(spec("h100-sxm")), grouped_mm_dtypes(spec("a100-80gb"))
+        ((torch.bfloat16,), ())
+    """
+    if device.kind != "cuda" or device.key in _NO_GROUPED_MM or not hasattr(torch, "_grouped_mm"):
+        return ()
+    return (torch.bfloat16,)
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:

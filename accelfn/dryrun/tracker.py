@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
-from .timing import OpCost, _math_dtype, op_cost
+from .timing import FLOP_FORMULAS, OpCost, _math_dtype, op_cost
 
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
@@ -444,6 +444,7 @@ class StepTracker(TorchDispatchMode):
         self._registry = {
             **flop_counter.flop_registry,
             **{k: flop_counter.shape_wrapper(f) for k, f in _CPU_ATTENTION.items()},
+            **FLOP_FORMULAS,  # the experts' grouped GEMMs (torch counts none)
         }
         self._orig_resize: Any = None
         # the profiler scopes open now (record_function's handles), each with whether it is the loss's

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import dry_mode
 from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
@@ -170,7 +171,8 @@ class ExpertParallel(TransformBase):
             # scattered from ep rank 0: every ep group holds one consistent set of experts
             shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
-        grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
+        modelled = dry_mode.grouped_mm_dtypes()  # a dry run of a GPU job: as on that device, not the host
+        grouped = modelled if modelled is not None else self.mesh.platform.grouped_mm_dtypes()
         self.dispatchers.clear()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)

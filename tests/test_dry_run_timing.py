@@ -213,6 +213,25 @@ def test_a_small_all_reduce_over_many_nodes_takes_the_tree_and_a_large_one_the_r
     assert collective_time("all_reduce", 4096, n, nodes, H100, CommAssumptions(tree=False)) > small
 
 
+def test_an_all_to_all_over_nodes_sends_only_the_other_nodes_parts_over_the_network() -> None:
+    """ep=64 on 8 nodes of 8 (DeepSeek-V3's EP64): 56 of each rank's 64 parts cross the network, 7 stay on NVLink,
+    both at once; an ep group strided over 8 nodes sends every other part across."""
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time, ranks_in_node
+
+    a, size = CommAssumptions(), 2**28
+    inside = ranks_in_node(("ep",), {"fsdp": 16, "ep": 64}, 8)
+    strided = ranks_in_node(("ep",), {"ep": 8, "fsdp": 8}, 8)
+    assert (inside, strided) == (8, 1)
+    latency = (8.4 + (63 - 7) * 3.4 + 7 * 14.0) * 1e-6
+    got = collective_time("all_to_all", size, 64, 8, H100, a, inside)
+    assert got == pytest.approx(latency + size * 56 / 64 / 40e9, rel=1e-12)
+    assert got < collective_time("all_to_all", size, 64, 8, H100, a, 1)  # strided: 63 parts over the NIC
+    latency8 = (8.4 + 6 * 3.4 + 1 * 14.0) * 1e-6
+    assert collective_time("all_to_all", size, 8, 2, H100, a, 1) == pytest.approx(
+        latency8 + size * 7 / 8 / 40e9
+    )
+
+
 # ---- the step's time: overlap as each strategy has it (accelfn/dryrun/step_time.py) -----------------------------
 def _step(timeline, axes, **kw):
     from accelfn.dryrun.step_time import predict_step

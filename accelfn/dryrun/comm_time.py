@@ -9,6 +9,10 @@ term per algorithm step plus the bus bytes over the bandwidth of the slowest lin
 - tree (all-reduce over several nodes): NCCL's double binary tree: `2 log2(nodes)` network hops plus the
   chain inside each node; its bytes cost `2 S / bw` (each byte up and down the tree once), about the ring's for
   large groups. NCCL picks the faster of the two; so does this model.
+- all-to-all over several nodes (expert parallel's dispatch and combine): each rank sends `1 / n` of its buffer
+  to every other rank: the part for the ranks of its own node over NVLink and the rest over its NIC, at once, so
+  the bytes cost the slower of the two (not all the bus bytes over the network: a group with 8 ranks on each of
+  8 nodes sends 56 of its 63 parts across nodes, a strided one with one rank per node all 63).
 - point-to-point (pipeline sends and receives): one hop plus the bytes over the link.
 
 The latencies are NCCL's tuning table's (Simple protocol, which large messages use: base 8.4 us; per hop 3.4 us
@@ -26,13 +30,14 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
 from ..platforms.specs import DeviceSpec
 from .tracker import bus_bytes
 
-__all__ = ["CommAssumptions", "collective_time", "group_nodes"]
+__all__ = ["CommAssumptions", "collective_time", "group_nodes", "ranks_in_node"]
 
 
 @attrs.frozen
@@ -61,10 +66,33 @@ def group_nodes(group_size: int, intra_node: bool, nproc_per_node: int) -> int:
     return max(2, math.ceil(group_size / max(1, nproc_per_node)))
 
 
+def ranks_in_node(axes: tuple[str, ...], shape: Mapping[str, int], nproc_per_node: int) -> int:
+    """How many ranks of a group over `axes` of a row-major mesh `shape` share a node with each of them (the
+    first group's node: nodes hold `nproc_per_node` consecutive ranks).
+
+    Example:
+        >>> ranks_in_node(("ep",), {"fsdp": 16, "ep": 64}, 8), ranks_in_node(("ep",), {"ep": 8, "fsdp": 8}, 8)
+        (8, 1)
+    """
+    names = list(shape)
+    offsets = [0]
+    for a in axes:
+        stride = math.prod(shape[b] for b in names[names.index(a) + 1 :])
+        offsets = [o + i * stride for o in offsets for i in range(shape[a])]
+    return max(1, sum(o < nproc_per_node for o in offsets))
+
+
 def collective_time(
-    kind: str, nbytes: int, n: int, nodes: int, device: DeviceSpec, a: CommAssumptions
+    kind: str,
+    nbytes: int,
+    n: int,
+    nodes: int,
+    device: DeviceSpec,
+    a: CommAssumptions,
+    local: int | None = None,
 ) -> float:
-    """Seconds of one collective of `kind` whose full buffer is `nbytes`, over `n` ranks on `nodes` nodes.
+    """Seconds of one collective of `kind` whose full buffer is `nbytes`, over `n` ranks on `nodes` nodes
+    (`local` of them in each rank's node, for an all-to-all: default `n / nodes`).
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -85,6 +113,10 @@ def collective_time(
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     inter_steps = (2 if kind == "all_reduce" else 1) * (nodes - 1)
     latency = a.ring_base_us + (steps - inter_steps) * a.nvlink_hop_us + inter_steps * a.net_hop_us
+    if kind == "all_to_all" and nodes > 1:
+        local = max(1, min(n, local if local is not None else math.ceil(n / nodes)))
+        over = max(nbytes * (n - local) / n / inter_bw, nbytes * (local - 1) / n / intra_bw)
+        return latency * 1e-6 + over
     ring = latency * 1e-6 + bus_bytes(kind, nbytes, n) / bw
     if kind != "all_reduce" or nodes <= 1 or not a.tree:
         return ring

@@ -39,7 +39,7 @@ import attrs
 
 from ..mesh import GRAD_AXES
 from ..platforms.specs import DeviceSpec
-from .comm_time import CommAssumptions, collective_time, group_nodes
+from .comm_time import CommAssumptions, collective_time, group_nodes, ranks_in_node
 from .layout import _intra_node
 from .timing import OpCost, TimingAssumptions, cost_time
 from .tracker import Collective
@@ -172,10 +172,12 @@ def pipeline_of(strategy: str) -> Pipeline | None:
 
 def _where(
     c: Collective, groups: Mapping[str, tuple[str, ...]], shape: Mapping[str, int], nproc_per_node: int
-) -> tuple[tuple[str, ...], int]:
+) -> tuple[tuple[str, ...], int, int | None]:
+    """The group's axes, the nodes it spans and how many of its ranks share each one's node (None: unknown)."""
     axes = groups.get(c.group, ())
     intra = _intra_node(axes, dict(shape), nproc_per_node) if axes else c.size <= nproc_per_node
-    return axes, group_nodes(c.size, intra, nproc_per_node)
+    local = ranks_in_node(axes, shape, nproc_per_node) if axes and all(x in shape for x in axes) else None
+    return axes, group_nodes(c.size, intra, nproc_per_node), local
 
 
 def predict_step(
@@ -265,8 +267,8 @@ def predict_step(
             place(float("inf"))
             wait(pending)  # the update needs every gradient
         in_fb = ev.phase == "forward_backward"
-        axes, nodes = _where(ev, groups, shape, nproc_per_node)
-        seconds = collective_time(ev.kind, ev.nbytes, ev.size, nodes, device, ca)
+        axes, nodes, local = _where(ev, groups, shape, nproc_per_node)
+        seconds = collective_time(ev.kind, ev.nbytes, ev.size, nodes, device, ca, local)
         comm_s += seconds
         data = bool(axes) and set(axes) <= set(GRAD_AXES) and in_fb
         link = nodes <= 1

@@ -277,9 +277,17 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
 
 
 @pytest.mark.slow
-def test_ep4_one_expert_per_rank_equals_one_process():
-    """4 ranks exchange rows with each other; two of them receive no token (to=...)."""
-    configs = ["qwen:clip", "user:to=1"]
+def test_ep4_and_pp2_x_ep2_equal_one_process():
+    """ep=4: 4 ranks exchange rows with each other; two of them receive no token (to=...). pp=2 x ep=2 on the same
+    processes (af.pipeline, 1F1B, 2 micro-batches, times 2 under accumulate): each stage's experts split over its
+    ep group, the all-to-alls in each stage's forward and backward; the stage's params, the loss, the norm and the
+    imbalance over both stages; the expert bias updated from the counts of every micro-batch, as one process."""
+    configs = [
+        "qwen:clip",
+        "user:to=1",
+        "qwen:mesh=pp=2,ep=2:pp:clip:bias",
+        "qwen:mesh=pp=2,ep=2:pp:to=0:accumulate",
+    ]
     expect_ok(run_workers("ep_worker.py", 4, "ep=4", *configs, timeout=300), configs, 4)
 
 

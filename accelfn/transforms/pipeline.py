@@ -205,7 +205,7 @@ class PipelineSync(GradSync):
                 dist.broadcast_object_list(box, src=last, group=self.group)
             self.aux_keys = box[0]
         if not self.aux_keys:
-            return {}
+            return self.inner.reduce_metrics({})  # (the strategy's own metrics: expert parallel's)
         device = self.mesh.device
         flat = torch.stack(
             [
@@ -573,6 +573,7 @@ class Pipeline(TransformBase):
         _check_microbatches(self.schedule, m, pp, n_stages)
         units = _units(plan.module, split, stages)
         tied = carve(plan.module, split, stages)
+        _refuse_router_logits(plan.module)
         layout = _Layout(split, pp, rank, stages, m, self.schedule, tied, units)
         plan.microbatches = 1  # the schedule splits the batch
         plan.notes.append(
@@ -597,6 +598,33 @@ class Pipeline(TransformBase):
         sync: PipelineSync = self._built["sync"]
         sync.inner = inner
         return sync
+
+
+_ROUTER_LOGITS = (
+    "af.pipeline: {what}, for a load-balancing or router z-loss: the loss runs on the last stage, where the router "
+    "logits are those of its own layers only, so the loss (accelfn.moe.load_balancing_loss, router_z_loss, "
+    "transformers' aux_loss) would leave out the other stages' routers. Balance MoE layers under a pipeline with "
+    "the expert bias (accelfn.moe.add_expert_bias, update_expert_bias: counted on every stage), or leave out "
+    "af.pipeline"
+)
+
+
+def _refuse_router_logits(model: nn.Module) -> None:
+    """An MoE model asked for its router logits is refused (config at lowering; a call's keyword in the step's
+    first forward, the shape probe every rank runs before any message)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) is True:
+        raise ValueError(_ROUTER_LOGITS.format(what="the model's config.output_router_logits is True"))
+    if not hasattr(config, "output_router_logits"):
+        return
+
+    def refuse(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("output_router_logits"):
+            raise ValueError(
+                _ROUTER_LOGITS.format(what="the loss function asks for output_router_logits=True")
+            )
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
 
 
 def _check_microbatches(schedule: str, m: int, pp: int, n_stages: int) -> None:

@@ -6,9 +6,12 @@ Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
 clips), aux (plus the load-balancing loss of the global batch, vs transformers' aux_loss in one process),
 bf16 (af.autocast, vs one process under it), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
-FSDP-sharded over the data axes but ep), repeat (a second run is bitwise the same), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none).
+FSDP-sharded over the data axes but ep), repeat (a second run is bitwise the same), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none),
+mesh=<axes> (this config on another mesh of the same processes than the first argument's, e.g. mesh=pp=2,ep=2),
+pp (af.pipeline over the mesh's pp axis, 2 micro-batches of 1F1B: each stage's experts split over its ep group),
+bias (aux-loss-free balancing: the expert bias updated after each step from the global counts, vs one process).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
-steps; the experts really split; the identity of dispatch-then-combine over the ep group.
+steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group.
 """
 
 import sys
@@ -19,7 +22,14 @@ from torch import nn
 
 import accelfn as af
 from accelfn.launch_env import parse_mesh
-from accelfn.moe import AllToAllDispatcher, add_aux_loss, load_balancing_loss, local_part
+from accelfn.moe import (
+    AllToAllDispatcher,
+    add_aux_loss,
+    add_expert_bias,
+    load_balancing_loss,
+    local_part,
+    update_expert_bias,
+)
 
 CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
 VOCAB, EXPERTS, TOPK = 64, 4, 2
@@ -73,7 +83,7 @@ USER_PLAN = {
 }
 
 
-def make_model(kind, to):
+def make_model(kind, to, bias=False):
     torch.manual_seed(0)
     if kind == "user":
         model = UserMoE()
@@ -90,6 +100,8 @@ def make_model(kind, to):
             for layer in model.model.layers:
                 layer.mlp.gate.weight.normal_(0, 0.5)
         routers = [layer.mlp.gate for layer in model.model.layers]
+        if bias:
+            add_expert_bias(model)
     if to is not None:  # every choice to rank `to`'s experts (ep=2: experts 2*to, 2*to+1)
         for r in routers:
             r.register_forward_hook(lambda m, a, out, to=to: _force(out, to))
@@ -97,6 +109,9 @@ def make_model(kind, to):
     for i, r in enumerate(routers):
         r.register_forward_hook(lambda m, a, out, i=i: model.chosen.__setitem__(i, _chosen(out)))
     return model
+
+
+BIAS_RATE = 0.05  # large enough to change some routing decisions in the second step
 
 
 def _chosen(out):
@@ -180,10 +195,14 @@ def check(mesh, kind, options):
     bf16 = "bf16" in options
     if bf16:
         ref_step = af.autocast(ref_step, "bf16")
-    ref = ref_step.init(make_model(kind, to), seed=3)
-    ref_params, ref_losses, ref_norms, ref_imbalance = [], [], [], []
+    bias = "bias" in options
+    ref = ref_step.init(make_model(kind, to, bias), seed=3)
+    ref_params, ref_losses, ref_norms, ref_imbalance, ref_biases = [], [], [], [], []
     for b in data:
         ref, m = ref_step(ref, b)
+        if bias:
+            ref, _ = update_expert_bias(ref, BIAS_RATE)
+            ref_biases.append({k: v.clone() for k, v in ref.buffers.items() if k.endswith("expert_bias")})
         ref_imbalance.append(imbalance(ref_step.model.chosen))
         ref_losses.append(m["loss"].item())
         ref_norms.append(m["grad_norm"].item())
@@ -198,10 +217,13 @@ def check(mesh, kind, options):
         step = af.remat(step, "full")
     if bf16:
         step = af.autocast(step, "bf16")
+    pp = "pp" in options
+    if pp:
+        step = af.pipeline(step, mesh, microbatches=2)
     step = af.shard(
         step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None
     )
-    state = step.init(make_model(kind, to), seed=3)
+    state = step.init(make_model(kind, to, bias), seed=3)
     text = repr(step)
     assert (
         "expert_parallel(ep=" in text
@@ -215,8 +237,14 @@ def check(mesh, kind, options):
         assert "ep" in names and p.placements[names.index("ep")].is_shard(), (n, p)
         assert p.to_local().shape[0] == EXPERTS // ep // (2 if strategy == "fsdp" else 1), (n, p)
     tol = 2e-2 if bf16 else 2e-5  # bf16: the experts' rows in other groupings round otherwise
+    if pp:  # this stage's params only: some, experts among them, none of the other stage's
+        assert experts and set(state.params) < set(ref_params[0]), sorted(state.params)
     for i, b in enumerate(data):
         state, m = step(state, b)
+        if bias:
+            state, _ = update_expert_bias(state, BIAS_RATE, group=mesh.data_group())
+            mine = {k: v for k, v in state.buffers.items() if k.endswith("expert_bias")}
+            assert mine and all(torch.equal(full(v), ref_biases[i][k]) for k, v in mine.items()), (i, mine)
         assert abs(m["loss"].item() - ref_losses[i]) < tol, (i, m["loss"].item(), ref_losses[i])
         assert abs(m["grad_norm"].item() - ref_norms[i]) < tol * ref_norms[i], (
             i,
@@ -228,7 +256,7 @@ def check(mesh, kind, options):
             m["moe_imbalance"],
             ref_imbalance[i],
         )
-        assert sorted(state.params) == sorted(ref_params[i])
+        assert pp or sorted(state.params) == sorted(ref_params[i])
         for k, v in state.params.items():
             diff = (full(v) - ref_params[i][k]).abs().max().item()
             assert diff < tol, f"step {i + 1}: {k} differs from one process by {diff}"
@@ -260,14 +288,18 @@ def check(mesh, kind, options):
 
 
 def main():
-    mesh = af.Mesh(parse_mesh(sys.argv[1]), device="cpu")
-    check_identity(mesh)
+    meshes = {sys.argv[1]: af.Mesh(parse_mesh(sys.argv[1]), device="cpu")}
+    check_identity(meshes[sys.argv[1]])
     for config in CONFIGS:
         kind, *options = config
-        check(mesh, kind, options)
-        print(f"rank {mesh.rank}: OK {kind} {sorted(options)}", flush=True)
+        spec = next((o[5:] for o in options if o.startswith("mesh=")), sys.argv[1])
+        if spec not in meshes:  # another layout of the same processes (e.g. pp=2,ep=2 beside ep=4)
+            meshes[spec] = af.Mesh(parse_mesh(spec), device="cpu")
+        check(meshes[spec], kind, [o for o in options if not o.startswith("mesh=")])
+        print(f"rank {meshes[spec].rank}: OK {kind} {sorted(options)}", flush=True)
     dist.barrier()
-    mesh.close()
+    for mesh in meshes.values():
+        mesh.close()
 
 
 if __name__ == "__main__":

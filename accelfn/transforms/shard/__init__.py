@@ -166,12 +166,13 @@ class Shard(TransformBase):
 
             sync = TensorParallelSync(sync if sync is not None else LOCAL)
         ep = next((t for t in plan.transforms if t.kind == "expert_parallel"), None)
-        if ep is not None:
+        pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
+        if ep is not None:  # under a pipeline: each stage's experts, all-to-alls over that stage's ep group
             from .expert_parallel import ExpertParallelSync
 
             inner = sync if sync is not None else LOCAL
-            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.data_group())
-        pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
+            stages = mesh.group("pp") if pipeline is not None else None
+            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.data_group(), stages)
         if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
             sync = pipeline.wrap(sync if sync is not None else LOCAL)
         plan.grad_sync = sync
@@ -181,11 +182,6 @@ class Shard(TransformBase):
             raise ValueError(
                 "shard(strategy='local_sgd') averages whole replicas: it is not combined with af.pipeline "
                 "(use strategy='ddp' or 'fsdp' with a pipeline)"
-            )
-        ep = self.mesh.axis_size("ep") if "ep" in self.mesh.axis_names else 1
-        if ep > 1 and any(t.kind == "pipeline" for t in others):
-            raise ValueError(
-                f"shard: expert parallel (ep={ep}) is not combined with af.pipeline in this version"
             )
         pp = self.mesh.axis_size("pp") if "pp" in self.mesh.axis_names else 1
         if pp > 1 and not any(t.kind == "pipeline" for t in others):

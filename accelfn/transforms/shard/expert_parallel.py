@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ... import dry_mode
 from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
@@ -66,9 +65,24 @@ def _match(key: str, names: list[str]) -> list[str]:
     return [n for n in names if regex.match(n)]
 
 
+def _inside(key: str, outer: list[str]) -> bool:
+    """Whether the pattern `key` could name something inside one of the modules `outer` (e.g. another pipeline
+    stage's layer, `model.layers.1`, for `model.layers.*.mlp.experts`)."""
+    parts = key.split(".")
+    for name in outer:
+        head = name.split(".")
+        if len(head) < len(parts) and all(k in ("*", h) for k, h in zip(parts, head)):
+            return True
+    return False
+
+
 def _matched(module: nn.Module, plan: Mapping[str, str], style: str) -> list[str]:
     """The names (params for grouped_gemm, modules for ep_dispatch_experts) the plan's `style` entries match;
-    ValueError naming an entry that matches nothing, or a style that is not known."""
+    ValueError naming an entry that matches nothing (on a pipeline stage: nothing of this stage's modules nor of
+    the other stages' stand-ins), or a style that is not known."""
+    from ...stages import Skip
+
+    skipped = [n for n, m in module.named_modules() if isinstance(m, Skip)]
     params = [n for n, _ in module.named_parameters()]
     modules = [n for n, _ in module.named_modules() if n]
     out: list[str] = []
@@ -81,6 +95,8 @@ def _matched(module: nn.Module, plan: Mapping[str, str], style: str) -> list[str
             continue
         names = params if style == "grouped_gemm" else modules
         hits = _match(key, names)
+        if not hits and _inside(key, skipped):
+            continue  # the layers it names are another pipeline stage's
         if not hits:
             last = key.rsplit(".", 1)[-1]
             near = [n for n in names if n.rsplit(".", 1)[-1] == last][:3]
@@ -139,9 +155,6 @@ class ExpertParallel(TransformBase):
         from ...moe import AllToAllDispatcher, ep_forward
 
         module = plan.module
-        if any(getattr(p, "placements", None) is not None for p in module.parameters()):
-            plan.notes.append(f"ep={self.size} (already sharded)")
-            return  # initialised again, or an eval step on the training step's module
         raw = dict(self.plan) if self.plan is not None else model_ep_plan(module)
         if raw is None:
             raise ValueError(
@@ -150,6 +163,9 @@ class ExpertParallel(TransformBase):
                 "experts.w': 'grouped_gemm', 'layers.*.experts': 'ep_dispatch_experts'}"
             )
         stacked = expert_params(module, raw)
+        if any(getattr(module.get_parameter(n), "placements", None) is not None for n in stacked):
+            plan.notes.append(f"ep={self.size} (already sharded)")
+            return  # initialised again, or an eval step on the training step's module
         if not has_meta(module):  # built on the meta device: the strategy allocates the shards (fsdp)
             move(module, self.mesh.device)
         ep_mesh = self.mesh.submesh("ep")
@@ -171,8 +187,7 @@ class ExpertParallel(TransformBase):
             # scattered from ep rank 0: every ep group holds one consistent set of experts
             shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
-        modelled = dry_mode.grouped_mm_dtypes()  # a dry run of a GPU job: as on that device, not the host
-        grouped = modelled if modelled is not None else self.mesh.platform.grouped_mm_dtypes()
+        grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
         self.dispatchers.clear()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
@@ -196,6 +211,7 @@ class ExpertParallelSync(TensorParallelSync):
 
     dispatchers: list[Any] = attrs.Factory(list)
     data_group: Any = None  # the ranks that read different rows (their token counts add up)
+    stages: Any = None  # under af.pipeline, its pp group: the metrics cover every stage's MoE layers
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         for d in self.dispatchers:  # count this step's rows only (not an eval step's, nor a failed step's)
@@ -207,12 +223,16 @@ class ExpertParallelSync(TensorParallelSync):
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         values = self.inner.reduce_metrics(values)
-        if not self.dispatchers:
+        if not self.dispatchers and self.stages is None:
             return values
-        counts = torch.stack([d.take_tokens() for d in self.dispatchers]).float()
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.data_group)
-        ratio = counts.max(1).values / counts.mean(1).clamp_min(1e-12)
-        return {**values, "moe_imbalance": ratio.max()}
+        ratio = torch.zeros(())  # a pipeline stage without MoE layers
+        if self.dispatchers:
+            counts = torch.stack([d.take_tokens() for d in self.dispatchers]).float()
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.data_group)
+            ratio = (counts.max(1).values / counts.mean(1).clamp_min(1e-12)).max()
+        if self.stages is not None:  # every stage's MoE layers
+            dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=self.stages)
+        return {**values, "moe_imbalance": ratio}
 
     def describe(self) -> str:
         return f"expert parallel (norm and overflow over all ranks); {self.inner.describe()}"

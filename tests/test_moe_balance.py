@@ -1,8 +1,11 @@
 """MoE load balancing: the router z-loss, and aux-loss-free balancing by an expert bias (the biased top-k, its
-counts under accumulation and full remat, the update) in one process; over ep=2 on real processes vs one
-process on the global batch (tests/workers/moe_balance_worker.py)."""
+counts under accumulation and full remat, the update), the capacity factor with token dropping, the step's MoE
+metrics, in one process; over ep=2 on real processes vs one process on the global batch, and ep=2 composed with
+compile, offload and fp8 (tests/workers/moe_balance_worker.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -10,11 +13,14 @@ from torch import nn
 
 import accelfn as af
 from accelfn.moe import (
+    AllToAllDispatcher,
     add_aux_loss,
     add_expert_bias,
     biased_topk,
     register_expert_bias,
     router_z_loss,
+    set_capacity,
+    step_metrics,
     update_expert_bias,
 )
 from tests._launch import expect_ok, run_workers
@@ -131,8 +137,77 @@ def test_update_without_bias_buffers_and_a_model_without_routers_are_named_error
         add_expert_bias(qwen(), routers=["model.embed_tokens"])
 
 
+def test_capacity_keeps_the_first_rows_of_each_expert_and_combines_the_dropped_ones_as_zeros():
+    d = AllToAllDispatcher(None, EXPERTS, 1, capacity_factor=0.5)  # ceil(0.5 * 8 / 4) = 1 row per expert
+    x = torch.randn(8, 3, requires_grad=True)
+    experts = torch.tensor([0, 1, 0, 0, 2, 0, 1, 3])
+    rows, counts, handle = d.dispatch(x, experts)
+    kept = torch.tensor([0, 1, 4, 7])  # the first row of each expert, by position
+    assert counts.tolist() == [1, 1, 1, 1] and torch.equal(rows, x[kept])
+    back = d.combine(rows * 2, handle)
+    want = torch.zeros(8, 3)
+    want[kept] = 2 * x[kept].detach()
+    assert torch.equal(back, want)
+    (grad,) = torch.autograd.grad(back.sum(), x)
+    assert grad[kept].eq(2).all() and not grad[[2, 3, 5, 6]].any()  # a dropped row gets no gradient
+    m = step_metrics([d])
+    assert m["moe_tokens"].tolist() == [[4, 2, 1, 1]] and m["moe_dropped"].item() == 0.5
+    assert m["moe_imbalance"].item() == 2.0
+    assert not step_metrics([d])["moe_tokens"].any()  # taken: the next step counts from zero
+
+
+def _hand_kept(idx: torch.Tensor, factor: float) -> torch.Tensor:
+    """1 for each choice ([tokens, k]) an expert with capacity ceil(factor * rows / E) takes in token order."""
+    cap, seen = math.ceil(factor * idx.numel() / EXPERTS), [0] * EXPERTS
+    keep = []
+    for e in idx.reshape(-1).tolist():
+        seen[e] += 1
+        keep.append(float(seen[e] <= cap))
+    return torch.tensor(keep).view_as(idx)
+
+
+def test_set_capacity_equals_transformers_experts_with_the_dropped_choices_weighted_zero():
+    """One process: the loss and every gradient (experts, router, attention) equal the model whose experts run
+    transformers' own forward with the routing weight of each choice over capacity set to zero by hand."""
+    factor, ref, model = 0.75, qwen(), qwen()
+    dropped = []
+    for layer in ref.model.layers:
+        experts = layer.mlp.experts
+
+        def masked(h, idx, w, orig=experts.forward):
+            keep = _hand_kept(idx, factor)
+            dropped.append(int((keep == 0).sum()))
+            return orig(h, idx, w * keep)
+
+        experts.forward = masked
+    dispatchers = set_capacity(model, factor)
+    assert len(dispatchers) == 2
+    losses, grads = [], []
+    for m in (ref, model):
+        loss = lm(m, batch())
+        losses.append(loss.total / loss.count)
+        grads.append(torch.autograd.grad(losses[-1], list(m.parameters())))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    metrics = step_metrics(dispatchers)
+    assert sum(dropped) > 0 and metrics["moe_dropped"].item() == sum(dropped) / (2 * 4 * 6 * TOPK)
+
+
+def test_capacity_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
+        AllToAllDispatcher(None, EXPERTS, 1, capacity_factor=0)
+    with pytest.raises(ValueError, match="Linear has no expert-parallel plan"):
+        set_capacity(nn.Linear(2, 2), 1.25)
+
+
 @pytest.mark.slow
-def test_expert_bias_and_z_loss_over_ep2_with_accumulate_equal_one_process():
-    """3 steps, accumulate 2, ep=2 on 2 processes: biases equal on every rank and to one process on the global
-    batch, the same global tokens per expert and loss (with the global router z-loss)."""
-    expect_ok(run_workers("moe_balance_worker.py", 2, timeout=300), ["balance"], 2)
+def test_moe_over_ep2_equals_one_process_and_composes():
+    """ep=2 on 2 processes. balance: 3 steps, accumulate 2: biases equal on every rank and to one process on the
+    global batch, the same global tokens per expert (the routers' and the step's `moe_tokens`) and loss (with the
+    global router z-loss). capacity: a capacity factor of 1.0 drops what one process drops on the global batch
+    (loss, params, `moe_tokens`, `moe_dropped` vs counts by hand). compile (per block and whole step), offload
+    (master params and state on the host): equal to ep=2 without them. fp8 (torchao, emulated): dense layers in
+    fp8, experts not (said in print(step)), equal to dp=2 with the same fp8 layers."""
+    configs = ["balance", "capacity", "compile", "offload", "fp8"]
+    expect_ok(run_workers("moe_balance_worker.py", 2, *configs, timeout=400), configs, 2)

@@ -6,6 +6,14 @@ expert is exchanged first (one small `all_to_all_single`), then the rows move in
 `all_to_all_single` (differentiable: its backward is the reverse exchange), and are regrouped by local expert.
 Every rank takes part in both exchanges whatever it sends or receives, so a rank with no rows does not hang.
 
+With a `capacity_factor` (GShard/Switch, Megatron's `moe_expert_capacity_factor`; off by default: dropless),
+each expert takes at most `ceil(capacity_factor * rows / E)` rows of the *global* batch (`rows`: tokens x k
+over every data-parallel rank), first come first served in the global batch's order (data rank, then position;
+a token's k choices go to k different experts, so the order is total); the rows over capacity are not sent,
+and come back from `combine` as zeros (the token keeps its residual). The rows before this rank's, per expert,
+come from one all-gather of the counts over `data_group`, so `ep=2` drops exactly what one process does on the
+global batch.
+
 Example (one process: the group of one rank keeps every row):
     >>> import torch
     >>> from accelfn.moe.dispatch import AllToAllDispatcher
@@ -18,6 +26,7 @@ Example (one process: the group of one rank keeps every row):
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Protocol
 
 import attrs
@@ -46,10 +55,13 @@ class Dispatcher(Protocol):
 class DispatchHandle(NamedTuple):
     """What `combine` needs to send rows back: the two permutations and the split sizes of each direction."""
 
-    order: torch.Tensor | None  # rows of x sorted by expert (hence by destination rank); None: a dry run's
+    order: (
+        torch.Tensor | None
+    )  # rows of x sent, sorted by expert (hence by destination rank); None: a dry run's
     regroup: torch.Tensor | None  # received rows (by source rank, then expert) sorted by local expert
     send: list[int]  # rows sent to each rank
     recv: list[int]  # rows received from each rank
+    rows: int = -1  # rows of x (more than `order` holds when rows were dropped over capacity)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,15 +84,26 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group: Any) -> 
     return _AllToAll.apply(x, recv, send, group)  # type: ignore[no-any-return]
 
 
+def _counting() -> bool:
+    """A training forward: gradients on, and not the recomputation that full remat runs inside the backward."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 @attrs.define(eq=False)
 class AllToAllDispatcher:
-    """Dropless token-choice dispatch over `group` (`size` ranks, each holding `num_experts // size`
-    consecutive experts: rank r holds experts r*E/size ... (r+1)*E/size - 1)."""
+    """Token-choice dispatch over `group` (`size` ranks, each holding `num_experts // size` consecutive experts:
+    rank r holds experts r*E/size ... (r+1)*E/size - 1); dropless, or with a `capacity_factor` counted on the
+    global batch of `data_group` (None: `group`'s ranks read the whole batch)."""
 
     group: Any
     num_experts: int
     size: int
-    tokens: torch.Tensor | None = None  # rows this rank sent to each expert since `take_tokens` (a statistic)
+    tokens: torch.Tensor | None = (
+        None  # rows this rank routed to each expert since `take_tokens` (a statistic)
+    )
+    capacity_factor: float | None = None
+    data_group: Any = None
+    dropped: torch.Tensor | None = None  # rows this rank dropped over capacity since `take_dropped`
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts % self.size:
@@ -88,6 +111,9 @@ class AllToAllDispatcher:
                 f"expert parallel: {self.num_experts} experts cannot be split over ep={self.size} ranks "
                 "(the number of experts must be a multiple of ep)"
             )
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not float(factor) > 0):
+            raise ValueError(f"capacity_factor must be a number > 0 (or None: dropless), got {factor!r}")
 
     @property
     def local_experts(self) -> int:
@@ -99,17 +125,53 @@ class AllToAllDispatcher:
         self.tokens = None
         return tokens
 
+    def take_dropped(self) -> torch.Tensor:
+        """The rows this rank dropped over capacity (a 0-d int64) since the last call; resets the count."""
+        dropped = self.dropped if self.dropped is not None else torch.zeros((), dtype=torch.int64)
+        self.dropped = None
+        return dropped
+
+    def _kept(self, experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Of the rows sorted by expert (`order`), those within capacity: a bool mask in sorted order."""
+        group = self.data_group if self.data_group is not None else self.group
+        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        if world > 1:  # every data rank's rows per expert: the rows before mine, and the global total
+            every = counts.new_empty(world * self.num_experts)  # flat: gloo takes no 2-D output
+            gather = (
+                getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            )  # renamed in 2.13
+            gather(every, counts, group=group)
+            every = every.view(world, self.num_experts)
+            before, total = every[: dist.get_rank(group)].sum(0), int(every.sum())
+        else:
+            before, total = torch.zeros_like(counts), int(counts.sum())
+        assert self.capacity_factor is not None
+        capacity = math.ceil(self.capacity_factor * total / self.num_experts)
+        by_expert = experts[order]
+        first = counts.cumsum(0) - counts  # where each expert's rows start in sorted order
+        place = torch.arange(order.numel(), device=order.device) - first[by_expert] + before[by_expert]
+        return place < capacity
+
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         if dry_mode.active() is not None:
             return self._modelled(x)
-        n_local = self.local_experts
+        n_local, n = self.local_experts, x.shape[0]
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)
-        self.tokens = counts.detach() if self.tokens is None else self.tokens + counts.detach()
+        counting = _counting()
+        if counting:  # a training forward (not full remat's recomputation): the step's statistics
+            self.tokens = counts if self.tokens is None else self.tokens + counts
+        if self.capacity_factor is not None:
+            kept = self._kept(experts, order, counts)
+            order = order[kept]
+            routed, counts = counts, torch.bincount(experts[order], minlength=self.num_experts)
+            if counting:
+                gone = (routed - counts).sum()
+                self.dropped = gone if self.dropped is None else self.dropped + gone
         if self.size == 1:
-            return x[order], counts, DispatchHandle(order, torch.arange(0), [x.shape[0]], [x.shape[0]])
+            return x[order], counts, DispatchHandle(order, torch.arange(0), [len(order)], [len(order)], n)
         got = torch.empty_like(counts)  # [source rank, local expert]: rows each rank sends to each of mine
         dist.all_to_all_single(got, counts, group=self.group)
         send = counts.view(self.size, n_local).sum(1).tolist()
@@ -118,7 +180,7 @@ class AllToAllDispatcher:
         expert_of_row = torch.arange(n_local, device=got.device).repeat(self.size)
         regroup = torch.argsort(torch.repeat_interleave(expert_of_row, got), stable=True)
         per_expert = got.view(self.size, n_local).sum(0)
-        return rows[regroup], per_expert, DispatchHandle(order, regroup, send, recv)
+        return rows[regroup], per_expert, DispatchHandle(order, regroup, send, recv, n)
 
     def _modelled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """A dry run (fake tensors: no expert ids to read): the rows move as a balanced router sends them (each
@@ -141,4 +203,6 @@ class AllToAllDispatcher:
             assert handle.regroup is not None
             y = y[torch.argsort(handle.regroup)]  # back to (source rank, expert) order
             y = _exchange(y, handle.send, handle.recv, self.group)
-        return y[torch.argsort(handle.order)]
+        if len(handle.order) == handle.rows:  # dropless: a permutation
+            return y[torch.argsort(handle.order)]
+        return y.new_zeros((handle.rows, *y.shape[1:])).index_copy(0, handle.order, y)  # dropped rows: zeros

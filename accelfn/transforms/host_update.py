@@ -24,8 +24,10 @@ import torch
 
 from .. import dry_mode, platforms
 from .. import tree as _tree
+from ..dtensor import is_dtensor
 from ..engine.contract import Updater
 from ..optim import GradientTransformation, apply_gradients
+from ..optim.base import apply_gradients_on_shards
 
 if TYPE_CHECKING:
     from ..state import TrainState
@@ -50,6 +52,18 @@ def to_host(t: torch.Tensor, *, copy: bool = False, pin: bool = False) -> torch.
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t.detach())
     # (a dry run of a device job: `t` stands for a device tensor, so it is copied as the real run copies it)
     return t.detach().to("cpu", copy=copy or not platforms.is_host(t.device) or dry_mode.models_a_device())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (expert parallel's experts), a plain tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
+
+
+def _apply(tx: GradientTransformation, grads: Any, opt_state: Any, params: dict[str, torch.Tensor]) -> Any:
+    """`apply_gradients`, on each rank's local pieces where DTensors are among the params or the state (the state
+    keeps its DTensors)."""
+    sharded = any(is_dtensor(x) for x in [*params.values(), *_tree.leaves(opt_state)])
+    return (apply_gradients_on_shards if sharded else apply_gradients)(tx, grads, opt_state, params)
 
 
 @attrs.define(eq=False)
@@ -93,7 +107,7 @@ class HostUpdater(Updater):
         fp32 = all(p.dtype == torch.float32 for p in params.values())  # the host state is fp32
         host_only = platforms.is_host(device) and not dry_mode.models_a_device()
         if host_only and fp32 and not self.always_stream and not self.keep_master:
-            return apply_gradients(tx, grads, opt_state, params), extra
+            return _apply(tx, grads, opt_state, params), extra
         with torch.no_grad(), dry_mode.on_host():  # (what it allocates is host memory)
             host_grads = self._grads_to_host(grads)
             host_params, _ = self._host_params(params, extra)
@@ -116,6 +130,7 @@ class HostUpdater(Updater):
         """Start copying `grads` into the persistent fp32 host buffers (asynchronous from a device)."""
         host = {}
         for k, g in grads.items():
+            g = _local(g)  # an expert's piece (a DTensor over ep): this rank's experts
             buf = self._buffer(self.grad_buffers, k, g)
             buf.copy_(g.detach(), non_blocking=True)
             host[k] = buf
@@ -129,9 +144,9 @@ class HostUpdater(Updater):
             return extra[MASTER_KEY], False
         host, copied = {}, False
         for k, p in params.items():
-            buf = self._buffer(self.mirror, k, p)
+            buf = self._buffer(self.mirror, k, _local(p))
             if self.synced.get(k) != (id(p), p._version):  # changed outside the update: read it again
-                buf.copy_(p.detach(), non_blocking=True)
+                buf.copy_(_local(p).detach(), non_blocking=True)
                 copied = True
             host[k] = buf
         return host, copied
@@ -144,7 +159,7 @@ class HostUpdater(Updater):
         params: dict[str, torch.Tensor],
     ) -> Any:
         with torch.no_grad(), host_threads(self.threads or share_of_cores()):
-            return apply_gradients(tx, grads, opt_state, params)
+            return _apply(tx, grads, opt_state, params)
 
     def _upload(self, params: dict[str, torch.Tensor], host_params: dict[str, torch.Tensor]) -> None:
         """Start copying the updated host params into the device params (ordered on the device's stream)."""
@@ -153,7 +168,8 @@ class HostUpdater(Updater):
                 for k, p in params.items():
                     if p.dtype != torch.float32:
                         host_params[k].copy_(host_params[k].to(p.dtype))
-            torch._foreach_copy_(list(params.values()), [host_params[k] for k in params], non_blocking=True)
+            targets = [_local(p) for p in params.values()]  # DTensors (experts): their local pieces
+            torch._foreach_copy_(targets, [_local(host_params[k]) for k in params], non_blocking=True)
             if not self.keep_master:
                 self.synced = {k: (id(p), p._version) for k, p in params.items()}
 

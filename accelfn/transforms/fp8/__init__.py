@@ -120,6 +120,26 @@ def _skipped_note(skipped: dict[str, str]) -> str:
     return "; kept in high precision: " + ", ".join(parts)
 
 
+def _experts_note(plan: Plan) -> str:
+    """What `print(step)` says of an MoE model's experts (3-D weights, not Linear layers: not swapped)."""
+    from ..shard.expert_parallel import expert_params, model_ep_plan
+
+    ep = find(plan.transforms, "expert_parallel")
+    given = getattr(ep, "plan", None)
+    raw = dict(given) if given is not None else model_ep_plan(plan.module)
+    if not raw:
+        return ""
+    try:
+        owners = set(expert_params(plan.module, raw).values())
+    except ValueError:  # a plan that does not fit: expert parallel names the entry
+        return ""
+    dtype = str(plan.autocast_dtype or next(plan.module.parameters()).dtype).removeprefix("torch.")
+    return (
+        f"; the experts ({len(owners)} modules of stacked expert weights, not Linear layers) stay in {dtype}: "
+        "no fp8 grouped GEMM in this version"
+    )
+
+
 def _te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
@@ -171,7 +191,9 @@ class AutocastFP8(TransformBase):
             from .te import convert as te_convert
 
             n = te_convert(plan, keep, self.recipe)
-        plan.notes.append(f"{n} Linear layers in fp8 ({backend})" + _skipped_note(skipped))
+        plan.notes.append(
+            f"{n} Linear layers in fp8 ({backend})" + _skipped_note(skipped) + _experts_note(plan)
+        )
         plan.fp8_skipped = skipped
 
     def init_state(self, plan: Plan, state: TrainState) -> TrainState:

@@ -72,6 +72,29 @@ def test_a_slice_of_the_logits_is_read_without_a_copy_and_its_gradient_is_right(
     assert not leaf.grad[:, -1].any()
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slice_is_chunked_several_sequences_at_a_time_and_equals_the_plain_loss(dtype, inplace):
+    """`logits[:, :-1]` (rows that do not flatten into one view) in 3-D chunks of two whole sequences (9 rows
+    hold two of 4), the last chunk one: value and gradient equal torch's cross entropy; 4 chunks, not 7."""
+    logits, labels = _data((7, 5), dtype)
+    ref_total, ref_grad = _reference(logits[:, :-1], labels[:, 1:])
+    chunks = list(chunked.row_chunks(logits[:, :-1], 9))
+    assert [(start, tuple(x.shape)) for start, x in chunks] == [
+        (0, (2, 4, V)), (8, (2, 4, V)), (16, (2, 4, V)), (24, (1, 4, V))
+    ]  # fmt: skip
+    assert all(x.data_ptr() == logits[2 * i].data_ptr() for i, (_, x) in enumerate(chunks))  # views, no copy
+    base = logits.detach().requires_grad_()
+    produced = base * 1  # not a leaf: the in-place backward may write over it
+    loss = af.losses.cross_entropy(
+        produced[:, :-1], labels[:, 1:], chunk_rows=9, impl="chunked", inplace_backward=inplace
+    )
+    loss.total.backward()
+    torch.testing.assert_close(loss.total.detach(), ref_total, rtol=1e-6, atol=1e-5)
+    _close(base.grad[:, :-1], ref_grad)
+    assert not base.grad[:, -1].any()
+
+
 def test_one_row_of_logits_with_a_scalar_label():
     logits, _ = _data((), torch.float32)
     label = torch.tensor(5)

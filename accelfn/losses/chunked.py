@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "chunked_cross_entropy", "default_chunk_rows", "row_blocks", "row_chunks"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "chunked_cross_entropy",
+    "default_chunk_rows",
+    "row_blocks",
+    "row_chunks",
+    "rows_of",
+]
 
 # An fp32 chunk of 2**26 elements is 256 MiB: at a 128,256-token vocabulary 523 rows, 6% of the bf16 logits of
 # 2 x 8192 tokens, and large enough that each chunk's kernels fill a GPU (launch costs stay below 1%).
@@ -57,25 +64,50 @@ def _flattens_to_a_view(x: torch.Tensor) -> bool:
     return True
 
 
-def row_blocks(x: torch.Tensor) -> list[torch.Tensor]:
-    """2-D views `(rows, classes)` of `x` (shape `(*, classes)`) covering its rows in row-major order, no copy.
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of `x` (shape `(*, classes)`): every element of its last dimension is one class of a row."""
+    return x.numel() // x.shape[-1] if x.dim() else 1
 
-    One view when the leading dims flatten without a copy; otherwise (e.g. `logits[:, :-1]`) one per leading
-    index, recursively."""
+
+def row_blocks(x: torch.Tensor, batch_rows: int = 0) -> list[torch.Tensor]:
+    """Views of `x` (shape `(*, classes)`) covering its rows in row-major order, no copy: 2-D `(rows, classes)`,
+    or with `batch_rows` 3-D `(sequences, rows, classes)` of at most `batch_rows` rows each.
+
+    One 2-D view when the leading dims flatten without a copy; otherwise (e.g. `logits[:, :-1]`) one per leading
+    index, recursively, unless each leading index flattens and `batch_rows` holds at least two of them: then
+    3-D views of as many leading indices as `batch_rows` holds (several sequences a chunk).
+
+    Example:
+        >>> x = torch.zeros(6, 5, 3)[:, :-1]
+        >>> [tuple(b.shape) for b in row_blocks(x)], [tuple(b.shape) for b in row_blocks(x, batch_rows=8)]
+        ([(4, 3), (4, 3), (4, 3), (4, 3), (4, 3), (4, 3)], [(2, 4, 3), (2, 4, 3), (2, 4, 3)])
+    """
     if x.dim() == 1:
         return [x.unsqueeze(0)]
     if x.dim() == 2 or _flattens_to_a_view(x):
         return [x.reshape(-1, x.shape[-1])]
-    return [block for i in range(x.shape[0]) for block in row_blocks(x[i])]
+    inner = rows_of(x[0]) if x.shape[0] else 0
+    if inner and batch_rows >= 2 * inner and (x.dim() == 3 or _flattens_to_a_view(x[0])):
+        per = batch_rows // inner
+        return [x[i : i + per].reshape(-1, inner, x.shape[-1]) for i in range(0, x.shape[0], per)]
+    return [block for i in range(x.shape[0]) for block in row_blocks(x[i], batch_rows)]
 
 
-def row_chunks(x: torch.Tensor, chunk_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """`(first row, chunk)` for chunks of at most `chunk_rows` rows of `x` (shape `(*, classes)`), as views."""
+def row_chunks(
+    x: torch.Tensor, chunk_rows: int, *, batched: bool = True
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`(first row, chunk)` for chunks of at most `chunk_rows` rows of `x` (shape `(*, classes)`), as views: 2-D
+    `(rows, classes)`, or (`batched`, where the rows do not flatten into one view, as in `logits[:, :-1]`) 3-D
+    `(sequences, rows, classes)` holding several whole sequences. `rows_of(chunk)` is a chunk's row count."""
     start = 0
-    for block in row_blocks(x):
-        for lo in range(0, block.shape[0], chunk_rows):
-            yield start + lo, block[lo : lo + chunk_rows]
-        start += block.shape[0]
+    for block in row_blocks(x, chunk_rows if batched else 0):
+        n = rows_of(block)
+        if block.dim() == 3:
+            yield start, block
+        else:
+            for lo in range(0, n, chunk_rows):
+                yield start + lo, block[lo : lo + chunk_rows]
+        start += n
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,10 +119,10 @@ def chunk_logsumexp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
 
     `row_max` (fp32, one per row) may be the maximum over more columns than `x` has (loss parallel); rows whose
     maximum is infinite are shifted by 0, as `torch.logsumexp` does."""
-    shift = torch.where(row_max.isinf(), 0.0, row_max)
-    e = torch.sub(x, shift.unsqueeze(1).to(_compute_dtype(x.dtype)))  # the one fp32 chunk
+    shift = torch.where(row_max.isinf(), 0.0, row_max).view(x.shape[:-1])
+    e = torch.sub(x, shift.unsqueeze(-1).to(_compute_dtype(x.dtype)))  # the one fp32 chunk
     e.exp_()
-    return e.sum(1)
+    return e.sum(-1).reshape(-1)
 
 
 def write_chunk_grad(
@@ -100,16 +132,20 @@ def write_chunk_grad(
 
     `lse` is each row's global log-sum-exp, `scale` each row's gradient (0 on ignored rows); `target` the class
     index within `x`'s columns (rows whose target lies elsewhere pass -1: no onehot on that row). `out` may be
-    `x` itself (the gradient written over the logits)."""
-    p = torch.sub(x, lse.unsqueeze(1).to(_compute_dtype(x.dtype)))  # the one fp32 chunk
+    `x` itself (the gradient written over the logits), or its rows flattened (`x` 3-D: several sequences); `lse`,
+    `scale` and `target` have one entry per row, flat."""
+    rows = x.shape[:-1]
+    p = torch.sub(x, lse.view(rows).unsqueeze(-1).to(_compute_dtype(x.dtype)))  # the one fp32 chunk
     p.exp_()
-    p.mul_(scale.unsqueeze(1))
+    p.mul_(scale.view(rows).unsqueeze(-1))
     if target is not None:
-        here = target >= 0
+        here = (target >= 0).view(rows)
         p.scatter_add_(
-            1, torch.where(here, target, 0).unsqueeze(1), torch.where(here, -scale, 0.0).unsqueeze(1)
+            -1,
+            torch.where(here, target.view(rows), 0).unsqueeze(-1),
+            torch.where(here, -scale.view(rows), 0.0).unsqueeze(-1),
         )
-    out.copy_(p)
+    out.copy_(p.view(out.shape))
 
 
 def _no_double_backward() -> None:
@@ -123,10 +159,11 @@ def _no_double_backward() -> None:
 def fill_chunk(
     x: torch.Tensor, safe: torch.Tensor, rows: slice, lse: torch.Tensor, target: torch.Tensor
 ) -> None:
-    """Write one chunk's rows of the log-sum-exp and the target logit (`safe`: labels with ignored rows at 0)."""
-    row_max = x.amax(1).to(lse.dtype)
+    """Write one chunk's rows of the log-sum-exp and the target logit (`safe`: labels with ignored rows at 0);
+    `x` 2-D `(rows, classes)` or 3-D `(sequences, rows, classes)`."""
+    row_max = x.amax(-1).to(lse.dtype).reshape(-1)
     lse[rows] = chunk_logsumexp(x, row_max).log_().add_(row_max)
-    target[rows] = x.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
+    target[rows] = x.gather(-1, safe[rows].view(x.shape[:-1]).unsqueeze(-1)).reshape(-1)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -142,7 +179,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse = torch.empty(labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
             target = torch.empty_like(lse)
             for start, x in row_chunks(logits, chunk_rows):
-                rows = slice(start, start + x.shape[0])
+                rows = slice(start, start + rows_of(x))
                 fill_chunk(x, safe, rows, lse, target)
             total = torch.where(valid, lse - target, 0.0).sum()
             return total, lse
@@ -164,14 +201,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             target = torch.where(valid, labels, -1)
             if ctx.inplace:  # each chunk's gradient over its logits: they are not read again
                 for start, x in row_chunks(logits, ctx.chunk_rows):
-                    rows = slice(start, start + x.shape[0])
+                    rows = slice(start, start + rows_of(x))
                     write_chunk_grad(x, x, lse[rows], scale[rows], target[rows])
                 return logits.detach(), None, None, None, None
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             # contiguous: its rows in the order row_chunks walks the logits'
             flat = grad.view(-1, grad.shape[-1])
             for start, x in row_chunks(logits, ctx.chunk_rows):
-                rows = slice(start, start + x.shape[0])
+                rows = slice(start, start + rows_of(x))
                 write_chunk_grad(flat[rows], x, lse[rows], scale[rows], target[rows])
         return grad, None, None, None, None
 

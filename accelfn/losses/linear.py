@@ -50,7 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             safe = torch.where(valid, labels, 0)
             lse = torch.empty(labels.shape, dtype=_compute_dtype(hidden.dtype), device=hidden.device)
             target = torch.empty_like(lse)
-            for start, h in row_chunks(hidden, chunk_rows):
+            for start, h in row_chunks(hidden, chunk_rows, batched=False):
                 rows = slice(start, start + h.shape[0])
                 x = h @ weight.T  # this chunk's logits, in the compute dtype
                 fill_chunk(x, safe, rows, lse, target)
@@ -79,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             flat = grad_hidden.view(-1, hidden.shape[-1]) if grad_hidden is not None else None
             # the weight's gradient sums over every chunk: in fp32 (or wider), rounded once at the end
             grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device)
-            for start, h in row_chunks(hidden, ctx.chunk_rows):
+            for start, h in row_chunks(hidden, ctx.chunk_rows, batched=False):
                 rows = slice(start, start + h.shape[0])
                 x = h @ weight.T
                 g = torch.empty_like(x)  # this chunk's gradient of the logits, in their dtype

@@ -25,6 +25,7 @@ from accelfn.losses.chunked import (
     chunk_logsumexp,
     default_chunk_rows,
     row_chunks,
+    rows_of,
     scope,
     write_chunk_grad,
 )
@@ -70,12 +71,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 (2, labels.numel()), dtype=dtype, device=local.device
             )  # sum of exp, target logit
             for start, x in row_chunks(local, chunk_rows):
-                row_max[start : start + x.shape[0]] = x.amax(1)
+                row_max[start : start + rows_of(x)] = x.amax(-1).reshape(-1)
             row_max = funcol.all_reduce(row_max, "max", group)
             for start, x in row_chunks(local, chunk_rows):
-                rows = slice(start, start + x.shape[0])
+                rows = slice(start, start + rows_of(x))
                 sums[0, rows] = chunk_logsumexp(x, row_max[rows])
-                sums[1, rows] = x.gather(1, here[rows].unsqueeze(1)).squeeze(1)
+                sums[1, rows] = x.gather(-1, here[rows].view(x.shape[:-1]).unsqueeze(-1)).reshape(-1)
             sums[1] = torch.where(mine, sums[1], 0.0)
             sums = funcol.all_reduce(sums, "sum", group)
             lse = sums[0].log() + torch.where(row_max.isinf(), 0.0, row_max)
@@ -108,7 +109,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # a new gradient is contiguous: its rows in the order row_chunks walks the local shard's
             flat = grad if inplace else grad.view(-1, grad.shape[-1])
             for start, x in row_chunks(local, ctx.chunk_rows):
-                rows = slice(start, start + x.shape[0])
+                rows = slice(start, start + rows_of(x))
                 write_chunk_grad(x if inplace else flat[rows], x, lse[rows], scale[rows], target[rows])
         contiguous = logits.stride() if inplace else torch.empty(logits.shape, device="meta").stride()
         out = DTensor.from_local(

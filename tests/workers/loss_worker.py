@@ -94,6 +94,13 @@ def main():
         rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=rtol, atol=1e-6)
         assert peak <= CHUNK * local_grad.shape[-1] * 4 + 64 * B * T, (dtype, "inplace", peak)
+    # next-token slices in 3-D chunks of two whole sequences (16 rows each, 40 rows a chunk): the same loss
+    g = torch.Generator().manual_seed(2)
+    logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    ref_total, ref_grad = reference(logits, labels, True)
+    total, grad, _, _ = sharded(logits, mesh, labels, True, chunk_rows=2 * (T - 1) + 8)
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     # labels as a replicated DTensor (torch's loss_parallel accepts them so)
     g = torch.Generator().manual_seed(1)  # the same on every rank
     logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)

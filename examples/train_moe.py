@@ -7,7 +7,12 @@ the attention and embeddings) and sends each token to the ranks of its top-k exp
     python examples/train_moe.py                        # one process: every expert local
     accelfn dry-run --nproc-per-node 8 --nnodes 8 --gpu h100 --mesh fsdp=8,ep=8 examples/train_moe.py \\
         --model 235b-a22b --init meta --strategy fsdp --bf16 --remat --seq 4096 --batch-size 1
+    accelfn dry-run --nproc-per-node 8 --nnodes 32 --gpu h100 --mesh fsdp=32,ep=8 examples/train_moe.py \\
+        --model deepseek-v3 --init meta --strategy fsdp --bf16 --remat --seq 4096 --batch-size 1
 
+`--model deepseek-v3` is a `transformers` DeepseekV3Config with DeepSeek-V3's sizes (671B: 61 layers, the first 3
+dense, 256 routed experts and one shared, top-8 of 8 groups, MLA attention; its multi-token-prediction module is not
+part of `transformers`' model); `--layers N` keeps a model's layer shapes with fewer layers (cheap dry runs).
 The model's own plan (`config.base_model_ep_plan`) says which parameters are stacked over experts; the mesh
 comes from `--mesh` (`af.Mesh.from_env()`). Ends with `CHECK moe loss falls: OK` (else FAILED, exit status 1).
 """
@@ -16,9 +21,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import Any
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AttentionInterface,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import accelfn as af
 
@@ -30,20 +42,55 @@ MODELS = {
     "235b-a22b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
                       num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                       num_experts=128, num_experts_per_tok=8),
+    "deepseek-v3": {},  # DeepseekV3Config's defaults are DeepSeek-V3's published sizes (671B)
 }  # fmt: skip
 
 
-def make_model(experts: int, seed: int, size: str = "tiny") -> Qwen3MoeForCausalLM:
+def _sdpa_padded(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with the values padded to the queries' head dim, as `transformers` runs DeepSeek-V3's attention
+    (keys 192, values 128) with FlashAttention: one fused kernel, where torch's CPU SDPA would fall back to its
+    math path for unequal head dims (the scores materialised: not what an H100 runs)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    width = value.shape[-1]
+    value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    out, _ = sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    return out[..., :width].contiguous(), None
+
+
+def make_model(experts: int, seed: int, size: str = "tiny", layers: int | None = None) -> torch.nn.Module:
+    """A Qwen3-MoE (`tiny`: `experts` experts; or a published shape of `MODELS`) or DeepSeek-V3 model;
+    `layers` overrides the number of decoder layers (DeepSeek-V3 keeps up to 3 dense ones, at least one MoE)."""
     torch.manual_seed(seed)
-    shape = MODELS.get(size) or dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
-    )  # fmt: skip
-    cfg = Qwen3MoeConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
-    model = Qwen3MoeForCausalLM(cfg)
+    model: torch.nn.Module
+    if size == "deepseek-v3":
+        n = layers or DeepseekV3Config().num_hidden_layers
+        AttentionInterface.register("sdpa_padded", _sdpa_padded)
+        cfg: Any = DeepseekV3Config(
+            num_hidden_layers=n, first_k_dense_replace=min(3, n - 1), max_position_embeddings=4096
+        )
+        model = DeepseekV3ForCausalLM(cfg)
+        model.set_attn_implementation("sdpa_padded")
+    else:
+        shape = MODELS.get(size) or dict(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
+        )  # fmt: skip
+        if layers:
+            shape = {**shape, "num_hidden_layers": layers}
+        cfg = Qwen3MoeConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
+        model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # transformers zero-initialises the routers (it expects pretrained weights)
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.02)
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.02)
     return model
 
 
@@ -72,6 +119,7 @@ def main() -> None:
     p.add_argument(
         "--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: experts sharded over efsdp"
     )
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     p.add_argument("--init", choices=["host", "meta"], default="host", help="meta: build on the meta device")
     p.add_argument("--seq", type=int, default=16, help="tokens per row")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
@@ -88,7 +136,7 @@ def main() -> None:
             step, mesh, strategy=args.strategy
         )  # an ep axis: experts split over it (the model's plan)
         with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
-            model = make_model(args.experts, args.seed, args.model)
+            model = make_model(args.experts, args.seed, args.model, args.layers)
         state = step.init(model, seed=args.seed)
         loader = af.data.DataLoader(make_data(512, args.seq, args.seed), batch_size=args.batch_size, mesh=mesh,
                                     shuffle=True, seed=args.seed, drop_last=True)  # fmt: skip
@@ -106,11 +154,15 @@ def main() -> None:
                 if len(losses) == args.steps:
                     break
         ep = mesh.axis_size("ep") if "ep" in mesh.axis_names else 1
-        experts = step.model.config.num_experts
+        experts = (
+            step.model.config.num_local_experts
+            if args.model == "deepseek-v3"
+            else step.model.config.num_experts
+        )
         held = (
             experts // ep
         )  # the experts of this rank's ep coordinate (under fsdp, sharded again over efsdp)
-        local = state.params["model.layers.0.mlp.experts.gate_up_proj"]
+        local = next(v for k, v in state.params.items() if k.endswith("mlp.experts.gate_up_proj"))
         split = ep == 1 or "ep" in (
             getattr(getattr(local, "device_mesh", None), "mesh_dim_names", None) or ()
         )

@@ -96,7 +96,10 @@ class Meter:
       call and the start of the next, i.e. what the loop spent getting data; the slowest rank's),
       `flops_per_step` (this rank's), `tflops` (achieved TFLOP/s per device), `mfu` (`tflops` / the
       device's dense peak), `memory_peak` and `memory_reserved` (device bytes, the largest rank's) and
-      `host_rss` (bytes, the largest rank's). Figures that are not known are left out, never guessed.
+      `host_rss` (bytes, the largest rank's); for an MoE step whose metrics carry them (expert parallel's),
+      `moe_imbalance` (the largest over these steps: the most loaded expert's rows over the mean) and
+      `moe_dropped` (the mean dropped fraction, with a capacity factor). Figures that are not known are left out,
+      never guessed.
     - `postfix()`: a short dict of this rank's recent figures for `af.progress(...).set_postfix` (no
       synchronisation, no collective).
 
@@ -161,6 +164,25 @@ class Meter:
         self._flops_total = 0.0
         self._step_time = 0.0
         self._wait = 0.0
+        self._moe: dict[
+            str, torch.Tensor
+        ] = {}  # MoE metrics over these steps (on the device: no sync per step)
+        self._moe_steps = 0
+
+    def _track_moe(self, out: Any) -> None:
+        """Keep the step's global MoE metrics (`moe_imbalance`: the largest, `moe_dropped`: summed)."""
+        metrics = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else {}
+        imbalance, dropped = metrics.get("moe_imbalance"), metrics.get("moe_dropped")
+        if imbalance is None:
+            return
+        self._moe_steps += 1
+        for key, value, join in (
+            ("moe_imbalance", imbalance, torch.maximum),
+            ("moe_dropped", dropped, torch.add),
+        ):
+            if value is not None:
+                value = value.detach().float()
+                self._moe[key] = join(self._moe[key], value) if key in self._moe else value.clone()
 
     # ---- running ---------------------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> Any:
@@ -190,6 +212,7 @@ class Meter:
         self._step_time += end - start
         self._wait += wait
         self._recent.append((end, ntokens or 0, nsamples or 0, end - start, wait))
+        self._track_moe(out)
         return out
 
     def _step_flops(self, ntokens: int | None, nsamples: int | None) -> float:
@@ -261,6 +284,7 @@ class Meter:
         ]
         rows = self._gather(mine)
         steps = int(mine[6])
+        moe = {k: float(v) / (self._moe_steps if k == "moe_dropped" else 1) for k, v in self._moe.items()}
         self._reset(now if self._start is not None else None)
 
         out: dict[str, float | int] = {"steps": steps}
@@ -287,7 +311,7 @@ class Meter:
             value = max(r[i] for r in rows)
             if value >= 0:
                 out[key] = int(value)
-        return out
+        return {**out, **moe}  # the MoE metrics are global already (the step reduced them over the ranks)
 
     def _gather(self, mine: list[float]) -> list[list[float]]:
         """Every rank's row of figures, with one all-gather (sums, means and maxima all come from it)."""

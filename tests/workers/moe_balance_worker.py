@@ -144,17 +144,22 @@ def check_capacity(mesh, factor=1.0):
     step = af.shard(af.train_step(lm_loss, af.optim.sgd(0.5)), mesh, inputs="global")
     state = step.init(model, seed=3)
     assert f"capacity factor {factor}" in repr(step), repr(step)
-    dropped_any = 0.0
+    meter = af.Meter(step)  # shows the imbalance and the dropped fraction of the steps after its first
+    dropped_any, seen = 0.0, []
     for i, b in enumerate(data):
         ref, ref_m = ref_step(ref, b)
         tokens, dropped = hand_counts([chosen[j] for j in sorted(chosen)], factor)
-        state, m = step(state, b)
+        state, m = meter(state, b)
+        seen += [(m["moe_imbalance"].item(), dropped)] if i else []
         assert torch.equal(m["moe_tokens"], tokens), (i, m["moe_tokens"], tokens)
         assert abs(m["moe_dropped"].item() - dropped) < 1e-6, (i, m["moe_dropped"], dropped)
         assert abs(m["loss"].item() - ref_m["loss"].item()) < 2e-5, (i, m["loss"], ref_m["loss"])
         assert_close(state, ref, what=f"step {i + 1}: ")
         dropped_any += dropped
     assert dropped_any > 0.05, dropped_any  # the skewed router overfills expert 0: rows were dropped
+    figures = meter.figures()
+    assert abs(figures["moe_imbalance"] - max(x for x, _ in seen)) < 1e-6, (figures, seen)
+    assert abs(figures["moe_dropped"] - sum(d for _, d in seen) / len(seen)) < 1e-6, (figures, seen)
 
 
 def run_ep(mesh, wrap, opt=None, steps=2, model=None):

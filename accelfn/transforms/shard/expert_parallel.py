@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -39,7 +39,7 @@ from torch import nn
 from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
-from .._base import TransformBase, conflict
+from .._base import TransformBase
 from .tensor_parallel import TensorParallelSync
 
 if TYPE_CHECKING:
@@ -139,13 +139,6 @@ class ExpertParallel(TransformBase):
     def size(self) -> int:
         return self.mesh.axis_size("ep")
 
-    def check(self, others: Sequence[Any]) -> None:
-        compiled = next((t for t in others if t.kind == "compile"), None)
-        if compiled is not None:  # dynamo fails on the experts' local DTensor pieces (torch 2.13)
-            raise conflict(
-                self, compiled, "the experts' dispatch is not compiled in this version: leave af.compile out"
-            )
-
     def describe(self) -> str:
         return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''})"
 
@@ -153,6 +146,7 @@ class ExpertParallel(TransformBase):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         from ...moe import AllToAllDispatcher, ep_forward
+        from ...moe.capacity import CAPACITY
 
         module = plan.module
         raw = dict(self.plan) if self.plan is not None else model_ep_plan(module)
@@ -189,15 +183,22 @@ class ExpertParallel(TransformBase):
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
         grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
         self.dispatchers.clear()
+        factors: set[float] = set()
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
-            self.dispatchers.append(AllToAllDispatcher(group, experts, self.size))
+            factor = getattr(m, CAPACITY, None)  # accelfn.moe.set_capacity
+            factors |= {factor} if factor is not None else set()
+            data = self.mesh.data_group()
+            self.dispatchers.append(
+                AllToAllDispatcher(group, experts, self.size, capacity_factor=factor, data_group=data)
+            )
             m.forward = functools.partial(ep_forward, m, self.dispatchers[-1], grouped=grouped)
         per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
         plan.notes.append(
             f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, "
             + (f"grouped GEMMs in {', '.join(str(d)[6:] for d in grouped)}, else " if grouped else "")
             + "per-expert loop"
+            + "".join(f", capacity factor {f} (tokens over it dropped)" for f in sorted(factors))
         )
 
 
@@ -205,9 +206,10 @@ class ExpertParallel(TransformBase):
 class ExpertParallelSync(TensorParallelSync):
     """The gradient sync under expert parallel: the data-parallel one (`inner`, which sums each expert only over
     the data axes it is not split over) for the sums; the norm and the overflow check over every rank, as under
-    tensor parallel, since the ep ranks hold different experts (each counted once: Megatron #5916). Adds
-    `metrics["moe_imbalance"]`: over the MoE layers, the largest ratio of the most loaded expert's rows to the
-    mean, on the step's global batch."""
+    tensor parallel, since the ep ranks hold different experts (each counted once: Megatron #5916). Adds the
+    step's MoE metrics of the global batch (`accelfn.moe.step_metrics`): `moe_tokens` [MoE layers, E],
+    `moe_imbalance` (over the layers, the largest ratio of the most loaded expert's rows to the mean) and, with a
+    capacity factor, `moe_dropped`."""
 
     dispatchers: list[Any] = attrs.Factory(list)
     data_group: Any = None  # the ranks that read different rows (their token counts add up)
@@ -222,17 +224,42 @@ class ExpertParallelSync(TensorParallelSync):
         return self.inner.max_over_ranks(x)
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        values = self.inner.reduce_metrics(values)
-        if not self.dispatchers and self.stages is None:
-            return values
-        ratio = torch.zeros(())  # a pipeline stage without MoE layers
-        if self.dispatchers:
-            counts = torch.stack([d.take_tokens() for d in self.dispatchers]).float()
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.data_group)
-            ratio = (counts.max(1).values / counts.mean(1).clamp_min(1e-12)).max()
-        if self.stages is not None:  # every stage's MoE layers
-            dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=self.stages)
-        return {**values, "moe_imbalance": ratio}
+        from ...moe import step_metrics
+
+        moe = step_metrics(self.dispatchers, self.data_group)
+        if self.stages is not None:
+            moe = over_stages(moe, self.stages)
+        return {**self.inner.reduce_metrics(values), **moe}
 
     def describe(self) -> str:
         return f"expert parallel (norm and overflow over all ranks); {self.inner.describe()}"
+
+
+def over_stages(moe: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
+    """The MoE metrics of a pipeline's stages (`group`: its pp group), from each stage's own (`step_metrics`, of
+    its layers): `moe_tokens` of every stage's layers in stage order, `moe_imbalance` their largest, `moe_dropped`
+    the fraction of all stages' rows. Collective over `group`; a stage without MoE layers passes `{}`."""
+    tokens = moe.get("moe_tokens")
+    size = dist.get_world_size(group)
+    shape = torch.tensor(list(tokens.shape) if tokens is not None else [0, 0])
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=group)
+    layers, experts = (max(int(s[i]) for s in shapes) for i in (0, 1))
+    mine = torch.zeros(layers, experts, dtype=torch.int64)
+    if tokens is not None:
+        mine[: tokens.shape[0]] = tokens
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    tokens = torch.cat([t[: int(s[0])] for t, s in zip(every, shapes)])
+    load = tokens.double()
+    out = {
+        "moe_tokens": tokens,
+        "moe_imbalance": (load.max(1).values / load.mean(1).clamp_min(1e-12)).max().float(),
+    }
+    rows = float(mine.sum())
+    dropped = torch.tensor([float(moe["moe_dropped"]) * rows if "moe_dropped" in moe else 0.0, rows, "moe_dropped" in moe],
+                           dtype=torch.float64)  # fmt: skip
+    dist.all_reduce(dropped, group=group)
+    if dropped[2] > 0:
+        out["moe_dropped"] = (dropped[0] / dropped[1].clamp_min(1)).float()
+    return out

@@ -115,6 +115,31 @@ def test_grouped_gemms_run_in_autocasts_dtype_on_fp32_master_weights(monkeypatch
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
 
 
+def test_under_autocast_the_rows_travel_in_its_dtype_with_the_loops_values():
+    """An fp32 residual stream under autocast bf16: the dispatch moves bf16 rows (half the bytes, both ways), and
+    the output and gradients equal transformers' own expert loop under the same autocast."""
+    experts = qwen().model.layers[0].mlp.experts
+    moved = []
+
+    class Recording(AllToAllDispatcher):
+        def dispatch(self, x, chosen):  # noqa: ANN001, ANN202
+            moved.append(x.dtype)
+            return super().dispatch(x, chosen)
+
+    torch.manual_seed(1)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    index, weights = torch.randint(0, EXPERTS, (6, 2)), torch.rand(6, 2)
+    outs = []
+    for forward in (lambda: ep_forward(experts, Recording(None, EXPERTS, 1), hidden, index, weights),
+                    lambda: experts(hidden, index, weights)):  # fmt: skip
+        with torch.autocast("cpu", torch.bfloat16):
+            y = forward()
+        outs.append((y.float(), *torch.autograd.grad((y.float() ** 2).sum(), [hidden, experts.down_proj])))
+    assert moved == [torch.bfloat16]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 def test_load_balancing_loss_with_padding_equals_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -296,11 +321,30 @@ def test_example_train_moe_under_accelfn_launch_with_an_ep_axis():
     assert "each rank holds 4 of 8 experts" in proc.stdout, output_of(proc)
 
 
-def test_dry_run_of_the_example_counts_the_all_to_alls_on_the_ep_axis():
-    """16 ranks (dp=2 x ep=8) on fake tensors: the dispatch models a balanced router (no expert ids to read), the
-    rows move through the same all-to-alls (4 per layer and step: dispatch and combine, forward and backward),
-    and the experts' gradients are summed over dp only."""
-    report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "16"], nproc_per_node=8,
-                        nnodes=2, device="cpu", mesh="dp=2,ep=8", search=False)  # fmt: skip
-    assert report.comm["all_to_all"]["ep"]["count"] == 8, report.comm
+def test_dry_run_of_the_example_at_deepseek_v3_shapes_on_256_h100s_counts_the_all_to_alls_and_the_experts():
+    """DeepSeek-V3's layer shapes (a `transformers` DeepseekV3Config, one dense and one MoE layer: 256 experts,
+    top-8) as one of 256 ranks (dp=32 x ep=8) of an H100 job, on fake tensors: the dispatch models a balanced
+    router; the rows move through 4 all-to-alls on ep (dispatch and combine, forward and backward) within a node;
+    the experts' gradients are summed over dp only; the experts run as on an H100 (grouped GEMMs in bf16) and
+    their FLOPs are counted: the step's FLOPs equal the model's matmuls and attention counted here by hand."""
+    tokens, k, d, f, heads = 4096, 8, 7168, 2048, 128
+    report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--model", "deepseek-v3", "--layers", "2", "--init",
+                        "meta", "--bf16", "--seq", str(tokens), "--batch-size", "1", "--steps", "2"],
+                        nproc_per_node=8, nnodes=32, gpu="h100", mesh="dp=32,ep=8", search=False)  # fmt: skip
+    a2a = report.comm["all_to_all"]["ep"]
+    assert a2a["count"] == 4 and a2a["intra_node"], report.comm
+    assert a2a["bus_bytes"] == 4 * tokens * k * d * 2 * 7 // 8  # bf16 rows, 7/8 of them to the other ranks
     assert "dp" in report.comm["all_reduce"], report.comm  # the experts' gradients: over dp, not dp x ep
+    assert "grouped GEMMs in bfloat16" in report.strategy, report.strategy
+    attention = 7168 * 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 * heads * 256 + heads * 128 * d
+    per_token = (
+        2 * attention + 3 * d * 18432 + 3 * d * f + d * 256 + d * 129280
+    )  # shared expert, router, head
+    routed = (
+        tokens * k * 3 * d * f
+    )  # every row one expert's gate_up and down (a balanced router: all received)
+    sdpa = 2 * (2 * 2 * tokens * tokens * 192 * heads) // 2  # q k^T and p v (v padded to 192), causal half
+    expected = 3 * (2 * tokens * per_token + 2 * routed) + 2 * (
+        sdpa + 5 * sdpa // 2
+    )  # fwd + 2 bwd; sdpa bwd: 5
+    assert report.flops_per_step == pytest.approx(expected, rel=0.01)

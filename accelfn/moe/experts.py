@@ -115,7 +115,11 @@ def ep_forward(
     Never compiled (`torch.compiler.disable`): under `af.compile` the blocks around it are (the attention, the
     router), and the dispatch (data-dependent splits, collectives) and the experts' DTensor pieces run eagerly."""
     tokens, k = top_k_index.shape
-    rows = hidden.repeat_interleave(k, dim=0)  # row t*k + j: token t's j-th choice
+    kind = hidden.device.type
+    # under autocast the rows travel in its dtype, which the experts' GEMMs would cast them to anyway: a bf16 run
+    # with an fp32 residual stream (af.autocast) moves half the bytes both ways, the same values
+    moved = hidden.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else hidden
+    rows = moved.repeat_interleave(k, dim=0)  # row t*k + j: token t's j-th choice
     received, counts, handle = dispatcher.dispatch(rows, top_k_index.reshape(-1))
     back = dispatcher.combine(local_experts(module, received, counts, grouped), handle).view(tokens, k, -1)
     out = (back.float() * top_k_weights.float().unsqueeze(-1)).sum(1)

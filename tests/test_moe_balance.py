@@ -211,3 +211,50 @@ def test_moe_over_ep2_equals_one_process_and_composes():
     fp8, experts not (said in print(step)), equal to dp=2 with the same fp8 layers."""
     configs = ["balance", "capacity", "compile", "offload", "fp8"]
     expect_ok(run_workers("moe_balance_worker.py", 2, *configs, timeout=400), configs, 2)
+
+
+def _deepseek() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                           num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                           q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+                           n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0, 0.5)
+    return model
+
+
+def test_a_deepseek_v3_router_keeps_its_sigmoid_group_choice_and_its_own_bias_moves():
+    """DeepSeek-V3's router (sigmoid scores, top-k within the best groups, its own `e_score_correction_bias` for the
+    choice only) keeps its forward; add_expert_bias only counts its choices (equal to the experts its forward
+    returns, recorded by a hook), and update_expert_bias moves its own bias by rate * sign(mean - count)."""
+    model = _deepseek()
+    gate = model.model.layers[1].mlp.gate
+    chosen: list[torch.Tensor] = []
+    gate.register_forward_hook(lambda m, args, out: chosen.append(out[-1].detach().reshape(-1)))
+    assert add_expert_bias(model) == ["model.layers.1.mlp.gate"]
+    step = af.train_step(lm, af.optim.sgd(0.1))
+    state, _ = step(step.init(model, seed=0), batch())
+    counts = torch.bincount(torch.cat(chosen), minlength=8)
+    assert torch.equal(state.buffers["model.layers.1.mlp.gate.expert_tokens"], counts)
+    new, metrics = update_expert_bias(state, rate=0.25)
+    want = 0.25 * torch.sign(counts.double().mean() - counts.double()).float()
+    assert torch.equal(new.buffers["model.layers.1.mlp.gate.e_score_correction_bias"], want)
+    assert torch.equal(metrics["moe_tokens"][0], counts)
+    with torch.no_grad():  # the moved bias steers the choice: a large one on expert 5 takes every row
+        bias = gate.e_score_correction_bias
+        bias.copy_(torch.zeros(8))
+        bias[5] = 100.0
+        _, _, idx = gate(torch.randn(10, 16))
+    assert (idx == 5).any(-1).all()
+
+
+def test_a_group_limited_router_without_its_own_bias_is_refused():
+    model = _deepseek()
+    gate = model.model.layers[1].mlp.gate
+    del gate.e_score_correction_bias
+    with pytest.raises(ValueError, match="is not a softmax top-k router"):
+        add_expert_bias(model, routers=["model.layers.1.mlp.gate"])

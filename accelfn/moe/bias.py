@@ -30,7 +30,15 @@ from torch import nn
 
 from ..state import TrainState
 
-__all__ = ["register_expert_bias", "add_expert_bias", "biased_topk", "update_expert_bias", "BIAS", "TOKENS"]
+__all__ = [
+    "register_expert_bias",
+    "add_expert_bias",
+    "biased_topk",
+    "update_expert_bias",
+    "BIAS",
+    "TOKENS",
+    "OWN_BIAS",
+]
 
 BIAS, TOKENS = "expert_bias", "expert_tokens"
 
@@ -72,15 +80,31 @@ def _topk_router_forward(router: nn.Module, hidden_states: torch.Tensor) -> tupl
 _ROUTER_ATTRS = ("weight", "top_k", "num_experts", "hidden_dim")
 
 
+OWN_BIAS = "e_score_correction_bias"  # DeepSeek-V3's (and GLM-4.5's...) own aux-loss-free bias buffer
+
+
+def _counted_forward(router: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A router with its own bias (DeepSeek-V3's sigmoid, group-limited top-k, which adds
+    `e_score_correction_bias` for the choice only): its own forward, the chosen experts counted."""
+    out = type(router).forward(router, hidden_states)
+    if _counting():
+        tokens: torch.Tensor = getattr(router, TOKENS)
+        flat = out[-1].reshape(-1)
+        tokens.scatter_add_(0, flat, torch.ones_like(flat, dtype=tokens.dtype))
+    return out  # type: ignore[no-any-return]
+
+
 def add_expert_bias(model: nn.Module, routers: Iterable[str] | None = None) -> list[str]:
-    """Aux-loss-free balancing for a `transformers` MoE model: every softmax top-k router (a module whose class
-    name ends in `TopKRouter`, with `weight`, `top_k`, `num_experts`, `hidden_dim`), or the modules named in
-    `routers`, gets the buffers and a forward that chooses with the bias. Call before `step.init(model)`.
+    """Aux-loss-free balancing for a `transformers` MoE model: every top-k router (a module whose class name ends
+    in `TopKRouter` or `TopkRouter`, with `weight`, `top_k`, `num_experts`, `hidden_dim`), or the modules named in
+    `routers`. A softmax router gets the buffers and a forward that chooses with the bias; a router with its own
+    bias (`e_score_correction_bias`: DeepSeek-V3's sigmoid, group-limited top-k) keeps its forward and that bias,
+    and gets `expert_tokens` only (`update_expert_bias` moves its own bias). Call before `step.init(model)`.
     Returns the routers' names. (A user's own router calls `register_expert_bias` and `biased_topk` itself.)"""
     names = (
         list(routers)
         if routers is not None
-        else [n for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        else [n for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
     )
     if not names:
         raise ValueError(
@@ -89,8 +113,16 @@ def add_expert_bias(model: nn.Module, routers: Iterable[str] | None = None) -> l
         )
     for name in names:
         router = model.get_submodule(name)
+        if isinstance(getattr(router, OWN_BIAS, None), torch.Tensor) and hasattr(router, "num_experts"):
+            router.register_buffer(TOKENS, torch.zeros(int(router.num_experts), dtype=torch.int64))  # type: ignore[arg-type]
+            router.forward = _counted_forward.__get__(router)  # type: ignore[method-assign]
+            continue
         missing = [a for a in _ROUTER_ATTRS if not hasattr(router, a)]
-        if missing or getattr(router, "score_function", "softmax") != "softmax":
+        if (
+            missing
+            or getattr(router, "score_function", "softmax") != "softmax"
+            or hasattr(router, "num_group")
+        ):
             raise ValueError(
                 f"add_expert_bias: the router {name!r} ({type(router).__name__}) is not a softmax top-k router "
                 f"(missing {missing or 'a softmax score'}); call register_expert_bias and biased_topk in it instead"
@@ -107,7 +139,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def update_expert_bias(
     state: TrainState, rate: float = 1e-3, group: Any = None
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    """The state with every router's `expert_bias` moved by `rate * sign(mean - count)` on the step's global
+    """The state with every router's `expert_bias` (or its own `e_score_correction_bias`) moved by `rate * sign(mean - count)` on the step's global
     counts (`expert_tokens` summed over `group`, the data-parallel ranks: `mesh.data_group()`) and the counts
     zeroed; and `{"moe_tokens": [routers, E]}`, the global counts, to add to the step's metrics. Call once
     after each optimizer step, on every rank (a collective). ValueError on a state without the buffers."""
@@ -125,7 +157,8 @@ def update_expert_bias(
     step = torch.sign(load.mean(-1, keepdim=True) - load).float() * rate
     buffers = dict(state.buffers)
     for i, r in enumerate(routers):
-        bias = state.buffers[f"{r}.{BIAS}"]
-        buffers[f"{r}.{BIAS}"] = bias + step[i].to(bias.device, bias.dtype)
+        key = f"{r}.{BIAS}" if f"{r}.{BIAS}" in state.buffers else f"{r}.{OWN_BIAS}"
+        bias = state.buffers[key]
+        buffers[key] = bias + step[i].to(bias.device, bias.dtype)
         buffers[f"{r}.{TOKENS}"] = torch.zeros_like(state.buffers[f"{r}.{TOKENS}"])
     return state.replace(buffers=buffers), {"moe_tokens": counts}

@@ -25,20 +25,20 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_llama.py"
 
-ROWS = [  # name, nproc per node, nodes, script args, target seconds
-    ("8B, 64 H100s", 8, 8, ("--model", "8b", "--remat", "selective"), 300),
-    ("70B, 256 H100s", 8, 32, ("--model", "70b", "--remat", "full"), 600),
-    ("405B, 512 H100s", 8, 64, ("--model", "405b", "--remat", "full"), 900),
+ROWS = [  # name, nproc per node, nodes, script args, target seconds, global batch (sequences)
+    ("8B, 64 H100s", 8, 8, ("--model", "8b", "--remat", "selective"), 300, 128),
+    ("70B, 256 H100s", 8, 32, ("--model", "70b", "--remat", "full"), 600, 512),
+    ("405B, 512 H100s", 8, 64, ("--model", "405b", "--remat", "full"), 900, 512),
 ]
 COMMON = ("--seq-len", "8192", "--bf16", "--init", "meta")
 
 
 def run(row: tuple, budget_minutes: float) -> dict:
-    name, nproc, nnodes, args, target = row
+    name, nproc, nnodes, args, target, gbs = row
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         cmd = [sys.executable, "-m", "accelfn.cli.main", "plan", "--nproc-per-node", str(nproc), "--nnodes",
-               str(nnodes), "--budget-minutes", str(budget_minutes), "--no-progress", "--json", str(out),
+               str(nnodes), "--budget-minutes", str(budget_minutes), "--global-batch-size", str(gbs), "--no-progress", "--json", str(out),
                str(SCRIPT), *args, *COMMON]  # fmt: skip
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -57,6 +57,7 @@ def run(row: tuple, budget_minutes: float) -> dict:
         "rss_gib": usage.ru_maxrss / 2**20,  # KiB on Linux
         "candidates": plan["candidates"],
         "dry_runs": plan["dry_runs"],
+        "extrapolated": plan.get("extrapolated", 0),
         "tiers": plan["tiers"],
         "chosen": chosen.get("candidate", {}).get("label", "none fits"),
         "tokens": chosen.get("tokens_per_s_per_gpu"),

@@ -190,11 +190,13 @@ def _run_once(
     mesh: str | None,
     search: bool,
     assumptions: Assumptions,
+    on_model: Callable[[Any], None] | None = None,
 ) -> tuple[Report, Session]:
     from torch._guards import detect_fake_mode
 
     capacity = spec.memory_bytes - assumptions.reserve_bytes if spec is not None else None
     session = Session(steps, capacity, search, step)
+    session.on_model = on_model
     session.device_is_host = device == "cpu"
     session.spec = spec
     start = time.perf_counter()
@@ -237,6 +239,7 @@ def dry_run(
     mesh: str | None = None,
     search: bool = True,
     assumptions: Assumptions | None = None,
+    on_model: Callable[[Any], None] | None = None,
 ) -> Report:
     """Run `script` (a path, with `args`, or a function) as rank `rank` of `nproc_per_node` x `nnodes`
     processes over a fake process group, every tensor fake, measuring the first `steps` calls of each step
@@ -251,8 +254,9 @@ def dry_run(
     needs. `rank="worst"` runs 0, the middle and the last rank and one rank per pipeline stage and per end of
     an unevenly sharded axis, and reports the one with the largest peak (the micro-batch search runs on it).
     `mesh` is `accelfn launch --mesh`'s spec (`"dp=8,tp=8"`) for scripts that read it with
-    `af.Mesh.from_env()`. `search=False` skips the search for the largest micro-batch. Errors the real first
-    step would raise are raised unchanged.
+    `af.Mesh.from_env()`. `search=False` skips the search for the largest micro-batch. `on_model` is called
+    with each model given to `step.init`, before its lowering (the planner's layer-extrapolated tier keeps a
+    few of its blocks). Errors the real first step would raise are raised unchanged.
 
     Example:
         >>> import torch, accelfn as af
@@ -291,6 +295,7 @@ def dry_run(
         device=device,
         mesh=mesh,
         assumptions=assumptions,
+        on_model=on_model,
     )
     if rank != "worst":
         return _run_once(script, list(args), rank=int(rank), search=search, **common)[0]

@@ -75,6 +75,7 @@ class Session(dry_mode.Watcher):
         self.init: InitTracker | None = None  # the memory before the first training step (a dry run's)
         self.device_is_host = False  # the real run computes on the host (device "cpu"): no separate device
         self.spec: Any = None  # the device table's row the run models (`accelfn.platforms.specs.DeviceSpec`)
+        self.on_model: Callable[[Any], None] | None = None  # called with each model before step.init lowers it
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
@@ -96,6 +97,8 @@ class Session(dry_mode.Watcher):
             self._grads = t.label(_locals(run.grads), "grads")
 
     def init_call(self, step: Any, model: Any, call: Callable[[], Any]) -> Any:
+        if self.on_model is not None:
+            self.on_model(model)
         init = self.init
         if init is None or not init.active or self.device_is_host:
             return call()

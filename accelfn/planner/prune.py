@@ -23,7 +23,7 @@ import attrs
 
 from .candidates import Candidate, data_size
 
-__all__ = ["States", "states_bound", "illegal", "shards"]
+__all__ = ["States", "states_bound", "illegal", "shards", "time_bound"]
 
 
 @attrs.frozen
@@ -77,3 +77,18 @@ def illegal(c: Candidate) -> str | None:
     if c.accumulate and (gbs // dp) % c.accumulate:
         return f"each rank's {gbs // dp} samples do not split into {c.accumulate} micro-batches"
     return None
+
+
+def time_bound(c: Candidate, compute_s: float, world: int) -> float:
+    """A lower bound of `c`'s step time: `compute_s` (the compute of the whole global batch at the probe's
+    efficiency: one process, the largest matmuls, no recomputation beyond the script's own) shared by the
+    `world` ranks, plus a pipeline's bubble, at least (pp - 1) micro-batch slots of its `pipeline_microbatches`
+    per stage (1F1B and GPipe alike); no communication.
+
+    Example:
+        >>> time_bound(Candidate({"pp": 4, "dp": 2}, pipeline_microbatches=8), 8.0, 8)
+        1.375
+    """
+    pp, micro = c.mesh.get("pp", 1), c.pipeline_microbatches
+    bubble = (pp - 1) / micro if pp > 1 and micro else 0.0
+    return compute_s / world * (1 + bubble)

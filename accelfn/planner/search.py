@@ -46,6 +46,9 @@ class Job:
     )
     reserve_bytes: int | None = None  # the device memory kept free (None: the dry run's default)
     scale: float = 1.0  # the calibrated compute speed (`calibrate.scaled_assumptions`)
+    blocks: tuple[
+        int, ...
+    ] = ()  # the layer-extrapolated tier: dry-run with these many blocks (see extrapolate)
 
     @property
     def world(self) -> int:
@@ -53,42 +56,58 @@ class Job:
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    """Run `job` in this process: `{"report": dict, "asked": [...]}`, or `{"error": str, "lowering": bool,
-    "asked": [...]}` where the script (its lowering, when `lowering`) raised."""
+    """Run `job` in this process: `{"report": dict, "blocks": the model's blocks, "asked": [...]}`, or `{"error": str, "lowering": bool,
+    "asked": [...]}` where the script (its lowering, when `lowering`) raised. With `job.blocks`, one dry run
+    per (rank, blocks) with the model cut to that many blocks: `{"reports": {blocks: [one per rank]},
+    "blocks": the model's own count, "asked": [...]}`."""
+    from .extrapolate import keep_blocks
+
+    launch_env.ASKED.clear()
+    ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
+    seen: dict[str, int] = {}
+    try:
+        if job.blocks:
+            cut = {
+                n: [_dry_run(job, rank, keep_blocks(n, seen)).to_dict() for rank in ranks] for n in job.blocks
+            }
+            return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}
+        reports = [_dry_run(job, rank, keep_blocks(None, seen)) for rank in ranks]
+        report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
+        return {
+            "report": report.to_dict(),
+            "blocks": seen.get("blocks", 0),
+            "asked": sorted(launch_env.ASKED),
+        }
+    except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
+        lowering = isinstance(e, (ValueError, NotImplementedError))
+        return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+
+
+def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any:
+    """One `af.dry_run` of `job` as `rank`, the knobs' environment set and the script's output kept quiet."""
     from ..dryrun import dry_run
     from .calibrate import scaled_assumptions
 
     knob_vars = [var for var, _ in launch_env.KNOBS.values()]
-    launch_env.ASKED.clear()
     quiet = io.StringIO()  # the script's own prints and progress bars
-    ranks = [0, job.world - 1] if job.rank == "ends" else [job.rank]
-    try:
-        reports = []
-        for rank in ranks:
-            with (
-                launch_env.environ_set(dict(job.env), unset=knob_vars),
-                contextlib.redirect_stdout(quiet),
-                contextlib.redirect_stderr(quiet),
-            ):
-                reports.append(
-                    dry_run(
-                        job.script,
-                        job.args,
-                        nproc_per_node=job.nproc_per_node,
-                        nnodes=job.nnodes,
-                        device=job.device,
-                        gpu=job.gpu,
-                        mesh=job.mesh,
-                        rank=rank,
-                        search=False,
-                        assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes),
-                    )
-                )
-        report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
-        return {"report": report.to_dict(), "asked": sorted(launch_env.ASKED)}
-    except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
-        lowering = isinstance(e, (ValueError, NotImplementedError))
-        return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+    with (
+        launch_env.environ_set(dict(job.env), unset=knob_vars),
+        contextlib.redirect_stdout(quiet),
+        contextlib.redirect_stderr(quiet),
+    ):
+        return dry_run(
+            job.script,
+            job.args,
+            nproc_per_node=job.nproc_per_node,
+            nnodes=job.nnodes,
+            device=job.device,
+            gpu=job.gpu,
+            mesh=job.mesh,
+            rank=rank,
+            search=False,
+            assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes),
+            on_model=on_model,
+        )
 
 
 def _init_worker() -> None:
@@ -125,17 +144,26 @@ class Pool:
         return self._pool.submit(run_job, job).result() if self._pool is not None else run_job(job)
 
     def map(
-        self, jobs: Iterable[Job], *, deadline: float | None = None, done: Callable[[], None] | None = None
+        self,
+        jobs: Iterable[Job],
+        *,
+        deadline: float | None = None,
+        done: Callable[[], None] | None = None,
+        skip: Callable[[Job], dict[str, Any] | None] | None = None,
     ) -> Iterator[tuple[Job, dict[str, Any] | None]]:
         """Yield `(job, result)` as jobs finish, `result` None for the jobs not started before `deadline` (a
-        `time.monotonic()` value)."""
+        `time.monotonic()` value); `skip(job)`, asked as each job is about to start (so it sees what the jobs
+        before it found), returns the result to yield instead of running it (None: run it)."""
         pending = list(jobs)
         running: dict[cf.Future[dict[str, Any]], Job] = {}
         width = self.workers if self._pool is not None else 1
         while pending or running:
             while pending and len(running) < width:
                 job = pending.pop(0)
-                if deadline is not None and time.monotonic() > deadline:
+                verdict = skip(job) if skip is not None else None
+                if verdict is not None:
+                    yield job, verdict
+                elif deadline is not None and time.monotonic() > deadline:
                     yield job, None
                 elif self._pool is None:
                     yield job, run_job(job)

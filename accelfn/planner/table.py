@@ -40,6 +40,7 @@ class Row:
     error_band: float | None = None  # the prediction's expected relative error, where the time model gives it
 
     exposed_s: float | None = None  # the prediction's exposed communication, where the time model gives it
+    extrapolated: bool = False  # from dry runs with a few blocks per stage (`extrapolate`), not yet confirmed
 
     @property
     def exposed_comm_s(self) -> float | None:
@@ -72,6 +73,7 @@ class Row:
             ),
             error_band=p.get("error_band"),
             exposed_s=p.get("exposed_comm_s"),
+            extrapolated="extrapolated" in report,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +97,17 @@ class Fallen:
     reason: str
 
 
-TIERS = ("legality", "states bound", "lowering", "failed", "script fixes the mesh", "does not fit", "budget")
+TIERS = (
+    "legality",
+    "states bound",
+    "lowering",
+    "failed",
+    "script fixes the mesh",
+    "does not fit",
+    "dominated",
+    "time bound",
+    "budget",
+)
 
 
 def _ms(s: float | None) -> str:
@@ -122,7 +134,9 @@ class Plan:
     unfit: list[Row] = attrs.Factory(list)  # measured, but over the device's memory
     capacity_bytes: int | None = None
     global_batch_size: int | None = None
-    dry_runs: int = 0  # how many dry runs the search ran
+    dry_runs: int = 0  # how many dry runs the search ran (a layer-extrapolated candidate's two count as one)
+    extrapolated: int = 0  # how many candidates were measured by the layer-extrapolated tier
+    confirmed: int = 0  # ... of which the full dry run confirmed (re-measured) the best
 
     @property
     def best(self) -> Row | None:
@@ -169,6 +183,8 @@ class Plan:
             "capacity_bytes": self.capacity_bytes,
             "candidates": self.candidates,
             "dry_runs": self.dry_runs,
+            "extrapolated": self.extrapolated,
+            "confirmed": self.confirmed,
             "open_knobs": self.open_knobs,
             "fixed_knobs": self.fixed_knobs,
             "chosen": best.to_dict() if best else None,
@@ -188,6 +204,14 @@ class Plan:
         lines = [
             f"accelfn plan: {self.script} on {self.nproc_per_node} x {self.nnodes} = {world} "
             f"{self.gpu or 'devices'}; {self.candidates} candidates, {self.dry_runs} dry runs, {self.elapsed_s:,.1f} s",
+            *(
+                [
+                    f"  {self.extrapolated} measured with a few blocks per stage and extrapolated (~), "
+                    f"{self.confirmed} of the best confirmed by full dry runs"
+                ]
+                if self.extrapolated
+                else []
+            ),
             f"  chosen by the plan: {', '.join(k for k in self.open_knobs if k != 'global_batch_size')}",
         ]
         if self.global_batch_size:
@@ -201,7 +225,7 @@ class Plan:
         lines += ["", head]
         for i, r in enumerate(self.rows[:top], 1):
             lines.append(
-                f"  {i:>3}  {r.candidate.label:<48}{gib(r.peak):>12}"
+                f"  {i:>3}{'~' if r.extrapolated else ' '} {r.candidate.label:<48}{gib(r.peak):>12}"
                 f"{gib(r.headroom) if r.headroom is not None else '-':>12}{_ms(r.step_time_s):>10}"
                 f"{f'{r.tokens_per_s_per_gpu:,.0f}' if r.tokens_per_s_per_gpu else '-':>11}"
                 f"{f'{r.mfu:.1%}' if r.mfu is not None else '-':>7}{_ms(r.exposed_comm_s):>11}"

@@ -1,10 +1,14 @@
 """`af.plan`: the fastest configuration of an unmodified training script that fits, chosen on this CPU.
 
 The tiers, cheapest first: a one-process dry run of the script (a probe) tells which knobs it leaves open
-("auto", `accelfn.launch_env.knob`) and the whole model's states; the candidates of those knobs and of the mesh
-are enumerated (`candidates`); the planner's own legality and the exact states bound prune them (`prune`); the
-survivors are dry-run on fake ranks two processes at a time (`search`), first one per mesh (its lowering's
-errors, such as a tp that does not divide the heads, prune every candidate of that mesh), then the rest; the
+("auto", `accelfn.launch_env.knob`), the whole model's states, its blocks and its compute; the candidates of
+those knobs and of the mesh are enumerated (`candidates`); the planner's own legality and the exact states bound
+prune them (`prune`); the survivors are dry-run on fake ranks two processes at a time (`search`), the most
+promising first, each skipped where an earlier one shows it cannot win: a lowering error of its mesh (a tp that
+does not divide the heads), a smaller accumulation of the same configuration that fits (dominated), or a lower
+bound of its step time (the probe's compute shared by the ranks, plus the pipeline's bubble) above the best
+step time found (time bound). A model of many identical blocks without a pipeline is dry-run with 2 and 3 of
+its blocks and extrapolated (`extrapolate`); the best rows so measured are confirmed by full dry runs. The
 measured ones are ranked by predicted tokens/s per GPU (`table`).
 """
 
@@ -21,7 +25,8 @@ import attrs
 from .. import launch_env
 from .calibrate import Calibration
 from .candidates import Candidate, Space, enumerate_candidates
-from .prune import States, illegal, states_bound
+from .extrapolate import BLOCKS, extrapolate
+from .prune import States, illegal, states_bound, time_bound
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
 
@@ -73,6 +78,8 @@ def plan(
     prune: bool = True,
     memory_gib: float | None = None,
     calibration: Calibration | None = None,
+    confirm: int = 3,
+    extrapolate_min_blocks: int | None = 8,
 ) -> Plan:
     """Search the configurations of `script` (run unmodified, with `args`) on `nproc_per_node` x `nnodes`
     devices of row `gpu` (default h100-sxm) and return the `Plan`: candidates ranked by predicted tokens/s per
@@ -88,6 +95,9 @@ def plan(
     `calibration` (`accelfn.planner.calibrate.load(gpu)`, from `accelfn plan --calibrate RUN_DIR`) scales the
     compute model to the measured runs on that device and gives each row its error band.
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
+    A candidate without a pipeline of a model with at least `extrapolate_min_blocks` blocks (None: never) is
+    measured by dry runs of its model cut to 2 and 3 blocks, extrapolated to all of them (rows marked `~`);
+    the best `confirm` rows are then re-measured by full dry runs (the chosen row's always, the budget or not).
 
     Example:
         >>> import pathlib, tempfile, accelfn as af
@@ -192,58 +202,119 @@ def plan(
         base = Job(
             text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve, scale=scale
         )
+        blocks = int(probe.get("blocks", 0))
+        # the compute of the whole global batch at the probe's (one process, the largest matmuls) efficiency:
+        # a rank's share of it is a lower bound of any candidate's step time (only with the global batch fixed)
+        probe_compute = (probe["report"].get("predicted") or {}).get("compute_s")
+        bounded = prune and bool(probe_compute) and "global_batch_size" in asked and bool(global_batch_size)
+        world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
-        first: dict[str, Candidate] = {}
-        for c in survivors:
-            first.setdefault(c.mesh_spec, c)
         bad_mesh: dict[str, str] = {}
-        runs = 0
+        # each group's (every knob but accumulate) smallest accumulation that fits
+        fitting: dict[tuple[object, ...], int] = {}
+        best: list[float] = []  # the best fitting step time so far
+        counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
+
+        def lower(c: Candidate) -> float:
+            return time_bound(c, probe_compute or 0.0, world)
+
+        def extrapolating(c: Candidate) -> bool:
+            pp = c.mesh.get("pp", 1)
+            return extrapolate_min_blocks is not None and pp == 1 and blocks >= extrapolate_min_blocks
+
+        def job_of(c: Candidate) -> Job:
+            job = _job(c, base)
+            return attrs.evolve(job, blocks=BLOCKS) if extrapolating(c) else job
+
+        def skip(job: Job) -> dict[str, Any] | None:
+            c = by_job[job]
+            if c.mesh_spec in bad_mesh:
+                return {
+                    "fell": "lowering",
+                    "why": f"{bad_mesh[c.mesh_spec]} (as an earlier candidate of its mesh)",
+                }
+            if not prune:
+                return None
+            smaller = fitting.get(_group(c))
+            if smaller is not None and c.accumulate is not None and smaller < c.accumulate:
+                return {"fell": "dominated", "why": f"acc={smaller} fits (larger micro-batches, fewer steps)"}
+            if bounded and best and lower(c) > best[0]:
+                return {
+                    "fell": "time bound",
+                    "why": f"its compute and bubble alone take >= {lower(c) * 1e3:,.1f} ms, the best so far "
+                    f"{best[0] * 1e3:,.1f} ms",
+                }
+            return None
 
         def record(c: Candidate, result: dict[str, Any] | None) -> None:
             if result is None:
                 fallen.append(
                     Fallen(c, "budget", f"{c.label}: not run, the budget of {budget_minutes:g} min ran out")
                 )
-            elif "error" in result:
+                return
+            if "fell" in result:
+                fallen.append(Fallen(c, result["fell"], f"{c.label}: {result['why']}"))
+                return
+            counts["runs"] += 1
+            if "error" in result:
                 tier = "lowering" if result["lowering"] else "failed"
                 fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
-                if prune and first.get(c.mesh_spec) is c and result["lowering"]:
-                    bad_mesh[c.mesh_spec] = result["error"]
-            else:
-                report = result["report"]
-                if c.mesh and report["mesh"] != c.mesh:
-                    fallen.append(
-                        Fallen(c, "script fixes the mesh", f"{c.label}: the script ran on {report['mesh']}")
-                    )
-                    return
-                row = Row.of(c, report)
-                if band is not None and row.error_band is None:
-                    row = attrs.evolve(row, error_band=band)
-                if row.fits is False:
-                    unfit.append(row)
-                    fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
-                else:
-                    rows.append(row)
+                if prune and result["lowering"]:
+                    bad_mesh.setdefault(c.mesh_spec, result["error"])
+                return
+            report = result["report"] if "report" in result else _extrapolated(result)
+            counts["extrapolated"] += "report" not in result
+            if c.mesh and report["mesh"] != c.mesh:
+                fallen.append(
+                    Fallen(c, "script fixes the mesh", f"{c.label}: the script ran on {report['mesh']}")
+                )
+                return
+            row = Row.of(c, report)
+            if band is not None and row.error_band is None:
+                row = attrs.evolve(row, error_band=band)
+            if row.fits is False:
+                unfit.append(row)
+                fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
+                return
+            rows.append(row)
+            if c.accumulate is not None:
+                group = _group(c)
+                fitting[group] = min(fitting.get(group, c.accumulate), c.accumulate)
+            if row.step_time_s and (not best or row.step_time_s < best[0]):
+                best[:] = [row.step_time_s]
 
-        for wave in (
-            _interleaved([c for c in survivors if first[c.mesh_spec] is c]),
-            _interleaved([c for c in survivors if first[c.mesh_spec] is not c]),
-        ):
-            jobs = []
-            for c in wave:
-                if c.mesh_spec in bad_mesh:
-                    reason = f"{c.label}: {bad_mesh[c.mesh_spec]} (as the first candidate of its mesh)"
-                    fallen.append(Fallen(c, "lowering", reason))
-                    bar.update(1)
-                    continue
-                job = _job(c, base)
-                by_job[job] = c
-                jobs.append(job)
-            for job, result in pool.map(jobs, deadline=deadline, done=lambda: bar.update(1)):
-                record(by_job[job], result)
-                runs += result is not None
+        # the most promising first (the lowest bound, the largest micro-batches), so that the bound and the
+        # dominance prune the most; the (tp, cp) groups interleaved, so that a search the budget cuts short has
+        # tried every intra-node split
+        order = sorted(_interleaved(survivors), key=lambda c: (round(lower(c), 9), c.accumulate or 1))
+        jobs = []
+        for c in order:
+            job = job_of(c)
+            by_job[job] = c
+            jobs.append(job)
+        for job, result in pool.map(jobs, deadline=deadline, done=lambda: bar.update(1), skip=skip):
+            record(by_job[job], result)
         bar.close()
-    rows.sort(key=lambda r: (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak))
+
+        # the best rows measured by extrapolation are confirmed by full dry runs until the first `confirm` are
+        # full dry runs (the chosen row's figures are the exact dry run's; its confirmation ignores the budget)
+        while True:
+            rows.sort(key=_rank)
+            todo = [r for r in rows[:confirm] if r.extrapolated]
+            if todo and time.monotonic() > deadline:
+                todo = todo[:1] if rows[0].extrapolated else []
+            if not todo:
+                break
+            full = {_job(r.candidate, base): r for r in todo}
+            for job, result in pool.map(list(full)):
+                r = full[job]
+                rows.remove(r)
+                counts["confirmed"] += 1
+                record(r.candidate, result)
+    rows.sort(key=_rank)
+    if any(r.extrapolated for r in rows[:confirm]):
+        notes.append("rows marked ~ are extrapolated from dry runs with a few blocks (the budget ran out before "
+                     "their full dry runs)")  # fmt: skip
     if "mesh" in open_knobs and any(f.tier == "script fixes the mesh" for f in fallen):
         notes.append("the script fixes its mesh (it does not read af.Mesh.from_env()): the plan keeps it")
     if calibration is not None:
@@ -270,8 +341,30 @@ def plan(
         unfit=sorted(unfit, key=lambda r: -(r.tokens_per_s_per_gpu or 0.0)),
         capacity_bytes=capacity,
         global_batch_size=global_batch_size,
-        dry_runs=runs,
+        dry_runs=counts["runs"],
+        extrapolated=counts["extrapolated"],
+        confirmed=counts["confirmed"],
     )
+
+
+def _rank(r: Row) -> tuple[float, float, int]:
+    """Best first: tokens/s per GPU, then the step time, then the peak."""
+    return (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak)
+
+
+def _group(c: Candidate) -> tuple[object, ...]:
+    """What identifies a candidate but its accumulation (the candidates among which the fewest micro-batches
+    that fit is the fastest)."""
+    return (c.mesh_spec, *((k, v) for k, v in c.knobs().items() if k != "accumulate"))
+
+
+def _extrapolated(result: dict[str, Any]) -> dict[str, Any]:
+    """The report of a layer-extrapolated job (`search.run_job` with `Job.blocks`, one pipeline stage): each
+    rank's two cut runs extrapolated to the model's blocks, the rank with the larger peak kept."""
+    k1, k2 = BLOCKS
+    r1s, r2s = result["reports"][k1], result["reports"][k2]
+    done = [extrapolate(a, b, k1, k2, result["blocks"]) for a, b in zip(r1s, r2s, strict=True)]
+    return max(done, key=lambda r: r["per_rank"]["peak"])
 
 
 def _interleaved(candidates: list[Candidate]) -> list[Candidate]:

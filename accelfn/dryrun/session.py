@@ -75,7 +75,7 @@ class Session(dry_mode.Watcher):
         self.init: InitTracker | None = None  # the memory before the first training step (a dry run's)
         self.device_is_host = False  # the real run computes on the host (device "cpu"): no separate device
         self.spec: Any = None  # the device table's row the run models (`accelfn.platforms.specs.DeviceSpec`)
-        self.on_model: Callable[[Any], None] | None = None  # called with each model before step.init lowers it
+        self.on_model: Callable[[Any], None] | None = None  # called with each model before its lowering
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:

@@ -1,7 +1,7 @@
 """Mixture of experts: tokens/s of expert parallel vs the same model sharded as dense, the experts' grouped GEMM
 vs the per-expert loop, and the dry run's predicted step for Qwen3-235B-A22B on 64 H100s with and without ep.
 
-    python benchmarks/moe.py [--nproc 2] [--steps 8] [--part train,gemm,dryrun]
+    python benchmarks/moe.py [--nproc 2] [--steps 8] [--part train,gemm,dryrun] [--only 235b|deepseek]
 
 train   one job of `--nproc` CPU processes per mesh (`accelfn launch`, gloo): a small Qwen3-MoE (`--experts`, top-2,
         `--hidden`, `--layers`), AdamW, fp32, `--rows` x `--seq` tokens per
@@ -10,8 +10,11 @@ train   one job of `--nproc` CPU processes per mesh (`accelfn launch`, gloo): a 
         On CPU the experts run as the per-expert loop (the CPU platform lists no grouped-GEMM dtype).
 gemm    one process: `accelfn.moe.local_experts` on the same rows, grouped (`torch._grouped_mm`, which torch
         runs on CPU too, though no platform picks it there) vs the loop, forward + backward.
-dryrun  `accelfn dry-run --nproc-per-node 8 --nnodes 8 --gpu h100` of examples/train_moe.py --model 235b-a22b
-        (meta device, bf16, full remat, one 4096-token row per rank), mesh fsdp=64 vs fsdp=8,ep=8 (~2 min each).
+dryrun  `accelfn dry-run --nproc-per-node 8 --gpu h100` of examples/train_moe.py (meta device, bf16, full remat,
+        4096-token rows, `--batch-size` rows per rank): Qwen3-235B-A22B on 8 nodes over the meshes a user would
+        try (fsdp only; ep=8 in a node with efsdp across nodes, at 1, 2 and 4 rows; ep=16/32/64 across nodes), and
+        DeepSeek-V3 (671B) on 32 and 128 nodes (`DRYRUNS`; `--only 235b` or `--only deepseek`); ~1-5 min each.
+        The all-to-alls' bus bytes are split into what crosses the network and what stays on NVLink.
 """
 
 from __future__ import annotations
@@ -120,24 +123,65 @@ def gemm(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def dryrun() -> list[dict]:
+DRYRUNS = [  # model, nodes of 8, mesh, rows per rank, strategy (fsdp: the experts FSDP-sharded over efsdp)
+    ("235b-a22b", 8, "fsdp=64", 1, "fsdp"),
+    ("235b-a22b", 8, "fsdp=8,ep=8", 1, "fsdp"),
+    ("235b-a22b", 8, "fsdp=8,ep=8", 2, "fsdp"),
+    ("235b-a22b", 8, "fsdp=8,ep=8", 4, "fsdp"),
+    ("235b-a22b", 8, "fsdp=4,ep=16", 1, "fsdp"),
+    ("235b-a22b", 8, "fsdp=2,ep=32", 1, "fsdp"),
+    (
+        "235b-a22b",
+        8,
+        "ep=64",
+        1,
+        "ddp",
+    ),  # fsdp with no efsdp axis is refused; ddp replicates the dense layers
+    ("deepseek-v3", 32, "fsdp=32,ep=8", 1, "fsdp"),
+    ("deepseek-v3", 128, "fsdp=128,ep=8", 1, "fsdp"),
+    ("deepseek-v3", 128, "fsdp=16,ep=64", 1, "fsdp"),
+]
+
+
+def a2a_split(report: dict) -> tuple[float, float]:
+    """(bytes over the network, bytes over NVLink) of the report's all-to-alls: of each group's n - 1 parts, those
+    for ranks of other nodes cross the network (`accelfn.dryrun.comm_time.ranks_in_node`)."""
+    from accelfn.dryrun.comm_time import ranks_in_node
+
+    inter = intra = 0.0
+    for axes, row in report["comm"].get("all_to_all", {}).items():
+        n = row["group_size"]
+        local = ranks_in_node(tuple(axes.split("x")), report["mesh"], 8)
+        inter += row["bus_bytes"] * (n - local) / max(1, n - 1)
+        intra += row["bus_bytes"] * (local - 1) / max(1, n - 1)
+    return inter, intra
+
+
+def dryrun(only: str | None = None) -> list[dict]:
     out = []
-    for mesh in ("fsdp=64", "fsdp=8,ep=8"):
+    for model, nodes, mesh, rows, strategy in DRYRUNS:
+        if only and not model.startswith(only):
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "r.json"
-            cmd = [sys.executable, "-m", "accelfn.cli.main", "dry-run", "--nproc-per-node", "8", "--nnodes", "8",
-                   "--gpu", "h100", "--mesh", mesh, "--no-search", "--json", str(report),
-                   str(ROOT / "examples" / "train_moe.py"), "--model", "235b-a22b", "--init", "meta", "--strategy",
-                   "fsdp", "--bf16", "--remat", "--seq", "4096", "--batch-size", "1"]  # fmt: skip
+            cmd = [sys.executable, "-m", "accelfn.cli.main", "dry-run", "--nproc-per-node", "8", "--nnodes",
+                   str(nodes), "--gpu", "h100", "--mesh", mesh, "--no-search", "--json", str(report),
+                   str(ROOT / "examples" / "train_moe.py"), "--model", model, "--init", "meta", "--strategy",
+                   strategy, "--bf16", "--remat", "--seq", "4096", "--batch-size", str(rows)]  # fmt: skip
             start = time.perf_counter()
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
             if proc.returncode not in (0, 3):
                 raise SystemExit(f"{mesh}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
             r = json.loads(report.read_text())
-        out.append({"mesh": mesh, "peak_gib": r["per_rank"]["peak"] / 2**30, "fits": r["fits"],
-                    "bus_gib": r["total_bus_bytes"] / 2**30, "step_s": r["predicted"]["step_time_s"],
-                    "tokens_per_s": r["predicted"]["tokens_per_s"], "mfu": r["predicted"]["mfu"],
+        inter, intra = a2a_split(r)
+        p = r["predicted"]
+        out.append({"model": model, "ranks": 8 * nodes, "mesh": f"{mesh}, {strategy}", "rows": rows,
+                    "peak_gib": r["per_rank"]["peak"] / 2**30, "fits": r["fits"],
+                    "bus_gib": r["total_bus_bytes"] / 2**30, "a2a_inter_gib": inter / 2**30,
+                    "a2a_intra_gib": intra / 2**30, "step_s": p["step_time_s"], "compute_s": p["compute_s"],
+                    "exposed_s": p["exposed_comm_s"], "tokens_per_s": p["tokens_per_s"], "mfu": p["mfu"],
                     "cpu_s": time.perf_counter() - start})  # fmt: skip
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
 
@@ -151,6 +195,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4, help="rows per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--part", default="train,gemm,dryrun")
+    p.add_argument("--only", default=None, help="dryrun: the rows of one model (235b, deepseek)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -165,13 +210,14 @@ def main() -> None:
         for r in gemm(args):
             print(f"| {r['path']} | {r['ms']:.2f} | {r['rows']} |", flush=True)
     if "dryrun" in parts:
-        print(
-            "\n| Qwen3-235B-A22B, 64 H100 | peak GiB | fits | bus GiB/rank/step | step s | tokens/s | MFU |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        for r in dryrun():
-            print(f"| `{r['mesh']}` | {r['peak_gib']:.1f} | {r['fits']} | {r['bus_gib']:.0f} | {r['step_s']:.1f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['mfu']:.1%} |  (dry run {r['cpu_s']:.0f} s on CPU)", flush=True)  # fmt: skip
+        print("\n| model, H100s | mesh | rows/rank | peak GiB | fits | bus GiB/rank/step | all-to-all GiB: network, "
+              "NVLink | step s (compute, exposed comm) | tokens/s | MFU | dry run on CPU |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in dryrun(args.only):
+            print(f"| {r['model']}, {r['ranks']} | `{r['mesh']}` | {r['rows']} | {r['peak_gib']:.1f} | {r['fits']} | "
+                  f"{r['bus_gib']:.0f} | {r['a2a_inter_gib']:.0f}, {r['a2a_intra_gib']:.0f} | {r['step_s']:.2f} "
+                  f"({r['compute_s']:.2f}, {r['exposed_s']:.2f}) | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+                  f"{r['cpu_s']:.0f} s |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

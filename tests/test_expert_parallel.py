@@ -22,12 +22,12 @@ from tests._launch import ROOT, expect_ok, launch_command, output_of, run_worker
 EXPERTS = 4
 
 
-def qwen(layers: int = 1, experts: int = EXPERTS, vocab: int = 32) -> nn.Module:
+def qwen(layers: int = 1, experts: int = EXPERTS, vocab: int = 32, kv_heads: int = 1) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=8,
                          num_experts=experts, num_experts_per_tok=2)  # fmt: skip
     return Qwen3MoeForCausalLM(cfg)
 
@@ -221,11 +221,39 @@ def test_ep_refusals_name_the_culprit(ep2):
         _step(ep2, ep_plan={"experts": "ep_dispatch_experts"}).init(nn.Linear(2, 2))
 
 
-def test_ep_with_tensor_parallel_is_refused(ep2_tp2):
-    with pytest.raises(
-        ValueError, match=r"expert parallel \(ep=2\) is not combined with tensor or context parallel"
-    ):
-        _step(ep2_tp2)
+def test_tp_plan_entries_for_the_experts_give_way_to_the_ep_plan(ep2_tp2):
+    """tp2 x ep2: a tp plan that also splits the experts (as transformers' MoE plans do) leaves them to the ep plan
+    (said in print(step)); attention split over tp, experts whole in their ep rank, over ep only."""
+    plan = {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # transformers' styles for the experts
+        "model.layers.*.mlp.experts": "moe_tp_experts",
+    }
+    step = _step(ep2_tp2, tp_plan=plan)
+    state = step.init(qwen(kv_heads=2))
+    dropped = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts"]
+    assert f"the experts follow the ep plan, not these tp plan entries: {dropped}" in repr(step), repr(step)
+    q, experts = (
+        state.params["model.layers.0.self_attn.q_proj.weight"],
+        state.params["model.layers.0.mlp.experts.gate_up_proj"],
+    )
+    assert q.device_mesh.mesh_dim_names == ("tp",) and q.placements[0].is_shard(0), q
+    assert experts.device_mesh.mesh_dim_names == ("ep",) and experts.to_local().shape[0] == EXPERTS // 2
+    with pytest.raises(ValueError, match="tp_plan entry 'model.layers.*.attn.q' matches no module"):
+        _step(ep2_tp2, tp_plan={"model.layers.*.attn.q": "colwise"}).init(qwen(kv_heads=2))
+
+
+def test_capacity_with_context_parallel_is_refused():
+    from accelfn.moe import set_capacity
+
+    model = qwen()
+    set_capacity(model, 1.0)
+    for mesh in _fake({"cp": 2, "ep": 2}):
+        with pytest.raises(
+            ValueError, match="capacity factor .* context parallel .* leave the capacity factor out"
+        ):
+            _step(mesh).init(model)
 
 
 def test_router_logits_under_a_pipeline_are_refused():
@@ -297,16 +325,23 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
 
 
 @pytest.mark.slow
-def test_ep4_and_pp2_x_ep2_equal_one_process():
-    """ep=4: 4 ranks exchange rows with each other; two of them receive no token (to=...). pp=2 x ep=2 on the same
-    processes (af.pipeline, 1F1B, 2 micro-batches, times 2 under accumulate): each stage's experts split over its
-    ep group, the all-to-alls in each stage's forward and backward; the stage's params, the loss, the norm and the
-    imbalance over both stages; the expert bias updated from the counts of every micro-batch, as one process."""
+def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process():
+    """ep=4: 4 ranks exchange rows with each other; two of them receive no token (to=...). On the same processes:
+    pp=2 x ep=2 (af.pipeline, 1F1B, 2 micro-batches, times 2 under accumulate): each stage's experts split over its
+    ep group, the all-to-alls in each stage's forward and backward, the stage's params, the loss, the norm and the
+    imbalance over both stages, the expert bias from the counts of every micro-batch; tp=2 x ep=2: the model's tp
+    plan on attention, embeddings and head (its entries for the experts give way to the ep plan; the per-head
+    q/k norms' gradients summed over tp), experts over ep; cp=2 x ep=2: every rank's tokens its own part of each
+    sequence, the aux loss and the bias counted over ep x cp. To fp32 round-off (1e-6) against one process."""
     configs = [
         "qwen:clip",
         "user:to=1",
         "qwen:mesh=pp=2,ep=2:pp:clip:bias",
         "qwen:mesh=pp=2,ep=2:pp:to=0:accumulate",
+        "qwen:mesh=tp=2,ep=2:clip:aux",
+        "qwen:mesh=tp=2,ep=2:to=1:accumulate:bias",
+        "qwen:mesh=cp=2,ep=2:clip:aux",
+        "qwen:mesh=cp=2,ep=2:to=0:accumulate:bias",
     ]
     expect_ok(run_workers("ep_worker.py", 4, "ep=4", *configs, timeout=300), configs, 4)
 

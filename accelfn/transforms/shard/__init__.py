@@ -172,7 +172,8 @@ class Shard(TransformBase):
 
             inner = sync if sync is not None else LOCAL
             stages = mesh.group("pp") if pipeline is not None else None
-            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.data_group(), stages)
+            # token counts add up over the ranks that see different tokens: the data axes and cp (not tp)
+            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.grad_group(), stages)
         if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
             sync = pipeline.wrap(sync if sync is not None else LOCAL)
         plan.grad_sync = sync
@@ -306,11 +307,6 @@ def shard(
             f"shard(strategy='fsdp') with expert parallel (mesh {mesh.shape}): the experts are FSDP-sharded over the "
             "data axes other than ep (efsdp), and this mesh has none; use strategy='ddp', or add one, e.g. "
             "af.Mesh({'fsdp': 2, 'ep': 2})"
-        )
-    if ep > 1 and (tp > 1 or cp > 1):
-        raise ValueError(
-            f"shard: expert parallel (ep={ep}) is not combined with tensor or context parallel in this version "
-            f"(mesh {mesh.shape})"
         )
     if tp > 1 and isinstance(row.tp, str) and row.backend == "torch":
         raise ValueError(f"shard(strategy={strategy!r}) on a tp axis of size {tp}: {row.tp}")

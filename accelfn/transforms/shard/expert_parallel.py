@@ -142,6 +142,27 @@ class ExpertParallel(TransformBase):
     def describe(self) -> str:
         return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''})"
 
+    def without_experts(
+        self, module: nn.Module, tp_plan: Mapping[str, Any], notes: list[str]
+    ) -> dict[str, Any]:
+        """`tp_plan` without its entries for the experts (an `ep_dispatch_experts` module of the ep plan, or what is
+        in it), said in `notes`: with an `ep` axis the experts are split over `ep`, not `tp` (transformers' MoE tp
+        plans split them too). Called by tensor parallel's lowering, which runs first."""
+        raw = dict(self.plan) if self.plan is not None else model_ep_plan(module)
+        if raw is None:
+            return dict(tp_plan)  # (this lowering names the missing plan)
+        owners = _matched(module, raw, "ep_dispatch_experts")
+        names = [n for n, _ in module.named_modules() if n] + [n for n, _ in module.named_parameters()]
+
+        def experts(key: str) -> bool:
+            hits = _match(key, names)
+            return bool(hits) and all(any(n == o or n.startswith(o + ".") for o in owners) for n in hits)
+
+        dropped = [k for k in tp_plan if experts(k)]
+        if dropped:
+            notes.append(f"the experts follow the ep plan, not these tp plan entries: {dropped}")
+        return {k: v for k, v in tp_plan.items() if k not in dropped}
+
     def lower(self, plan: Plan) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -187,6 +208,13 @@ class ExpertParallel(TransformBase):
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
             factor = getattr(m, CAPACITY, None)  # accelfn.moe.set_capacity
+            if factor is not None and "cp" in self.mesh.axis_names and self.mesh.axis_size("cp") > 1:
+                raise ValueError(
+                    f"expert parallel: {owner} has a capacity factor ({factor}), which drops rows first come first "
+                    "served in the global batch's order; context parallel gives each rank parts of every sequence, "
+                    f"not a run of that order: leave the capacity factor out (dropless) with cp (mesh "
+                    f"{dict(self.mesh.shape)})"
+                )
             factors |= {factor} if factor is not None else set()
             data = self.mesh.data_group()
             self.dispatchers.append(
@@ -212,7 +240,7 @@ class ExpertParallelSync(TensorParallelSync):
     capacity factor, `moe_dropped`."""
 
     dispatchers: list[Any] = attrs.Factory(list)
-    data_group: Any = None  # the ranks that read different rows (their token counts add up)
+    data_group: Any = None  # the ranks that see different tokens (their counts add up): data axes and cp
     stages: Any = None  # under af.pipeline, its pp group: the metrics cover every stage's MoE layers
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:

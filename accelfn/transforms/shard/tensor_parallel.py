@@ -15,6 +15,10 @@ Style names (Hugging Face's, and torchtitan's meaning):
                           RowwiseParallel(input_layouts=Replicate()): a replicated input is split first
   embedding_rowwise       RowwiseParallel(input_layouts=Replicate()) on an nn.Embedding (vocabulary split)
   sequence_parallel       SequenceParallel(): norms/dropout on sequence shards
+  replicated_with_grad_allreduce
+                          a norm inside a split region (Qwen3's per-head q_norm, k_norm after a colwise
+                          projection): weight replicated, input taken as split over dim 0 (the norm is row-wise,
+                          so any split dim gives the same), so its weight's gradient is summed over `tp`
   replicate, gather, local_colwise, local_rowwise, ...: not supported (a clear error)
 
 Parameters become DTensors in place (their names do not change: checkpoints and the state keep the Hugging
@@ -60,7 +64,7 @@ __all__ = [
 
 SUPPORTED = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-    "embedding_rowwise", "sequence_parallel",
+    "embedding_rowwise", "sequence_parallel", "replicated_with_grad_allreduce",
 )  # fmt: skip
 # heads are split between the ranks by colwise q/k/v: the config's counts must divide
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
@@ -97,6 +101,8 @@ def _style(name: str, fp8: bool = False) -> Any:
         return RowwiseParallel(input_layouts=Replicate())
     if name == "sequence_parallel":
         return SequenceParallel()
+    if name == "replicated_with_grad_allreduce":  # each rank's rows: its own output; the weight's grad summed
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     raise ValueError(name)
 
 
@@ -243,8 +249,22 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
     return styles
 
 
+def _present(module: nn.Module, raw: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A model's own plan without the entries that name no module or parameter of this model (a family's plan
+    covers all its configs: Qwen3-MoE's has dense-MLP entries for `mlp_only_layers`), said in `notes`. A user's
+    plan is not filtered: an entry of it that matches nothing is an error."""
+    from ...stages import Skip
+
+    names = [n for n, _ in module.named_modules() if n] + [n for n, _ in module.named_parameters()]
+    skipped = [n for n, m in module.named_modules() if isinstance(m, Skip)]
+    absent = [k for k in raw if not any(_pattern(k).match(n) for n in names + skipped)]
+    if absent:
+        notes.append(f"the model's tp plan entries for modules it does not have, left out: {absent}")
+    return {k: v for k, v in raw.items() if k not in absent}
+
+
 def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
-    if style == "sequence_parallel":
+    if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return
     if isinstance(sub, nn.Embedding):
         size, what = sub.num_embeddings, "num_embeddings"
@@ -391,6 +411,10 @@ class TensorParallel(TransformBase):
                     "parallel plan (Hugging Face models do: config.base_model_tp_plan); pass tp_plan={'layers.*.attn."
                     "q': 'colwise', ...}"
                 )
+            raw = _present(module, raw, plan.notes)
+        ep = next((t for t in plan.transforms if t.kind == "expert_parallel"), None)
+        if ep is not None:  # the experts follow the ep plan, whatever the tp plan says of them
+            raw = ep.without_experts(module, raw, plan.notes)
         why_not = None
         if self.sequence_parallel is None or self.loss_parallel is None:
             why_not = parallel_defaults(module, user_plan=self.plan is not None)

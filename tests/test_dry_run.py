@@ -198,15 +198,18 @@ def test_every_strategy_lowers_at_scale(mesh: str, args: tuple[str, ...]) -> Non
         assert "tp" in {axis for by_axis in report.comm.values() for axis in by_axis}
     if "pp" in mesh:  # activations go between the stages point to point
         microbatches = int(args[args.index("--microbatches") + 1])
-        _check_stage_traffic(report.comm["send_recv"]["pp"], microbatches, rows=2 // microbatches, seq=128)
+        # under tp the stages hand over their part of the sequence (sequence parallel, torchtitan's stages)
+        seq = 128 // (int(mesh.split("tp=")[1]) if "tp=" in mesh else 1)
+        _check_stage_traffic(report.comm["send_recv"]["pp"], microbatches, rows=2 // microbatches, seq=seq)
 
 
 def _check_stage_traffic(row: dict, microbatches: int, *, rows: int, seq: int, hidden: int = 128) -> None:
     """Between two pipeline stages, per micro-batch: its activations forward and their gradient backward
-    (rows x seq x hidden float32 each), and torch's pipelining's small message (measured: under 5% more)."""
+    (rows x seq x hidden float32 each), and the generator states that go with each forward (5,056 bytes; measured:
+    under 5% more, 8% when sequence parallel splits the activations of the tiny model)."""
     assert row["count"] == 3 * microbatches, row
     activations = 2 * microbatches * rows * seq * hidden * 4
-    assert activations < row["bus_bytes"] <= 1.05 * activations, (row, activations)
+    assert activations < row["bus_bytes"] <= activations + 2 * microbatches * 5056 * 1.05, (row, activations)
 
 
 def _tiny_llama() -> nn.Module:
@@ -298,8 +301,10 @@ def test_cli_exit_code_3_when_it_does_not_fit(tmp_path: Path) -> None:
 # loss's, moves these: the assertion prints the new over-count.)
 _ROWS2 = {"activations": 1583120, "peak": 1583120}
 _ROW1 = {"activations": 791560, "peak": 791560}
-_TP = [{"activations": 1437452, "comm_buffers": 363520, "peak": 1800952},
-       {"activations": 1437432, "comm_buffers": 231424, "peak": 1668856}]  # fmt: skip
+# (DTensor's sharding propagation runs ops on global-shape examples under the run's fake mode: not counted since
+# 2026-11-27, when it was 1,437,452 B over on activations and 363,520 on comm buffers; now 132,096 B under there)
+_TP = [{"activations": 924688, "comm_buffers": -132096, "peak": 792592},
+       {"activations": 793616, "comm_buffers": -132096, "peak": 661520}]  # fmt: skip
 VALIDATE = [
     (2, "dp=2", ("--strategy", "ddp"), [_ROWS2] * 2),
     (3, "dp=3", ("--strategy", "fsdp"), [_ROWS2] * 3),  # uneven shards: 344 rows over 3 ranks

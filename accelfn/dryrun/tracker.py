@@ -558,8 +558,10 @@ class StepTracker(TorchDispatchMode):
             for t in _memory_tensors(tree_flatten((args, out))[0]):
                 self._see(t, comm=True)
             return out
-        if not types and _in_shape_propagation():  # a factory called by DTensor's propagation
-            return out
+        if _in_shape_propagation():  # DTensor's propagation runs the op on global-shape examples: no memory,
+            return (
+                out  # no work (it counted a tp-split embedding's grad whole: 4 + 2 x 8 GiB on a 405B stage)
+            )
         packet = func._overloadpacket
         formula = self._registry.get(packet)
         if formula is not None:

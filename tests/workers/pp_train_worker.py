@@ -5,8 +5,8 @@
 The first argument is the mesh; each further one is `model[:option...]`: model in llama (4 decoder layers),
 gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1f1b), ddp / fsdp / hsdp
 (af.shard over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
-(explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile
-per block, aot_eager), dropout (dropout 0.1 everywhere: the reference is one process under
+(explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile(step,
+backend='aot_eager'): per block under the pipeline; the reference eager), dropout (dropout 0.1 everywhere: the reference is one process under
 af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, pretrained=<folder> (save_pretrained of the final state), save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
 on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
@@ -69,16 +69,17 @@ def lm_loss(model, b):
     return loss, {"tokens": loss.count.float()}
 
 
-def wrapped(step, options):
-    """The combinators of `options`, the same for the pipeline and its one-process reference."""
+def wrapped(step, options, piped=False):
+    """The combinators of `options`, the same for the pipeline and its one-process reference (which runs compile's
+    options eagerly: the compiled pipeline is held to the eager step)."""
     if "fp8" in options:
         step = af.autocast_fp8(step, backend="torchao", emulate=True)
     if "bf16" in options:
         step = af.autocast(step, "bf16")
     if "remat" in options:
         step = af.remat(step, "full")
-    if "compile" in options:
-        step = af.compile(step, regions="blocks", backend="aot_eager")
+    if "compile" in options and piped:  # af.compile as a user writes it: per block under the pipeline
+        step = af.compile(step, backend="aot_eager")
     return step
 
 
@@ -118,7 +119,7 @@ def check(mesh, kind, options):
     if "accumulate" in options:
         step = af.accumulate(step, 2)
         micro = m // 2
-    step = wrapped(step, options)
+    step = wrapped(step, options, piped="pp" in mesh.axis_names)
     split = ["model.layers.1"] if "split" in options and kind == "llama" else None
     piped = "pp" in mesh.axis_names  # without a pp axis: plain af.shard, to move checkpoints across
     if piped:
@@ -134,6 +135,13 @@ def check(mesh, kind, options):
     if load:
         state = af.checkpoint.load(load, like=state)
     assert ("pipeline" in str(step)) == piped, str(step)
+    assert ("compile" in options and piped) == ("compile per block under a pipeline" in str(step)), str(step)
+    if (
+        "tp" in mesh.axis_names and kind == "llama" and "fp8" not in options
+    ):  # torchtitan's stages: sequence parallel
+        assert "sequence parallel between" in str(step) and "loss on vocabulary shards" in str(step), str(
+            step
+        )
     losses, norms, tokens = [], [], []
     for b in data:
         state, met = step(state, b)

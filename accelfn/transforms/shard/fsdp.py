@@ -209,13 +209,18 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     if plan.autocast_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=plan.autocast_dtype, reduce_dtype=torch.float32)
 
+    # under a pipeline each block runs forward once per micro-batch before its backwards: its params stay
+    # gathered from the first forward to the last backward (torchtitan's choice for pp: no all-gather per
+    # micro-batch; torch's schedule keeps them gathered after each backward already)
+    reshard = not any(t.kind == "pipeline" for t in plan.transforms)
+
     def shard_unit(module: nn.Module) -> None:
         for part in uniform_dtype_parts(module):
-            fully_shard(part, mesh=fsdp_mesh, mp_policy=mp)
-        fully_shard(module, mesh=fsdp_mesh, mp_policy=mp)
+            fully_shard(part, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
     for unit, axes in split_units(mesh, plan.module):  # experts: over the data axes but ep (efsdp)
-        fully_shard(unit, mesh=mesh.submesh(*axes), mp_policy=mp)
+        fully_shard(unit, mesh=mesh.submesh(*axes), mp_policy=mp, reshard_after_forward=reshard)
     try:
         _, blocks = find_blocks(plan.module)
         for block in blocks:

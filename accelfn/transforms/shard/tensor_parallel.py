@@ -183,12 +183,17 @@ def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str,
 SP_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 
 
-def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_parallel: bool) -> dict[str, Any]:
+def sequence_parallel_styles(
+    module: nn.Module, named: dict[str, Any], loss_parallel: bool, fp8_gather: bool = True
+) -> dict[str, Any]:
     """torchtitan's sequence parallel for a Hugging Face decoder (Llama, Mistral, Qwen2, Starcoder2, ...): the
     residual stream between the tensor-parallel regions stays split over the sequence (a DTensor `Shard(1)`),
     so norms (and dropout) run on `seq / tp` tokens per rank and activations take `1 / tp` of the memory; the
     attention and the MLP gather the sequence at their input, their row-wise output layers scatter it again.
-    `named` is `match_plan`'s result (style names); returns `{module name: ParallelStyle}`."""
+    torchao's fp8 linears (`af.autocast_fp8`) take torchao's float8 styles, which gather the sequence in fp8
+    (`fp8_gather`; False: torch's styles, for gloo, which has no fp8 collectives).
+    A pipeline stage's styles are those of its own modules. `named` is `match_plan`'s result (style names);
+    returns `{module name: ParallelStyle}`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -197,6 +202,7 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
         SequenceParallel,
     )
 
+    from ...stages import Skip
     from ..remat import find_remat_blocks
 
     def name_of(target: nn.Module | None) -> str | None:
@@ -222,30 +228,53 @@ def sequence_parallel_styles(module: nn.Module, named: dict[str, Any], loss_para
             f"{missing or 'the embeddings, head or final norm'}); pass a user tp_plan with 'sequence_parallel' "
             "entries and torch styles instead"
         )
-    styles = {n: _style(st) if isinstance(st, str) else st for n, st in named.items()}
-    styles[embed] = RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-    )
-    styles[norm] = SequenceParallel()
-    styles[head] = ColwiseParallel(
-        input_layouts=Shard(1),
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,
-    )
+
+    def fp8(name: str) -> bool:  # (on gloo torch's styles: torchao's run fp8 collectives in the backward too)
+        return fp8_gather and _is_float8(module.get_submodule(name))
+
+    def prepare(part: str, **layouts: Any) -> Any:  # a region's input gathered (in fp8 if its linears are)
+        if any(fp8(n) for n in named if n.startswith(f"{part}.")):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(**layouts)
+        return PrepareModuleInput(**layouts)
+
+    def here(name: str) -> bool:  # not a stand-in for another pipeline stage's module
+        return not isinstance(module.get_submodule(name), Skip)
+
+    styles = {n: _style(st, fp8=fp8(n)) if isinstance(st, str) else st for n, st in named.items()}
+    if here(embed):
+        styles[embed] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    if here(norm):
+        styles[norm] = SequenceParallel()
+    if here(head):
+        styles[head] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     for layer in layer_names:
         assert layer is not None
         styles[f"{layer}.input_layernorm"] = SequenceParallel()
         styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-        styles[f"{layer}.self_attn"] = PrepareModuleInput(
+        styles[f"{layer}.self_attn"] = prepare(
+            f"{layer}.self_attn",
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
-        styles[f"{layer}.mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        styles[f"{layer}.mlp"] = prepare(
+            f"{layer}.mlp", input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         )
         for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
             if n.startswith(f"{layer}.") and st in ("rowwise", "rowwise_rep", "rowwise_split_input"):
-                styles[n] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                if fp8(n):
+                    from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+                    styles[n] = Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                else:
+                    styles[n] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     return styles
 
 
@@ -330,8 +359,8 @@ DEFAULTS_KNOWN: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "starco
 
 def parallel_defaults(module: nn.Module, user_plan: bool) -> str | None:
     """Why sequence and loss parallel do not apply to `module` by default (None: they do): they are on by default
-    for a `transformers` causal LM of `DEFAULTS_KNOWN` under its own plan, whole (not a pipeline stage), with
-    its output layer an `nn.Linear`.
+    for a `transformers` causal LM of `DEFAULTS_KNOWN` under its own plan (whole, or a pipeline stage of it, as
+    torchtitan runs its stages), with its output layer an `nn.Linear`.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -349,10 +378,11 @@ def parallel_defaults(module: nn.Module, user_plan: bool) -> str | None:
         return "a user tp_plan"
     if model_type not in DEFAULTS_KNOWN:
         return f"{type(module).__name__} is not a transformers decoder they are tested on ({sorted(DEFAULTS_KNOWN)})"
-    if any(isinstance(m, Skip) for m in module.modules()):
-        return "a pipeline stage (af.pipeline)"
     get = getattr(module, "get_output_embeddings", None)
-    if not isinstance(get() if callable(get) else None, nn.Linear):
+    head = get() if callable(get) else None
+    if isinstance(head, Skip):  # another pipeline stage's head: what it stands for
+        head = nn.Linear(1, 1, device="meta") if head.stands_for == "Linear" else None
+    if not isinstance(head, nn.Linear):
         return f"{type(module).__name__} has no nn.Linear output layer"
     return None
 
@@ -420,15 +450,16 @@ class TensorParallel(TransformBase):
             why_not = parallel_defaults(module, user_plan=self.plan is not None)
         sp = self.sequence_parallel if self.sequence_parallel is not None else why_not is None
         lp = self.loss_parallel if self.loss_parallel is not None else why_not is None
+        gloo = dist.get_backend(self.mesh.group("tp")) == "gloo"
         if why_not is not None:
             plan.notes.append(f"sequence and loss parallel not on by default: {why_not}")
-        elif self.sequence_parallel is None and any(_is_float8(m) for m in module.modules()):
-            sp = False  # torch's styles under it would drop torchao's float8 ones; with those: not yet
+        elif self.sequence_parallel is None and gloo and any(_is_float8(m) for m in module.modules()):
+            sp = False  # torchao's float8 styles, which sequence parallel needs, run fp8 collectives
             plan.notes.append(
-                "sequence parallel not on by default under autocast_fp8 (torchao's float8 styles)"
+                "sequence parallel not on by default under autocast_fp8 on gloo (no fp8 collectives)"
             )
         if sp:
-            styles = sequence_parallel_styles(module, match_plan(module, raw, self.size), lp)
+            styles = sequence_parallel_styles(module, match_plan(module, raw, self.size), lp, not gloo)
             default = (
                 " (the default: sequence_parallel=False turns it off)"
                 if self.sequence_parallel is None
@@ -455,6 +486,10 @@ class TensorParallel(TransformBase):
         tied = _tied_groups(module)
         parallelize_module(module, self.mesh.submesh("tp"), styles)
         _retie(tied)
+        if sp:  # what a pipeline stage hands the next: this rank's part of the sequence (torchtitan's stages)
+            from torch.distributed.tensor import Shard
+
+            module._accelfn_residual_layout = (self.mesh.submesh("tp"), (Shard(1),))  # type: ignore[assignment]
         plan.notes.append(f"tensor parallel tp={self.size} on {len(styles)} modules ({source})")
 
     @staticmethod
@@ -463,11 +498,15 @@ class TensorParallel(TransformBase):
         loss to run on the shards (torch's `loss_parallel`); its name."""
         from torch.distributed.tensor.parallel import ColwiseParallel
 
+        from ...stages import Skip
+
         get = getattr(module, "get_output_embeddings", None)
         head = get() if callable(get) else None
         if head is None:  # not a Hugging Face model: the user's plan leaves the logits split itself
             return "the user plan's output layer"
         name = next(n for n, m in module.named_modules() if m is head)
+        if isinstance(head, Skip):  # the head is on another pipeline stage
+            return name
         if name not in styles or not isinstance(head, nn.Linear):
             raise ValueError(
                 f"shard(loss_parallel=True): the output layer {name!r} must be split by the tensor-parallel plan "

@@ -231,11 +231,13 @@ def shard(
     on for the `transformers` decoders they are tested on (Llama, Mistral, Qwen2, Starcoder2 causal LMs under
     their own plan, not cut into pipeline stages; torchtitan's defaults), off otherwise; `False` turns them off.
 
-    Expert parallel (an `ep` axis of size > 1, strategy "ddp"): the ep ranks read their own rows (data-parallel
-    for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their experts by
-    all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
+    Expert parallel (an `ep` axis of size > 1, strategy "ddp" or "fsdp"): the ep ranks read their own rows
+    (data-parallel for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their
+    experts by all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
     (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it; see
-    `accelfn.transforms.shard.expert_parallel`.
+    `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, `ep` is an axis
+    beside them (each of its ranks a tp group, cp group or stage rank as without ep); the tp plan's entries for
+    the experts give way to the ep plan.
 
     Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
     every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned

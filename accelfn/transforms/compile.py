@@ -169,12 +169,13 @@ class Compile(TransformBase):
         """In a dry run: each block's forward and backward run as the partitioned graphs of a compiled region
         (the partitioner's saved tensors: accelfn/dryrun/compiled.py), the rest of the step eagerly."""
         from ..dryrun.compiled import partition_block
+        from ..stages import Skip
 
         try:
-            name, blocks = find_blocks(plan.module)
+            name, found = find_blocks(plan.module)
         except ValueError:
-            blocks = nn.ModuleList()
-            name = ""
+            found, name = nn.ModuleList(), ""
+        blocks = [b for b in found if not isinstance(b, Skip)]  # a pipeline stage's own blocks
         done = sum(partition_block(b) for b in blocks)
         plan.notes.append(f"dry run: {done}/{len(blocks)} blocks as partitioned graphs, the rest eager")
         dry_mode.note(

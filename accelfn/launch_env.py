@@ -37,6 +37,7 @@ ACCELFN_GLOBAL_BATCH_SIZE = "ACCELFN_GLOBAL_BATCH_SIZE"  # samples per step over
 ACCELFN_PIPELINE_SCHEDULE = "ACCELFN_PIPELINE_SCHEDULE"  # af.pipeline's schedule, e.g. 1f1b
 ACCELFN_PIPELINE_MICROBATCHES = "ACCELFN_PIPELINE_MICROBATCHES"  # af.pipeline's micro-batches per step
 ACCELFN_OFFLOAD = "ACCELFN_OFFLOAD"  # af.offload: none|optimizer
+ACCELFN_COMPILE = "ACCELFN_COMPILE"  # af.compile: none|step|blocks
 
 # Set by torch's elastic agent (torch.distributed.run semantics), read here for convenience.
 RANK = "RANK"
@@ -64,6 +65,7 @@ ACCELFN_VARIABLES = (
     ACCELFN_PIPELINE_SCHEDULE,
     ACCELFN_PIPELINE_MICROBATCHES,
     ACCELFN_OFFLOAD,
+    ACCELFN_COMPILE,
 )
 
 DEVICE_KINDS = ("auto", "cpu", "cuda", "xla", "xpu", "npu", "mlu")
@@ -219,6 +221,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 REMAT = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
+COMPILE = ("none", "step", "blocks")  # af.compile(step) / af.compile(step, regions="blocks")
 KNOBS: dict[str, tuple[str, tuple[str, ...] | type]] = {
     "strategy": (ACCELFN_STRATEGY, STRATEGIES),
     "remat": (ACCELFN_REMAT, REMAT),
@@ -227,6 +230,7 @@ KNOBS: dict[str, tuple[str, tuple[str, ...] | type]] = {
     "pipeline_schedule": (ACCELFN_PIPELINE_SCHEDULE, str),
     "pipeline_microbatches": (ACCELFN_PIPELINE_MICROBATCHES, int),
     "offload": (ACCELFN_OFFLOAD, OFFLOAD),
+    "compile": (ACCELFN_COMPILE, COMPILE),
 }
 # The knobs scripts asked for with "auto" in this process (what `accelfn plan` may choose for them).
 ASKED: set[str] = set()

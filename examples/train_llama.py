@@ -16,7 +16,7 @@ sequence parallel and the loss on vocabulary shards (the default; `--no-sequence
 `--no-loss-parallel` turn them off); a `cp` axis splits each sequence (labels aligned with the inputs); a `pp`
 axis cuts the model into stages, fed one sequence per micro-batch (torchtitan's default; `--microbatches`).
 The sizes of `--model` are Llama 3's (8b, 70b, 405b), the 0.89B model of docs/benchmarks.md (`0.9b`) and a
-tiny one for CPU runs.
+tiny one for CPU runs; `--layers N` keeps a size's layer shapes with N layers (cheap dry runs).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
 }
 
 
-def build(name: str, seq_len: int) -> torch.nn.Module:
+def build(name: str, seq_len: int, n_layers: int | None = None) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, intermediate, layers, heads, kv_heads, vocab = MODELS[name]
+    layers = n_layers or layers
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -67,6 +68,9 @@ def loss_fn(model: torch.nn.Module, batch: torch.Tensor | dict[str, torch.Tensor
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: the model's): its shapes, fewer layers"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
         "--batch-size",
@@ -92,7 +96,15 @@ def main() -> None:
         help="recompute each decoder layer in the backward pass: full (`--remat` alone), selective (keep the "
         "matmuls' outputs), none (the default)",
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile the step (af.compile)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="step",
+        default="auto",
+        choices=("step", "blocks", "none", "auto"),
+        help="torch.compile the step (af.compile; `--compile` alone), or each decoder layer (blocks, as "
+        "torchtitan), or nothing (the default)",
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument(
         "--fp8",
@@ -136,6 +148,7 @@ def main() -> None:
     pp = mesh.axis_size("pp") if "pp" in mesh.axis_names else 1
     strategy = knob("strategy", args.strategy, "fsdp")
     remat = knob("remat", args.remat, "none")
+    compiled = knob("compile", args.compile, "none")
     accumulate = int(knob("accumulate", args.accumulate, 1))
     schedule = knob("pipeline_schedule", args.schedule, "1f1b")
     microbatches = knob("pipeline_microbatches", args.microbatches, None)
@@ -148,7 +161,7 @@ def main() -> None:
         args.batch_size = int(global_batch) // mesh.data_size
     batch_size = args.batch_size or max(2, pp)  # a 1F1B pipeline needs a micro-batch per stage
     with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
-        model = build(args.model, args.seq_len)
+        model = build(args.model, args.seq_len, args.layers)
     step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.1), clip_grad_norm=1.0)
     if args.fp8:  # the embeddings and the head stay in bf16/fp32, as torchtitan keeps its output layer
         step = af.autocast_fp8(
@@ -173,8 +186,8 @@ def main() -> None:
         sequence_parallel=args.sequence_parallel,
         loss_parallel=args.loss_parallel,
     )
-    if args.compile:
-        step = af.compile(step)
+    if compiled != "none":
+        step = af.compile(step, regions="blocks" if compiled == "blocks" else None)
     state = step.init(model)
     af.dist.print(step)
 

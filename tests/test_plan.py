@@ -24,7 +24,14 @@ from accelfn.planner import Candidate, Space, States, enumerate_candidates, stat
 from tests._launch import WORKERS, output_of, run_workers
 
 SCRIPT = str(WORKERS / "plan_worker.py")
-FIXED = ["--remat", "none", "--offload", "none"]  # the grid: mesh x strategy x accumulate
+FIXED = [
+    "--remat",
+    "none",
+    "--offload",
+    "none",
+    "--compile",
+    "none",
+]  # the grid: mesh x strategy x accumulate
 MEMORY_GIB = 1.3 / 1024  # usable memory: ddp over 8 ranks cannot hold the states, fsdp can
 
 
@@ -344,7 +351,7 @@ def test_a_candidate_label_names_its_mesh_and_knobs() -> None:
 
 # ---- the layer-extrapolated tier -------------------------------------------------------------------------------
 
-DEEP = [*FIXED[:2], "--layers", "10", "--offload", "none"]  # ten identical blocks
+DEEP = [*FIXED, "--layers", "10"]  # ten identical blocks
 
 
 @pytest.mark.parametrize(
@@ -397,3 +404,23 @@ def test_the_plan_ranks_on_extrapolations_and_its_top_rows_are_full_dry_runs() -
     ref = run_job(Job(SCRIPT, tuple(DEEP), 8, 1, mesh=best.candidate.mesh_spec, env=env, gpu="h100-sxm"))
     assert best.peak == ref["report"]["per_rank"]["peak"]
     assert best.step_time_s == ref["report"]["predicted"]["step_time_s"]
+
+
+# ---- the knobs added to the search ---------------------------------------------------------------------------
+
+
+def test_compile_is_searched_where_the_script_leaves_it_auto(tmp_path: Path) -> None:
+    """plan_worker.py leaves `compile` to the launch config: the plan dry-runs eager and per-block compiled
+    (af.compile(regions="blocks")), chooses the compiled one (the time model counts fewer kernels: faster), and
+    writes it to the config's plan section, which the launched script reads."""
+    fixed = ["--strategy", "ddp", "--accumulate", "1", "--remat", "none", "--offload", "none"]
+    p = af.plan(SCRIPT, fixed, nproc_per_node=2, global_batch_size=8, axes=("dp",), workers=1)
+    assert "compile" in p.open_knobs
+    by = {r.candidate.compile: r for r in p.rows}
+    assert set(by) == {"none", "blocks"}
+    assert by["blocks"].step_time_s < by["none"].step_time_s and p.rows[0] is by["blocks"]
+    assert p.rows[0].candidate.label == "dp=2 compile=blocks"
+    config = load(p.write_config(tmp_path / "plan.yaml"))
+    assert config.plan.compile == "blocks"
+    assert config.plan.env()[launch_env.ACCELFN_COMPILE] == "blocks"
+    assert launch_env.knob("compile", "auto", "none", environ=config.plan.env()) == "blocks"

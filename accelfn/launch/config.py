@@ -179,6 +179,7 @@ class PlanConfig:
     pipeline_schedule: str | None = _knob()
     pipeline_microbatches: int | None = _knob()
     offload: str | None = _knob()
+    compile: str | None = _knob()
 
     def env(self) -> dict[str, str]:
         """The knobs that are set, as the launcher passes them to the script (`accelfn.launch_env`)."""

@@ -54,6 +54,7 @@ class Candidate:
     pipeline_schedule: str | None = None
     pipeline_microbatches: int | None = None
     offload: str | None = None
+    compile: str | None = None
 
     @property
     def mesh_spec(self) -> str:
@@ -63,7 +64,7 @@ class Candidate:
     def knobs(self) -> dict[str, str | int]:
         """The knobs this candidate sets (the config's `plan:` section)."""
         names = ("strategy", "remat", "accumulate", "global_batch_size", "pipeline_schedule")
-        out = {k: getattr(self, k) for k in (*names, "pipeline_microbatches", "offload")}
+        out = {k: getattr(self, k) for k in (*names, "pipeline_microbatches", "offload", "compile")}
         return {k: v for k, v in out.items() if v is not None}
 
     @property
@@ -97,6 +98,7 @@ class Space:
     strategies: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
     remats: tuple[str, ...] = REMAT
     offloads: tuple[str, ...] = ("none", "optimizer")
+    compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles
     schedules: tuple[str, ...] = SCHEDULES
     max_accumulate: int = MAX_ACCUMULATE
 
@@ -166,6 +168,7 @@ def enumerate_candidates(space: Space) -> list[Candidate]:
     out: list[Candidate] = []
     remats = space.remats if "remat" in space.open else (None,)
     offloads = space.offloads if "offload" in space.open else (None,)
+    compiles = space.compiles if "compile" in space.open else (None,)
     for base in _meshes(space):
         for mesh, strategy in _strategies(space, base):
             for gbs, acc in _batches(space, mesh):
@@ -173,5 +176,8 @@ def enumerate_candidates(space: Space) -> list[Candidate]:
                 for schedule, micro in _pipelines(space, mesh, share):
                     for remat in remats:
                         for offload in offloads:
-                            out.append(Candidate(mesh, strategy, remat, acc, gbs, schedule, micro, offload))
+                            for comp in compiles:
+                                out.append(
+                                    Candidate(mesh, strategy, remat, acc, gbs, schedule, micro, offload, comp)
+                                )
     return out

@@ -14,7 +14,7 @@ Example:
     ...       "flops_per_step": 150, "capacity_bytes": 100, "headroom_bytes": 60, "fits": True}
     >>> r = extrapolate(r1, r2, 1, 2, 8)
     >>> r["per_rank"]["peak"], r["predicted"]["step_time_s"], r["predicted"]["tokens_per_s"], r["fits"]
-    (110, 10.0, 2.4, False)
+    (100, 10.0, 2.4, True)
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def keep_blocks(n: int | None, seen: dict[str, int]) -> Callable[[nn.Module], No
 
     Example:
         >>> seen = {}
-        >>> model = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4) for _ in range(6)]))
+        >>> model = nn.ModuleDict({"embed": nn.Embedding(8, 4), "blocks": nn.ModuleList(nn.Linear(4, 4) for _ in range(6))})
         >>> keep_blocks(2, seen)(model)
-        >>> len(model[1]), seen
+        >>> len(model["blocks"]), seen
         (2, {'blocks': 6})
     """
     from ..transforms.compile import find_blocks

@@ -46,9 +46,8 @@ class Job:
     )
     reserve_bytes: int | None = None  # the device memory kept free (None: the dry run's default)
     scale: float = 1.0  # the calibrated compute speed (`calibrate.scaled_assumptions`)
-    blocks: tuple[
-        int, ...
-    ] = ()  # the layer-extrapolated tier: dry-run with these many blocks (see extrapolate)
+    blocks: tuple[int, ...] = ()  # the layer-extrapolated tier: the blocks kept (see extrapolate)
+    one_chunk: bool = False  # the loss in one chunk (the probe: the same FLOPs, far fewer fake ops)
 
     @property
     def world(self) -> int:
@@ -86,6 +85,7 @@ def run_job(job: Job) -> dict[str, Any]:
 def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any:
     """One `af.dry_run` of `job` as `rank`, the knobs' environment set and the script's output kept quiet."""
     from ..dryrun import dry_run
+    from ..losses import chunked
     from .calibrate import scaled_assumptions
 
     knob_vars = [var for var, _ in launch_env.KNOBS.values()]
@@ -94,6 +94,7 @@ def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any
         launch_env.environ_set(dict(job.env), unset=knob_vars),
         contextlib.redirect_stdout(quiet),
         contextlib.redirect_stderr(quiet),
+        _one_chunk(chunked) if job.one_chunk else contextlib.nullcontext(),
     ):
         return dry_run(
             job.script,
@@ -108,6 +109,18 @@ def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any
             assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes),
             on_model=on_model,
         )
+
+
+@contextlib.contextmanager
+def _one_chunk(chunked: Any) -> Iterator[None]:
+    """The chunked cross entropy in one chunk, for the probe (its states and compute are read, not its peak: a
+    global batch of 8k-token sequences at a 128k vocabulary is thousands of chunks, minutes of fake ops)."""
+    saved = chunked.CHUNK_ELEMENTS
+    chunked.CHUNK_ELEMENTS = 1 << 62
+    try:
+        yield
+    finally:
+        chunked.CHUNK_ELEMENTS = saved
 
 
 def _init_worker() -> None:

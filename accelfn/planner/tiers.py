@@ -33,6 +33,7 @@ from .table import Fallen, Plan, Row
 __all__ = ["plan"]
 
 AXES = ("dp", "tp", "pp", "cp")
+BOUND_SLACK = 0.98  # the time bound's margin below the least measured ratio
 
 
 def _check(name: str, value: Any, minimum: float = 1) -> None:
@@ -44,10 +45,15 @@ def _probe(
     pool: Pool, script: str, args: tuple[str, ...], gpu: str | None, device: str, gbs: int | None
 ) -> dict[str, Any]:
     """The script as one process: which knobs it asks for, and the whole model's states."""
-    env = {launch_env.ACCELFN_STRATEGY: "ddp", launch_env.ACCELFN_OFFLOAD: "none"}
+    env = {
+        launch_env.ACCELFN_STRATEGY: "ddp",
+        launch_env.ACCELFN_OFFLOAD: "none",
+        launch_env.ACCELFN_COMPILE: "none",
+    }
     if gbs:
         env[launch_env.ACCELFN_GLOBAL_BATCH_SIZE] = str(gbs)
-    result = pool.run(Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu))
+    job = Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu, one_chunk=True)
+    result = pool.run(job)
     if "error" in result:
         raise RuntimeError(
             f"af.plan: the script fails as one process (the planner's probe): {result['error']}"
@@ -213,10 +219,13 @@ def plan(
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
         best: list[float] = []  # the best fitting step time so far
+        ratios: list[float] = []  # each measured rank's compute over its share of the probe's
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
 
         def lower(c: Candidate) -> float:
-            return time_bound(c, probe_compute or 0.0, world)
+            """The probe's compute, scaled by the least ratio of a measured rank's compute to its share of it
+            (the probe's efficiency is a model's, not a bound: 4% above the 8B fsdp ranks'), 2% below."""
+            return time_bound(c, (probe_compute or 0.0) * min(ratios, default=0.0) * BOUND_SLACK, world)
 
         def extrapolating(c: Candidate) -> bool:
             pp = c.mesh.get("pp", 1)
@@ -238,7 +247,7 @@ def plan(
             smaller = fitting.get(_group(c))
             if smaller is not None and c.accumulate is not None and smaller < c.accumulate:
                 return {"fell": "dominated", "why": f"acc={smaller} fits (larger micro-batches, fewer steps)"}
-            if bounded and best and lower(c) > best[0]:
+            if bounded and best and ratios and lower(c) > best[0]:
                 return {
                     "fell": "time bound",
                     "why": f"its compute and bubble alone take >= {lower(c) * 1e3:,.1f} ms, the best so far "
@@ -277,6 +286,8 @@ def plan(
                 fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
                 return
             rows.append(row)
+            if row.compute_s and probe_compute:
+                ratios.append(row.compute_s / (probe_compute / world))
             if c.accumulate is not None:
                 group = _group(c)
                 fitting[group] = min(fitting.get(group, c.accumulate), c.accumulate)
@@ -286,7 +297,10 @@ def plan(
         # the most promising first (the lowest bound, the largest micro-batches), so that the bound and the
         # dominance prune the most; the (tp, cp) groups interleaved, so that a search the budget cuts short has
         # tried every intra-node split
-        order = sorted(_interleaved(survivors), key=lambda c: (round(lower(c), 9), c.accumulate or 1))
+        share = (probe_compute or 0.0) / world
+        order = sorted(
+            _interleaved(survivors), key=lambda c: (round(time_bound(c, share, 1), 9), c.accumulate or 1)
+        )
         jobs = []
         for c in order:
             job = job_of(c)

@@ -20,6 +20,7 @@ def main() -> None:
     p.add_argument("--accumulate", default="auto")
     p.add_argument("--global-batch-size", default="auto")
     p.add_argument("--offload", default="auto")
+    p.add_argument("--compile", default="auto")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -36,6 +37,7 @@ def main() -> None:
     accumulate = int(knob("accumulate", args.accumulate, 1))
     global_batch = int(knob("global_batch_size", args.global_batch_size, 8))
     offload = knob("offload", args.offload, "none")
+    compiled = knob("compile", args.compile, "none")
     batch = global_batch // mesh.data_size
 
     torch.manual_seed(0)
@@ -63,9 +65,11 @@ def main() -> None:
     if offload == "optimizer":
         step = af.offload(step)
     step = af.shard(step, mesh, strategy=strategy)
+    if compiled != "none":
+        step = af.compile(step, regions="blocks" if compiled == "blocks" else None)
     state = step.init(model)
     af.dist.print(f"config mesh={dict(mesh.shape)} strategy={strategy} remat={remat} accumulate={accumulate} "
-                  f"global_batch={global_batch} offload={offload}")  # fmt: skip
+                  f"global_batch={global_batch} offload={offload} compile={compiled}")  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     for i in range(args.steps):
         ids = torch.randint(0, args.vocab, (global_batch, args.seq_len + 1), generator=gen)

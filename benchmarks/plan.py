@@ -2,10 +2,11 @@
 
 Each row runs `accelfn plan` on examples/train_llama.py unmodified (a `transformers` Llama config, no weights,
 built on the meta device) in a fresh process and reads the peak RSS of the planner and of its two dry-run
-workers (`os.wait4` on the planner: the largest of the processes it waited for). train_llama.py fixes its
-strategy (fsdp), remat and per-rank batch by flags, so the plan searches the mesh (dp, tp, pp, cp; tp and cp
-inside a node) and keeps the rest. The targets (issue 30): 8B on 64 GPUs <= 5 min, 70B on 256 <= 10, 405B on
-512 <= 15, host memory <= 4 GiB.
+workers (`os.wait4` on the planner: the largest of the processes it waited for). train_llama.py leaves its
+strategy, accumulation, pipeline schedule and micro-batches, compile and global batch to the launch config
+("auto"); remat is fixed by a flag, the global batch given here (2 sequences per GPU for 8B and 70B, 1 for
+405B). The plan searches the mesh (dp, tp, pp, cp; tp and cp inside a node) and those knobs. The targets
+(issue 30): 8B on 64 GPUs <= 5 min, 70B on 256 <= 10, 405B on 512 <= 15, host memory <= 4 GiB.
 
     python benchmarks/plan.py            # prints a markdown table
     python benchmarks/plan.py --only 0   # the 8B row
@@ -76,7 +77,8 @@ def main() -> None:
     args = p.parse_args()
     rows = ROWS if args.only is None else [ROWS[args.only]]
     print("| model, world (seq 8192, bf16, meta init) | plan time | target | host peak RSS (largest process) | "
-          "candidates | dry runs | fell: lowering / does not fit / budget | chosen | tokens/s/GPU | peak/GPU |")  # fmt: skip
+          "candidates | dry runs (extrapolated) | fell: lowering / does not fit / dominated / time bound / budget | "
+          "chosen | tokens/s/GPU | peak/GPU |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         budget = args.budget_minutes or row[4] / 60 * 0.9
@@ -84,7 +86,8 @@ def main() -> None:
         t = r["tiers"]
         print(
             f"| {r['name']} | {r['seconds']:.0f} s | <= {r['target']} s | {r['rss_gib']:.2f} GiB | "
-            f"{r['candidates']} | {r['dry_runs']} | {t['lowering']} / {t['does not fit']} / {t['budget']} | "
+            f"{r['candidates']} | {r['dry_runs']} ({r['extrapolated']}) | {t['lowering']} / {t['does not fit']} / "
+            f"{t['dominated']} / {t['time bound']} / {t['budget']} | "
             f"{r['chosen']} | {r['tokens'] or 0:,.0f} | {r['peak_gib'] or 0:.1f} GiB |",
             flush=True,
         )

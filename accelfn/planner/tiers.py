@@ -216,6 +216,9 @@ def plan(
         world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
         bad_mesh: dict[str, str] = {}
+        first: dict[
+            str, Candidate
+        ] = {}  # each mesh's first candidate in the order run (its error prunes the mesh)
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
         best: list[float] = []  # the best fitting step time so far
@@ -268,8 +271,8 @@ def plan(
             if "error" in result:
                 tier = "lowering" if result["lowering"] else "failed"
                 fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
-                if prune and result["lowering"]:
-                    bad_mesh.setdefault(c.mesh_spec, result["error"])
+                if prune and result["lowering"] and first.get(c.mesh_spec) is c:
+                    bad_mesh[c.mesh_spec] = result["error"]  # the first of its mesh: the mesh's error
                 return
             report = result["report"] if "report" in result else _extrapolated(result)
             counts["extrapolated"] += "report" not in result
@@ -301,6 +304,8 @@ def plan(
         order = sorted(
             _interleaved(survivors), key=lambda c: (round(time_bound(c, share, 1), 9), c.accumulate or 1)
         )
+        for c in order:
+            first.setdefault(c.mesh_spec, c)
         jobs = []
         for c in order:
             job = job_of(c)

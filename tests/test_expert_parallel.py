@@ -223,7 +223,7 @@ def test_ep_refusals_name_the_culprit(ep2):
 
 def test_tp_plan_entries_for_the_experts_give_way_to_the_ep_plan(ep2_tp2):
     """tp2 x ep2: a tp plan that also splits the experts (as transformers' MoE plans do) leaves them to the ep plan
-    (said in print(step)); attention split over tp, experts whole in their ep rank, over ep only."""
+    (said in print(step)); attention split over tp, experts over ep and the tp axis it borrows (1 of 4 per rank)."""
     plan = {
         "model.layers.*.self_attn.q_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise",
@@ -239,7 +239,8 @@ def test_tp_plan_entries_for_the_experts_give_way_to_the_ep_plan(ep2_tp2):
         state.params["model.layers.0.mlp.experts.gate_up_proj"],
     )
     assert q.device_mesh.mesh_dim_names == ("tp",) and q.placements[0].is_shard(0), q
-    assert experts.device_mesh.mesh_dim_names == ("ep",) and experts.to_local().shape[0] == EXPERTS // 2
+    assert experts.device_mesh.mesh_dim_names == ("ep", "tp") and experts.to_local().shape[0] == EXPERTS // 4
+    assert "1 of 4 experts per rank (split over ep=2 x tp=2)" in repr(step), repr(step)
     with pytest.raises(ValueError, match="tp_plan entry 'model.layers.*.attn.q' matches no module"):
         _step(ep2_tp2, tp_plan={"model.layers.*.attn.q": "colwise"}).init(qwen(kv_heads=2))
 
@@ -250,9 +251,7 @@ def test_capacity_with_context_parallel_is_refused():
     model = qwen()
     set_capacity(model, 1.0)
     for mesh in _fake({"cp": 2, "ep": 2}):
-        with pytest.raises(
-            ValueError, match="capacity factor .* context parallel .* leave the capacity factor out"
-        ):
+        with pytest.raises(ValueError, match="capacity factor .* context or tensor parallel .*dropless"):
             _step(mesh).init(model)
 
 
@@ -331,8 +330,9 @@ def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process():
     ep group, the all-to-alls in each stage's forward and backward, the stage's params, the loss, the norm and the
     imbalance over both stages, the expert bias from the counts of every micro-batch; tp=2 x ep=2: the model's tp
     plan on attention, embeddings and head (its entries for the experts give way to the ep plan; the per-head
-    q/k norms' gradients summed over tp), experts over ep; cp=2 x ep=2: every rank's tokens its own part of each
-    sequence, the aux loss and the bias counted over ep x cp. To fp32 round-off (1e-6) against one process."""
+    q/k norms' gradients summed over tp), the experts split over ep x tp (one per rank), each tp rank dispatching
+    its share of the tokens; cp=2 x ep=2: experts over ep x cp, each rank dispatching its part of every sequence,
+    the aux loss and the bias counted over ep x cp. To fp32 round-off (1e-6) against one process."""
     configs = [
         "qwen:clip",
         "user:to=1",

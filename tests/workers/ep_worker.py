@@ -15,6 +15,7 @@ Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalan
 steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group.
 """
 
+import math
 import sys
 
 import torch
@@ -31,6 +32,7 @@ from accelfn.moe import (
     local_part,
     update_expert_bias,
 )
+from accelfn.transforms.shard.expert_parallel import expert_axes
 
 CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
 VOCAB, EXPERTS, TOPK = 64, 4, 2
@@ -246,24 +248,21 @@ def check(mesh, kind, options):
     )
     state = step.init(make_model(kind, to, bias, kv_heads=tp), seed=3)
     text = repr(step)
+    split = expert_axes(mesh)  # ep, and the tp and cp axes it borrows
+    per_rank = EXPERTS // math.prod(mesh.axis_size(a) for a in split)
     if (
         tp > 1
     ):  # the model's tp plan for attention and head; its entries for the experts give way to the ep plan
         assert "the experts follow the ep plan, not these tp plan entries" in text, text
         q = state.params["model.layers.0.self_attn.q_proj.weight"]
         assert q.device_mesh.mesh_dim_names == ("tp",) and q.placements[0].is_shard(0), q
-    assert (
-        "expert_parallel(ep=" in text
-        and f"{EXPERTS // mesh.axis_size('ep')} of {EXPERTS} experts per rank" in text
-    ), text
+    assert "expert_parallel(ep=" in text and f"{per_rank} of {EXPERTS} experts per rank" in text, text
     experts = [n for n in state.params if "experts" in n]
-    ep = mesh.axis_size("ep")
     for n in experts:
         p = state.params[n]
         names = p.device_mesh.mesh_dim_names
-        assert "ep" in names and p.placements[names.index("ep")].is_shard(), (n, p)
-        assert "tp" not in names, (n, p)  # the ep plan wins: experts whole in their ep rank
-        assert p.to_local().shape[0] == EXPERTS // ep // (2 if strategy == "fsdp" else 1), (n, p)
+        assert all(a in names and p.placements[names.index(a)].is_shard() for a in split), (n, p)
+        assert p.to_local().shape[0] == per_rank // (2 if strategy == "fsdp" else 1), (n, p)
     # bf16: the experts' rows in other groupings round otherwise; tp, cp, pp: round-off only (a tp-split norm's
     # gradient left unsummed is 3e-5 off after 2 steps)
     tol = 2e-2 if bf16 else 1e-6 if tp > 1 or cp or "pp" in options else 2e-5

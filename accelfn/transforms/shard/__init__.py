@@ -172,8 +172,10 @@ class Shard(TransformBase):
 
             inner = sync if sync is not None else LOCAL
             stages = mesh.group("pp") if pipeline is not None else None
-            # token counts add up over the ranks that see different tokens: the data axes and cp (not tp)
-            sync = ExpertParallelSync(inner, list(ep.dispatchers), mesh.grad_group(), stages)
+            from .expert_parallel import token_group
+
+            # the dispatchers' row counts add up over the ranks that route different rows: data axes, cp and tp
+            sync = ExpertParallelSync(inner, list(ep.dispatchers), token_group(mesh), stages)
         if pipeline is not None:  # the pp axis: the pipeline's sync over the data-parallel one
             sync = pipeline.wrap(sync if sync is not None else LOCAL)
         plan.grad_sync = sync

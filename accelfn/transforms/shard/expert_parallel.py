@@ -33,6 +33,7 @@ Example (one process: ep=1 keeps all experts on the rank):
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -189,8 +190,11 @@ class ExpertParallel(TransformBase):
             return  # initialised again, or an eval step on the training step's module
         if not has_meta(module):  # built on the meta device: the strategy allocates the shards (fsdp)
             move(module, self.mesh.device)
-        ep_mesh = self.mesh.submesh("ep")
-        group = self.mesh.group("ep")
+        axes = expert_axes(self.mesh)  # ep, and the tp and cp axes it borrows
+        split = math.prod(self.mesh.axis_size(a) for a in axes)
+        over = " x ".join(f"{a}={self.mesh.axis_size(a)}" for a in axes)
+        ep_mesh = self.mesh.submesh(*axes)
+        group = self.mesh.axes_group(axes)
         owners: dict[str, int] = {}
         for name, owner in stacked.items():
             p = module.get_parameter(name)
@@ -199,14 +203,15 @@ class ExpertParallel(TransformBase):
                 raise ValueError(
                     f"ep_plan: the params of {owner!r} stack different numbers of experts on dim 0"
                 )
-            if experts % self.size:
+            if experts % split:
+                borrowed = f" x the tp and cp axes it borrows: {over}, {split} ranks" if len(axes) > 1 else ""
                 raise ValueError(
-                    f"expert parallel: {name} stacks {experts} experts on dim 0, which ep={self.size} does not "
-                    f"divide (use an ep that divides {experts})"
+                    f"expert parallel: {name} stacks {experts} experts on dim 0, which ep={self.size}{borrowed} does "
+                    f"not divide (use sizes whose product divides {experts})"
                 )
             sub, _, leaf = name.rpartition(".")
-            # scattered from ep rank 0: every ep group holds one consistent set of experts
-            shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
+            # scattered from the first rank of the experts' group: every group holds one consistent set of experts
+            shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)] * len(axes))
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
         grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
         self.dispatchers.clear()
@@ -214,26 +219,109 @@ class ExpertParallel(TransformBase):
         for owner, experts in owners.items():
             m = module.get_submodule(owner)
             factor = getattr(m, CAPACITY, None)  # accelfn.moe.set_capacity
-            if factor is not None and "cp" in self.mesh.axis_names and self.mesh.axis_size("cp") > 1:
+            if factor is not None and len(axes) > 1:
                 raise ValueError(
                     f"expert parallel: {owner} has a capacity factor ({factor}), which drops rows first come first "
-                    "served in the global batch's order; context parallel gives each rank parts of every sequence, "
-                    f"not a run of that order: leave the capacity factor out (dropless) with cp (mesh "
-                    f"{dict(self.mesh.shape)})"
+                    "served in the global batch's order; under context or tensor parallel each rank dispatches "
+                    "parts of every sequence (cp) or of its rows (tp), not a run of that order: leave the capacity "
+                    f"factor out (dropless) with cp or tp (mesh {dict(self.mesh.shape)})"
                 )
             factors |= {factor} if factor is not None else set()
             data = self.mesh.data_group()
             self.dispatchers.append(
-                AllToAllDispatcher(group, experts, self.size, capacity_factor=factor, data_group=data)
+                AllToAllDispatcher(group, experts, split, capacity_factor=factor, data_group=data)
             )
-            m.forward = functools.partial(ep_forward, m, self.dispatchers[-1], grouped=grouped)
-        per = ", ".join(sorted({f"{e // self.size} of {e}" for e in owners.values()}))
+            if "tp" in axes:  # the tp ranks hold the same tokens: each dispatches its share of them
+                m.forward = functools.partial(
+                    tp_shared_forward, m, self.dispatchers[-1], self.mesh.group("tp"), grouped=grouped
+                )
+            else:
+                m.forward = functools.partial(ep_forward, m, self.dispatchers[-1], grouped=grouped)
+        per = ", ".join(sorted({f"{e // split} of {e}" for e in owners.values()}))
         plan.notes.append(
-            f"{len(owners)} experts module(s), {per} experts per rank, all-to-all dispatch, "
+            f"{len(owners)} experts module(s), {per} experts per rank"
+            + (f" (split over {over})" if len(axes) > 1 else "")
+            + ", all-to-all dispatch, "
             + (f"grouped GEMMs in {', '.join(str(d)[6:] for d in grouped)}, else " if grouped else "")
             + "per-expert loop"
             + "".join(f", capacity factor {f} (tokens over it dropped)" for f in sorted(factors))
         )
+
+
+def expert_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the experts are split over, in mesh order: `ep`, and the `tp` and `cp` axes (of size > 1) it
+    borrows, whose ranks then hold other experts too (torchtitan's ep over dp_shard x cp x tp)."""
+    return tuple(a for a in mesh.axis_names if a == "ep" or (a in ("tp", "cp") and mesh.axis_size(a) > 1))
+
+
+def token_group(mesh: Mesh) -> Any:
+    """The ranks whose dispatchers route different rows (their counts add up): the data axes, `cp` and `tp` (whose
+    ranks share out their tokens)."""
+    axes = tuple(a for a in mesh.axis_names if a in mesh.grad_axes or (a == "tp" and mesh.axis_size(a) > 1))
+    return mesh.axes_group(axes) if axes else None
+
+
+def _gather_rows(x: torch.Tensor, bounds: list[int], group: Any) -> torch.Tensor:
+    """Every rank's rows (rank i: `bounds[i+1] - bounds[i]` of them) concatenated, on every rank of `group`."""
+    n = len(bounds) - 1
+    most = max(bounds[i + 1] - bounds[i] for i in range(n))
+    padded = x.new_zeros((most, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((n * most, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return torch.cat([out[i * most : i * most + bounds[i + 1] - bounds[i]] for i in range(n)])
+
+
+class _Share(torch.autograd.Function):
+    """This tp rank's rows of a tensor every tp rank holds whole; the backward gathers every rank's rows' gradient,
+    so that each holds the whole gradient, as for any activation the tp ranks replicate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bounds: list[int], group: Any) -> torch.Tensor:
+        ctx.bounds, ctx.group = bounds, group
+        r = dist.get_rank(group)
+        return x[bounds[r] : bounds[r + 1]].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _gather_rows(grad.contiguous(), ctx.bounds, ctx.group), None, None
+
+
+class _Whole(torch.autograd.Function):
+    """Every tp rank's rows, whole on each; the backward keeps this rank's rows of the gradient (which every tp
+    rank holds whole and alike)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, bounds: list[int], group: Any) -> torch.Tensor:
+        ctx.bounds, ctx.group = bounds, group
+        return _gather_rows(y.contiguous(), bounds, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = dist.get_rank(ctx.group)
+        return grad[ctx.bounds[r] : ctx.bounds[r + 1]].contiguous(), None, None
+
+
+def tp_shared_forward(
+    module: nn.Module,
+    dispatcher: Any,
+    group: Any,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    grouped: tuple[torch.dtype, ...] = (),
+    **_: Any,
+) -> torch.Tensor:
+    """The experts' forward when ep borrows the `tp` axis (`group`): the tp ranks hold the same tokens, so each
+    dispatches its share of them (`accelfn.moe.ep_forward`) and the outputs are gathered back over `tp`."""
+    from ...moe import ep_forward
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    bounds = [hidden.shape[0] * i // n for i in range(n + 1)]
+    mine = top_k_index[bounds[r] : bounds[r + 1]]
+    out = ep_forward(module, dispatcher, _Share.apply(hidden, bounds, group), mine,
+                     _Share.apply(top_k_weights, bounds, group), grouped=grouped)  # fmt: skip
+    return _Whole.apply(out, bounds, group)  # type: ignore[no-any-return]
 
 
 @attrs.define(eq=False)
@@ -246,7 +334,7 @@ class ExpertParallelSync(TensorParallelSync):
     capacity factor, `moe_dropped`."""
 
     dispatchers: list[Any] = attrs.Factory(list)
-    data_group: Any = None  # the ranks that see different tokens (their counts add up): data axes and cp
+    data_group: Any = None  # the ranks that route different rows (their counts add up): `token_group`
     stages: Any = None  # under af.pipeline, its pp group: the metrics cover every stage's MoE layers
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:

@@ -222,13 +222,15 @@ def plan(
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
         best: list[float] = []  # the best fitting step time so far
-        ratios: list[float] = []  # each measured rank's compute over its share of the probe's
+        ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
 
         def lower(c: Candidate) -> float:
             """The probe's compute, scaled by the least ratio of a measured rank's compute to its share of it
-            (the probe's efficiency is a model's, not a bound: 4% above the 8B fsdp ranks'), 2% below."""
-            return time_bound(c, (probe_compute or 0.0) * min(ratios, default=0.0) * BOUND_SLACK, world)
+            (the probe's efficiency is a model's, not a bound: 4% above the 8B fsdp ranks'), 2% below; the
+            ratios of the candidate's own compile choice where one was measured (compiled: fewer kernels)."""
+            mine = ratios.get(c.compile) or [r for rs in ratios.values() for r in rs]
+            return time_bound(c, (probe_compute or 0.0) * min(mine, default=0.0) * BOUND_SLACK, world)
 
         def extrapolating(c: Candidate) -> bool:
             pp = c.mesh.get("pp", 1)
@@ -290,7 +292,7 @@ def plan(
                 return
             rows.append(row)
             if row.compute_s and probe_compute:
-                ratios.append(row.compute_s / (probe_compute / world))
+                ratios.setdefault(c.compile, []).append(row.compute_s / (probe_compute / world))
             if c.accumulate is not None:
                 group = _group(c)
                 fitting[group] = min(fitting.get(group, c.accumulate), c.accumulate)

@@ -324,7 +324,7 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
 
 
 @pytest.mark.slow
-def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process():
+def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process(tmp_path):
     """ep=4: 4 ranks exchange rows with each other; two of them receive no token (to=...). On the same processes:
     pp=2 x ep=2 (af.pipeline, 1F1B, 2 micro-batches, times 2 under accumulate): each stage's experts split over its
     ep group, the all-to-alls in each stage's forward and backward, the stage's params, the loss, the norm and the
@@ -332,18 +332,29 @@ def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process():
     plan on attention, embeddings and head (its entries for the experts give way to the ep plan; the per-head
     q/k norms' gradients summed over tp), the experts split over ep x tp (one per rank), each tp rank dispatching
     its share of the tokens; cp=2 x ep=2: experts over ep x cp, each rank dispatching its part of every sequence,
-    the aux loss and the bias counted over ep x cp. To fp32 round-off (1e-6) against one process."""
+    the aux loss and the bias counted over ep x cp. To fp32 round-off (1e-6) against one process. The tp2 x ep2
+    checkpoint (experts in pieces over ep x tp, attention over tp) loads at tp2 x ep2 and in one process, exactly."""
     configs = [
         "qwen:clip",
         "user:to=1",
         "qwen:mesh=pp=2,ep=2:pp:clip:bias",
         "qwen:mesh=pp=2,ep=2:pp:to=0:accumulate",
-        "qwen:mesh=tp=2,ep=2:clip:aux",
+        f"qwen:mesh=tp=2,ep=2:clip:aux:save={tmp_path / 'ckpt'}",
         "qwen:mesh=tp=2,ep=2:to=1:accumulate:bias",
         "qwen:mesh=cp=2,ep=2:clip:aux",
         "qwen:mesh=cp=2,ep=2:to=0:accumulate:bias",
     ]
     expect_ok(run_workers("ep_worker.py", 4, "ep=4", *configs, timeout=300), configs, 4)
+    from safetensors.torch import load_file
+
+    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(
+        qwen(layers=2, vocab=64, kv_heads=2)
+    )
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    want = load_file(tmp_path / "ckpt-full.safetensors")
+    assert sorted(loaded.params) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(loaded.params[k], v), k
 
 
 @pytest.mark.slow

@@ -394,3 +394,16 @@ def test_dry_run_of_the_example_at_deepseek_v3_shapes_on_256_h100s_counts_the_al
         sdpa + 5 * sdpa // 2
     )  # fwd + 2 bwd; sdpa bwd: 5
     assert report.flops_per_step == pytest.approx(expected, rel=0.01)
+
+
+def test_dry_run_of_dp2_tp2_ep4_dispatches_over_tp_x_ep():
+    """16 ranks on fake tensors (dp=2 x tp=2 x ep=4; ep borrows tp): the all-to-alls run over tp x ep (8 ranks,
+    4 per MoE layer and step), the tp ranks share out their tokens (all-gathers over tp), and the experts'
+    gradients are summed over dp only (each of the 8 ranks of a tp x ep group holds other experts)."""
+    report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "16"], nproc_per_node=8,
+                        nnodes=2, device="cpu", mesh="dp=2,tp=2,ep=4", search=False)  # fmt: skip
+    assert report.comm["all_to_all"]["tpxep"]["count"] == 8, report.comm
+    assert set(report.comm["all_to_all"]) == {"tpxep"}, report.comm
+    assert "tp" in report.comm["all_gather"], report.comm
+    assert "dp" in report.comm["all_reduce"], report.comm
+    assert "2 of 16 experts per rank (split over tp=2 x ep=4)" in report.strategy, report.strategy

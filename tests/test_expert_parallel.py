@@ -245,6 +245,11 @@ def test_tp_plan_entries_for_the_experts_give_way_to_the_ep_plan(ep2_tp2):
         _step(ep2_tp2, tp_plan={"model.layers.*.attn.q": "colwise"}).init(qwen(kv_heads=2))
 
 
+def test_sequence_parallel_with_ep_is_refused(ep2_tp2):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True with expert parallel \(ep=2, tp=2\)"):
+        _step(ep2_tp2, sequence_parallel=True)
+
+
 def test_capacity_with_context_parallel_is_refused():
     from accelfn.moe import set_capacity
 

@@ -300,6 +300,12 @@ def shard(
         raise ValueError(
             f"shard: ep_plan given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"
         )
+    if ep > 1 and sequence_parallel:
+        raise ValueError(
+            f"shard: sequence_parallel=True with expert parallel (ep={ep}, tp={tp}): the MoE layers would receive the "
+            "residual stream split over the sequence, which their router and dispatch do not take in this version; "
+            "leave it off (each tp rank then dispatches its share of the tokens)"
+        )
     if ep > 1 and (strategy, backend) not in [(s, "torch") for s in EP_STRATEGIES]:
         raise ValueError(
             f"shard: expert parallel (ep={ep} in mesh {mesh.shape}) combines with strategy 'ddp' or 'fsdp' (backend "

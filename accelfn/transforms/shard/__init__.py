@@ -237,9 +237,10 @@ def shard(
     (data-parallel for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their
     experts by all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
     (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it; see
-    `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, `ep` is an axis
-    beside them (each of its ranks a tp group, cp group or stage rank as without ep); the tp plan's entries for
-    the experts give way to the ep plan.
+    `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, the dense layers
+    see `ep` as a data axis beside them (each of its ranks a tp group, cp group or stage rank as without ep), and
+    the experts are split over `ep` and the `tp` and `cp` axes it borrows; the tp plan's entries for the experts
+    give way to the ep plan.
 
     Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
     every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned

@@ -13,10 +13,11 @@ base model's prefix), or as the user passes it, `af.shard(step, mesh, ep_plan={.
 Gradients: a dense param is summed over every data axis, ep included; an expert only over the data axes it is
 not split over (`contract.summed_axes`); the global norm counts each expert once (`ExpertParallelSync`).
 
-With other axes `ep` stands beside them: under `tp` the attention is split by the tp plan (whose entries for the
-experts give way to the ep plan: `ExpertParallel.without_experts`) and both ranks of a tp pair hold the same
-experts; under `cp` each rank dispatches its part of every sequence (the token counts add up over the data axes
-and cp); under `af.pipeline` each stage's experts are split over its own ep group (the metrics over every
+With other axes: the experts are split over `ep` and the `tp` and `cp` axes it borrows (`expert_axes`:
+torchtitan's ep over dp_shard x cp x tp). Under `tp` the attention is split by the tp plan (whose entries for the
+experts give way to the ep plan: `ExpertParallel.without_experts`), and the ranks of a tp group, holding the same
+tokens, each dispatch their share of them (`tp_shared_forward`); under `cp` each rank dispatches its part of every
+sequence; under `af.pipeline` each stage's experts are split over its own ep group (the metrics over every
 stage: `over_stages`).
 
 Example (one process: ep=1 keeps all experts on the rank):

@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ..losses import Loss
+from .groups import row_group
 
 __all__ = ["load_balancing_loss", "add_aux_loss", "router_z_loss"]
 
 
 def _sum_over(t: torch.Tensor, group: Any) -> torch.Tensor:
     t = t.detach().clone()
+    group = row_group(group)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
@@ -42,8 +44,9 @@ def load_balancing_loss(
     attention_mask: torch.Tensor | None = None,
     group: Any = None,
 ) -> torch.Tensor:
-    """This rank's share of the load-balancing loss of the global batch (`group`: the data-parallel ranks, e.g.
-    `mesh.data_group()`; None: this process's rows are the batch). `router_logits`: one [rows, E] per MoE
+    """This rank's share of the load-balancing loss of the global batch (`group`: the ranks whose rows add up to
+    it, best given as the mesh, `group=mesh`, which takes its data axes and `cp`; None: this process's rows are
+    the batch). `router_logits`: one [rows, E] per MoE
     layer; `attention_mask` [rows] (1 for real tokens) leaves padding out, as in `transformers`."""
     device = router_logits[0].device
     tokens = torch.zeros(num_experts, device=device)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..state import TrainState
+from .groups import row_group
 
 __all__ = [
     "register_expert_bias",
@@ -140,7 +141,7 @@ def update_expert_bias(
     state: TrainState, rate: float = 1e-3, group: Any = None
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The state with every router's `expert_bias` (or its own `e_score_correction_bias`) moved by `rate * sign(mean - count)` on the step's global
-    counts (`expert_tokens` summed over `group`, the data-parallel ranks: `mesh.data_group()`) and the counts
+    counts (`expert_tokens` summed over `group`: best `group=mesh`, its data axes and `cp`) and the counts
     zeroed; and `{"moe_tokens": [routers, E]}`, the global counts, to add to the step's metrics. Call once
     after each optimizer step, on every rank (a collective). ValueError on a state without the buffers."""
     routers = sorted(k[: -len(TOKENS) - 1] for k in state.buffers if k.endswith("." + TOKENS))
@@ -150,6 +151,7 @@ def update_expert_bias(
             "(or register_expert_bias in your router) before step.init(model)"
         )
     counts = torch.stack([_full(state.buffers[f"{r}.{TOKENS}"]) for r in routers])
+    group = row_group(group)
     if group is not None and dist.get_world_size(group) > 1:
         counts = counts.clone()
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)

@@ -232,7 +232,7 @@ def check(mesh, kind, options):
         ref_norms.append(m["grad_norm"].item())
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
 
-    tokens = mesh.grad_group()  # the ranks that see different tokens: the data axes and cp
+    tokens = mesh  # group=mesh: the ranks that see different tokens (the data axes and cp; accelfn.moe.row_group)
     step = af.train_step(aux_loss(tokens) if aux else loss, af.optim.sgd(0.5), clip_grad_norm=clip)
     if "accumulate" in options:
         step = af.accumulate(step, 2)

@@ -69,7 +69,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument(
-        "--layers", type=int, default=None, help="decoder layers (default: the model's): its shapes, fewer layers"
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the model's): its shapes, fewer layers",
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(

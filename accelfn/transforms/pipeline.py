@@ -38,7 +38,7 @@ from torch import nn
 from .. import dry_mode
 from .. import random as _random
 from .._typecheck import checked
-from ..dtensor import local_tensor
+from ..dtensor import is_dtensor, local_tensor
 from ..engine.batches import loss_parts, rows, split_batch
 from ..engine.contract import LOCAL, GradSync
 from ..engine.phases import StepRun, TrainPhases
@@ -151,6 +151,7 @@ class PipelineSync(GradSync):
     next_micro: dict[int, int] = attrs.Factory(dict)  # stage -> the micro-batch its next forward runs
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
     rank_loss: bool = False  # only the last stage computes the loss
+    entry_shapes: dict[tuple[int, ...], torch.Size] = attrs.Factory(dict)  # boundary: local shape -> global
 
     def __attrs_post_init__(self) -> None:
         # torch's pipelining allocates a module-level tensor when imported (`sum_reducer`'s 0.0): import it now,
@@ -250,9 +251,10 @@ class PipelineSync(GradSync):
                     if self.received_rng is not None and dry_mode.active() is None:
                         # dropout from here on draws what one process draws after the earlier stages
                         _random.set_generator_states(self.received_rng, self.plan.devices)
+                    received = _entering(self.plan.module, self.received, self.entry_shapes)
                     if args:
-                        return (self.received, *args[1:]), kwargs
-                    return args, {**kwargs, "hidden_states": self.received}
+                        return (received, *args[1:]), kwargs
+                    return args, {**kwargs, "hidden_states": received}
                 if self.active == stage - 1:  # the end of the running stage
                     raise _StageDone(_hidden(args, kwargs), _random.generator_states(self.plan.devices))
                 return None
@@ -308,10 +310,10 @@ class PipelineSync(GradSync):
         self.active, self.received = stage, (args[0] if stage > 0 else None)
         self.received_rng = args[1] if stage > 0 else None
         try:
-            with self._only([stage]), _random.seeded(key, plan.devices), plan.forward_context():
+            with self._only([stage]), _random.seeded(key, plan.devices), _inside_backward(plan):
                 out = plan.loss_call(plan.module, mb)
         except _StageDone as done:
-            return done.value, done.rng.to(self.mesh.device)
+            return _leaving(done.value), done.rng.to(self.mesh.device)
         finally:
             self.active, self.received, self.received_rng = None, None, None
         if stage != self.layout.n_stages - 1:
@@ -341,7 +343,9 @@ class PipelineSync(GradSync):
             with torch.no_grad(), self._only([]), plan.forward_context():
                 plan.loss_call(plan.module, mb)
         except _StageDone as done:
-            return done.value.detach().clone().requires_grad_(True), done.rng.to(self.mesh.device)
+            value = _local_shape(plan.module, done.value.detach())
+            self.entry_shapes[tuple(value.shape)] = done.value.shape
+            return value.clone().requires_grad_(True), done.rng.to(self.mesh.device)
         finally:
             self.active = None
         raise RuntimeError(
@@ -380,6 +384,55 @@ class PipelineSync(GradSync):
         schedule = cls(target, n_microbatches=lo.microbatches, loss_fn=_loss_is_output, scale_grads=False)
         self.cache[key] = schedule
         return schedule
+
+
+@contextlib.contextmanager
+def _inside_backward(plan: Plan) -> Iterator[None]:
+    """The forward's contexts for a stage's forward, which the schedule runs inside the backward's contexts: those
+    open already (tensor parallel's `loss_parallel`, which does not nest) are not entered again."""
+    with contextlib.ExitStack() as stack:
+        if plan.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(plan.autocast_device_type, dtype=plan.autocast_dtype))
+        for make in plan.forward_contexts:
+            if make not in plan.backward_contexts:
+                stack.enter_context(make())
+        yield
+
+
+def _entering(
+    module: nn.Module, received: torch.Tensor, shapes: dict[tuple[int, ...], torch.Size]
+) -> torch.Tensor:
+    """The activation a stage receives, as its first module takes it: under sequence parallel this rank's part
+    of the sequence, a DTensor again (`Shard(1)` over `tp`, recorded by tensor parallel's lowering), of the
+    global shape the probe found (a sequence `tp` does not divide is split unevenly)."""
+    layout = getattr(module, "_accelfn_residual_layout", None)
+    if layout is None or is_dtensor(received):
+        return received
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements = layout
+    shape = shapes.get(tuple(received.shape))
+    stride = torch.empty(shape, device="meta").stride() if shape is not None else None
+    return DTensor.from_local(received, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _leaving(value: torch.Tensor) -> torch.Tensor:
+    """What a stage sends: a DTensor's local part (differentiably: its gradient comes back as one)."""
+    return value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
+
+
+def _local_shape(module: nn.Module, probed: torch.Tensor) -> torch.Tensor:
+    """A probed boundary activation (the whole sequence: the probe bypasses every module) as this rank holds it."""
+    layout = getattr(module, "_accelfn_residual_layout", None)
+    if is_dtensor(probed):
+        return probed.to_local()  # type: ignore[attr-defined]
+    if layout is None:
+        return probed
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = layout
+    shape, _ = compute_local_shape_and_global_offset(probed.shape, mesh, placements)
+    return probed.new_zeros(shape)
 
 
 class _Static:
@@ -547,9 +600,6 @@ class Pipeline(TransformBase):
                 "stages of the same model (a wrong update or a KeyError, measured on torch 2.13): use "
                 "'interleaved_1f1b' or 'looped_bfs' with fsdp, or strategy='ddp' with the zero-bubble schedules",
             )  # fmt: skip
-        compile_ = find(others, "compile")
-        if compile_ is not None and getattr(compile_, "regions", "blocks") != "blocks":
-            raise conflict(self, compile_, "compile the blocks (regions='blocks'), not the whole step")
 
     def lower(self, plan: Plan) -> None:
         if plan.kind != "train":

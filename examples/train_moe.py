@@ -138,7 +138,9 @@ def main() -> None:
         with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
             model = make_model(args.experts, args.seed, args.model, args.layers)
         state = step.init(model, seed=args.seed)
-        loader = af.data.DataLoader(make_data(512, args.seq, args.seed), batch_size=args.batch_size, mesh=mesh,
+        # enough rows that every data-parallel rank gets batches (a dry run on 1,024 ranks)
+        rows = max(512, 2 * args.batch_size * mesh.data_size)
+        loader = af.data.DataLoader(make_data(rows, args.seq, args.seed), batch_size=args.batch_size, mesh=mesh,
                                     shuffle=True, seed=args.seed, drop_last=True)  # fmt: skip
         if mesh.is_main:
             print(step)

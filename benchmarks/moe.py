@@ -12,7 +12,7 @@ gemm    one process: `accelfn.moe.local_experts` on the same rows, grouped (`tor
         runs on CPU too, though no platform picks it there) vs the loop, forward + backward.
 dryrun  `accelfn dry-run --nproc-per-node 8 --gpu h100` of examples/train_moe.py (meta device, bf16, full remat,
         4096-token rows, `--batch-size` rows per rank): Qwen3-235B-A22B on 8 nodes over the meshes a user would
-        try (fsdp only; ep=8 in a node with efsdp across nodes, at 1, 2 and 4 rows; ep=16/32/64 across nodes), and
+        try (fsdp only; ep=8 in a node with efsdp across nodes, at 1 to 4 rows; ep=16/32/64 across nodes), and
         DeepSeek-V3 (671B) on 32 and 128 nodes (`DRYRUNS`; `--only 235b` or `--only deepseek`); ~1-5 min each.
         The all-to-alls' bus bytes are split into what crosses the network and what stays on NVLink.
 """
@@ -127,6 +127,7 @@ DRYRUNS = [  # model, nodes of 8, mesh, rows per rank, strategy (fsdp: the exper
     ("235b-a22b", 8, "fsdp=64", 1, "fsdp"),
     ("235b-a22b", 8, "fsdp=8,ep=8", 1, "fsdp"),
     ("235b-a22b", 8, "fsdp=8,ep=8", 2, "fsdp"),
+    ("235b-a22b", 8, "fsdp=8,ep=8", 3, "fsdp"),
     ("235b-a22b", 8, "fsdp=8,ep=8", 4, "fsdp"),
     ("235b-a22b", 8, "fsdp=4,ep=16", 1, "fsdp"),
     ("235b-a22b", 8, "fsdp=2,ep=32", 1, "fsdp"),

@@ -15,9 +15,11 @@ from tests._launch import expect_ok, output_of, run_workers
 @pytest.mark.slow
 def test_tp2_alone_equals_one_process():
     # the decoders run with sequence and loss parallel, their default; "no..." turns them off. compile:blocks without
-    # them is torch 2.13's lost gradient of an AsyncCollectiveTensor input (af.compile waits for it first)
+    # them is torch 2.13's lost gradient of an AsyncCollectiveTensor input (af.compile waits for it first).
+    # remat:compile is torchtitan's Table 5 combination (full AC, per-block compile, sequence parallel): each block's
+    # forward compiled inside its checkpoint (the checkpoint inside the graph saved a DeviceMesh on torch 2.13)
     configs = ["llama", "starcoder2", "mistral", "qwen2", "mlp", "mlp:userstyles", "llama:accumulate", "llama:remat",
-               "llama:bf16", "llama:compile", "llama:compile:blocks", "llama:compile:blocks:noseqparallel:nolossparallel",
+               "llama:remat:compile", "llama:bf16", "llama:compile", "llama:compile:blocks", "llama:compile:blocks:noseqparallel:nolossparallel",
                "llama:noseqparallel:nolossparallel",
                "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
                "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip

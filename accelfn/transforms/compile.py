@@ -74,6 +74,24 @@ def _plain(x: Any) -> Any:
     return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
 
 
+def _holds_dtensors(module: nn.Module) -> bool:
+    """Whether tensor parallel split the module's parameters (DTensors; compile lowers before FSDP2 wraps)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _checkpoint_outside(block: nn.Module) -> bool:
+    """Whether the block's compiled region goes inside its `af.remat` checkpoint rather than around it.
+
+    torchtitan compiles the checkpoint-wrapped block; on torch 2.13, with DTensors in the block (tensor
+    parallel), AOTAutograd's graph of the checkpoint saves a `DeviceMesh` for the backward and fails ("expected
+    all tensors_saved_with_vc_check to be Tensors"). There the block's own forward is compiled and the
+    checkpoint stays eager around it: the same recomputation, the compiled forward run again in the backward.
+    """
+    return getattr(block, "_accelfn_remat_inner", None) is not None and _holds_dtensors(block)
+
+
 def _compile_block(block: nn.Module, kwargs: dict[str, Any]) -> None:
     """`block.compile(**kwargs)` (in place: hooks added later, FSDP2's, run inside it), entered with plain tensors.
 
@@ -81,7 +99,22 @@ def _compile_block(block: nn.Module, kwargs: dict[str, Any]) -> None:
     autograd then hands zeros as a plain tensor to DTensor's `Redistribute.backward` (an `AttributeError:
     '_local_tensor'` under tensor parallel) or the tensor before it gets no gradient at all (measured in
     tests/test_tensor_parallel.py). Waiting for the collective eagerly, before the compiled call, avoids it.
+    A block `af.remat` checkpointed under tensor parallel has its forward compiled inside the checkpoint
+    (`_checkpoint_outside`).
     """
+    if _checkpoint_outside(block):
+        from .remat import compile_inside
+
+        def wrap(forward: Any) -> Any:
+            compiled_forward = torch.compile(forward, **kwargs)
+
+            def call(*args: Any, **kw: Any) -> Any:
+                return compiled_forward(*[_plain(a) for a in args], **{k: _plain(v) for k, v in kw.items()})
+
+            return call
+
+        compile_inside(block, wrap)
+        return
     block.compile(**kwargs)
     compiled = block._compiled_call_impl
     assert compiled is not None
@@ -127,21 +160,29 @@ class Compile(TransformBase):
             and getattr(shard, "backend", "torch") == "torch"
         )
         pipeline = any(t.kind == "pipeline" for t in plan.transforms)
-        if (fsdp or pipeline) and self.regions is None:
-            plan.notes.append(f"compile per block under {'a pipeline' if pipeline else 'fsdp'}")
+        remat_tp = _holds_dtensors(plan.module) and any(
+            t.kind == "activation_checkpointing" and getattr(t, "memory_budget", None) is None
+            for t in plan.transforms
+        )  # a whole-step graph would hold the checkpoints (`_checkpoint_outside`)
+        if (fsdp or pipeline or remat_tp) and self.regions is None:
+            why = "a pipeline" if pipeline else "fsdp" if fsdp else "remat with tensor parallel"
+            plan.notes.append(f"compile per block under {why}")
             Compile(self.options, "blocks").lower(plan)
             return
         if self.regions == "blocks":
             plan.forward_contexts.append(_dynamo_settings_for_blocks)
             plan.backward_contexts.append(_dynamo_settings_for_blocks)
             name, blocks = find_blocks(plan.module)
-            compiled = 0
+            compiled = inside = 0
             for block in blocks:
                 if _untraceable(block):
                     continue
+                inside += _checkpoint_outside(block)
                 _compile_block(block, kwargs)
                 compiled += 1
             plan.notes.append(f"compiled {compiled}/{len(blocks)} blocks of {name or 'the model'}")
+            if inside:
+                plan.notes.append(f"{inside} compiled inside their remat checkpoint (tensor parallel)")
             if compiled < len(blocks):
                 warnings.warn(
                     "af.compile: blocks holding Transformer Engine modules stay eager (TE layers are graph "

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ..engine import Plan
     from ..lowering import Transform
 
-__all__ = ["remat", "find_remat_blocks", "SELECTIVE_SAVE"]
+__all__ = ["remat", "find_remat_blocks", "compile_inside", "SELECTIVE_SAVE"]
 
 POLICIES = ("full", "selective")
 
@@ -211,19 +211,38 @@ def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> N
     decide = _policy_fn(policy)
     context_fn = functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
 
+    inner = [original]  # what the checkpoint runs: the block's own forward, or it compiled (compile_inside)
+
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
+            return inner[0](*args, **kwargs)
         modes = _function_modes()
         fn = functools.partial(_recompute_under, modes, context_fn) if modes else context_fn
         extra: dict[str, Any] = {"context_fn": fn} if fn is not None else {}
         if drop_cache is not None:
             args, kwargs = drop_cache(args, kwargs)
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(inner[0], *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     object.__setattr__(block, "forward", forward)
     object.__setattr__(block, "_accelfn_remat", policy)
+    object.__setattr__(block, "_accelfn_remat_inner", inner)
+
+
+def compile_inside(block: nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Run `wrap(forward)` (a compiled forward) inside a block's checkpoint: the compiled region is the block's
+    own forward and the checkpoint stays eager around it, recomputing the compiled forward in the backward.
+
+    Example:
+        >>> import torch
+        >>> block = torch.nn.Linear(2, 2)
+        >>> checkpoint_in_place(block, "full")
+        >>> compile_inside(block, lambda f: f)
+    """
+    inner = getattr(block, "_accelfn_remat_inner", None)
+    if inner is None:
+        raise ValueError(f"compile_inside: {type(block).__name__} is not checkpointed by af.remat")
+    inner[0] = wrap(inner[0])
 
 
 @attrs.frozen(eq=False)

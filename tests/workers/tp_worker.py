@@ -7,7 +7,7 @@ biases, GELU MLP, tied embeddings; its own plan), mistral, qwen2, mlp (a user pl
 lossparallel / seqparallel (passed True), nolossparallel / noseqparallel (passed False; neither: the default,
 on for the transformers decoders), fp8, loader (inputs from af.data.DataLoader), compile (aot_eager; per block
 under fsdp), blocks (with compile: regions="blocks"), sgd (SGD with momentum instead of AdamW),
-remat, bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
+remat (with compile: full activation checkpointing around each compiled block, torchtitan's Table 5), bf16 (autocast; compared with the single process under the same autocast), userstyles (torch ParallelStyle objects in the plan), save=<folder> (save the final state there).
 """
 
 import sys
@@ -153,7 +153,9 @@ def check(mesh, kind, options):
         step = af.compile(step, backend="aot_eager", regions="blocks" if "blocks" in options else None)
     state = step.init(make_model(kind), seed=3)
     assert "tensor parallel tp=" in repr(step), repr(step)
-    per_block = "compile" in options and ("blocks" in options or strategy != "ddp")
+    # compiled per block: asked, or under fsdp, or with remat (the checkpoint stays eager around each block's graph)
+    per_block = "compile" in options and ("blocks" in options or strategy != "ddp" or "remat" in options)
+    assert ("compiled inside their remat checkpoint" in repr(step)) == (per_block and "remat" in options)
     assert ("compiled 2/2 blocks of model.layers" in repr(step)) == per_block, repr(step)
     assert ("loss on vocabulary shards (lm_head)" in repr(step)) == lp, repr(step)
     assert ("float8 tensor-parallel styles (torchao) on 14 modules" in repr(step)) == (fp8 and not sp), repr(
@@ -184,11 +186,18 @@ def check(mesh, kind, options):
                 getattr(out[0] if isinstance(out, tuple) else out, "placements", None)
             )
         )
+    runs = []  # remat + compile: the compiled block forward runs inside the checkpoint, again in the backward
+    if per_block and "remat" in options:
+        inner = step.model.model.layers[0]._accelfn_remat_inner
+        compiled_forward = inner[0]
+        inner[0] = lambda *a, **k: (runs.append(torch.is_grad_enabled()), compiled_forward(*a, **k))[1]
     losses, norms = [], []
     for b in data:
         state, m = step(state, b)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
+    if runs:  # each step: the forward, then the recomputation in the backward
+        assert len(runs) == 2 * len(data) * (2 if "accumulate" in options else 1), runs
     if sp:
         from torch.distributed.tensor import Shard
 

@@ -86,7 +86,8 @@ def _checkpoint_outside(block: nn.Module) -> bool:
 
     torchtitan compiles the checkpoint-wrapped block; on torch 2.13, with DTensors in the block (tensor
     parallel), AOTAutograd's graph of the checkpoint saves a `DeviceMesh` for the backward and fails ("expected
-    all tensors_saved_with_vc_check to be Tensors"). There the block's own forward is compiled and the
+    all tensors_saved_with_vc_check to be Tensors"): sequence parallel's redistributions at the block's entry
+    (measured: without sequence parallel the other order passes). There the block's own forward is compiled and the
     checkpoint stays eager around it: the same recomputation, the compiled forward run again in the backward.
     """
     return getattr(block, "_accelfn_remat_inner", None) is not None and _holds_dtensors(block)

@@ -313,10 +313,12 @@ def test_ep2_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
+def test_fsdp2_x_ep2_on_four_processes_equals_one_process(tmp_path):
     """ddp: experts summed over the other data axis only (each ep rank holds other experts: not ep x too large);
     fsdp: dense layers sharded over all 4 ranks, experts FSDP-sharded over fsdp within their ep rank (efsdp);
-    the norm counting each expert once."""
+    the norm counting each expert once. With 2 experts (1 per ep rank, efsdp=2 > 1) the experts are sharded on
+    dim 1 over efsdp, no rank holding padding (torchtitan's layout), and their checkpoint saves and loads exactly
+    at that layout and in one process."""
     configs = [
         "qwen:clip",
         "user:to=0",
@@ -324,8 +326,20 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process():
         "qwen:fsdp:clip:to=1",
         "user:fsdp:to=0",
         "qwen:fsdp:aux",
+        f"qwen:fsdp:experts=2:clip:save={tmp_path / 'ckpt'}",
+        "user:fsdp:experts=2",
     ]
     expect_ok(run_workers("ep_worker.py", 4, "fsdp=2,ep=2", *configs, timeout=300), configs, 4)
+    from safetensors.torch import load_file
+
+    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(
+        qwen(layers=2, vocab=64, experts=2)
+    )
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
+    want = load_file(tmp_path / "ckpt-full.safetensors")
+    assert sorted(loaded.params) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(loaded.params[k], v), k
 
 
 @pytest.mark.slow

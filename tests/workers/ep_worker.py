@@ -10,7 +10,9 @@ FSDP-sharded over the data axes but ep), repeat (a second run is bitwise the sam
 mesh=<axes> (this config on another mesh of the same processes than the first argument's, e.g. mesh=pp=2,ep=2;
 with a tp axis: the model's tp plan on attention, embeddings and head, 2 kv heads),
 pp (af.pipeline over the mesh's pp axis, 2 micro-batches of 1F1B: each stage's experts split over its ep group),
-bias (aux-loss-free balancing: the expert bias updated after each step from the global counts, vs one process).
+bias (aux-loss-free balancing: the expert bias updated after each step from the global counts, vs one process),
+experts=<n> (n experts instead of 4; under fsdp with fewer local experts than efsdp ranks: checked sharded on dim 1
+over efsdp, with no padding).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
 steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group.
 """
@@ -205,6 +207,8 @@ def check_identity(mesh):
 
 
 def check(mesh, kind, options):
+    global EXPERTS
+    EXPERTS = next((int(o[8:]) for o in options if o.startswith("experts=")), 4)
     strategy = "fsdp" if "fsdp" in options else "ddp"
     to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
     clip = 0.05 if "clip" in options else 1e9
@@ -232,7 +236,9 @@ def check(mesh, kind, options):
         ref_norms.append(m["grad_norm"].item())
         ref_params.append({k: v.clone() for k, v in ref.params.items()})
 
-    tokens = mesh  # group=mesh: the ranks that see different tokens (the data axes and cp; accelfn.moe.row_group)
+    tokens = (
+        mesh  # group=mesh: the ranks that see different tokens (the data axes and cp; accelfn.moe.row_group)
+    )
     step = af.train_step(aux_loss(tokens) if aux else loss, af.optim.sgd(0.5), clip_grad_norm=clip)
     if "accumulate" in options:
         step = af.accumulate(step, 2)
@@ -262,7 +268,24 @@ def check(mesh, kind, options):
         p = state.params[n]
         names = p.device_mesh.mesh_dim_names
         assert all(a in names and p.placements[names.index(a)].is_shard() for a in split), (n, p)
-        assert p.to_local().shape[0] == per_rank // (2 if strategy == "fsdp" else 1), (n, p)
+        if (
+            strategy == "fsdp"
+        ):  # FSDP2 over the other data axes (efsdp): dim 1 where the local experts are fewer
+            efsdp = [a for a in names if a not in split]
+            size = math.prod(mesh.axis_size(a) for a in efsdp)
+            dim = 0 if per_rank % size == 0 else 1
+            on = [getattr(p.placements[names.index(a)], "dim", None) for a in efsdp]  # Shard or _StridedShard
+            assert efsdp and on == [dim] * len(efsdp), (n, p.placements)
+            # no padding: every rank holds 1/efsdp of its ep rank's experts (a padded dim 0 gives ranks more or none)
+            assert p.to_local().numel() * size * (EXPERTS // per_rank) == p.numel(), (n, p.to_local().shape)
+            assert p.to_local().shape[0] == (per_rank // size if dim == 0 else per_rank), (
+                n,
+                p.to_local().shape,
+            )
+        else:
+            assert p.to_local().shape[0] == per_rank, (n, p)
+    if strategy == "fsdp" and per_rank == 1:
+        assert "experts FSDP-sharded on dim 1" in text, text
     # bf16: the experts' rows in other groupings round otherwise; tp, cp, pp: round-off only (a tp-split norm's
     # gradient left unsummed is 3e-5 off after 2 steps)
     tol = 2e-2 if bf16 else 1e-6 if tp > 1 or cp or "pp" in options else 2e-5

@@ -12,7 +12,7 @@ Buffers are broadcast from the first rank before each step, as with ddp.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -38,6 +38,8 @@ from .common import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import Shard as TorchShard
+
     from ...engine import Plan
     from . import Shard
 
@@ -173,6 +175,32 @@ def uniform_dtype_parts(unit: nn.Module) -> list[nn.Module]:
     return parts
 
 
+def expert_placement(efsdp: int) -> Callable[[nn.Parameter], TorchShard]:
+    """FSDP2's placement over the `efsdp` ranks for a param stacked over experts: `Shard(1)` where this rank's
+    local experts (dim 0 of its piece) do not divide by `efsdp` and dim 1 does, else `Shard(0)`.
+
+    FSDP2 pads dim 0 to a multiple of the ranks: 4 local experts over efsdp=16 would be 16 rows, 4x the experts'
+    memory on the first ranks and 4x their all-gather and reduce-scatter bytes. torchtitan shards on dim 1 when
+    `efsdp x ep > experts` (efsdp above the local experts); this rule also takes a local count efsdp does not
+    divide (3 over 2). FSDP2 refuses uneven shards on dim 1: where dim 1 does not divide, dim 0 stays (padded).
+
+    Example:
+        >>> import torch
+        >>> place = expert_placement(4)
+        >>> place(nn.Parameter(torch.zeros(2, 16, 8))), place(nn.Parameter(torch.zeros(8, 16, 8)))
+        (Shard(dim=1), Shard(dim=0))
+    """
+    from torch.distributed.tensor import Shard
+
+    def place(p: nn.Parameter) -> TorchShard:
+        local = local_tensor(p).shape
+        if len(local) > 1 and local[0] % efsdp and local[1] % efsdp == 0:
+            return Shard(1)
+        return Shard(0)
+
+    return place
+
+
 def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -219,8 +247,17 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             fully_shard(part, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
+    on_dim1: set[tuple[int, int]] = set()  # (efsdp, local experts) of the experts sharded on dim 1
     for unit, axes in split_units(mesh, plan.module):  # experts: over the data axes but ep (efsdp)
-        fully_shard(unit, mesh=mesh.submesh(*axes), mp_policy=mp, reshard_after_forward=reshard)
+        efsdp = mesh.submesh(*axes)
+        ranks = efsdp.size(efsdp.ndim - 1)  # the shard dim (a 2-d mesh replicates over its first, as hsdp)
+        place = expert_placement(ranks)
+        on_dim1 |= {(ranks, local_tensor(p).shape[0]) for p in unit.parameters() if place(p).dim == 1}
+        fully_shard(unit, mesh=efsdp, mp_policy=mp, reshard_after_forward=reshard, shard_placement_fn=place)
+    for ranks, local in sorted(on_dim1):
+        plan.notes.append(
+            f"experts FSDP-sharded on dim 1 over efsdp={ranks} ({local} local experts: no padding)"
+        )
     try:
         _, blocks = find_blocks(plan.module)
         for block in blocks:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import dry_mode
 from ...materialize import has_meta
 from ...mesh import Mesh
 from ...module import move
@@ -214,7 +215,8 @@ class ExpertParallel(TransformBase):
             # scattered from the first rank of the experts' group: every group holds one consistent set of experts
             shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)] * len(axes))
             setattr(module.get_submodule(sub), leaf, nn.Parameter(shard, requires_grad=p.requires_grad))
-        grouped = self.mesh.platform.grouped_mm_dtypes()  # the experts' GEMMs: grouped where native
+        modelled = dry_mode.grouped_mm_dtypes()  # a dry run of a GPU job: as on that device, not the host
+        grouped = modelled if modelled is not None else self.mesh.platform.grouped_mm_dtypes()
         self.dispatchers.clear()
         factors: set[float] = set()
         for owner, experts in owners.items():

@@ -117,7 +117,10 @@ def main() -> None:
         "--model", choices=["tiny", *MODELS], default="tiny", help="Qwen3-MoE shape (tiny: --experts)"
     )
     p.add_argument(
-        "--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: experts sharded over efsdp"
+        "--strategy",
+        choices=["ddp", "fsdp", "hsdp"],
+        default="ddp",
+        help="fsdp, hsdp: experts sharded over efsdp",
     )
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     p.add_argument("--init", choices=["host", "meta"], default="host", help="meta: build on the meta device")

@@ -211,8 +211,12 @@ def test_ep_refusals_name_the_culprit(ep2):
         _step(ep2).init(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="stacks 3 experts on dim 0, which ep=2 does not divide"):
         _step(ep2).init(qwen(experts=3))
-    with pytest.raises(ValueError, match="combines with strategy 'ddp' or 'fsdp'.*not strategy='local_sgd'"):
+    with pytest.raises(
+        ValueError, match="combines with strategy 'ddp', 'fsdp' or 'hsdp'.*not strategy='local_sgd'"
+    ):
         _step(ep2, strategy="local_sgd")
+    with pytest.raises(ValueError, match="not strategy='fsdp', backend='deepspeed'"):
+        _step(ep2, strategy="fsdp", backend="deepspeed")
     with pytest.raises(ValueError, match="FSDP-sharded over the data axes other than ep.*has none"):
         _step(ep2, strategy="fsdp")
     with pytest.raises(
@@ -465,3 +469,50 @@ def test_dry_run_of_fsdp4_ep4_shards_two_local_experts_on_dim_1_without_padding(
         report.comm
     )  # 2 layers: forward, backward; gradients
     assert gather["bytes"] == 4 * one_layer and scatter["bytes"] == 2 * one_layer, report.comm
+
+
+def test_dry_run_of_hsdp_dp2_fsdp4_ep2_shards_the_experts_over_fsdp_and_replicates_them_over_dp():
+    """16 ranks on fake tensors (dp=2 x fsdp=4 x ep=2, strategy hsdp, 8 experts: 4 per ep rank): the dense layers
+    sharded over fsdp x ep (8 ranks) and replicated over dp; the experts split over ep, then sharded over fsdp
+    (1 of each ep rank's 4 experts per rank) and replicated over dp. Their gradients: reduce-scattered over fsdp
+    (each MoE layer's 4 local experts), then every rank's gradient shards all-reduced over dp, never over ep.
+    The reference: the model's params counted here."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "8", "--strategy", "hsdp"],
+                        nproc_per_node=8, nnodes=2, device="cpu", mesh="dp=2,fsdp=4,ep=2", search=False)  # fmt: skip
+    assert "shard(hsdp, dp=2, fsdp=4, ep=2)" in report.strategy, report.strategy
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip (the example's)
+    with torch.device("meta"):
+        params = dict(Qwen3MoeForCausalLM(cfg).named_parameters())
+    experts = {n: p for n, p in params.items() if ".experts." in n}
+    assert len(experts) == 4  # gate_up_proj, down_proj of 2 layers
+    dense = sum(-(-p.shape[0] // 8) * p[0].numel() * 4 for n, p in params.items() if n not in experts)
+    expert_bytes = sum(p.numel() * 4 for p in experts.values()) // 2 // 4  # E/ep experts, then / fsdp
+    assert report.per_rank["params"] == dense + expert_bytes, report.per_rank
+    one_layer = (
+        sum(p.numel() * 4 for n, p in experts.items() if ".layers.0." in n) // 2
+    )  # an ep rank's 4 experts
+    gather, scatter = report.comm["all_gather"]["fsdp"], report.comm["reduce_scatter"]["fsdp"]
+    assert (gather["count"], scatter["count"]) == (4, 2), (
+        report.comm
+    )  # 2 layers: forward, backward; gradients
+    assert gather["bytes"] == 4 * one_layer and scatter["bytes"] == 2 * one_layer, report.comm
+    assert report.comm["reduce_scatter"]["fsdpxep"]["count"] == 3, report.comm  # dense: 2 blocks + root
+    reduce = report.comm["all_reduce"]["dp"]  # each rank's gradient shards, experts' and dense, once over dp
+    assert (reduce["count"], reduce["bytes"]) == (2 + 3, report.per_rank["params"]), report.comm
+    # no gradient over ep (nor over the whole world: that one carries the loss, the count and the norm's scalars)
+    assert set(report.comm["all_reduce"]) == {"dp", "dpxfsdpxep"}, report.comm
+    assert report.comm["all_reduce"]["dpxfsdpxep"]["bytes"] < 1024, report.comm

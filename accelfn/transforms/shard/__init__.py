@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["shard", "STRATEGIES"]
 
 NOT_SPLIT: dict[str, str] = {}  # mesh axes af.shard refuses to split over (none at present)
-EP_STRATEGIES = ("ddp", "fsdp")  # what expert parallel combines with in this version
+EP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # what expert parallel combines with in this version
 DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
 _LOCAL_SGD_WHOLE = "local SGD averages whole replicas"
 
@@ -309,8 +309,8 @@ def shard(
         )
     if ep > 1 and (strategy, backend) not in [(s, "torch") for s in EP_STRATEGIES]:
         raise ValueError(
-            f"shard: expert parallel (ep={ep} in mesh {mesh.shape}) combines with strategy 'ddp' or 'fsdp' (backend "
-            f"'torch') in this version, not strategy={strategy!r}, backend={backend!r}"
+            f"shard: expert parallel (ep={ep} in mesh {mesh.shape}) combines with strategy 'ddp', 'fsdp' or "
+            f"'hsdp' (backend 'torch') in this version, not strategy={strategy!r}, backend={backend!r}"
         )
     others = [a for a in mesh.data_axes if a != "ep" and mesh.axis_size(a) > 1]
     if ep > 1 and strategy == "fsdp" and not others:

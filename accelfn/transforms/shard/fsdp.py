@@ -12,6 +12,7 @@ Buffers are broadcast from the first rank before each step, as with ddp.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -38,9 +39,11 @@ from .common import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard as TorchShard
 
     from ...engine import Plan
+    from ...mesh import Mesh
     from . import Shard
 
 
@@ -201,13 +204,38 @@ def expert_placement(efsdp: int) -> Callable[[nn.Parameter], TorchShard]:
     return place
 
 
+def hsdp_mesh(mesh: Mesh) -> DeviceMesh:
+    """The 2-D mesh HSDP puts the dense params on: replicated over `dp`, sharded over the other gradient axes
+    (`fsdp`, and `ep`, whose ranks are data-parallel ranks for the dense layers, flattened into one shard dim), as
+    strategy "fsdp" shards them over every gradient axis and torchtitan carves ep from the shard axis.
+
+    Example (a dp=2 x fsdp=2 x ep=2 mesh): `hsdp_mesh(mesh).mesh_dim_names == ("dp", "fsdp_ep")`, of shape (2, 4).
+    """
+    axes = tuple(a for a in mesh.grad_axes if a != "dp")
+    if axes == ("fsdp",):
+        return mesh.submesh("dp", "fsdp")
+    if mesh.grad_axes[0] != "dp":
+        raise ValueError(
+            f"shard(strategy='hsdp') with {axes}: name 'dp' before them in the mesh (it replicates, outermost), "
+            f"e.g. af.Mesh({{'dp': 2, 'fsdp': 2, 'ep': 2}}); got {mesh.shape}"
+        )
+    name = mesh._flattened(axes).mesh_dim_names  # the shard dim, flattened once and kept by the mesh
+    assert name is not None
+    with (
+        warnings.catch_warnings()
+    ):  # slicing it from the root reuses the mesh's groups (an _unflatten makes new ones)
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        return mesh.torch_mesh["dp", name[0]]
+
+
 def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = shard.mesh
     # the gradient group: the data axes, and the context-parallel axis (its ranks hold parts of each gradient)
     data_group = mesh.grad_group()
-    shard_group = mesh.group("fsdp") if shard.strategy == "hsdp" else data_group
+    hsdp = hsdp_mesh(mesh) if shard.strategy == "hsdp" else None
+    shard_group = hsdp.get_group(1) if hsdp is not None else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
         return FSDPSync(plan.module, data_group, shard_group)
@@ -225,8 +253,8 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             )
     else:  # experts split over ep: among the ranks that hold the same ones
         broadcast_from_first(plan.module, data_group, split_groups(mesh, plan.module), NOT_SUMMED)
-    if shard.strategy == "hsdp":
-        fsdp_mesh = mesh.submesh("dp", "fsdp")
+    if hsdp is not None:
+        fsdp_mesh = hsdp
     else:
         grad_mesh = mesh.grad_mesh()
         assert (

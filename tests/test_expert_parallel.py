@@ -347,6 +347,17 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_hsdp_dp2_fsdp2_ep2_on_eight_processes_equals_one_process():
+    """strategy hsdp x ep: dense layers replicated over dp and sharded over fsdp x ep (4 ranks); the experts split
+    over ep, replicated over dp and FSDP-sharded over fsdp (on dim 1 with 2 experts: 1 per ep rank over fsdp=2);
+    their gradients summed over dp and fsdp only; the norm counting each expert once; clipping, a router sending
+    every token to one ep rank. Loss, grad norm and every param after 2 SGD steps vs one
+    process on the global batch."""
+    configs = ["qwen:hsdp:clip", "user:hsdp:to=0", "qwen:hsdp:experts=2:clip"]
+    expect_ok(run_workers("ep_worker.py", 8, "dp=2,fsdp=2,ep=2", *configs, timeout=400), configs, 8)
+
+
+@pytest.mark.slow
 def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process(tmp_path):
     """ep=4: 4 ranks exchange rows with each other; two of them receive no token (to=...). On the same processes:
     pp=2 x ep=2 (af.pipeline, 1F1B, 2 micro-batches, times 2 under accumulate): each stage's experts split over its

@@ -6,7 +6,8 @@ Each config is `model[:option...]`: model in qwen (a tiny transformers Qwen3-MoE
 user-written MoE module with its own plan and local expert forward); options: clip (a clipping norm that
 clips), aux (plus the load-balancing loss of the global batch, vs transformers' aux_loss in one process),
 bf16 (af.autocast, vs one process under it), accumulate (2 micro-batches), remat (full activation checkpointing), fsdp (strategy "fsdp": the experts
-FSDP-sharded over the data axes but ep), repeat (a second run is bitwise the same), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none),
+FSDP-sharded over the data axes but ep), hsdp (strategy "hsdp": dense params replicated over dp and sharded over fsdp x ep,
+the experts split over ep, replicated over dp and sharded over fsdp), repeat (a second run is bitwise the same), save=<folder> (save and load the final state), to=<rank> (the router sends every token to that ep rank's experts: the other ranks receive none),
 mesh=<axes> (this config on another mesh of the same processes than the first argument's, e.g. mesh=pp=2,ep=2;
 with a tp axis: the model's tp plan on attention, embeddings and head, 2 kv heads),
 pp (af.pipeline over the mesh's pp axis, 2 micro-batches of 1F1B: each stage's experts split over its ep group),
@@ -209,7 +210,7 @@ def check_identity(mesh):
 def check(mesh, kind, options):
     global EXPERTS
     EXPERTS = next((int(o[8:]) for o in options if o.startswith("experts=")), 4)
-    strategy = "fsdp" if "fsdp" in options else "ddp"
+    strategy = "fsdp" if "fsdp" in options else "hsdp" if "hsdp" in options else "ddp"
     to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
     clip = 0.05 if "clip" in options else 1e9
     cp = "cp" in mesh.axis_names
@@ -268,10 +269,14 @@ def check(mesh, kind, options):
         p = state.params[n]
         names = p.device_mesh.mesh_dim_names
         assert all(a in names and p.placements[names.index(a)].is_shard() for a in split), (n, p)
-        if (
-            strategy == "fsdp"
+        if strategy in (
+            "fsdp",
+            "hsdp",
         ):  # FSDP2 over the other data axes (efsdp): dim 1 where the local experts are fewer
-            efsdp = [a for a in names if a not in split]
+            efsdp = [
+                a for a in names if a not in split and (strategy == "fsdp" or a != "dp")
+            ]  # hsdp: dp replicates
+            assert strategy == "fsdp" or p.placements[names.index("dp")].is_replicate(), (n, p.placements)
             size = math.prod(mesh.axis_size(a) for a in efsdp)
             dim = 0 if per_rank % size == 0 else 1
             on = [getattr(p.placements[names.index(a)], "dim", None) for a in efsdp]  # Shard or _StridedShard
@@ -286,6 +291,15 @@ def check(mesh, kind, options):
             assert p.to_local().shape[0] == per_rank, (n, p)
     if strategy == "fsdp" and per_rank == 1:
         assert "experts FSDP-sharded on dim 1" in text, text
+    if strategy == "hsdp":  # dense: replicated over dp, sharded over the other data axes (ep among them)
+        q = state.params[
+            "model.layers.0.self_attn.q_proj.weight"
+            if kind == "qwen"
+            else next(n for n in state.params if "experts" not in n)
+        ]
+        shard = "_".join(a for a in mesh.grad_axes if a != "dp")
+        assert q.device_mesh.mesh_dim_names == ("dp", shard), q.device_mesh
+        assert q.placements[0].is_replicate() and q.placements[1].is_shard(0), q.placements
     # bf16: the experts' rows in other groupings round otherwise; tp, cp, pp: round-off only (a tp-split norm's
     # gradient left unsummed is 3e-5 off after 2 steps)
     tol = 2e-2 if bf16 else 1e-6 if tp > 1 or cp or "pp" in options else 2e-5

@@ -225,6 +225,13 @@ def test_ep_refusals_name_the_culprit(ep2):
         _step(ep2, ep_plan={"experts": "ep_dispatch_experts"}).init(nn.Linear(2, 2))
 
 
+def test_hsdp_with_ep_needs_dp_outermost():
+    """hsdp replicates over dp and shards over fsdp x ep: a mesh naming dp after them is refused, naming the fix."""
+    for mesh in _fake({"fsdp": 2, "dp": 2, "ep": 2}):
+        with pytest.raises(ValueError, match=r"strategy='hsdp'.*name 'dp' before them"):
+            _step(mesh, strategy="hsdp").init(qwen())
+
+
 def test_tp_plan_entries_for_the_experts_give_way_to_the_ep_plan(ep2_tp2):
     """tp2 x ep2: a tp plan that also splits the experts (as transformers' MoE plans do) leaves them to the ep plan
     (said in print(step)); attention split over tp, experts over ep and the tp axis it borrows (1 of 4 per rank)."""

@@ -163,16 +163,22 @@ class Pool:
         deadline: float | None = None,
         done: Callable[[], None] | None = None,
         skip: Callable[[Job], dict[str, Any] | None] | None = None,
+        wait: Callable[[Job], bool] | None = None,
     ) -> Iterator[tuple[Job, dict[str, Any] | None]]:
         """Yield `(job, result)` as jobs finish, `result` None for the jobs not started before `deadline` (a
         `time.monotonic()` value); `skip(job)`, asked as each job is about to start (so it sees what the jobs
-        before it found), returns the result to yield instead of running it (None: run it)."""
+        before it found), returns the result to yield instead of running it (None: run it). A job for which
+        `wait(job)` is true while others run is started after them (the first pending job not waiting runs
+        meanwhile): its verdict may depend on theirs."""
         pending = list(jobs)
         running: dict[cf.Future[dict[str, Any]], Job] = {}
         width = self.workers if self._pool is not None else 1
         while pending or running:
             while pending and len(running) < width:
-                job = pending.pop(0)
+                ready = [i for i, j in enumerate(pending) if not (running and wait is not None and wait(j))]
+                if not ready:
+                    break
+                job = pending.pop(ready[0])
                 verdict = skip(job) if skip is not None else None
                 if verdict is not None:
                     yield job, verdict

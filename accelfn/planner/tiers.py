@@ -26,6 +26,8 @@ from .. import launch_env
 from .calibrate import Calibration
 from .candidates import Candidate, Space, enumerate_candidates
 from .extrapolate import BLOCKS, extrapolate
+from .memory import activation_share, frugal_candidates, frugal_first, needs_more_memory
+from .memory import group as memory_group
 from .prune import States, illegal, states_bound, time_bound
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
@@ -221,6 +223,10 @@ def plan(
         ] = {}  # each mesh's first candidate in the order run (its error prunes the mesh)
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
+        # by memory group: the candidates measured not to fit (those needing at least their memory cannot)
+        too_big: dict[tuple[object, ...], list[Row]] = {}
+        # by memory group: its most frugal candidate, until measured (the rest of the group waits for it)
+        frugal: dict[tuple[object, ...], Candidate] = {}
         best: list[float] = []  # the best fitting step time so far
         ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
@@ -249,6 +255,15 @@ def plan(
                 }
             if not prune:
                 return None
+            over = next(
+                (r for r in too_big.get(memory_group(c), []) if needs_more_memory(c, r.candidate)), None
+            )
+            if over is not None:
+                return {
+                    "fell": "dominated",
+                    "why": f"needs at least the memory of {over.candidate.label}, measured not to fit "
+                    f"(peak {gib(over.peak)} per rank > {gib(capacity)} usable)",
+                }
             smaller = fitting.get(_group(c))
             if smaller is not None and c.accumulate is not None and smaller < c.accumulate:
                 return {"fell": "dominated", "why": f"acc={smaller} fits (larger micro-batches, fewer steps)"}
@@ -260,7 +275,13 @@ def plan(
                 }
             return None
 
+        def waits(job: Job) -> bool:
+            c = by_job[job]
+            return frugal.get(memory_group(c), c) is not c
+
         def record(c: Candidate, result: dict[str, Any] | None) -> None:
+            if frugal.get(memory_group(c)) is c:
+                del frugal[memory_group(c)]
             if result is None:
                 fallen.append(
                     Fallen(c, "budget", f"{c.label}: not run, the budget of {budget_minutes:g} min ran out")
@@ -288,6 +309,7 @@ def plan(
                 row = attrs.evolve(row, error_band=band)
             if row.fits is False:
                 unfit.append(row)
+                too_big.setdefault(memory_group(c), []).append(row)
                 fallen.append(Fallen(c, "does not fit", f"{c.label}: peak {gib(row.peak)} per rank"))
                 return
             rows.append(row)
@@ -306,6 +328,16 @@ def plan(
         order = sorted(
             _interleaved(survivors), key=lambda c: (round(time_bound(c, share, 1), 9), c.accumulate or 1)
         )
+        if prune:  # where memory binds, each group's most frugal candidate first, the likeliest to fit first
+            activations = int(probe["report"]["per_rank"].get("activations", 0))
+
+            def estimate(c: Candidate) -> float:
+                bound = states_bound(c, totals, script_strategy=None)
+                return bound + activations * activation_share(c)
+
+            # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)
+            frugal.update((memory_group(c), c) for c in frugal_candidates(order, estimate, capacity))
+            order = frugal_first(order, estimate, capacity)
         for c in order:
             first.setdefault(c.mesh_spec, c)
         jobs = []
@@ -313,7 +345,9 @@ def plan(
             job = job_of(c)
             by_job[job] = c
             jobs.append(job)
-        for job, result in pool.map(jobs, deadline=deadline, done=lambda: bar.update(1), skip=skip):
+        for job, result in pool.map(
+            jobs, deadline=deadline, done=lambda: bar.update(1), skip=skip, wait=waits
+        ):
             record(by_job[job], result)
         bar.close()
 

@@ -1,0 +1,122 @@
+"""The planner's memory order: which candidate needs at least another's memory, and the most frugal first.
+
+Two candidates of the same mesh, strategy, compile choice, global batch and pipeline micro-batches differ in
+memory only by knobs whose order is known: a smaller accumulation (a larger micro-batch), less remat
+(none > selective > full), no offload rather than the optimizer's, GPipe rather than 1F1B (all micro-batches in
+flight) each need at least as much. A candidate needing at least the memory of one measured not to fit cannot
+fit (`needs_more_memory`); the most frugal candidate of each such group, run first (`frugal_first`), prunes its
+whole group when it does not fit.
+
+Example:
+    >>> from accelfn.planner.candidates import Candidate
+    >>> frugal = Candidate({"dp": 4}, "fsdp", "full", 4)
+    >>> needs_more_memory(Candidate({"dp": 4}, "fsdp", "none", 2), frugal)
+    True
+    >>> needs_more_memory(Candidate({"dp": 4}, "fsdp", "none", 8), frugal)
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .candidates import Candidate, data_size
+
+__all__ = ["group", "frugality", "needs_more_memory", "activation_share", "frugal_candidates", "frugal_first"]
+
+# each knob's values, the most memory first (a value not listed, or None, compares only to itself)
+REMAT = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer")
+SCHEDULE = ("gpipe", "1f1b")
+
+
+def group(c: Candidate) -> tuple[object, ...]:
+    """What two candidates share when only their memory knobs (accumulate, remat, offload, pipeline schedule)
+    differ."""
+    return (c.mesh_spec, c.strategy, c.compile, c.global_batch_size, c.pipeline_microbatches)
+
+
+def _rank(order: tuple[str, ...], value: str | None) -> int | None:
+    return order.index(value) if value in order else None
+
+
+def _at_most(a: int | None, b: int | None) -> bool:
+    """`a` needs at least `b`'s memory on this knob (a rank no higher; None only equals None)."""
+    if a is None or b is None:
+        return a is b
+    return a <= b
+
+
+def frugality(c: Candidate) -> tuple[int, int, int, int]:
+    """How little memory `c` needs within its group, larger for less: accumulation, remat, offload, schedule."""
+    ranks = (_rank(REMAT, c.remat), _rank(OFFLOAD, c.offload), _rank(SCHEDULE, c.pipeline_schedule))
+    return (c.accumulate or 0, *(r if r is not None else -1 for r in ranks))
+
+
+def needs_more_memory(c: Candidate, other: Candidate) -> bool:
+    """Whether `c` needs at least the memory of `other`: the same group, and on every memory knob the same
+    value or one that needs more (a smaller accumulation, less remat, no offload, GPipe)."""
+    if group(c) != group(other):
+        return False
+    acc = _at_most(c.accumulate, other.accumulate)
+    return (
+        acc
+        and _at_most(_rank(REMAT, c.remat), _rank(REMAT, other.remat))
+        and _at_most(_rank(OFFLOAD, c.offload), _rank(OFFLOAD, other.offload))
+        and _at_most(_rank(SCHEDULE, c.pipeline_schedule), _rank(SCHEDULE, other.pipeline_schedule))
+    )
+
+
+def activation_share(c: Candidate) -> float:
+    """The fraction of the whole global batch's activations (the probe's) a rank of `c` holds at most, as the
+    shapes go: its micro-batch (the data ranks', the accumulation's and the pipeline's split) times the
+    micro-batches in flight (GPipe: all; 1F1B: up to pp), over its stage's share of the blocks, tp and cp.
+
+    Example:
+        >>> activation_share(Candidate({"pp": 4, "dp": 2, "tp": 2}, accumulate=2, pipeline_microbatches=8))
+        0.0078125
+    """
+    pp, tp, cp = c.mesh.get("pp", 1), c.mesh.get("tp", 1), c.mesh.get("cp", 1)
+    micro = c.pipeline_microbatches or pp
+    flight = micro if c.pipeline_schedule == "gpipe" else min(pp, micro)
+    dp = data_size(c.mesh) if c.mesh else 1
+    return flight / (dp * (c.accumulate or 1) * micro * pp * tp * cp)
+
+
+def frugal_candidates(
+    order: list[Candidate], estimate: Callable[[Candidate], float], capacity: float
+) -> list[Candidate]:
+    """The most frugal candidate of each group of `order` where memory may bind (its hungriest candidate's
+    `estimate` above a quarter of `capacity`), the least `estimate` first (the order's among equals).
+
+    Example:
+        >>> cs = [Candidate({"dp": 2}, accumulate=1), Candidate({"dp": 2}, accumulate=2)]
+        >>> [c.label for c in frugal_candidates(cs, lambda c: 10 / c.accumulate, 8)]
+        ['dp=2 acc=2']
+    """
+    groups: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in order:
+        groups.setdefault(group(c), []).append(c)
+    first = [
+        max(cs, key=frugality)
+        for cs in groups.values()
+        if len(cs) > 1 and max(estimate(c) for c in cs) > capacity / 4
+    ]
+    position = {id(c): i for i, c in enumerate(order)}
+    return sorted(first, key=lambda c: (estimate(c), position[id(c)]))
+
+
+def frugal_first(
+    order: list[Candidate], estimate: Callable[[Candidate], float], capacity: float
+) -> list[Candidate]:
+    """`order` with `frugal_candidates` moved to the front, so that a group that cannot fit at all is pruned
+    by one dry run and the meshes likeliest to fit are reached first; the rest keep their order.
+
+    Example:
+        >>> cs = [Candidate({"dp": 2}, accumulate=1), Candidate({"dp": 2}, accumulate=2)]
+        >>> [c.accumulate for c in frugal_first(cs, lambda c: 10 / c.accumulate, 8)]
+        [2, 1]
+    """
+    first = frugal_candidates(order, estimate, capacity)
+    chosen = {id(c) for c in first}
+    return first + [c for c in order if id(c) not in chosen]

@@ -49,8 +49,10 @@ def _at_most(a: int | None, b: int | None) -> bool:
 
 def frugality(c: Candidate) -> tuple[int, int, int, int]:
     """How little memory `c` needs within its group, larger for less: accumulation, remat, offload, schedule."""
-    ranks = (_rank(REMAT, c.remat), _rank(OFFLOAD, c.offload), _rank(SCHEDULE, c.pipeline_schedule))
-    return (c.accumulate or 0, *(r if r is not None else -1 for r in ranks))
+    remat, offload = _rank(REMAT, c.remat), _rank(OFFLOAD, c.offload)
+    schedule = _rank(SCHEDULE, c.pipeline_schedule)
+    return (c.accumulate or 0, -1 if remat is None else remat, -1 if offload is None else offload,
+            -1 if schedule is None else schedule)  # fmt: skip
 
 
 def needs_more_memory(c: Candidate, other: Candidate) -> bool:
@@ -74,7 +76,7 @@ def activation_share(c: Candidate) -> float:
 
     Example:
         >>> activation_share(Candidate({"pp": 4, "dp": 2, "tp": 2}, accumulate=2, pipeline_microbatches=8))
-        0.0078125
+        0.015625
     """
     pp, tp, cp = c.mesh.get("pp", 1), c.mesh.get("tp", 1), c.mesh.get("cp", 1)
     micro = c.pipeline_microbatches or pp

@@ -221,9 +221,8 @@ def hsdp_mesh(mesh: Mesh) -> DeviceMesh:
         )
     name = mesh._flattened(axes).mesh_dim_names  # the shard dim, flattened once and kept by the mesh
     assert name is not None
-    with (
-        warnings.catch_warnings()
-    ):  # slicing it from the root reuses the mesh's groups (an _unflatten makes new ones)
+    # sliced from the root mesh, it reuses the mesh's process groups (an _unflatten would create new ones)
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
         return mesh.torch_mesh["dp", name[0]]
 

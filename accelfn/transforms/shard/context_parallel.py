@@ -100,17 +100,33 @@ class _Runtime:
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """`[local_len, local_len * size]` booleans: which gathered keys each local query sees. Built once per
-        sequence length and device (every layer of every step reuses it): `local_len * seq` bytes."""
+        sequence length and device (every layer of every step reuses it): `local_len * seq` bytes. Under an
+        AOTAutograd trace (the dry run's compiled blocks) it is built in the graph and not kept: a tensor of
+        the trace (a functional wrapper) must not outlive it, and a kept one would enter the graph as a
+        constant (which AOTAutograd refuses when fake)."""
         assert self.local_len is not None
+        if _aot_tracing():
+            return self._build_mask(device)
         key = (self.local_len, str(device))
         if key not in self._masks:
             self._masks.clear()  # one length at a time: a new length replaces the old mask
-            # the gathered keys: rank 0's tokens, then rank 1's, ...
-            keys = torch.cat(
-                [chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)]
-            )
-            self._masks[key] = causal_mask(self.positions(device), keys)
+            self._masks[key] = self._build_mask(device)
         return self._masks[key]
+
+    def _build_mask(self, device: torch.device) -> torch.Tensor:
+        assert self.local_len is not None
+        # the gathered keys: rank 0's tokens, then rank 1's, ...
+        keys = torch.cat([chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)])
+        return causal_mask(self.positions(device), keys)
+
+
+def _aot_tracing() -> bool:
+    """True while AOTAutograd or make_fx traces the call (functionalization or proxy tracing is on); False
+    under Dynamo, which replays the cache's update with the compiled graph's real output."""
+    if torch.compiler.is_compiling():
+        return False
+    modes = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (modes.FUNCTIONAL, modes.PROXY))
 
 
 class _AttentionMode(TorchFunctionMode):

@@ -165,8 +165,7 @@ def test_the_choice_is_within_3_percent_of_the_exhaustive_best(plans) -> None:
     assert exhaustive.dry_runs == exhaustive.candidates
     skipped = sum("as an earlier candidate of its mesh" in f.reason for f in pruned.fallen)
     assert skipped > 0  # the tiers saved dry runs: the states bound, and a mesh whose lowering fails
-    counts = pruned.counts()
-    assert counts["dominated"] > 0  # acc=2 where acc=1 fits
+    counts = pruned.counts()  # (here each group's acc=2 runs first, memory binding: `dominated` below)
     saved = counts["states bound"] + skipped + counts["dominated"] + counts["time bound"]
     assert pruned.dry_runs == exhaustive.dry_runs - saved
 
@@ -424,3 +423,91 @@ def test_compile_is_searched_where_the_script_leaves_it_auto(tmp_path: Path) -> 
     assert config.plan.compile == "blocks"
     assert config.plan.env()[launch_env.ACCELFN_COMPILE] == "blocks"
     assert launch_env.knob("compile", "auto", "none", environ=config.plan.env()) == "blocks"
+
+
+# ---- memory dominance and the most frugal candidate first ------------------------------------------------------
+
+MEMORY_ARGS = ["--strategy", "ddp", "--offload", "none", "--compile", "none"]  # the grid: mesh x remat x acc
+MEMORY_BINDS_GIB = 1.8 / 1024  # dp=4 ddp holds 2.04 MiB at its most frugal; dp=2,tp=2 fits at every remat
+
+
+def test_a_candidate_needs_more_memory_only_by_its_memory_knobs_in_one_group() -> None:
+    from accelfn.planner.memory import needs_more_memory
+
+    unfit = Candidate({"pp": 2, "dp": 2}, "fsdp", "selective", 2, 16, "1f1b", 4, "optimizer", "none")
+    more = [
+        attrs.evolve(unfit, accumulate=1),  # a larger micro-batch
+        attrs.evolve(unfit, remat="none"),
+        attrs.evolve(unfit, offload="none"),
+        attrs.evolve(unfit, pipeline_schedule="gpipe"),  # every micro-batch in flight
+        attrs.evolve(unfit, accumulate=1, remat="none", offload="none"),
+        unfit,
+    ]
+    less = [
+        attrs.evolve(unfit, accumulate=4),
+        attrs.evolve(unfit, remat="full"),
+        attrs.evolve(unfit, accumulate=1, remat="full"),  # one knob each way: unknown
+    ]
+    other_group = [
+        attrs.evolve(unfit, mesh={"pp": 2, "dp": 1, "tp": 2}),
+        attrs.evolve(unfit, strategy="ddp"),
+        attrs.evolve(unfit, compile="blocks"),
+        attrs.evolve(unfit, pipeline_microbatches=8),
+        attrs.evolve(unfit, remat=None),  # the script's choice: not comparable
+    ]
+    assert all(needs_more_memory(c, unfit) for c in more)
+    assert not any(needs_more_memory(c, unfit) for c in less + other_group)
+
+
+def test_the_first_dry_runs_at_405b_on_512_are_pipelines() -> None:
+    """The 405B row's space (benchmarks/plan.py: 512 ranks, 8 a node, one sequence a rank): with the probe's
+    states and activations of that model (16 bytes a parameter; activations far above the states), the first
+    dry runs are each memory group's most frugal candidate, the least estimated memory first: pipelines,
+    tp = 8 among them, not the meshes without a pipeline (which ran first before, and none fits)."""
+    from accelfn.planner.memory import activation_share, frugal_first, group
+
+    open_ = {"mesh", "strategy", "accumulate", "global_batch_size", "pipeline_schedule"}
+    open_ |= {"pipeline_microbatches"}
+    space = Space(world=512, nproc_per_node=8, open=frozenset(open_), global_batch_size=512)
+    totals = States(params=4 * 405 * 10**9, grads=4 * 405 * 10**9, optimizer=8 * 405 * 10**9)
+    capacity, activations = 75 * 2**30, 400 * 2**40
+
+    def estimate(c: Candidate) -> float:
+        return states_bound(c, totals, script_strategy=None) + activations * activation_share(c)
+
+    order = frugal_first(enumerate_candidates(space), estimate, capacity)
+    assert all(c.mesh.get("pp", 1) > 1 for c in order[:20])  # before: the meshes without a pipeline first
+    assert "pp=8,dp=8,tp=8" in [c.mesh_spec for c in order[:20]]  # torchtitan's 405B mesh on 512
+    assert all(c.accumulate == max(d.accumulate for d in order if group(d) == group(c)) for c in order[:20])
+
+
+@pytest.fixture(scope="module")
+def memory_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
+    kw = dict(nproc_per_node=2, nnodes=2, global_batch_size=8, axes=("dp", "tp"), memory_gib=MEMORY_BINDS_GIB)
+    return af.plan(SCRIPT, MEMORY_ARGS, **kw), af.plan(SCRIPT, MEMORY_ARGS, prune=False, **kw)  # type: ignore[arg-type]
+
+
+def test_where_memory_binds_the_choice_is_the_exhaustive_best(memory_plans) -> None:
+    pruned, exhaustive = memory_plans
+    assert pruned.best is not None and exhaustive.dry_runs == exhaustive.candidates
+    assert {r.candidate.mesh_spec for r in exhaustive.rows} == {"dp=2,tp=2"}  # dp=4 fits at no remat
+    best = max(exhaustive.rows, key=lambda r: r.tokens_per_s_per_gpu or 0.0)
+    assert pruned.best.candidate.key == best.candidate.key
+
+
+def test_a_mesh_whose_most_frugal_candidate_does_not_fit_falls_by_one_dry_run(memory_plans) -> None:
+    pruned, exhaustive = memory_plans
+    measured = [r.candidate.label for r in pruned.unfit]  # dp=4's most frugal: full remat, most micro-batches
+    assert measured == ["dp=4 remat=full acc=2"]
+    dominated = [f for f in pruned.fallen if f.candidate.mesh_spec == "dp=4" and f.tier == "dominated"]
+    assert len(dominated) == 5
+    for f in dominated:
+        assert "needs at least the memory of dp=4 remat=full acc=2, measured not to fit" in f.reason
+    truly_unfit = {r.candidate.key for r in exhaustive.unfit}
+    assert all(f.candidate.key in truly_unfit for f in dominated)  # the exhaustive search agrees
+    smaller_fits = [
+        f for f in pruned.fallen if f.tier == "dominated" and f.candidate.mesh_spec == "dp=2,tp=2"
+    ]
+    assert smaller_fits and all("acc=1 fits" in f.reason for f in smaller_fits)  # after dp=2,tp=2's frugal
+    unrun = sum(pruned.counts()[t] for t in ("states bound", "dominated", "time bound"))
+    assert pruned.dry_runs == exhaustive.dry_runs - unrun  # the dominated ones were never dry-run

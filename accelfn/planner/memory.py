@@ -71,25 +71,37 @@ def needs_more_memory(c: Candidate, other: Candidate) -> bool:
 
 def activation_share(c: Candidate) -> float:
     """The fraction of the whole global batch's activations (the probe's) a rank of `c` holds at most, as the
-    shapes go: its micro-batch (the data ranks', the accumulation's and the pipeline's split) times the
-    micro-batches in flight (GPipe: all; 1F1B: up to pp), over its stage's share of the blocks, tp and cp.
+    shapes go: its micro-batch (the data ranks', the accumulation's and the pipeline's split of the global
+    batch, one sample at least) times the micro-batches in flight (GPipe: all; 1F1B: up to pp), over its
+    stage's share of the blocks, tp and cp.
 
     Example:
         >>> activation_share(Candidate({"pp": 4, "dp": 2, "tp": 2}, accumulate=2, pipeline_microbatches=8))
         0.015625
+        >>> activation_share(Candidate({"pp": 4, "dp": 2}, accumulate=4, global_batch_size=16))  # 1 sample
+        0.0625
     """
     pp, tp, cp = c.mesh.get("pp", 1), c.mesh.get("tp", 1), c.mesh.get("cp", 1)
     micro = c.pipeline_microbatches or pp
     flight = micro if c.pipeline_schedule == "gpipe" else min(pp, micro)
-    dp = data_size(c.mesh) if c.mesh else 1
-    return flight / (dp * (c.accumulate or 1) * micro * pp * tp * cp)
+    split = (data_size(c.mesh) if c.mesh else 1) * (c.accumulate or 1) * micro
+    samples = max(1.0, c.global_batch_size / split) if c.global_batch_size else 1.0
+    whole = c.global_batch_size or split
+    return samples * flight / (whole * pp * tp * cp)
+
+
+def _split(c: Candidate) -> int:
+    """Over how many ranks the model itself is split (pp x tp x cp)."""
+    return c.mesh.get("pp", 1) * c.mesh.get("tp", 1) * c.mesh.get("cp", 1)
 
 
 def frugal_candidates(
     order: list[Candidate], estimate: Callable[[Candidate], float], capacity: float
 ) -> list[Candidate]:
     """The most frugal candidate of each group of `order` where memory may bind (its hungriest candidate's
-    `estimate` above a quarter of `capacity`), the least `estimate` first (the order's among equals).
+    `estimate` above a quarter of `capacity`): the least `estimate` (to 3 digits) first; among equals, each
+    mesh's first before any mesh's second, the model split over the most ranks (pp x tp x cp: the less of
+    what the estimate does not count, a gathered block, the logits, a rank holds), then `order`'s.
 
     Example:
         >>> cs = [Candidate({"dp": 2}, accumulate=1), Candidate({"dp": 2}, accumulate=2)]
@@ -105,7 +117,13 @@ def frugal_candidates(
         if len(cs) > 1 and max(estimate(c) for c in cs) > capacity / 4
     ]
     position = {id(c): i for i, c in enumerate(order)}
-    return sorted(first, key=lambda c: (estimate(c), position[id(c)]))
+    rounded = {id(c): float(f"{estimate(c):.3g}") for c in first}
+    nth: dict[int, int] = {}  # each candidate's rank among its mesh's equal ones (the order's)
+    seen: dict[tuple[float, str], int] = {}
+    for c in sorted(first, key=lambda c: position[id(c)]):
+        key = (rounded[id(c)], c.mesh_spec)
+        nth[id(c)] = seen[key] = seen.get(key, -1) + 1
+    return sorted(first, key=lambda c: (rounded[id(c)], nth[id(c)], -_split(c), position[id(c)]))
 
 
 def frugal_first(

@@ -4,10 +4,11 @@ The tiers, cheapest first: a one-process dry run of the script (a probe) tells w
 ("auto", `accelfn.launch_env.knob`), the whole model's states, its blocks and its compute; the candidates of
 those knobs and of the mesh are enumerated (`candidates`); the planner's own legality and the exact states bound
 prune them (`prune`); the survivors are dry-run on fake ranks two processes at a time (`search`), the most
-promising first, each skipped where an earlier one shows it cannot win: a lowering error of its mesh (a tp that
-does not divide the heads), a smaller accumulation of the same configuration that fits (dominated), or a lower
-bound of its step time (the probe's compute shared by the ranks, plus the pipeline's bubble) above the best
-step time found (time bound). A model of many identical blocks without a pipeline is dry-run with 2 and 3 of
+promising first (where memory binds, each memory group's most frugal candidate first: `memory`), each skipped
+where an earlier one shows it cannot win: a lowering error of its mesh (a tp that does not divide the heads), a
+smaller accumulation of the same configuration that fits or one of its group needing no more memory that does
+not fit (dominated), or a lower bound of its step time (the probe's compute shared by the ranks, plus the
+pipeline's bubble) above the best step time found (time bound). A model of many identical blocks without a pipeline is dry-run with 2 and 3 of
 its blocks and extrapolated (`extrapolate`); the best rows so measured are confirmed by full dry runs. The
 measured ones are ranked by predicted tokens/s per GPU (`table`).
 """

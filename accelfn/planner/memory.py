@@ -28,6 +28,7 @@ __all__ = ["group", "frugality", "needs_more_memory", "activation_share", "fruga
 REMAT = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
 SCHEDULE = ("gpipe", "1f1b")
+BINDS = 0.5  # memory may bind in a group whose hungriest estimate is above this fraction of the capacity
 
 
 def group(c: Candidate) -> tuple[object, ...]:
@@ -99,7 +100,7 @@ def frugal_candidates(
     order: list[Candidate], estimate: Callable[[Candidate], float], capacity: float
 ) -> list[Candidate]:
     """The most frugal candidate of each group of `order` where memory may bind (its hungriest candidate's
-    `estimate` above a quarter of `capacity`): the least `estimate` (to 3 digits) first; among equals, each
+    `estimate` above half of `capacity`): the least `estimate` (to 3 digits) first; among equals, each
     mesh's first before any mesh's second, the model split over the most ranks (pp x tp x cp: the less of
     what the estimate does not count, a gathered block, the logits, a rank holds), then `order`'s.
 
@@ -114,7 +115,7 @@ def frugal_candidates(
     first = [
         max(cs, key=frugality)
         for cs in groups.values()
-        if len(cs) > 1 and max(estimate(c) for c in cs) > capacity / 4
+        if len(cs) > 1 and max(estimate(c) for c in cs) > capacity * BINDS
     ]
     position = {id(c): i for i, c in enumerate(order)}
     rounded = {id(c): float(f"{estimate(c):.3g}") for c in first}

@@ -174,8 +174,9 @@ def test_pp2_every_schedule_and_combinator_equals_one_process():
 PP_MESHES = [
     ("pp=2,dp=2", ["llama:ddp", "gpt2:fsdp", "llama:fsdp:remat", "gpt2:ddp:accumulate", "gpt2:fsdp:interleaved_1f1b",
                    "llama:fsdp:looped_bfs", "llama:ddp:zbv"]),
-    # the stages with sequence and loss parallel (torchtitan's); compiled per block, as its Table 5 runs
-    ("pp=2,tp=2", ["llama", "llama:compile"]),
+    # the stages with sequence and loss parallel (torchtitan's); full remat + compiled per block, as its Table 5
+    # runs (each block's forward compiled inside its eager checkpoint under tp)
+    ("pp=2,tp=2", ["llama", "llama:compile:remat"]),
     # context parallel inside the stages: the stages' activations are this rank's part of the sequence
     ("pp=2,cp=2", ["llama:remat", "gpt2:interleaved_1f1b"]),
 ]  # fmt: skip

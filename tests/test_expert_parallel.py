@@ -303,6 +303,19 @@ def test_ep_plan_without_an_ep_axis_is_refused():
         _step(mesh, ep_plan={"experts": "ep_dispatch_experts"})
 
 
+def _assert_loads_in_one_process(folder, model) -> None:
+    """The checkpoint a worker saved at `folder` (`save=`) loads without ep in one process into `model`'s state:
+    exactly the params the worker gathered into `<folder>-full.safetensors`."""
+    from safetensors.torch import load_file
+
+    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(model)
+    loaded = af.checkpoint.load(folder, like=like)
+    want = load_file(f"{folder}-full.safetensors")
+    assert sorted(loaded.params) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(loaded.params[k], v), k
+
+
 @pytest.mark.slow
 def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
@@ -313,14 +326,7 @@ def test_ep2_equals_one_process(tmp_path):
                "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip", "qwen:bf16"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
     # the ep2 checkpoint loads without ep, in one process: the same params (resharded from the experts' pieces)
-    from safetensors.torch import load_file
-
-    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(qwen(layers=2, vocab=64))
-    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
-    want = load_file(tmp_path / "ckpt-full.safetensors")
-    assert sorted(loaded.params) == sorted(want)
-    for k, v in want.items():
-        assert torch.equal(loaded.params[k], v), k
+    _assert_loads_in_one_process(tmp_path / "ckpt", qwen(layers=2, vocab=64))
 
 
 @pytest.mark.slow
@@ -341,16 +347,7 @@ def test_fsdp2_x_ep2_on_four_processes_equals_one_process(tmp_path):
         "user:fsdp:experts=2",
     ]
     expect_ok(run_workers("ep_worker.py", 4, "fsdp=2,ep=2", *configs, timeout=300), configs, 4)
-    from safetensors.torch import load_file
-
-    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(
-        qwen(layers=2, vocab=64, experts=2)
-    )
-    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
-    want = load_file(tmp_path / "ckpt-full.safetensors")
-    assert sorted(loaded.params) == sorted(want)
-    for k, v in want.items():
-        assert torch.equal(loaded.params[k], v), k
+    _assert_loads_in_one_process(tmp_path / "ckpt", qwen(layers=2, vocab=64, experts=2))
 
 
 @pytest.mark.slow
@@ -386,16 +383,7 @@ def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process(tmp_path):
         "qwen:mesh=cp=2,ep=2:to=0:accumulate:bias",
     ]
     expect_ok(run_workers("ep_worker.py", 4, "ep=4", *configs, timeout=300), configs, 4)
-    from safetensors.torch import load_file
-
-    like = af.train_step(lambda m, b: m(**b).logits.sum(), af.optim.sgd(0.5)).init(
-        qwen(layers=2, vocab=64, kv_heads=2)
-    )
-    loaded = af.checkpoint.load(tmp_path / "ckpt", like=like)
-    want = load_file(tmp_path / "ckpt-full.safetensors")
-    assert sorted(loaded.params) == sorted(want)
-    for k, v in want.items():
-        assert torch.equal(loaded.params[k], v), k
+    _assert_loads_in_one_process(tmp_path / "ckpt", qwen(layers=2, vocab=64, kv_heads=2))
 
 
 @pytest.mark.slow

@@ -82,13 +82,13 @@ def activation_share(c: Candidate) -> float:
         >>> activation_share(Candidate({"pp": 4, "dp": 2}, accumulate=4, global_batch_size=16))  # 1 sample
         0.0625
     """
-    pp, tp, cp = c.mesh.get("pp", 1), c.mesh.get("tp", 1), c.mesh.get("cp", 1)
+    pp = c.mesh.get("pp", 1)
     micro = c.pipeline_microbatches or pp
     flight = micro if c.pipeline_schedule == "gpipe" else min(pp, micro)
     split = (data_size(c.mesh) if c.mesh else 1) * (c.accumulate or 1) * micro
     samples = max(1.0, c.global_batch_size / split) if c.global_batch_size else 1.0
     whole = c.global_batch_size or split
-    return samples * flight / (whole * pp * tp * cp)
+    return samples * flight / (whole * _split(c))
 
 
 def _split(c: Candidate) -> int:

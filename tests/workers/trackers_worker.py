@@ -16,5 +16,5 @@ with trackers.open(run_dir, "auto", config={"world_size": mesh.world_size}, mesh
         run.log({"loss": torch.tensor(1.0 / step), "rank": torch.tensor(mesh.rank)}, step=step)
     names = [getattr(t, "name", type(t).__name__) for t in run.trackers]
 info = {"rank": mesh.rank, "active": run.active, "trackers": names, "env": os.environ.get("ACCELFN_LOG_WITH")}
-print("TRACKERS " + json.dumps(info), flush=True)
+os.write(1, f"TRACKERS {json.dumps(info)}\n".encode())  # one write: the ranks' lines do not interleave
 mesh.close()

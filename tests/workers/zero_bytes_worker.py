@@ -21,6 +21,7 @@ argv: the ZeRO stages, e.g. 1,2,3 (one engine after the other); the steps (defau
 zero_model.py as JSON (`model`, `ds_config`, `accumulate`; default: the tiny Llama, DeepSpeed's defaults)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,9 @@ def main() -> None:
     options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     mesh = af.Mesh({"dp": -1}, device="cpu")
     for stage in stages:
-        print("ZERO_BYTES " + json.dumps(measure(mesh, stage, steps, options)), flush=True)
+        os.write(
+            1, f"ZERO_BYTES {json.dumps(measure(mesh, stage, steps, options))}\n".encode()
+        )  # one write per line
     mesh.close()
 
 

@@ -2,10 +2,13 @@
 
 A transformer's blocks are identical, so what a rank holds and spends grows by the same amount with each block
 it runs: the dry run of the candidate's model cut to `k1` and to `k2` blocks per stage (the same shapes, the
-same mesh and knobs; `keep_blocks`) gives two points, and the figures at the model's own `L` blocks per stage
-lie on their line (`extrapolate`). Peak memory, states, compute, exposed communication, the bubble and the step
-time are extrapolated; tokens/s and MFU follow from the step time (the tokens per step do not change, the
-FLOPs are extrapolated). The planner ranks on these figures and confirms the best with full dry runs.
+same mesh, stage count and knobs; `keep_blocks`) gives two points, and the figures at the blocks the rank's
+stages hold in the whole model lie on their line (`extrapolate`). With a pipeline the cut model is split by the
+lowering's own balanced split, so a rank's blocks in each run are read from that split (`rank_blocks`), not
+assumed. Peak memory, states, compute, exposed communication, the bubble and the step time are extrapolated;
+tokens/s and MFU follow from the step time (the tokens per step do not change, the FLOPs are extrapolated);
+so is the dry run's own wall time (`full_run_s`: what confirming the row by a full dry run will cost). The
+planner ranks on these figures and confirms the best with full dry runs.
 
 Example:
     >>> r1 = {"per_rank": {"peak": 30, "params": 10}, "predicted": {"step_time_s": 3.0, "tokens_per_s": 8.0},
@@ -20,22 +23,36 @@ Example:
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["BLOCKS", "keep_blocks", "extrapolate", "LINEAR_PER_RANK", "LINEAR_PREDICTED"]
+__all__ = [
+    "BLOCKS",
+    "keep_blocks",
+    "stage_blocks",
+    "rank_blocks",
+    "extrapolate",
+    "LINEAR_PER_RANK",
+    "LINEAR_PREDICTED",
+]
 
 BLOCKS = (2, 3)  # the blocks the tier dry-runs: two points of the line (one block is its own first and last)
 LINEAR_PER_RANK = ("peak", "params", "buffers", "grads", "optimizer", "activations")
 LINEAR_PREDICTED = ("step_time_s", "compute_s", "comm_s", "exposed_comm_s", "bubble_s")
 
 
-def keep_blocks(n: int | None, seen: dict[str, int]) -> Callable[[nn.Module], None]:
+def keep_blocks(
+    n: int | None, seen: dict[str, Any], stages: tuple[int, ...] = ()
+) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that cuts the model's blocks (its largest `nn.ModuleList`, as
-    `af.compile(regions="blocks")` finds them) to the first `n`, and records how many it had in
-    `seen["blocks"]`; a model with `n` blocks or fewer (or `n` None) is left whole.
+    `af.compile(regions="blocks")` finds them) to the first `n` (times `stages[0]`, the pipeline stage
+    count the run is expected to split it into: `n` blocks per stage), and records how many it had in `seen["blocks"]`; a model with
+    that many blocks or fewer (or `n` None) is left whole. For each stage count `s` of `stages`, the blocks of
+    each stage of the whole model and of the cut one, as the pipeline's balanced split cuts them, go to
+    `seen["full"][s]` and `seen["cut"][s]`.
 
     Example:
         >>> seen = {}
@@ -53,10 +70,50 @@ def keep_blocks(n: int | None, seen: dict[str, int]) -> Callable[[nn.Module], No
             seen.setdefault("blocks", 0)  # no repeated blocks: nothing to extrapolate over
             return
         seen.setdefault("blocks", len(blocks))
-        if n is not None and len(blocks) > n:
-            del blocks[n:]
+        counts = [s for s in stages if 1 < s <= len(blocks)]
+        if counts:
+            seen.setdefault("full", {s: stage_blocks(model, s) for s in counts})
+        keep = None if n is None else n * (stages[0] if stages else 1)
+        if keep is not None and len(blocks) > keep:
+            del blocks[keep:]
+        if counts:
+            seen["cut"] = {s: stage_blocks(model, s) for s in counts if s <= len(blocks)}
 
     return hook
+
+
+def stage_blocks(model: nn.Module, n_stages: int) -> list[int]:
+    """The blocks of each of `n_stages` pipeline stages, as `af.pipeline`'s balanced split cuts `model`.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        ...                   num_attention_heads=4, num_key_value_heads=2)
+        >>> stage_blocks(LlamaForCausalLM(cfg), 2)  # the embeddings and the head weigh a block each and more
+        [4, 4]
+    """
+    from ..stages import balanced_split, decoder_layers
+
+    layers = decoder_layers(model)
+    index = {name: i for i, name in enumerate(layers)}
+    bounds = [0, *(index[p] for p in balanced_split(model, n_stages).points), len(layers)]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_blocks(report: dict[str, Any], counts: dict[int, list[int]]) -> int | None:
+    """The blocks the reporting rank runs: the sum over its pipeline stages (read from the report's strategy,
+    `pipeline(1f1b, pp=4, stages [0] of 4, ...)`) of `counts[n_stages]`; None without a pipeline or where the
+    stage count was not split in `counts`.
+
+    Example:
+        >>> rank_blocks({"strategy": "pipeline(1f1b, pp=2, stages [1] of 2, 4 micro-batches)"}, {2: [3, 5]})
+        5
+    """
+    m = re.search(r"stages \[([\d, ]*)\] of (\d+)", report.get("strategy") or "")
+    if m is None or int(m[2]) not in counts:
+        return None
+    mine = counts[int(m[2])]
+    return sum(mine[int(s)] for s in m[1].split(",") if s.strip())
 
 
 def _line(v1: float, v2: float, k1: int, k2: int, k: float) -> float:
@@ -91,5 +148,8 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: flo
                 p["tokens_per_s"] = p2["tokens_per_s"] * t2 / t
             if p2.get("mfu") is not None and f2:
                 p["mfu"] = p2["mfu"] * (out["flops_per_step"] / f2) * (t2 / t)
+    e1, e2 = r1.get("elapsed_s"), r2.get("elapsed_s")
+    if e1 is not None and e2 is not None:
+        out["elapsed_s"] = max(_line(e1, e2, k1, k2, k), e2)  # the dry run's own wall time
     out["extrapolated"] = {"blocks_per_stage": k, "from": [k1, k2]}
     return out

@@ -46,7 +46,8 @@ class Job:
     )
     reserve_bytes: int | None = None  # the device memory kept free (None: the dry run's default)
     scale: float = 1.0  # the calibrated compute speed (`calibrate.scaled_assumptions`)
-    blocks: tuple[int, ...] = ()  # the layer-extrapolated tier: the blocks kept (see extrapolate)
+    blocks: tuple[int, ...] = ()  # the layer-extrapolated tier: the blocks kept per stage (see extrapolate)
+    stages: int = 1  # the pipeline stages the mesh and schedule split the model into (pp x v)
     one_chunk: bool = False  # the loss in one chunk (the probe: the same FLOPs, far fewer fake ops)
 
     @property
@@ -57,19 +58,30 @@ class Job:
 def run_job(job: Job) -> dict[str, Any]:
     """Run `job` in this process: `{"report": dict, "blocks": the model's blocks, "asked": [...]}`, or `{"error": str, "lowering": bool,
     "asked": [...]}` where the script (its lowering, when `lowering`) raised. With `job.blocks`, one dry run
-    per (rank, blocks) with the model cut to that many blocks: `{"reports": {blocks: [one per rank]},
-    "blocks": the model's own count, "asked": [...]}`."""
-    from .extrapolate import keep_blocks
+    per (rank, blocks) with the model cut to that many blocks per stage: `{"reports": {blocks: [one per
+    rank]}, "blocks": the model's own count, "asked": [...]}`, each report with `"at"`, the blocks its rank
+    ran, and `"full"`, those it runs in the whole model (a pipeline's split read from the balanced split); a
+    full dry run instead where the cut runs do not give two points of each rank's line."""
+    from .extrapolate import keep_blocks, rank_blocks
 
     launch_env.ASKED.clear()
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
-    seen: dict[str, int] = {}
+    seen: dict[str, Any] = {}
+    stages = tuple(s for s in (job.stages, 2 * job.stages, job.stages // 2) if s > 1)
     try:
         if job.blocks:
-            cut = {
-                n: [_dry_run(job, rank, keep_blocks(n, seen)).to_dict() for rank in ranks] for n in job.blocks
-            }
-            return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}
+            cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
+            for n in job.blocks:
+                for rank in ranks:
+                    report = _dry_run(job, rank, keep_blocks(n, seen, stages)).to_dict()
+                    on = rank_blocks(report, seen.get("cut", {}))
+                    full = rank_blocks(report, seen.get("full", {}))
+                    if on is None:  # no pipeline: the blocks kept are the rank's
+                        on, full = min(n, seen.get("blocks", 0)), seen.get("blocks", 0)
+                    cut[n].append({**report, "at": on, "full": full})
+            if all(len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))):
+                return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}
+            # a rank's blocks did not change between the cuts (no line through them): measured in full
         reports = [_dry_run(job, rank, keep_blocks(None, seen)) for rank in ranks]
         report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
         return {

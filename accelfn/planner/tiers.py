@@ -240,12 +240,12 @@ def plan(
             return time_bound(c, (probe_compute or 0.0) * min(mine, default=0.0) * BOUND_SLACK, world)
 
         def extrapolating(c: Candidate) -> bool:
-            pp = c.mesh.get("pp", 1)
-            return extrapolate_min_blocks is not None and pp == 1 and blocks >= extrapolate_min_blocks
+            """At least `extrapolate_min_blocks` blocks per pipeline stage (the whole model without one)."""
+            return extrapolate_min_blocks is not None and blocks >= extrapolate_min_blocks * _stages(c)
 
         def job_of(c: Candidate) -> Job:
             job = _job(c, base)
-            return attrs.evolve(job, blocks=BLOCKS) if extrapolating(c) else job
+            return attrs.evolve(job, blocks=BLOCKS, stages=_stages(c)) if extrapolating(c) else job
 
         def skip(job: Job) -> dict[str, Any] | None:
             c = by_job[job]
@@ -414,13 +414,26 @@ def _group(c: Candidate) -> tuple[object, ...]:
     return (c.mesh_spec, *((k, v) for k, v in c.knobs().items() if k != "accumulate"))
 
 
+def _stages(c: Candidate) -> int:
+    """The pipeline stages `c` splits the model into: pp x the stages per rank of its schedule (1 without a
+    pipeline; the script's schedule, when it fixes one, is read from the dry runs)."""
+    from ..transforms.pipeline import SCHEDULES
+
+    pp = c.mesh.get("pp", 1)
+    info = SCHEDULES.get(c.pipeline_schedule or "1f1b")
+    return pp * (info.stages_per_rank if pp > 1 and info is not None else 1)
+
+
 def _extrapolated(result: dict[str, Any]) -> dict[str, Any]:
-    """The report of a layer-extrapolated job (`search.run_job` with `Job.blocks`, one pipeline stage): each
-    rank's two cut runs extrapolated to the model's blocks, the rank with the larger peak kept."""
+    """The report of a layer-extrapolated job (`search.run_job` with `Job.blocks`): each rank's two cut runs
+    extrapolated along the line through the blocks that rank ran in each (`"at"`) to those it runs in the
+    whole model (`"full"`), the rank with the larger peak kept; `elapsed_s` the ranks' full dry runs together
+    (what confirming the row costs)."""
     k1, k2 = BLOCKS
     r1s, r2s = result["reports"][k1], result["reports"][k2]
-    done = [extrapolate(a, b, k1, k2, result["blocks"]) for a, b in zip(r1s, r2s, strict=True)]
-    return max(done, key=lambda r: r["per_rank"]["peak"])
+    done = [extrapolate(a, b, a["at"], b["at"], a["full"]) for a, b in zip(r1s, r2s, strict=True)]
+    worst = max(done, key=lambda r: r["per_rank"]["peak"])
+    return {**worst, "elapsed_s": sum(r.get("elapsed_s") or 0.0 for r in done)}
 
 
 def _interleaved(candidates: list[Candidate]) -> list[Candidate]:

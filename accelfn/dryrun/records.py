@@ -43,6 +43,7 @@ class Measured:
     # the kernels (timing.OpCost) and collectives (tracker.Collective) in the order they ran: the time model's
     timeline: list[Any] = attrs.Factory(list)
     fp8_flops: int = 0  # of `flops`, those of ops with fp8 operands (fp8 matmuls)
+    trace: Any = None  # the call's allocations for the caching allocator's replay (allocator.Trace)
 
     @property
     def total_peak(self) -> int:

@@ -173,6 +173,11 @@ class Report:
                 f"  {key:<22}{gib(self.per_rank.get(key, 0)):>15}{gib(self.at_peak.get(key, 0)):>15}"
             )
         lines.append(f"  {'peak':<22}{gib(self.per_rank.get('peak', 0)):>15}")
+        if "reserved" in self.per_rank:
+            lines.append(
+                f"  {'peak reserved':<22}{gib(self.per_rank['reserved']):>15}    simulated caching allocator "
+                "(torch.cuda.max_memory_reserved)"
+            )
         if self.per_rank.get("host"):
             lines.append(f"  {'host (af.offload)':<22}{gib(self.per_rank['host']):>15}    not in the peak")
         if self.capacity_bytes is not None:

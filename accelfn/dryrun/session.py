@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import dry_mode
+from .allocator import Trace
 from .layout import _layout
 from .records import (
     Measured,
@@ -344,6 +345,8 @@ class Session(dry_mode.Watcher):
                 sizes["optimizer"] = tracker.label(_locals(state.opt_state), "optimizer")
                 if offloaded:  # its master params and pending gradients
                     tracker.label(_locals(state.extra), "optimizer")
+            tracker.step_start = len(tracker.events)  # the caching allocator's replay (allocator.Trace)
+            tracker.state_in = tracker.records(_locals((state.params, state.buffers, state.opt_state)))
             out = call()
             new = out[0]
             tracker.label(_locals(new.params), "params")
@@ -356,6 +359,7 @@ class Session(dry_mode.Watcher):
                     tracker.label(_locals(new.extra), "optimizer")
             if offloaded:
                 sizes["optimizer"] = 0  # on the host: in `host`
+            tracker.state_out = tracker.records(_locals((new.params, new.buffers, new.opt_state)))
         self.tracker = None
         peak, at_peak, own_peak, by_module = tracker.breakdown()
         rows, tokens = _rows(batch)
@@ -376,6 +380,8 @@ class Session(dry_mode.Watcher):
                 tokens=tokens,
                 host=tracker.host_peak_bytes,
                 timeline=tracker.timeline,
+                # (the events up to here: the storages freed later, as the script goes on or ends, come after)
+                trace=Trace(list(tracker.events), tracker.step_start, tracker.state_in, tracker.state_out),
             ),
             out,
         )

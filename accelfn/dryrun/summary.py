@@ -152,6 +152,13 @@ def _report(
         capacity = spec.memory_bytes - assumptions.reserve_bytes
         headroom = capacity - worst.total_peak
         fits = headroom >= 0
+    if worst.trace is not None and not session.device_is_host:  # the caching allocator's segments
+        from .allocator import replay
+
+        reserved = replay(worst.trace, capacity=capacity)
+        # (the tracker's peak, to the byte: the replay's own check)
+        assert reserved.allocated == worst.peak, (reserved.allocated, worst.peak)
+        per_rank["reserved"] = reserved.reserved + sum(others.values())
     top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
     if worst.by_module.get(LOSS_ROW) and LOSS_ROW not in dict(top):  # the loss's row, however small
         top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))

@@ -401,6 +401,32 @@ class _Alloc:
     ref: Any = None
     category: str | None = None
     host: bool = False  # host memory in the real run (af.offload's state and buffers): not the device's
+    stream: str = ""  # the CUDA stream FSDP2 allocates it on where not the default (see _fsdp_function)
+
+
+# FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) allocates its all-gather inputs and outputs
+# under `all_gather_copy_in_stream` (in `foreach_all_gather`) and its reduce-scatter output under
+# `reduce_scatter_stream` (in `foreach_reduce`; the input is allocated on the default stream): the caching
+# allocator keeps a pool per stream (accelfn/dryrun/allocator.py)
+FSDP_ALL_GATHER_STREAM = "fsdp_all_gather"
+FSDP_REDUCE_SCATTER_STREAM = "fsdp_reduce_scatter"
+
+
+_FSDP_FUNCTIONS = frozenset({"foreach_all_gather", "foreach_reduce"})
+
+
+def _fsdp_function(depth: int = 24) -> str:
+    """The name of FSDP2's collective function (`foreach_all_gather`, `foreach_reduce`) the caller runs inside,
+    or ""."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return ""
+        code = frame.f_code
+        if code.co_name in _FSDP_FUNCTIONS and code.co_filename.endswith("_fsdp_collectives.py"):
+            return code.co_name
+        frame = frame.f_back
+    return ""
 
 
 _SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
@@ -450,6 +476,11 @@ class StepTracker(TorchDispatchMode):
         # the profiler scopes open now (record_function's handles), each with whether it is the loss's
         self._scopes: list[tuple[Any, bool]] = []  # (they close in reverse order: context managers)
         self._in_loss = 0
+        # for the caching allocator's replay (accelfn/dryrun/allocator.py): where the step starts in `events`
+        # (before: the state it was given) and the records of its state before and after, in the same order
+        self.step_start = 0
+        self.state_in: list[_Alloc] = []
+        self.state_out: list[_Alloc] = []
 
     # ---- allocations -------------------------------------------------------------------------------------------
     def _event(self, delta: int, rec: _Alloc) -> None:
@@ -482,6 +513,8 @@ class StepTracker(TorchDispatchMode):
         else:
             module = self._module_name() if self._module_name is not None else ""
         rec = _Alloc(st.nbytes(), self.phase, module, comm, host=self.where == "host")
+        if _fsdp_function() == "foreach_all_gather":
+            rec.stream = FSDP_ALL_GATHER_STREAM
         try:
             rec.ref = weakref.ref(st, _on_free(self._freed, key))
         except TypeError:  # pragma: no cover - storages without weak references
@@ -557,6 +590,11 @@ class StepTracker(TorchDispatchMode):
             self.timeline.append(coll)
             for t in _memory_tensors(tree_flatten((args, out))[0]):
                 self._see(t, comm=True)
+            if coll.kind == "reduce_scatter" and args and _fsdp_function() == "foreach_reduce":
+                for t in _memory_tensors(tree_flatten(args[0])[0]):  # the output
+                    rec = self._see(t)
+                    if rec is not None:
+                        rec.stream = FSDP_REDUCE_SCATTER_STREAM
             return out
         if _in_shape_propagation():  # DTensor's propagation runs the op on global-shape examples: no memory,
             return (
@@ -590,6 +628,15 @@ class StepTracker(TorchDispatchMode):
             if rec.category is None or category in ("params", "buffers", "optimizer"):
                 rec.category = category
         return total
+
+    def records(self, tensors: Iterable[Any]) -> list[_Alloc]:
+        """The allocation records of the storages of `tensors`, in order (each storage once)."""
+        out: dict[int, _Alloc] = {}
+        for t in _memory_tensors(tensors):
+            rec = self._see(t)
+            if rec is not None:
+                out.setdefault(id(rec), rec)
+        return list(out.values())
 
     def _category(self, rec: _Alloc) -> str:
         if rec.category is not None:

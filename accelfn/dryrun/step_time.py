@@ -14,9 +14,12 @@ stream per link (within a node, across nodes: collectives on one link share its 
 - the pipeline's bubble: the idle time of a rank while the schedule fills and drains, from the schedule's own
   order of actions (1F1B, interleaved 1F1B: `makespan`) with this rank's forward and backward times per
   micro-batch and stage; other schedules: `(pp - 1) / (m v)` of the busy time (Narayanan et al. 2021);
-- under `af.compile` no launch floor, and each run of memory-bound kernels between two matmuls, attention
-  kernels or collectives is one fused kernel moving what its largest op moves (an assumption: inductor's
-  fusion).
+- under `af.compile` the forward and backward (what torch.compile compiles: the ops `OpCost.graph` marks) have
+  no launch floor, and each run of their memory-bound kernels between two matmuls, attention kernels or
+  collectives is one fused kernel moving what its largest op moves (inductor's fusion, checked against the
+  kernels inductor makes of a Llama decoder block: docs/dry_run.md); the rest (the optimizer's update, the
+  clip, FSDP's copies out of its all-gathers, which run under no_grad) stays eager, one kernel per op, each at
+  least the launch floor, as torch.compile leaves it.
 
 Example:
     >>> from accelfn.platforms.specs import spec
@@ -215,7 +218,7 @@ def predict_step(
 
     forward_s = backward_s = 0.0
 
-    def compute(seconds: float, kind: str, backward: bool = False) -> None:
+    def compute(seconds: float, kind: str, backward: bool = False, floor: float = floor) -> None:
         nonlocal now, kernels, launch_bound, forward_s, backward_s
         if seconds < floor:
             launch_bound += 1
@@ -231,7 +234,7 @@ def predict_step(
     def flush() -> None:
         nonlocal fused
         if fused:
-            compute(cost_time(OpCost("memory", nbytes=fused), device, ta), "memory")
+            compute(cost_time(OpCost("memory", nbytes=fused), device, ta), "memory", floor=0.0)
             fused = 0
 
     # asynchronous reductions not yet on their link: (issued at, seconds, link); each link serves in the order
@@ -254,11 +257,12 @@ def predict_step(
     in_fb = False
     for ev in timeline:
         if isinstance(ev, OpCost):
-            if ev.kind == "memory" and compiled:
+            if ev.kind == "memory" and compiled and ev.graph:
                 fused = max(fused, ev.nbytes)
                 continue
             flush()
-            compute(cost_time(ev, device, ta), ev.kind, ev.backward)
+            eager = not compiled or not ev.graph
+            compute(cost_time(ev, device, ta), ev.kind, ev.backward, ta.launch_s if eager else 0.0)
             continue
         if not isinstance(ev, Collective):
             continue
@@ -305,8 +309,8 @@ def predict_step(
         "intra_node_gbs": device.intra_node_gbs,
         "inter_node_gbs": device.inter_node_gbs,
         "compiled": compiled,
-        "fusion": "compiled: each run of memory-bound kernels between matmuls/attention/collectives is one "
-        "kernel moving its largest op's bytes"
+        "fusion": "compiled: in the forward and backward, each run of memory-bound kernels between "
+        "matmuls/attention/collectives is one kernel moving its largest op's bytes; the update eager"
         if compiled
         else "eager: one kernel per op",
         "overlap": "data-parallel all-gathers prefetched one ahead, reductions async until the update; "

@@ -10,7 +10,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/): small and skinny
   GEMMs fill fewer SMs and reach less of the peak.
 - attention (torch's SDPA kernels, forward and backward): the FLOPs of its matmuls (the backward's five, the
-  recomputation included; half of them when causal) at `attention_efficiency` of the bf16 peak.
+  recomputation included; half of them when causal) at the fraction of the bf16 peak FlashAttention-2 was
+  measured to reach on an H100 for that direction and sequence length (`FA2_H100_TFLOPS`: the backward slower).
 - everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
   bandwidth; views move nothing and launch nothing.
 - eager mode: no kernel takes less than `launch_s` (the host issues one op at a time; a kernel shorter than
@@ -29,8 +30,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -49,6 +51,8 @@ __all__ = [
     "cost_time",
     "matmul_time",
     "attention_time",
+    "attention_fraction",
+    "compiled_region",
     "memory_time",
     "grouped_mm_flops",
     "grouped_mm_dtypes",
@@ -76,9 +80,21 @@ SM_COUNT: Mapping[str, int] = {
     "a100-80gb": 108,
     "a100-40gb": 108,
 }
-# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, abstract): FlashAttention-2, the kernel behind torch's
-# SDPA on H100 in 2024, reaches 35% of the H100's peak; FlashAttention-3 75%.
-FA2_ON_H100 = 0.35
+# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608): FlashAttention-2, the kernel behind torch's SDPA on H100
+# in 2024, "achieving only 35% utilization on the H100" (abstract). Its measured speed on an H100 80GB SXM5
+# (TFLOP/s, head dim 128, no causal mask) by sequence length, forward and backward (the paper's figures "Attention
+# forward speed, head dim 128" and "Attention backward speed, head dim 128";
+# the backward counted as 2.5 forwards, as the model counts it): the backward is slower (318 against 370 at 8k)
+# and short sequences slower than long. As fractions of the H100 SXM's bf16 peak (989), for every device.
+FA2_H100_TFLOPS: Mapping[int, tuple[float, float]] = {
+    512: (309.0, 214.0),
+    1024: (350.0, 260.0),
+    2048: (362.0, 291.0),
+    4096: (368.0, 310.0),
+    8192: (370.0, 318.0),
+    16384: (370.0, 322.0),
+}
+_H100_BF16 = 989.0
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"}
 # CUDA rows before compute capability 9.0, where torch's `_grouped_mm` does not run (accelfn's CUDA platform picks
@@ -106,7 +122,9 @@ class TimingAssumptions:
     `MAMF`, else `default_gemm_efficiency`); `tiles`: the output tile sizes one SM may compute (the
     guide: cuBLAS picks among several, 256x128 the largest; the model takes the one that wastes least, at the
     same efficiency: an assumption); `sm_count` (None: `SM_COUNT`, no wave quantization where unknown); `attention_efficiency`:
-    the fraction of the bf16 peak SDPA's kernels reach; `memory_efficiency`: the fraction of the memory bandwidth
+    the fraction of the bf16 peak SDPA's forward kernel reaches on a long sequence (FlashAttention-2's on H100:
+    370 of 989 TFLOP/s), scaled for each kernel's direction and key length as FlashAttention-2 was measured
+    (`attention_fraction`: the backward and short sequences slower); `memory_efficiency`: the fraction of the memory bandwidth
     memory-bound kernels reach (an assumption: no published figure is held here); `launch_s`: the least time
     one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether that
     floor applies (False under `af.compile`, whose kernels are issued together).
@@ -116,7 +134,7 @@ class TimingAssumptions:
     default_gemm_efficiency: float = 0.8
     tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
     sm_count: int | None = None
-    attention_efficiency: float = FA2_ON_H100
+    attention_efficiency: float = FA2_H100_TFLOPS[16384][0] / _H100_BF16
     memory_efficiency: float = 0.9
     launch_s: float = 5e-6
     eager: bool = True
@@ -136,6 +154,38 @@ class TimingAssumptions:
 
     def sms(self, device: DeviceSpec) -> int | None:
         return self.sm_count if self.sm_count is not None else SM_COUNT.get(device.key)
+
+    def attention(self, backward: bool = False, seq: int = 0) -> float:
+        """The fraction of the bf16 peak an attention kernel reaches: `attention_efficiency` (a long forward's)
+        times FlashAttention-2's measured speed for the kernel's direction and key length over a long forward's
+        (`attention_fraction`).
+
+        Example:
+            >>> a = TimingAssumptions()
+            >>> round(a.attention(), 3), round(a.attention(backward=True, seq=8192), 3)
+            (0.374, 0.322)
+        """
+        return self.attention_efficiency * attention_fraction(backward, seq) / attention_fraction()
+
+
+def attention_fraction(backward: bool = False, seq: int = 0) -> float:
+    """FlashAttention-2's measured fraction of the H100's bf16 peak (`FA2_H100_TFLOPS`) for a forward or backward
+    kernel over `seq` keys (interpolated in log2 of the length, held at the table's ends; 0: the longest).
+
+    Example:
+        >>> round(attention_fraction(False, 8192), 3), round(attention_fraction(True, 8192), 3)
+        (0.374, 0.322)
+        >>> round(attention_fraction(True, 3000), 3)  # between 2k (291) and 4k (310) TFLOP/s
+        0.305
+    """
+    lengths = sorted(FA2_H100_TFLOPS)
+    pick = 1 if backward else 0
+    seq = lengths[-1] if seq <= 0 else min(max(seq, lengths[0]), lengths[-1])
+    hi = next(n for n in lengths if n >= seq)
+    lo = lengths[max(0, lengths.index(hi) - 1)]
+    w = (math.log2(seq) - math.log2(lo)) / (math.log2(hi) - math.log2(lo)) if hi != lo else 1.0
+    tflops = FA2_H100_TFLOPS[lo][pick] * (1 - w) + FA2_H100_TFLOPS[hi][pick] * w
+    return tflops / _H100_BF16
 
 
 def _quantization(m: int, n: int, batch: int, tiles: tuple[tuple[int, int], ...], sms: int | None) -> float:
@@ -203,16 +253,27 @@ def matmul_time(
 
 
 def attention_time(
-    flops: int, device: DeviceSpec, assumptions: TimingAssumptions, dtype: torch.dtype = torch.bfloat16
+    flops: int,
+    device: DeviceSpec,
+    assumptions: TimingAssumptions,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    backward: bool = False,
+    seq: int = 0,
 ) -> float:
-    """Seconds of an attention kernel doing `flops` (its matmuls') at `attention_efficiency` of the peak.
+    """Seconds of an attention kernel doing `flops` (its matmuls') at `assumptions.attention(backward, seq)` of
+    the peak (`backward`: SDPA's backward kernel; `seq`: its key length).
 
     Example:
         >>> from accelfn.platforms.specs import spec
         >>> attention_time(989 * 10**12, spec("h100-sxm"), TimingAssumptions(attention_efficiency=0.5))
         2.0
+        >>> fwd = attention_time(10**12, spec("h100-sxm"), TimingAssumptions(), seq=8192)
+        >>> bwd = attention_time(10**12, spec("h100-sxm"), TimingAssumptions(), backward=True, seq=8192)
+        >>> round(bwd / fwd, 3)  # FlashAttention-2 on H100: 370 TFLOP/s forward, 318 backward
+        1.164
     """
-    return flops / (_peak(device, dtype) * assumptions.attention_efficiency)
+    return flops / (_peak(device, dtype) * assumptions.attention(backward, seq))
 
 
 @attrs.define
@@ -271,8 +332,11 @@ def _sdpa_flops(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
 @attrs.frozen(slots=True)
 class OpCost:
     """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
-    of `out_bytes` per element, an attention kernel's `flops`, or a memory-bound kernel's `nbytes` moved;
-    `backward` whether autograd ran it (the dry run's tracker records one per op, `cost_time` times it).
+    of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
+    backward), or a memory-bound kernel's `nbytes` moved; `backward` whether autograd ran it; `graph` whether it
+    ran in the forward (grad enabled) or the backward, what a compiled step compiles (False: the update, and
+    no-grad work outside the backward such as FSDP's copies after its all-gathers, which stay eager). The dry
+    run's tracker records one per op, `cost_time` times it.
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -291,6 +355,32 @@ class OpCost:
     flops: int = 0
     nbytes: int = 0
     backward: bool = False
+    graph: bool = True
+    seq: int = 0
+    backward_kernel: bool = False
+
+
+_REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
+
+
+@contextlib.contextmanager
+def compiled_region() -> Iterator[None]:
+    """Marks the ops run inside it as a compiled region's (`OpCost.graph`): the dry run's compiled blocks run
+    their forward in it, where autograd.Function forwards (the partitioned graph's, torchao's float8 matmul's)
+    run with grad disabled, as the update does.
+
+    Example:
+        >>> with compiled_region():
+        ...     with torch.no_grad():
+        ...         c = op_cost(torch.ops.aten.neg.default, (torch.ones(4),), {}, torch.ones(4))
+        >>> c.graph
+        True
+    """
+    _REGION[0] += 1
+    try:
+        yield
+    finally:
+        _REGION[0] -= 1
 
 
 _KIND: dict[Any, str] = {}  # op overload -> "", "matmul", "sdpa" or "memory" (classified once)
@@ -334,9 +424,10 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     if not kind:
         return None
     backward = torch._C._current_graph_task_id() != -1
+    graph = backward or torch.is_grad_enabled() or _REGION[0] > 0
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
-        return OpCost("memory", nbytes=moved, backward=backward)
+        return OpCost("memory", nbytes=moved, backward=backward, graph=graph)
     name = func.__name__.split(".")[0]
     if kind == "matmul":
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
@@ -348,16 +439,32 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             if x.ndim == 2 and w.ndim == 2 and outs and outs[0].ndim == 3:
                 groups = outs[0].shape[0]
                 m, k = x.shape[0], max(1, x.shape[1] // groups)
-            return OpCost("matmul", m, n, k, groups, _math_dtype(x), size, backward=backward)
+            return OpCost("matmul", m, n, k, groups, _math_dtype(x), size, backward=backward, graph=graph)
         batch = x.shape[0] if x.ndim == 3 else 1
         return OpCost(
-            "matmul", x.shape[-2], w.shape[-1], x.shape[-1], batch, _math_dtype(x), size, backward=backward
+            "matmul",
+            x.shape[-2],
+            w.shape[-1],
+            x.shape[-1],
+            batch,
+            _math_dtype(x),
+            size,
+            backward=backward,
+            graph=graph,
         )
     flops = _sdpa_flops(func, name, args, kwargs)
     if flops is None:
         return None
-    q = _arg(func, args, kwargs, "query")
-    return OpCost("attention", flops=flops, dtype=q.dtype, backward=backward)
+    q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
+    return OpCost(
+        "attention",
+        flops=flops,
+        dtype=q.dtype,
+        backward=backward,
+        graph=graph,
+        seq=int(k.shape[-2]),
+        backward_kernel=name.endswith("_backward"),
+    )
 
 
 def _grouped_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
@@ -441,7 +548,9 @@ def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) 
         )
     if cost.kind == "attention":
         dtype = cost.dtype if cost.dtype.itemsize == 2 else torch.bfloat16
-        return attention_time(cost.flops, device, assumptions, dtype)
+        return attention_time(
+            cost.flops, device, assumptions, dtype, backward=cost.backward_kernel, seq=cost.seq
+        )
     return memory_time(cost.nbytes, device, assumptions)
 
 
@@ -467,6 +576,7 @@ class OpTimer(TorchDispatchMode):
                 "tiles": a.tiles,
                 "sm_count": a.sms(device),
                 "attention_efficiency": a.attention_efficiency,
+                "attention_by": "FlashAttention-2's measured speed on H100 by direction and key length",
                 "memory_efficiency": a.memory_efficiency,
                 "memory_gbs": device.memory_gbs,
                 "launch_s": a.launch_s if a.eager else 0.0,

@@ -191,14 +191,18 @@ DEVICES: tuple[DeviceSpec, ...] = (
     # The H100 SXM with six 16 GiB stacks of HBM2e (2.4 TB/s) that Meta's Grand Teton hosts carry, run at its
     # default 500 W limit (up to 700 W): the part torchtitan's published benchmarks ran on
     # (benchmarks/llama3_h100_202412_torchtitan.md). NVIDIA publishes no data sheet for it; it reports itself as
-    # plain "NVIDIA H100" (pytorch/torchtitan#554). Its compute figures are the SXM's at 700 W, an upper bound:
-    # at 500 W its clocks are lower, its peak "between SXM and NVL" (torchtitan), by an amount nobody publishes.
+    # plain "NVIDIA H100" (pytorch/torchtitan#554); torchtitan: "the actual peak TFLOPs number is between SXM and
+    # NVL, and we don't know its exact value". The same 132-SM die is rated 989 dense bf16 TFLOP/s at 700 W (H100
+    # SXM) and 835 at 350-400 W (H100 NVL), both on NVIDIA's H100 data sheet: the tensor cores' clock falls with
+    # the power limit. Its peaks here are those two ratings interpolated linearly in the power limit at 500 W
+    # (400 W -> 835, 700 W -> 989: 886 bf16; fp8, tf32 and fp32 alike): an assumption between two published
+    # figures, not a measurement of this part. Memory bandwidth is its HBM2e's, which the power limit leaves.
     DeviceSpec(
         key="h100-96gb",
         name="NVIDIA H100 96GB HBM2e (SXM, 500 W)",
         kind="cuda",
         pattern=r"^NVIDIA H100$",
-        tflops={"fp32": 67.0, "tf32": 494.7, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+        tflops={"fp32": 62.3, "tf32": 443.2, "bf16": 886.3, "fp16": 886.3, "fp8": 1772.7},
         memory_gib=96.0,
         memory_gbs=2400.0,
         intra_node_gbs=_NVLINK4,

@@ -158,6 +158,18 @@ def test_replay_carries_the_cache_over_and_the_next_step_frees_the_previous_outp
     assert r.per_step == (32 * MIB, 32 * MIB, 32 * MIB) and r.reserved == 32 * MIB
 
 
+def test_replay_holds_what_a_step_left_alive_across_steps_as_its_owner_reuses_it() -> None:
+    # a receive buffer (8 MiB) the step makes and keeps (torch pipelining keeps its stage's), an unsharded
+    # parameter FSDP resizes up and back down, an activation; the parameter P is updated in place
+    p, buf, unsharded, act = Rec(), Rec(), Rec(), Rec()
+    events = [(1, 2 * MIB, p), (2, 8 * MIB, buf), (3, 6 * MIB, unsharded), (4, 4 * MIB, act), (5, -4 * MIB, act),
+              (6, -6 * MIB, unsharded)]  # fmt: skip
+    r = replay(Trace(events, step_start=1, inputs=[p], outputs=[p]), steps=2)
+    # step 2 finds the buffer allocated (its event sets the size it has: nothing to do): 2 + 8 + 6 + 4 MiB again,
+    # not 8 MiB more
+    assert r.per_step_allocated == (20 * MIB, 20 * MIB)
+
+
 def test_replay_of_a_tracked_step_allocates_the_trackers_peak_to_the_byte() -> None:
     import torch
 

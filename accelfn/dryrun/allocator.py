@@ -374,9 +374,11 @@ def replay(
 ) -> Reserved:
     """Replay the step `steps` times on one `CachingAllocator` (its cache carries over: the second step is the
     steady state). The state before the step is allocated first; after each step the state it was given is
-    freed (`state = step(state, batch)`), and what a step made and left alive (its metrics) when the next one
-    ends. A record of the input state that a step's event names stands, from the second step on, for the
-    previous step's output at its position.
+    freed (`state = step(state, batch)`). A record of the input state that a step's event names stands, from the
+    second step on, for the previous step's output at its place. What the first step made and left alive
+    besides its outputs (torch pipelining's receive buffers, FSDP's unsharded parameters, the metrics) is held
+    across steps and reused, as their owners reuse them: each event sets a record's size (a resize that leaves
+    it as it is allocates nothing).
 
     Example:
         >>> from accelfn.dryrun.allocator import Trace, replay
@@ -390,41 +392,53 @@ def replay(
         raise ValueError(f"steps must be at least 1, got {steps}")
     alloc = CachingAllocator(capacity, options)
     events = trace.events
+    # each event's record's size after it (resizes are deltas in the trace)
+    sizes: dict[int, int] = {}
+    after: list[int] = []
+    for _, delta, rec in events:
+        sizes[id(rec)] = size = max(0, sizes.get(id(rec), 0) + delta)
+        after.append(size)
     pre = {id(rec) for _, _, rec in events[: trace.step_start]}
+    outputs = {id(o) for o in trace.outputs}
     replaced = {
         id(i): o for i, o in zip(trace.inputs, trace.outputs, strict=False) if i is not o and id(i) in pre
     }
-    outputs = {id(o) for o in trace.outputs}
+    held = {key for key, size in sizes.items() if size and key not in pre and key not in outputs}
+    persistent = pre | held
     live: dict[Hashable, tuple[_Block, int]] = {}  # key -> (block, bytes)
 
     def inst(rec: Any, k: int) -> Hashable:
-        return id(rec) if k == 1 or id(rec) in pre else (k, id(rec))
+        return id(rec) if k == 1 or id(rec) in persistent else (k, id(rec))
 
     def key_of(rec: Any, k: int) -> Hashable:
         if k > 1 and id(rec) in replaced:  # the input state: the previous step's output at its place
             return inst(replaced[id(rec)], k - 1)
         return inst(rec, k)
 
-    def apply(key: Hashable, delta: int, rec: Any) -> None:
-        block, size = live.pop(key, (None, 0))
-        new = max(0, size + delta)
-        if block is not None:  # a resize frees the old block before the new one (the tracker's order)
-            alloc.free(block)
-        if new:
-            live[key] = (alloc.malloc(new, stream_of(rec)), new)
-
     per_step: list[int] = []
     per_step_allocated: list[int] = []
+    first = (0, 0)
     for k in range(1, steps + 1):
         alloc.reset_peaks()
-        for _, delta, rec in events if k == 1 else events[trace.step_start :]:
-            apply(key_of(rec, k), delta, rec)
+        start = 0 if k == 1 else trace.step_start
+        for i in range(start, len(events)):
+            rec = events[i][2]
+            key = key_of(rec, k)
+            block, size = live.get(key, (None, 0))
+            new = after[i]
+            if new == size:
+                continue
+            if block is not None:  # a resize frees the old block before the new one (the tracker's order)
+                alloc.free(block)
+                del live[key]
+            if new:
+                live[key] = (alloc.malloc(new, stream_of(rec)), new)
         per_step.append(alloc.peak_reserved)
         per_step_allocated.append(alloc.peak_requested)
         if k == 1:
             first = (alloc.peak_requested, alloc.peak_allocated)
-        # the caller drops what the step was given and what the step before left alive
-        for key in [key for key in live if _made_before(key, k, pre, outputs)]:
+        # the caller drops what the step was given (the previous step's outputs)
+        for key in [key for key in live if _dropped(key, k, pre, outputs, persistent)]:
             alloc.free(live.pop(key)[0])
     return Reserved(
         reserved=max(per_step),
@@ -438,11 +452,11 @@ def replay(
     )
 
 
-def _made_before(key: Hashable, k: int, pre: set[int], outputs: set[int]) -> bool:
-    """Whether the live `key` is dropped at the end of step `k`: the input state the first step replaced, or
-    what step k - 1 made (its outputs were step k's inputs)."""
+def _dropped(key: Hashable, k: int, pre: set[int], outputs: set[int], persistent: set[int]) -> bool:
+    """Whether the live `key` is freed at the end of step `k`: the input state the first step replaced, or the
+    outputs step k - 1 made (step k's inputs)."""
     if k == 1:
         return key in pre and key not in outputs
     if isinstance(key, tuple):
         return bool(key[0] == k - 1)
-    return k == 2 and key not in pre
+    return k == 2 and key not in persistent

@@ -15,6 +15,9 @@ dense, 256 routed experts and one shared, top-8 of 8 groups, MLA attention; its 
 part of `transformers`' model); `--layers N` keeps a model's layer shapes with fewer layers (cheap dry runs).
 The model's own plan (`config.base_model_ep_plan`) says which parameters are stacked over experts; the mesh
 comes from `--mesh` (`af.Mesh.from_env()`). Ends with `CHECK moe loss falls: OK` (else FAILED, exit status 1).
+`--strategy`, `--remat`, `--accumulate`, `--offload` default to "auto" (`accelfn.launch_env.knob`), and without
+`--batch-size` the global batch is the launch config's too: `accelfn plan` chooses them with the mesh, `ep` included
+(docs/plan.md), and `accelfn launch --config plan.yaml examples/train_moe.py` applies them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from transformers import (
 )
 
 import accelfn as af
+from accelfn.launch_env import knob
 
 # Qwen3-MoE's published shapes (config.json on the hub), for dry runs at scale (`--init meta`)
 MODELS = {
@@ -101,6 +105,21 @@ def make_data(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": (start + stride * torch.arange(seq)) % 64}
 
 
+def _experts_for_the_device(model: torch.nn.Module, mesh: af.Mesh) -> None:
+    """Without an ep axis `transformers` runs the experts itself, by `torch._grouped_mm` where it can: on a GPU
+    that kernel takes bf16 only, so fp32 experts there (or in a dry run modelling one) take its batched GEMMs
+    instead. With ep, accelfn's dispatcher picks the kernel (`accelfn.moe`)."""
+    if "ep" in mesh.axis_names and mesh.axis_size("ep") > 1:
+        return
+    modelled = af.dry_mode.grouped_mm_dtypes()
+    dtypes = modelled if modelled is not None else None
+    if dtypes is None and mesh.device.type != "cpu":
+        dtypes = mesh.platform.grouped_mm_dtypes()
+    dtype = next(model.parameters()).dtype
+    if dtypes is not None and dtype not in dtypes:
+        model.set_experts_implementation("batched_mm")
+
+
 def loss_fn(model, batch):
     ids = batch["input_ids"]
     return af.losses.cross_entropy(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
@@ -110,43 +129,76 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of ep)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8, help="rows per process per step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rows per process per step (default 8, or the launch config's global batch over the data ranks)",
+    )
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--model", choices=["tiny", *MODELS], default="tiny", help="Qwen3-MoE shape (tiny: --experts)"
     )
+    # "auto" (the default of the knobs below): the launch config's choice (`accelfn plan --write`), else the
+    # default named in the help
     p.add_argument(
         "--strategy",
-        choices=["ddp", "fsdp", "hsdp"],
-        default="ddp",
-        help="fsdp, hsdp: experts sharded over efsdp",
+        choices=["ddp", "fsdp", "hsdp", "auto"],
+        default="auto",
+        help="default ddp; fsdp, hsdp: experts sharded over efsdp",
     )
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     p.add_argument("--init", choices=["host", "meta"], default="host", help="meta: build on the meta device")
     p.add_argument("--seq", type=int, default=16, help="tokens per row")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
-    p.add_argument("--remat", action="store_true", help="recompute each decoder layer in the backward")
+    p.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        default="auto",
+        choices=["full", "selective", "none", "auto"],
+        help="recompute each decoder layer in the backward: full (`--remat` alone), selective, none (default)",
+    )
+    p.add_argument("--accumulate", default="auto", help="micro-batches per step (default 1)")
+    p.add_argument(
+        "--offload", choices=["none", "optimizer", "auto"], default="auto", help="optimizer state on the host"
+    )
     args = p.parse_args()
 
     with af.Mesh.from_env(device="cpu") as mesh:
+        strategy = knob("strategy", args.strategy, "ddp")
+        remat = knob("remat", args.remat, "none")
+        accumulate = int(knob("accumulate", args.accumulate, 1))
+        offload = knob("offload", args.offload, "none")
+        global_batch = knob("global_batch_size", "auto", None) if args.batch_size is None else None
+        if global_batch is not None and int(global_batch) % mesh.data_size:
+            raise SystemExit(
+                f"global batch {global_batch} does not split over {mesh.data_size} data-parallel ranks"
+            )
+        batch_size = args.batch_size or (int(global_batch) // mesh.data_size if global_batch else 8)
         step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.0), clip_grad_norm=1.0)
-        if args.remat:
-            step = af.remat(step, "full")
+        if remat != "none":
+            step = af.remat(step, remat)
         if args.bf16:
             step = af.autocast(step, "bf16")
-        step = af.shard(
-            step, mesh, strategy=args.strategy
-        )  # an ep axis: experts split over it (the model's plan)
+        if accumulate > 1:
+            step = af.accumulate(step, accumulate)
+        if offload == "optimizer":
+            step = af.offload(step)
+        step = af.shard(step, mesh, strategy=strategy)  # an ep axis: experts split over it (the model's plan)
         with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
             model = make_model(args.experts, args.seed, args.model, args.layers)
+        _experts_for_the_device(model, mesh)
         state = step.init(model, seed=args.seed)
         # enough rows that every data-parallel rank gets batches (a dry run on 1,024 ranks)
-        rows = max(512, 2 * args.batch_size * mesh.data_size)
-        loader = af.data.DataLoader(make_data(rows, args.seq, args.seed), batch_size=args.batch_size, mesh=mesh,
+        rows = max(512, 2 * batch_size * mesh.data_size)
+        loader = af.data.DataLoader(make_data(rows, args.seq, args.seed), batch_size=batch_size, mesh=mesh,
                                     shuffle=True, seed=args.seed, drop_last=True)  # fmt: skip
         if mesh.is_main:
             print(step)
+            print(f"config mesh={dict(mesh.shape)} strategy={strategy} remat={remat} accumulate={accumulate} "
+                  f"offload={offload} batch={batch_size} per data rank")  # fmt: skip
         losses: list[float] = []
         while len(losses) < args.steps:
             for batch in loader:

@@ -313,7 +313,7 @@ def test_calibration_names_a_run_without_step_times(tmp_path: Path) -> None:
         ({"script": "no_such.py"}, "no such script: 'no_such.py'"),
         ({"nproc_per_node": 0}, "nproc_per_node must be an integer >= 1, got 0"),
         ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1, got 0"),
-        ({"axes": ("dp", "ep")}, "axes ['ep'] are not mesh axes"),
+        ({"axes": ("dp", "xp")}, "axes ['xp'] are not mesh axes"),
         ({"gpu": "h900"}, "gpu='h900'"),
         ({"memory_gib": 1000.0}, "memory_gib=1000.0 is more than the h100-sxm row's"),
     ],

@@ -51,7 +51,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--png", default=None, metavar="FILE", help="draw peak memory against tokens/s per GPU")
     p.add_argument(
-        "--axes", default="dp,tp,pp,cp", help="mesh axes to search, of dp,tp,pp,cp (default all four)"
+        "--axes",
+        default="dp,tp,pp,cp,ep",
+        help="mesh axes to search, of dp,tp,pp,cp,ep (default all; ep only for a model with experts)",
     )
     p.add_argument(
         "--memory-gib",

@@ -1,8 +1,10 @@
 """The planner's candidates: every configuration of the knobs a script leaves open, for one world.
 
-A `Candidate` is a mesh (pp, dp replicate/shard, cp, tp; tp and cp inside a node) with the knobs of
+A `Candidate` is a mesh (pp, dp replicate/shard, ep, cp, tp; tp, cp and ep inside a node) with the knobs of
 `accelfn.launch_env.knob` (strategy, remat, accumulate, pipeline schedule and micro-batches, offload); `None`
-leaves a knob to the script. `enumerate_candidates` lists them for a `Space`.
+leaves a knob to the script. `enumerate_candidates` lists them for a `Space`. An `ep` axis (expert parallel,
+a data axis whose ranks also split the experts, with the tp and cp ranks it borrows) is enumerated only for a
+model with experts (`Space.experts`, counted by the planner's probe).
 
 Example:
     >>> space = Space(world=8, nproc_per_node=8, open=frozenset({"mesh", "strategy"}), axes=("dp", "tp"))
@@ -86,9 +88,9 @@ class Candidate:
 
 @attrs.frozen
 class Space:
-    """What to enumerate: the world, which knobs are open ("mesh" among them), the global batch, and the
-    mesh axes the script supports (`axes`: of dp, tp, pp, cp; pp only where the script reads the pipeline
-    knobs)."""
+    """What to enumerate: the world, which knobs are open ("mesh" among them), the global batch, the mesh
+    axes the script supports (`axes`: of dp, tp, pp, cp, ep; pp only where the script reads the pipeline
+    knobs), and the experts of each MoE layer of its model (`experts`: 0 for a dense model, which gets no ep)."""
 
     world: int
     nproc_per_node: int
@@ -101,22 +103,26 @@ class Space:
     compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles
     schedules: tuple[str, ...] = SCHEDULES
     max_accumulate: int = MAX_ACCUMULATE
+    experts: int = 0
 
 
 def _meshes(space: Space) -> Iterator[dict[str, int]]:
-    """pp, dp, cp, tp with tp and cp inside a node (their product divides the node's processes)."""
+    """pp, dp, ep, cp, tp with tp, cp and ep inside a node (their product divides the node's processes); ep
+    only for a model with experts, its ranks taken from the data-parallel ones (dp x ep is the data size)."""
     if "mesh" not in space.open:
         yield {}
         return
     node, world = space.nproc_per_node, space.world
+    expert = "ep" in space.axes and space.experts > 1
     for tp in divisors(math.gcd(node, world)) if "tp" in space.axes else [1]:
         for cp in divisors(node // tp) if "cp" in space.axes else [1]:
             if world % (tp * cp):
                 continue
             for pp in divisors(world // (tp * cp)) if "pp" in space.axes else [1]:
-                dp = world // (tp * cp * pp)
-                mesh = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-                yield {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
+                data = world // (tp * cp * pp)
+                for ep in divisors(math.gcd(data, node // (tp * cp))) if expert else [1]:
+                    mesh = {"pp": pp, "dp": data // ep, "ep": ep, "cp": cp, "tp": tp}
+                    yield {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
 
 
 def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, int], str | None]]:
@@ -128,7 +134,8 @@ def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, 
         if s != "hsdp":
             yield mesh, s
             continue
-        dp, inner = mesh.get("dp", 1), space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1))
+        inner = space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("ep", 1))
+        dp = mesh.get("dp", 1)
         for shard in divisors(dp):
             if 1 < shard < dp and inner % shard == 0:
                 rest = {k: v for k, v in mesh.items() if k != "dp"}

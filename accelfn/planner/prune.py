@@ -47,29 +47,44 @@ class States:
 
 def shards(strategy: str | None, mesh: dict[str, int]) -> int:
     """Over how many ranks a data-parallel `strategy` splits the states: fsdp over the data axes and cp, hsdp
-    over its `fsdp` axis, ddp none; a strategy the script fixes (None: unknown here) as fsdp, so that the
-    bound stays a lower bound."""
+    over its `fsdp` axis (and `ep`, which it shards over too), ddp none; a strategy the script fixes (None:
+    unknown here) as fsdp, so that the bound stays a lower bound."""
     if strategy in ("fsdp", None):
         return data_size(mesh) * mesh.get("cp", 1)
     if strategy == "hsdp":
-        return mesh.get("fsdp", 1) * mesh.get("cp", 1)
+        return mesh.get("fsdp", 1) * mesh.get("ep", 1) * mesh.get("cp", 1)
     return 1
 
 
 def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -> int:
     """The least bytes of params, grads and optimizer state a rank of `c` holds: each is split at most over
-    tp x pp (a stage holds at least the average) and the strategy's shards; offloaded optimizer state is on
+    tp x pp (a stage holds at least the average) and the strategy's shards, or with an `ep` axis over ep x cp
+    where that is more (the experts' split; the dense layers' is no finer); offloaded optimizer state is on
     the host."""
     strategy = c.strategy or script_strategy
-    split = c.mesh.get("tp", 1) * c.mesh.get("pp", 1) * shards(strategy, c.mesh)
+    ways = shards(strategy, c.mesh)
+    ep = c.mesh.get("ep", 1)
+    if ep > 1:  # the experts are split over ep and the cp ranks it borrows, whatever the strategy
+        ways = max(ways, ep * c.mesh.get("cp", 1))
+    split = c.mesh.get("tp", 1) * c.mesh.get("pp", 1) * ways
     optimizer = 0 if c.offload == "optimizer" else totals.optimizer
     return (totals.params + totals.grads + optimizer) // split
 
 
 def illegal(c: Candidate) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
-    the data-parallel ranks and their micro-batches."""
+    the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
+    shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
+    the mesh's other candidates are not pruned with it).
+
+    Example:
+        >>> illegal(Candidate({"dp": 1, "ep": 8}, "fsdp"))
+        'fsdp with ep=8 shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none'
+    """
     gbs, dp = c.global_batch_size, data_size(c.mesh) if c.mesh else 1
+    ep = c.mesh.get("ep", 1)
+    if ep > 1 and c.strategy == "fsdp" and dp == ep:
+        return f"fsdp with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
     if gbs is None:
         return None
     if gbs % dp:

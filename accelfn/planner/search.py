@@ -62,6 +62,7 @@ def run_job(job: Job) -> dict[str, Any]:
     rank]}, "blocks": the model's own count, "asked": [...]}`, each report with `"at"`, the blocks its rank
     ran, and `"full"`, those it runs in the whole model (a pipeline's split read from the balanced split); a
     full dry run instead where the cut runs do not give two points of each rank's line."""
+    from .experts import recording_experts
     from .extrapolate import keep_blocks, rank_blocks
 
     launch_env.ASKED.clear()
@@ -82,11 +83,12 @@ def run_job(job: Job) -> dict[str, Any]:
             if all(len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))):
                 return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}
             # a rank's blocks did not change between the cuts (no line through them): measured in full
-        reports = [_dry_run(job, rank, keep_blocks(None, seen)) for rank in ranks]
+        reports = [_dry_run(job, rank, recording_experts(keep_blocks(None, seen), seen)) for rank in ranks]
         report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
         return {
             "report": report.to_dict(),
             "blocks": seen.get("blocks", 0),
+            "experts": seen.get("experts", 0),
             "asked": sorted(launch_env.ASKED),
         }
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict

@@ -35,7 +35,7 @@ from .table import Fallen, Plan, Row
 
 __all__ = ["plan"]
 
-AXES = ("dp", "tp", "pp", "cp")
+AXES = ("dp", "tp", "pp", "cp", "ep")  # ep: only for a model with experts (the probe counts them)
 BOUND_SLACK = 0.98  # the time bound's margin below the least measured ratio
 
 
@@ -95,7 +95,8 @@ def plan(
     GPU among those that fit, and what fell at each tier and why.
 
     What the script leaves open is searched: the mesh when it reads `af.Mesh.from_env()` (over `axes`: dp,
-    tp, pp, cp; tp and cp inside a node), and each knob it passes as "auto" to `accelfn.launch_env.knob`
+    tp, pp, cp, and ep for a model with experts; tp, cp and ep inside a node), and each knob it passes
+    as "auto" to `accelfn.launch_env.knob`
     (strategy, remat, accumulate, global_batch_size, pipeline_schedule, pipeline_microbatches, offload); what
     it fixes is kept, and the plan says so. `global_batch_size` is the batch the plan holds fixed (needed when
     the script leaves it open). `budget_minutes` bounds the dry runs (those not started by then fall at the
@@ -186,6 +187,7 @@ def plan(
             open=frozenset(open_knobs),
             axes=tuple(axes),
             global_batch_size=global_batch_size,
+            experts=int(probe.get("experts", 0)),
         )
         candidates = enumerate_candidates(space)
         fallen: list[Fallen] = []

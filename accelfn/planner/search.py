@@ -61,14 +61,25 @@ def run_job(job: Job) -> dict[str, Any]:
     per (rank, blocks) with the model cut to that many blocks per stage: `{"reports": {blocks: [one per
     rank]}, "blocks": the model's own count, "asked": [...]}`, each report with `"at"`, the blocks its rank
     ran, and `"full"`, those it runs in the whole model (a pipeline's split read from the balanced split); a
-    full dry run instead where the cut runs do not give two points of each rank's line."""
+    full dry run instead where the cut runs do not give two points of each rank's line. `"wall_s"`: the job's
+    wall time."""
+    start = time.monotonic()
+    out = _run_job(job)
+    return {**out, "wall_s": time.monotonic() - start}
+
+
+def _run_job(job: Job) -> dict[str, Any]:
     from .experts import recording_experts
     from .extrapolate import keep_blocks, rank_blocks
 
     launch_env.ASKED.clear()
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
     seen: dict[str, Any] = {}
-    stages = tuple(s for s in (job.stages, 2 * job.stages, job.stages // 2) if s > 1)
+    # the stage counts to read each rank's blocks for: the expected one, and those of a schedule the script
+    # fixes with another number of stages per rank
+    stages = (
+        tuple(s for s in (job.stages, 2 * job.stages, job.stages // 2) if s > 1) if job.stages > 1 else ()
+    )
     try:
         if job.blocks:
             cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
@@ -174,13 +185,13 @@ class Pool:
         self,
         jobs: Iterable[Job],
         *,
-        deadline: float | None = None,
+        deadline: float | Callable[[], float] | None = None,
         done: Callable[[], None] | None = None,
         skip: Callable[[Job], dict[str, Any] | None] | None = None,
         wait: Callable[[Job], bool] | None = None,
     ) -> Iterator[tuple[Job, dict[str, Any] | None]]:
         """Yield `(job, result)` as jobs finish, `result` None for the jobs not started before `deadline` (a
-        `time.monotonic()` value); `skip(job)`, asked as each job is about to start (so it sees what the jobs
+        `time.monotonic()` value, or a function giving it as the jobs finish); `skip(job)`, asked as each job is about to start (so it sees what the jobs
         before it found), returns the result to yield instead of running it (None: run it). A job for which
         `wait(job)` is true while others run is started after them (the first pending job not waiting runs
         meanwhile): its verdict may depend on theirs."""
@@ -196,7 +207,9 @@ class Pool:
                 verdict = skip(job) if skip is not None else None
                 if verdict is not None:
                     yield job, verdict
-                elif deadline is not None and time.monotonic() > deadline:
+                elif deadline is not None and time.monotonic() > (
+                    deadline() if callable(deadline) else deadline
+                ):
                     yield job, None
                 elif self._pool is None:
                     yield job, run_job(job)

@@ -41,6 +41,7 @@ class Row:
 
     exposed_s: float | None = None  # the prediction's exposed communication, where the time model gives it
     extrapolated: bool = False  # from dry runs with a few blocks per stage (`extrapolate`), not yet confirmed
+    dry_run_s: float | None = None  # the dry run's wall time (extrapolated: its full dry run's, estimated)
 
     @property
     def exposed_comm_s(self) -> float | None:
@@ -74,6 +75,7 @@ class Row:
             error_band=p.get("error_band"),
             exposed_s=p.get("exposed_comm_s"),
             extrapolated="extrapolated" in report,
+            dry_run_s=report.get("elapsed_s"),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ measured ones are ranked by predicted tokens/s per GPU (`table`).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = ["plan"]
 
 AXES = ("dp", "tp", "pp", "cp", "ep")  # ep: only for a model with experts (the probe counts them)
 BOUND_SLACK = 0.98  # the time bound's margin below the least measured ratio
+CONFIRM_SLACK = 1.2  # the margin on a confirmation's estimated wall time (the machine's load varies)
 
 
 def _check(name: str, value: Any, minimum: float = 1) -> None:
@@ -233,6 +235,18 @@ def plan(
         best: list[float] = []  # the best fitting step time so far
         ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
+        walls: list[float] = []  # each finished job's wall time
+
+        def confirm_reserve() -> float:
+            """What confirming the best row so far will take: its full dry run's wall time, estimated from its
+            cut runs (none when it is a full dry run already)."""
+            top = min(rows, key=_rank, default=None)
+            return CONFIRM_SLACK * (top.dry_run_s or 0.0) if top is not None and top.extrapolated else 0.0
+
+        def cutoff() -> float:
+            """The last moment to start a dry run: the budget less the confirmation's reserve and a typical
+            job's wall time (a job started then still runs), so that the whole plan fits in the budget."""
+            return deadline - confirm_reserve() - (statistics.median(walls) if walls else 0.0)
 
         def lower(c: Candidate) -> float:
             """The probe's compute, scaled by the least ratio of a measured rank's compute to its share of it
@@ -285,6 +299,8 @@ def plan(
         def record(c: Candidate, result: dict[str, Any] | None) -> None:
             if frugal.get(memory_group(c)) is c:
                 del frugal[memory_group(c)]
+            if result is not None and "wall_s" in result:
+                walls.append(result["wall_s"])
             if result is None:
                 fallen.append(
                     Fallen(c, "budget", f"{c.label}: not run, the budget of {budget_minutes:g} min ran out")
@@ -348,19 +364,21 @@ def plan(
             job = job_of(c)
             by_job[job] = c
             jobs.append(job)
-        for job, result in pool.map(
-            jobs, deadline=deadline, done=lambda: bar.update(1), skip=skip, wait=waits
-        ):
+        for job, result in pool.map(jobs, deadline=cutoff, done=lambda: bar.update(1), skip=skip, wait=waits):
             record(by_job[job], result)
         bar.close()
 
         # the best rows measured by extrapolation are confirmed by full dry runs until the first `confirm` are
-        # full dry runs (the chosen row's figures are the exact dry run's; its confirmation ignores the budget)
+        # full dry runs: the chosen row's always (its figures are the exact dry run's; the search left it a
+        # reserve of the budget), the others where their estimated full dry run fits in what is left of it
         while True:
             rows.sort(key=_rank)
-            todo = [r for r in rows[:confirm] if r.extrapolated]
-            if todo and time.monotonic() > deadline:
-                todo = todo[:1] if rows[0].extrapolated else []
+            left = deadline - time.monotonic()
+            todo = [
+                r
+                for r in rows[:confirm]
+                if r.extrapolated and (r is rows[0] or CONFIRM_SLACK * (r.dry_run_s or 0.0) <= left)
+            ]
             if not todo:
                 break
             full = {_job(r.candidate, base): r for r in todo}

@@ -111,7 +111,8 @@ def test_a_flat_attention_efficiency_scales_every_attention_kernel_alike() -> No
     long_fwd = attention_time(10**15, H100, a)
     assert long_fwd == pytest.approx(10**15 / (989e12 * 0.5))
     short_bwd = attention_time(10**15, H100, a, backward=True, seq=2048)
-    assert short_bwd == pytest.approx(long_fwd * 370 / 291)  # FlashAttention-2: 370 long forward, 291 at 2k back
+    # FlashAttention-2: 370 TFLOP/s on a long forward, 291 on a 2k backward
+    assert short_bwd == pytest.approx(long_fwd * 370 / 291)
 
 
 def test_eager_kernels_take_at_least_the_launch_floor_and_compiled_ones_do_not() -> None:
@@ -322,7 +323,7 @@ def test_a_compiled_steps_update_stays_eager_one_kernel_per_op_at_the_launch_flo
     assert compiled.by_kind["memory"] == pytest.approx(5 * 10**6 / bw + 2 * 5e-6 + 4 * 10**8 / bw)
 
 
-def test_ops_are_marked_as_a_compiled_regions_in_a_blocks_forward_and_backward_and_not_in_the_update() -> None:
+def test_a_compiled_blocks_forward_and_backward_are_marked_compiled_and_the_update_is_not() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from accelfn.dryrun.compiled import partition_block

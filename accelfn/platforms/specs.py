@@ -195,14 +195,14 @@ DEVICES: tuple[DeviceSpec, ...] = (
     # NVL, and we don't know its exact value". The same 132-SM die is rated 989 dense bf16 TFLOP/s at 700 W (H100
     # SXM) and 835 at 350-400 W (H100 NVL), both on NVIDIA's H100 data sheet: the tensor cores' clock falls with
     # the power limit. Its peaks here are those two ratings interpolated linearly in the power limit at 500 W
-    # (400 W -> 835, 700 W -> 989: 886 bf16; fp8, tf32 and fp32 alike): an assumption between two published
+    # (400 W -> 835, 700 W -> 989: 886 bf16; fp8 1,773, tf32 and fp32 alike): an assumption between two published
     # figures, not a measurement of this part. Memory bandwidth is its HBM2e's, which the power limit leaves.
     DeviceSpec(
         key="h100-96gb",
         name="NVIDIA H100 96GB HBM2e (SXM, 500 W)",
         kind="cuda",
         pattern=r"^NVIDIA H100$",
-        tflops={"fp32": 62.3, "tf32": 443.2, "bf16": 886.3, "fp16": 886.3, "fp8": 1772.7},
+        tflops={"fp32": 62.3, "tf32": 443.2, "bf16": 886.3, "fp16": 886.3, "fp8": 1773.0},
         memory_gib=96.0,
         memory_gbs=2400.0,
         intra_node_gbs=_NVLINK4,

@@ -9,7 +9,7 @@ file was written (`RATIO`, within 5%), so that the model cannot drift unnoticed.
 time against published runs") has the table and says what carries the result.
 
 Dry-run time of each row on this project's 2-core machine (shared with other sessions): Table 1 at 8 ranks 8-14 s, Table 3 at 128
-ranks 9-22 s, the 0.9B rows 2 s (the file: about 85 s). Table 5 (405B, 512 ranks, pp=8) takes 192 s per row: not here.
+ranks 9-22 s, the 0.9B rows 2 s (the file: about 85 s). Table 5 (405B, 512 ranks, pp=8) takes 50-80 s per row: not here.
 """
 
 from __future__ import annotations

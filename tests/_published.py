@@ -47,6 +47,7 @@ class Outcome:
     fits: bool
     peak_bytes: int
     tokens_per_s_per_gpu: float
+    reserved_bytes: int  # the simulated caching allocator's peak reserved memory
 
 
 @functools.cache
@@ -60,4 +61,5 @@ def outcome(row_id: str) -> Outcome:
         fits=bool(report.fits),
         peak_bytes=int(report.per_rank["peak"]),
         tokens_per_s_per_gpu=report.predicted.tokens_per_s / report.world_size,
+        reserved_bytes=int(report.per_rank["reserved"]),
     )

@@ -152,6 +152,10 @@ def _report(
         capacity = spec.memory_bytes - assumptions.reserve_bytes
         headroom = capacity - worst.total_peak
         fits = headroom >= 0
+    top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
+    if worst.by_module.get(LOSS_ROW) and LOSS_ROW not in dict(top):  # the loss's row, however small
+        top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))
+    notes = list(session.notes)
     if worst.trace is not None and not session.device_is_host:  # the caching allocator's segments
         from .allocator import replay
 
@@ -159,10 +163,12 @@ def _report(
         # (the tracker's peak, to the byte: the replay's own check)
         assert reserved.allocated == worst.peak, (reserved.allocated, worst.peak)
         per_rank["reserved"] = reserved.reserved + sum(others.values())
-    top = sorted(worst.by_module.items(), key=lambda kv: -kv[1])[:8]
-    if worst.by_module.get(LOSS_ROW) and LOSS_ROW not in dict(top):  # the loss's row, however small
-        top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))
-    notes = list(session.notes)
+        if reserved.over_capacity:
+            notes.append(
+                "the simulated caching allocator found no room for a request even after releasing its cached "
+                "segments (fragmentation): the real run may run out of memory where the live peak fits; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most of it"
+            )
     init = _init_report(session, nproc_per_node, capacity, assumptions, notes)
     if init is not None and init["fits"] is False:
         fits = False

@@ -14,6 +14,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   measured to reach on an H100 for that direction and sequence length (`FA2_H100_TFLOPS`: the backward slower).
 - everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
   bandwidth; views move nothing and launch nothing.
+- kernels the dry run does not run (torch's fused optimizer kernels, `torch._fused_adamw_`, have no fake version):
+  `in_place_kernel` stands in for each launch, memory-bound, moving what it reads and writes.
 - eager mode: no kernel takes less than `launch_s` (the host issues one op at a time; a kernel shorter than
   that leaves the device waiting).
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -54,6 +56,7 @@ __all__ = [
     "attention_fraction",
     "compiled_region",
     "memory_time",
+    "in_place_kernel",
     "grouped_mm_flops",
     "grouped_mm_dtypes",
     "FLOP_FORMULAS",
@@ -408,6 +411,40 @@ def _kind(func: Any) -> str:
     return kind
 
 
+@torch.library.custom_op("accelfn::in_place_kernel", mutates_args=("written",))
+def _in_place_kernel(read: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+    return None
+
+
+@_in_place_kernel.register_fake
+def _(read: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+    return None
+
+
+def in_place_kernel(read: Sequence[torch.Tensor], written: Sequence[torch.Tensor]) -> None:
+    """Stands in for one launch of an in-place kernel the dry run does not run (torch's fused optimizer kernels:
+    `torch._fused_adamw_` has no fake version): it computes and allocates nothing, and the dry run's tracker
+    records it as one memory-bound kernel that reads `read` and reads and writes `written` (`op_cost`).
+    DTensors stand for their local shards.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> p, g, m, v = (torch.zeros(1000) for _ in range(4))
+        >>> with OpTimer(spec("h100-sxm"), TimingAssumptions(launch_s=0.0)) as t:
+        ...     in_place_kernel([g], [p, m, v])  # AdamW: 4 x 4 bytes read, 3 x 4 written per parameter
+        >>> t.times.seconds["memory"] == memory_time(28 * 1000, spec("h100-sxm"), TimingAssumptions())
+        True
+    """
+
+    def local(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.to_local() if hasattr(t, "to_local") else t for t in ts]
+
+    _in_place_kernel(local(read), local(written))
+
+
+_IN_PLACE = torch.ops.accelfn.in_place_kernel.default
+
+
 def _bytes_of(x: Any) -> int:
     """Bytes of the tensors in an op's argument or output (a tensor, or a list / tuple of them, one level)."""
     if isinstance(x, torch.Tensor):
@@ -425,6 +462,10 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         return None
     backward = torch._C._current_graph_task_id() != -1
     graph = backward or torch.is_grad_enabled() or _REGION[0] > 0
+    if func is _IN_PLACE:  # what it writes, it read first
+        return OpCost(
+            "memory", nbytes=_bytes_of(args[0]) + 2 * _bytes_of(args[1]), backward=backward, graph=graph
+        )
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
         return OpCost("memory", nbytes=moved, backward=backward, graph=graph)

@@ -45,15 +45,28 @@ def pick(xs: Sequence[Any], idx: Sequence[int]) -> list[Any]:
     return [xs[i] for i in idx]
 
 
-def try_fused(kernel: str, device: torch.device, fn: Callable[[], None]) -> bool:
-    """Run a fused kernel call; on a device without it, remember that and return False (caller falls back)."""
+Traffic = Callable[[], Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]]
+
+
+def try_fused(kernel: str, device: torch.device, fn: Callable[[], None], traffic: Traffic) -> bool:
+    """Run a fused kernel call; on a device without it, remember that and return False (caller falls back).
+
+    `traffic()` lists, per launch (one per tensor group, as torch's fused multi-tensor kernels launch), the tensors
+    it only reads and those it reads and writes in place. A dry run does not run the kernel (torch has no fake
+    version of the fused optimizer kernels: it would run them on real zeros of every input) but times each
+    launch from those bytes (`accelfn.dryrun.timing.in_place_kernel`); in place, they allocate nothing.
+    """
     key = (kernel, device.type)
     if key in _NO_FUSED:
         return False
     if dry_mode.active() is not None:
-        # fake tensors: torch has no fake version of the fused optimizer kernels (it would run them on real zeros
-        # of every input); they update in place and allocate nothing, so skipping them changes no shape or memory
-        dry_mode.note(f"fused optimizer kernel {kernel} skipped (in place: no memory, negligible FLOPs)")
+        from ..dryrun.timing import in_place_kernel
+
+        for read, written in traffic():
+            in_place_kernel(read, written)
+        dry_mode.note(
+            f"fused optimizer kernel {kernel} not run: timed as a memory-bound kernel per tensor group"
+        )
         return True
     try:
         fn()

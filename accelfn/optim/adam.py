@@ -133,7 +133,10 @@ def _adam(
                     maximize=False,
                 )
 
-        if p and try_fused(name, p[0].device, run):
+        def traffic() -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+            return [(pick(g, grp), pick(p, grp) + pick(m, grp) + pick(v, grp)) for grp, _ in calls]
+
+        if p and try_fused(name, p[0].device, run, traffic):
             return AdamState(count, lr_t, state.mu, state.nu)
         updates, new_state = update(grads, state, params)
         torch._foreach_add_(p, _tree.leaves(updates))

@@ -89,7 +89,10 @@ def sgd(
                     is_first_step=False,
                 )
 
-        if p and try_fused("sgd", p[0].device, run):
+        def traffic() -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+            return [(pick(g, grp), pick(p, grp) + (pick(buf, grp) if momentum else [])) for grp in groups(p)]
+
+        if p and try_fused("sgd", p[0].device, run, traffic):
             return SgdState(state.count + 1, lr_t, state.momentum)
         updates, new_state = update(grads, state, params)
         torch._foreach_add_(p, _tree.leaves(updates))

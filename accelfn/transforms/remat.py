@@ -4,9 +4,17 @@ Each checkpointed block (a decoder layer) keeps only its inputs during the forwa
 the block's forward again (`torch.utils.checkpoint`, non-reentrant). Policies, as in torchtitan:
 
 - `"full"`: recompute everything inside the block;
-- `"selective"`: save the outputs of the expensive ops (matmuls, attention, collectives) and recompute the
-  cheap ones (norms, activations, element-wise);
+- `"selective"`: torchtitan's op-level selective checkpointing (`selective_ac_option="op"`, the policy of its
+  published Llama 3.1 runs, torchtitan of 2024-12): save the outputs of the ops in `SELECTIVE_SAVE` (`mm`,
+  the attention kernels, `reduce_scatter_tensor`, and `abs` / `max` for fp8's scales) *except every second
+  `mm`* of each call of a block (counted apart in the forward and in the recomputation), so a Llama layer's
+  k, o and up projections (2nd, 4th and 6th of its 7 matmuls) run again in the backward, and everything else
+  (norms, activations, element-wise) is recomputed. As in torchtitan, only `aten.mm` is saved and counted:
+  `addmm` (a linear with a bias), `bmm` and a direct `_scaled_mm` are recomputed; under fp8 (torchao's
+  float8 linears) the checkpoint sees the `mm` of the float8 tensors, not the `_scaled_mm` inside them, so
+  fp8 recomputes the same projections;
 - a callable `policy(op) -> bool` (save this op's output?) or returning a `torch.utils.checkpoint.CheckpointPolicy`;
+  `save_matmuls` is accelfn's "selective" before 2026-11-27 (every matmul, attention and collective saved);
 - `every=n`: only every n-th block (blocks n, 2n, ...), trading memory for speed;
 - `memory_budget=f` (0 < f <= 1) under `af.compile`: torch's partitioner chooses what to recompute so that
   at most that fraction of the activations is kept (`torch._functorch.config.activation_memory_budget`, set
@@ -49,7 +57,15 @@ if TYPE_CHECKING:
     from ..engine import Plan
     from ..lowering import Transform
 
-__all__ = ["remat", "find_remat_blocks", "compile_inside", "SELECTIVE_SAVE"]
+__all__ = [
+    "remat",
+    "find_remat_blocks",
+    "compile_inside",
+    "SELECTIVE_SAVE",
+    "MATMUL_SAVE",
+    "save_matmuls",
+    "selective_policy",
+]
 
 POLICIES = ("full", "selective")
 
@@ -65,8 +81,24 @@ def _ops(*names: str) -> frozenset[Any]:
     return frozenset(found)
 
 
-# torchtitan's selective activation checkpointing: keep what is expensive to recompute
+# the ops whose outputs torchtitan's "op" selective checkpointing saves (torchtitan/parallelisms/
+# parallelize_llama.py `_save_list`, 2024-12: the torchtitan of its published Llama 3.1 runs), but every second
+# `mm` of a block (`selective_policy`). Its list names CUDA's flash and memory-efficient attention; the other
+# backends' SDPA kernels (cuDNN's, the CPU's flash) stand for them on their devices.
 SELECTIVE_SAVE = _ops(
+    "aten.mm",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "_c10d_functional.reduce_scatter_tensor",
+    "aten.abs",  # low precision: the amax of a tensor, its fp8 scale, is cheap to keep
+    "aten.max",
+)
+_MM = torch.ops.aten.mm.default
+
+# accelfn's "selective" before 2026-11-27 (`save_matmuls`): every matmul, attention kernel and collective
+MATMUL_SAVE = _ops(
     "aten.mm",
     "aten.addmm",
     "aten.bmm",
@@ -82,6 +114,41 @@ SELECTIVE_SAVE = _ops(
     "_c10d_functional.all_reduce",
     "_c10d_functional.all_gather_into_tensor",
 )
+
+
+def save_matmuls(op: Any) -> bool:
+    """A `remat` policy that saves the output of every matmul, attention kernel and collective (`MATMUL_SAVE`)
+    and recomputes the rest: accelfn's "selective" before 2026-11-27, more memory and less recomputation than
+    torchtitan's.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.remat(af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1)), save_matmuls)
+        Step(train_step(<lambda>) -> remat(save_matmuls))
+    """
+    return op in MATMUL_SAVE
+
+
+def selective_policy() -> Callable[..., Any]:
+    """A fresh `"selective"` policy for one call of a checkpointed block (for
+    `torch.utils.checkpoint.create_selective_checkpoint_contexts`): torchtitan's, saving the outputs of
+    `SELECTIVE_SAVE` but every second `mm` of the call, counted apart in the forward and the recomputation.
+
+    Example:
+        >>> from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        >>> forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(selective_policy())
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    mms = {False: 0, True: 0}  # in the forward, in the recomputation
+
+    def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == _MM:
+            mms[ctx.is_recompute] += 1
+        save = op in SELECTIVE_SAVE and not (op == _MM and mms[ctx.is_recompute] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
 
 
 def find_remat_blocks(module: nn.Module, classes: Sequence[str] | None = None) -> tuple[str, list[nn.Module]]:
@@ -132,11 +199,8 @@ def _policy_fn(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
 
     if policy == "full":
         return None
-    if policy == "selective":
-        chooser: Callable[[Any], Any] = lambda op: op in SELECTIVE_SAVE  # noqa: E731
-    else:
-        assert callable(policy)
-        chooser = policy
+    assert callable(policy)
+    chooser = policy
 
     def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         choice = chooser(op)
@@ -208,8 +272,12 @@ def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> N
         return  # lowered again (a second init): already checkpointed
     original = block.forward
     drop_cache = _cache_dropper(original)
-    decide = _policy_fn(policy)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
+    context_fn: Callable[[], Any] | None
+    if policy == "selective":  # a counter per call of the block: a fresh policy each time
+        context_fn = lambda: create_selective_checkpoint_contexts(selective_policy())  # noqa: E731
+    else:
+        decide = _policy_fn(policy)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
 
     inner = [original]  # what the checkpoint runs: the block's own forward, or it compiled (compile_inside)
 

@@ -19,7 +19,7 @@ import io
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -189,21 +189,30 @@ class Pool:
         done: Callable[[], None] | None = None,
         skip: Callable[[Job], dict[str, Any] | None] | None = None,
         wait: Callable[[Job], bool] | None = None,
+        then: tuple[Callable[[], bool], Sequence[Job]] | None = None,
     ) -> Iterator[tuple[Job, dict[str, Any] | None]]:
         """Yield `(job, result)` as jobs finish, `result` None for the jobs not started before `deadline` (a
         `time.monotonic()` value, or a function giving it as the jobs finish); `skip(job)`, asked as each job is about to start (so it sees what the jobs
         before it found), returns the result to yield instead of running it (None: run it). A job for which
         `wait(job)` is true while others run is started after them (the first pending job not waiting runs
-        meanwhile): its verdict may depend on theirs."""
+        meanwhile): its verdict may depend on theirs. `then=(switch, order)`: once `switch()` is true, the jobs
+        not yet started go in `order`'s order (the same jobs, another order)."""
         pending = list(jobs)
         running: dict[cf.Future[dict[str, Any]], Job] = {}
         width = self.workers if self._pool is not None else 1
         while pending or running:
+            if then is not None and then[0]():
+                left = set(pending)
+                pending = [j for j in then[1] if j in left]
+                then = None
             while pending and len(running) < width:
-                ready = [i for i, j in enumerate(pending) if not (running and wait is not None and wait(j))]
-                if not ready:
+                # the first pending job not waiting (a scan that stops there: thousands of jobs may be pending)
+                ready = next(
+                    (i for i, j in enumerate(pending) if not (running and wait is not None and wait(j))), None
+                )
+                if ready is None:
                     break
-                job = pending.pop(ready[0])
+                job = pending.pop(ready)
                 verdict = skip(job) if skip is not None else None
                 if verdict is not None:
                     yield job, verdict

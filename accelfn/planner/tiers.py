@@ -8,9 +8,11 @@ promising first (where memory binds, each memory group's most frugal candidate f
 where an earlier one shows it cannot win: a lowering error of its mesh (a tp that does not divide the heads), a
 smaller accumulation of the same configuration that fits or one of its group needing no more memory that does
 not fit (dominated), or a lower bound of its step time (the probe's compute shared by the ranks, plus the
-pipeline's bubble) above the best step time found (time bound). A model of many identical blocks without a pipeline is dry-run with 2 and 3 of
-its blocks and extrapolated (`extrapolate`); the best rows so measured are confirmed by full dry runs. The
-measured ones are ranked by predicted tokens/s per GPU (`table`).
+pipeline's bubble) above the best step time found (time bound). A model of many identical blocks per pipeline
+stage is dry-run with 2 and 3 of its blocks per stage and extrapolated (`extrapolate`); the best rows so
+measured are confirmed by full dry runs, within the budget: the search stops early enough to leave the
+chosen row's confirmation its estimated time. The measured ones are ranked by predicted tokens/s per GPU
+(`table`).
 """
 
 from __future__ import annotations
@@ -356,15 +358,37 @@ def plan(
 
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)
             frugal.update((memory_group(c), c) for c in frugal_candidates(order, estimate, capacity))
-            order = frugal_first(order, estimate, capacity)
+            order, bound_order = frugal_first(order, estimate, capacity), order
+        else:
+            bound_order = order
         for c in order:
             first.setdefault(c.mesh_spec, c)
         jobs = []
+        job_of_c: dict[int, Job] = {}
         for c in order:
             job = job_of(c)
             by_job[job] = c
+            job_of_c[id(c)] = job
             jobs.append(job)
-        for job, result in pool.map(jobs, deadline=cutoff, done=lambda: bar.update(1), skip=skip, wait=waits):
+
+        def found() -> bool:
+            """Once a candidate fits, the rest run in the time bound's order, the most promising first (the
+            frugal candidates' order is for finding one that fits: it runs the most micro-batches, the most
+            split meshes, the costliest dry runs first), each group's frugal candidate still ahead of its group."""
+            return bool(rows)
+
+        later: list[Job] = []
+        ahead = dict(frugal)
+        leads = {id(f) for f in frugal.values()}
+        for c in bound_order:
+            lead = ahead.pop(memory_group(c), None)
+            if lead is not None and lead is not c:
+                later.append(job_of_c[id(lead)])
+            if lead is c or id(c) not in leads:
+                later.append(job_of_c[id(c)])
+        for job, result in pool.map(
+            jobs, deadline=cutoff, done=lambda: bar.update(1), skip=skip, wait=waits, then=(found, later)
+        ):
             record(by_job[job], result)
         bar.close()
 

@@ -156,13 +156,17 @@ def _report(
     if worst.by_module.get(LOSS_ROW) and LOSS_ROW not in dict(top):  # the loss's row, however small
         top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))
     notes = list(session.notes)
-    if worst.trace is not None and not session.device_is_host:  # the caching allocator's segments
+    if worst.trace is not None and device != "cpu":  # the caching allocator's segments (a device's)
         from .allocator import replay
 
         reserved = replay(worst.trace, capacity=capacity)
-        # (the tracker's peak, to the byte: the replay's own check)
-        assert reserved.allocated == worst.peak, (reserved.allocated, worst.peak)
-        per_rank["reserved"] = reserved.reserved + sum(others.values())
+        if reserved.allocated != worst.peak:  # the replay's own check: the tracker's peak, to the byte
+            notes.append(
+                f"the caching allocator's replay allocated {reserved.allocated:,} bytes at its peak where the step's "
+                f"peak is {worst.peak:,}: its reserved memory is left out (please report this)"
+            )
+        else:
+            per_rank["reserved"] = reserved.reserved + sum(others.values())
         if reserved.over_capacity:
             notes.append(
                 "the simulated caching allocator found no room for a request even after releasing its cached "

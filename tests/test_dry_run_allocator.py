@@ -202,7 +202,6 @@ def test_replay_of_a_million_events_takes_seconds() -> None:
     assert r.allocated == max(sum(sizes[max(0, i - 999) : i + 1]) for i in range(0, 500_000, 997))
 
 
-@pytest.mark.slow
 def test_dry_run_reports_reserved_above_allocated_with_fsdp_streams_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -225,6 +224,12 @@ def test_dry_run_reports_reserved_above_allocated_with_fsdp_streams_apart(
     assert r.allocated == report.per_rank["peak"]  # the tracker's peak, to the byte
     assert report.per_rank["reserved"] == r.reserved >= r.rounded >= r.allocated
     assert r.reserved % (2 * MIB) == 0  # whole segments
+    assert sum(r.by_pool.values()) == r.reserved  # by pool at the peak: the streams' pools each hold segments
+    assert {key.split()[0] for key in r.by_pool} == {
+        "default",
+        FSDP_ALL_GATHER_STREAM,
+        FSDP_REDUCE_SCATTER_STREAM,
+    }
     # FSDP2's all-gather buffers and reduce-scatter outputs were allocated on their own streams
     streams = {allocator.stream_of(rec) for _, _, rec in trace.events}
     assert streams == {"default", FSDP_ALL_GATHER_STREAM, FSDP_REDUCE_SCATTER_STREAM}

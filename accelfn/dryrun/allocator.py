@@ -92,10 +92,11 @@ class _Block:
 class _Pool:
     """The free blocks of one (stream, small or large) pool, sorted by (size, address) as `BlockPool.blocks`."""
 
-    __slots__ = ("small", "keys", "blocks", "base", "mapped", "last")
+    __slots__ = ("small", "keys", "blocks", "base", "mapped", "last", "reserved")
 
     def __init__(self, small: bool) -> None:
         self.small = small
+        self.reserved = 0  # the bytes of its segments
         self.keys: list[tuple[int, int]] = []  # (size, addr) of the free blocks, sorted
         self.blocks: dict[int, _Block] = {}  # addr -> free block
         # expandable segments: the pool's one segment, its mapped bytes and its last block
@@ -132,6 +133,9 @@ class CachingAllocator:
         self.segments = 0  # segments allocated (cudaMalloc calls), released ones included
         self.releases = 0  # times the cached segments were released to make room (num_alloc_retries)
         self.over_capacity = False  # a request did not fit even after the release (an OOM on the device)
+        self.at_peak: dict[
+            tuple[Hashable, bool], int
+        ] = {}  # (stream, small pool) -> its segments' bytes at the peak
 
     # ---- the public calls --------------------------------------------------------------------------------------
     def malloc(self, n: int, stream: Hashable = DEFAULT_STREAM) -> _Block:
@@ -228,9 +232,12 @@ class CachingAllocator:
     def _fits(self, nbytes: int) -> bool:
         return self.capacity is None or self.reserved + nbytes <= self.capacity
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, pool: _Pool, nbytes: int) -> None:
         self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        pool.reserved += nbytes
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+            self.at_peak = {key: p.reserved for key, p in self._pools.items() if p.reserved}
 
     def _new_block(self, pool: _Pool, size: int, force: bool = False) -> _Block | None:
         """`alloc_block`: a new segment (None when it would not fit; `force` allocates it anyway: the OOM)."""
@@ -244,7 +251,7 @@ class CachingAllocator:
         block = _Block(self._next_addr, nbytes, pool)
         self._next_addr += nbytes
         self.segments += 1
-        self._grow(nbytes)
+        self._grow(pool, nbytes)
         return block
 
     def _expand(self, pool: _Pool, size: int, force: bool) -> _Block | None:
@@ -262,7 +269,7 @@ class CachingAllocator:
             if not force:
                 return None
             self.over_capacity = True
-        self._grow(nbytes)
+        self._grow(pool, nbytes)
         if tail is not None:
             pool.remove(tail)
             tail.size += nbytes
@@ -301,6 +308,7 @@ class CachingAllocator:
     def _release(self, pool: _Pool, block: _Block) -> None:
         pool.remove(block)
         self.reserved -= block.size
+        pool.reserved -= block.size
 
     def _release_cached(self) -> None:
         """`release_cached_blocks`: every wholly free segment of every pool and stream goes back to the device
@@ -319,6 +327,7 @@ class CachingAllocator:
                 tail.size -= end - start
                 pool.mapped -= end - start
                 self.reserved -= end - start
+                pool.reserved -= end - start
                 if tail.size:
                     pool.insert(tail)
                 else:
@@ -361,6 +370,7 @@ class Reserved:
     segments: int
     releases: int
     over_capacity: bool
+    by_pool: dict[str, int] = attrs.Factory(dict)  # "stream small|large" -> its segments' bytes at the peak
 
 
 def stream_of(rec: Any) -> str:
@@ -418,6 +428,7 @@ def replay(
     per_step: list[int] = []
     per_step_allocated: list[int] = []
     first = (0, 0)
+    by_pool: dict[str, int] = {}
     for k in range(1, steps + 1):
         alloc.reset_peaks()
         start = 0 if k == 1 else trace.step_start
@@ -433,6 +444,10 @@ def replay(
                 del live[key]
             if new:
                 live[key] = (alloc.malloc(new, stream_of(rec)), new)
+        if alloc.peak_reserved > max(per_step, default=-1):
+            by_pool = {
+                f"{stream} {'small' if small else 'large'}": n for (stream, small), n in alloc.at_peak.items()
+            }
         per_step.append(alloc.peak_reserved)
         per_step_allocated.append(alloc.peak_requested)
         if k == 1:
@@ -449,6 +464,7 @@ def replay(
         segments=alloc.segments,
         releases=alloc.releases,
         over_capacity=alloc.over_capacity,
+        by_pool=by_pool,
     )
 
 

@@ -30,7 +30,7 @@ ACCELFN_CONFIG_FILE = "ACCELFN_CONFIG_FILE"  # the YAML config the launcher used
 ACCELFN_LOG_WITH = "ACCELFN_LOG_WITH"  # experiment trackers "tensorboard,jsonl" or "none" (accelfn.trackers)
 # The planner's knobs (`accelfn plan --write`, a config's `plan:` section): read by a script through `knob`
 # where it leaves the choice to the launch configuration ("auto"); absent: the script's default applies.
-ACCELFN_STRATEGY = "ACCELFN_STRATEGY"  # af.shard's strategy: ddp|fsdp|hsdp
+ACCELFN_STRATEGY = "ACCELFN_STRATEGY"  # af.shard's strategy: ddp|fsdp|hsdp|zero1|zero2|zero3
 ACCELFN_REMAT = "ACCELFN_REMAT"  # activation checkpointing: none|selective|full
 ACCELFN_ACCUMULATE = "ACCELFN_ACCUMULATE"  # micro-batches per step (af.accumulate)
 ACCELFN_GLOBAL_BATCH_SIZE = "ACCELFN_GLOBAL_BATCH_SIZE"  # samples per step over all data-parallel ranks
@@ -218,7 +218,9 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 # The knobs a script may leave to the launch configuration: name -> (variable, allowed values or int).
-STRATEGIES = ("ddp", "fsdp", "hsdp")
+# af.shard's strategies; zero1-3: DeepSpeed ZeRO stages 1-3 (af.shard(strategy="zero2") = backend="deepspeed",
+# zero_stage=2), so that a script passing the knob to af.shard runs them unchanged
+STRATEGIES = ("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3")
 REMAT = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
 COMPILE = ("none", "step", "blocks")  # af.compile(step) / af.compile(step, regions="blocks")

@@ -244,6 +244,7 @@ def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path
 
     path, js = tmp_path / "plan.yaml", tmp_path / "plan.json"
     args = ["--nproc-per-node", "2", "--global-batch-size", "4", "--axes", "dp,tp", "--no-progress"]
+    args += ["--strategies", "ddp,fsdp,hsdp"]  # (a ZeRO plan launches DeepSpeed: tests/test_deepspeed.py)
     code = main(["plan", *args, "--write", str(path), "--json", str(js), SCRIPT, "--offload", "none"])
     assert code == 0
     chosen = json.loads(js.read_text())["chosen"]["candidate"]

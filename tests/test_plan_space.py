@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import attrs
@@ -125,9 +126,12 @@ def test_the_moe_legality_is_the_lowerings(moe_plans) -> None:
 
 
 def test_the_states_bound_with_ep_is_below_every_measured_rank(moe_plans) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_moe import make_model
+
     _, exhaustive = moe_plans
-    ddp = next(r for r in exhaustive.rows + exhaustive.unfit if r.candidate.label == "dp=8 ddp")
-    whole = States(params=ddp.states, grads=0, optimizer=0)  # ddp over dp: every rank holds the whole model
+    params = 4 * sum(p.numel() for p in make_model(4, 0).parameters())  # fp32; adamw's two moments
+    whole = States(params=params, grads=params, optimizer=2 * params)
     for r in exhaustive.rows + exhaustive.unfit:
         assert states_bound(r.candidate, whole, script_strategy=None) <= r.states, r.candidate.label
     bounded = [f for f in moe_plans[0].fallen if f.tier == "states bound"]
@@ -155,3 +159,158 @@ def test_accelfn_plan_writes_an_ep_config_that_accelfn_launch_trains(tmp_path: P
     ran = re.search(r"config mesh=(\{.*?\}) strategy=(\w+)", proc.stdout)
     assert ran and eval(ran.group(1)) == chosen["mesh"] and ran.group(2) == "ddp", output_of(proc)  # noqa: S307
     assert "each rank holds 2 of 4 experts" in proc.stdout and "batch=8 per data rank" in proc.stdout
+
+
+# ---- ZeRO 1-3 through DeepSpeed: the strategy knob's zero1|zero2|zero3 --------------------------------------------
+
+ZERO_ARGS = ["--remat", "none", "--compile", "none", "--offload", "none", "--accumulate", "1"]
+
+
+def _zero_main(**shard: object) -> object:
+    """examples/train_llama.py's tiny Llama under af.shard(**shard) on a dp mesh, one step (a dry run's script)."""
+
+    def main() -> None:
+        import torch
+
+        sys.path.insert(0, str(ROOT / "examples"))
+        from train_llama import build, loss_fn
+
+        mesh = af.Mesh({"dp": -1})
+        step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-3), clip_grad_norm=1.0), mesh, **shard)  # type: ignore[arg-type]
+        state = step.init(build("tiny", 128))
+        step(state, torch.zeros(2, 129, dtype=torch.long))
+
+    return main
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_strategy_zero_n_is_deepspeed_at_that_stage(stage: int) -> None:
+    """`af.shard(strategy="zeroN")` (what a script passing the strategy knob runs) is `backend="deepspeed",
+    zero_stage=N`: the same per-rank bytes and collectives in the dry run (whose ZeRO figures are checked against
+    the real engine: tests/test_dry_run_zero.py), and the stage's split of each state."""
+    short = af.dry_run(_zero_main(strategy=f"zero{stage}"), nproc_per_node=8, device="cpu", search=False)
+    long = af.dry_run(
+        _zero_main(backend="deepspeed", zero_stage=stage), nproc_per_node=8, device="cpu", search=False
+    )
+    assert short.per_rank == long.per_rank and short.comm == long.comm
+    ddp = af.dry_run(_zero_main(strategy="ddp"), nproc_per_node=8, device="cpu", search=False)
+    (p, g, o) = (ddp.per_rank[k] for k in ("params", "grads", "optimizer"))
+    assert short.per_rank["optimizer"] < o  # stage 1 on: the optimizer state split over the 8 ranks
+    assert (short.per_rank["grads"] < g) == (stage >= 2) and (short.per_rank["params"] < p) == (stage >= 3)
+
+
+def test_a_zero_strategy_with_another_stage_or_backend_names_both() -> None:
+    step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    with af.Mesh({"dp": 1}, device="cpu") as mesh:
+        with pytest.raises(ValueError, match=re.escape("strategy='zero2' is ZeRO stage 2, but zero_stage=3")):
+            af.shard(step, mesh, strategy="zero2", zero_stage=3)
+        with pytest.raises(ValueError, match=re.escape("strategy='zero1' runs on backend='deepspeed', not")):
+            af.shard(step, mesh, strategy="zero1", backend="local")
+        with pytest.raises(ValueError, match="strategy must be one of .*'zero3'"):
+            af.shard(step, mesh, strategy="zero4")
+    with pytest.raises(ValueError, match=re.escape("af.plan: strategies ['zero4'] are not strategies")):
+        af.plan(PLAN_WORKER, strategies=("ddp", "zero4"))
+
+
+def test_zero_is_enumerated_on_data_parallel_meshes_only_as_the_lowering_allows() -> None:
+    """DeepSpeed runs data-parallel over all the processes: ZeRO candidates only on a dp mesh; the lowering
+    refuses tp and cp (its errors, checked here), and af.offload with it (the planner's legality)."""
+    from accelfn.planner.candidates import Candidate
+    from accelfn.planner.prune import illegal
+    from accelfn.planner.search import Job, run_job
+
+    strategies = ("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3")
+    open_ = frozenset({"mesh", "strategy"})
+    space = Space(world=8, nproc_per_node=8, open=open_, axes=("dp", "tp", "cp"), strategies=strategies)
+    labels = [c.label for c in enumerate_candidates(space)]
+    assert len(labels) == len(set(labels))
+    assert sorted(x for x in labels if "zero" in x) == ["dp=8 zero1", "dp=8 zero2", "dp=8 zero3"]
+    refusals = {
+        "dp=4,tp=2": "does not combine with tensor parallel",
+        "dp=4,cp=2": "DeepSpeed splits no sequence",
+    }
+    for mesh, why in refusals.items():
+        env = _env(strategy="zero2", global_batch_size=8)
+        result = run_job(Job(PLAN_WORKER, tuple(ZERO_ARGS), 8, 1, mesh=mesh, env=env))
+        assert result.get("lowering") and why in result["error"], result
+    offloaded = _env(strategy="zero1", global_batch_size=8, offload="optimizer")
+    result = run_job(
+        Job(PLAN_WORKER, ("--remat", "none", "--compile", "none"), 8, 1, mesh="dp=8", env=offloaded)
+    )
+    assert result.get("lowering") and "DeepSpeed offloads through its own config" in result["error"]
+    assert "offloads through its own config" in (
+        illegal(Candidate({"dp": 8}, "zero1", offload="optimizer")) or ""
+    )
+
+
+def test_zero_is_searched_where_deepspeed_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelfn.planner import candidates
+
+    for installed in (False, True):
+        monkeypatch.setattr(candidates, "deepspeed_installed", lambda installed=installed: installed)
+        space = Space(world=8, nproc_per_node=8, open=frozenset({"mesh", "strategy"}), axes=("dp",))
+        zero = [c.label for c in enumerate_candidates(space) if c.strategy in candidates.ZERO]
+        assert zero == (["dp=8 zero1", "dp=8 zero2", "dp=8 zero3"] if installed else [])
+
+
+@pytest.fixture(scope="module")
+def zero_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
+    """Plans of the tiny Llama over dp and the strategy, ZeRO searched (in this process: workers=1) as where
+    DeepSpeed is installed (the dry run models its engine without it)."""
+    from accelfn.planner import candidates
+
+    kw = dict(nproc_per_node=8, global_batch_size=8, axes=("dp",), workers=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(candidates, "deepspeed_installed", lambda: True)
+        return af.plan(PLAN_WORKER, ZERO_ARGS, **kw), af.plan(PLAN_WORKER, ZERO_ARGS, prune=False, **kw)  # type: ignore[arg-type]
+
+
+def test_the_plan_searches_zero_stages_within_3_percent_of_the_exhaustive_best(zero_plans) -> None:
+    pruned, exhaustive = zero_plans
+    measured = {r.candidate.strategy for r in exhaustive.rows}
+    assert {"zero1", "zero2", "zero3"} <= measured
+    best = max(r.tokens_per_s_per_gpu or 0.0 for r in exhaustive.rows)
+    assert pruned.best is not None and pruned.best.tokens_per_s_per_gpu >= 0.97 * best
+    assert exhaustive.dry_runs == exhaustive.candidates == 7  # ddp, fsdp, 2 hsdp, 3 ZeRO stages
+
+
+def test_the_zero_states_bound_is_each_stages_split_and_below_the_measured_rank(zero_plans) -> None:
+    _, exhaustive = zero_plans
+    rows = {r.candidate.strategy: r for r in exhaustive.rows}
+    ddp = rows["ddp"]  # every rank holds every state whole
+    params = 4 * sum(p.numel() for p in _plan_worker_model().parameters())
+    whole = States(params=params, grads=params, optimizer=2 * params)
+    assert ddp.states >= whole.params + whole.grads + whole.optimizer
+    for name in ("zero1", "zero2", "zero3"):
+        bound = states_bound(rows[name].candidate, whole, script_strategy=None)
+        assert bound <= rows[name].states, name
+    assert rows["zero1"].states > rows["zero2"].states > rows["zero3"].states
+
+
+def test_the_dry_run_of_a_written_zero_config_reproduces_its_row(zero_plans, tmp_path: Path) -> None:
+    from accelfn.cli.main import main
+    from accelfn.launch.config import Config, PlanConfig, save
+
+    _, exhaustive = zero_plans
+    row = next(r for r in exhaustive.rows if r.candidate.strategy == "zero2")
+    knobs = {k: v for k, v in row.candidate.knobs().items() if k in ("strategy", "global_batch_size")}
+    path = save(
+        Config(num_processes=8, mesh=row.candidate.mesh_spec, plan=PlanConfig(**knobs)), tmp_path / "p.yaml"
+    )
+    out = tmp_path / "report.json"
+    assert (
+        main(["dry-run", "--config", str(path), "--no-search", "--json", str(out), PLAN_WORKER, *ZERO_ARGS])
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["per_rank"]["peak"] == row.peak and report["mesh"] == {"dp": 8}
+
+
+def _plan_worker_model() -> object:
+    """tests/workers/plan_worker.py's model with its defaults, built by transformers directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(config)

@@ -56,6 +56,12 @@ def add_parser(sub: Any) -> None:
         help="mesh axes to search, of dp,tp,pp,cp,ep (default all; ep only for a model with experts)",
     )
     p.add_argument(
+        "--strategies",
+        default=None,
+        help="strategies to search where the script leaves its own 'auto', of ddp,fsdp,hsdp,zero1,zero2,zero3 "
+        "(default: all, the ZeRO stages where DeepSpeed is installed)",
+    )
+    p.add_argument(
         "--memory-gib",
         type=float,
         default=None,
@@ -139,6 +145,9 @@ def _run(args: argparse.Namespace) -> int:
             global_batch_size=args.global_batch_size,
             budget_minutes=args.budget_minutes,
             axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
+            strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+            if args.strategies
+            else None,
             workers=args.workers,
             progress=not args.no_progress,
             memory_gib=args.memory_gib,

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterator
 
@@ -21,10 +22,26 @@ import attrs
 
 from ..launch_env import REMAT, format_mesh
 
-__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size"]
+__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size", "ZERO"]
 
 SCHEDULES = ("1f1b", "gpipe")
+ZERO = (
+    "zero1",
+    "zero2",
+    "zero3",
+)  # DeepSpeed's ZeRO stages (af.shard(strategy="zero2") = backend="deepspeed")
 MAX_ACCUMULATE = 16
+
+
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported here (a ZeRO plan launches only where it is)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def default_strategies() -> tuple[str, ...]:
+    """The strategies searched: ddp, fsdp, hsdp, and ZeRO 1-3 where DeepSpeed is installed (the written plan
+    must launch where it was made)."""
+    return ("ddp", "fsdp", "hsdp", *(ZERO if deepspeed_installed() else ()))
 
 
 def divisors(n: int) -> list[int]:
@@ -97,7 +114,7 @@ class Space:
     open: frozenset[str]
     axes: tuple[str, ...] = ("dp", "tp", "pp", "cp")
     global_batch_size: int | None = None
-    strategies: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
+    strategies: tuple[str, ...] = attrs.field(factory=lambda: default_strategies())
     remats: tuple[str, ...] = REMAT
     offloads: tuple[str, ...] = ("none", "optimizer")
     compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles
@@ -126,13 +143,16 @@ def _meshes(space: Space) -> Iterator[dict[str, int]]:
 
 
 def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, int], str | None]]:
-    """(mesh, strategy): ddp and fsdp over dp; hsdp as dp (replicas) x fsdp (shards inside a node)."""
+    """(mesh, strategy): ddp and fsdp over dp; hsdp as dp (replicas) x fsdp (shards inside a node); ZeRO 1-3
+    on a mesh of dp alone (DeepSpeed runs data-parallel over all the processes: af.shard refuses it with tp, cp,
+    pp or ep)."""
     if "strategy" not in space.open:
         yield mesh, None
         return
     for s in space.strategies:
         if s != "hsdp":
-            yield mesh, s
+            if s not in ZERO or set(mesh) <= {"dp"}:
+                yield mesh, s
             continue
         inner = space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("ep", 1))
         dp = mesh.get("dp", 1)

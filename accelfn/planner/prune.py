@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import attrs
 
-from .candidates import Candidate, data_size
+from .candidates import ZERO, Candidate, data_size
 
-__all__ = ["States", "states_bound", "illegal", "shards", "time_bound"]
+__all__ = ["States", "states_bound", "illegal", "shards", "zero_shards", "time_bound"]
 
 
 @attrs.frozen
@@ -56,26 +56,42 @@ def shards(strategy: str | None, mesh: dict[str, int]) -> int:
     return 1
 
 
+def zero_shards(strategy: str, mesh: dict[str, int]) -> tuple[int, int, int]:
+    """Over how many ranks DeepSpeed's ZeRO stage `strategy` (zero1-3) splits (params, grads, optimizer): the
+    optimizer state from stage 1, the gradients from 2, the params at 3, each over all the data-parallel ranks.
+
+    Example:
+        >>> zero_shards("zero2", {"dp": 8})
+        (1, 8, 8)
+    """
+    stage, data = int(strategy[-1]), data_size(mesh)
+    return (data if stage >= 3 else 1, data if stage >= 2 else 1, data)
+
+
 def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -> int:
     """The least bytes of params, grads and optimizer state a rank of `c` holds: each is split at most over
-    tp x pp (a stage holds at least the average) and the strategy's shards, or with an `ep` axis over ep x cp
-    where that is more (the experts' split; the dense layers' is no finer); offloaded optimizer state is on
-    the host."""
+    tp x pp (a stage holds at least the average) and the strategy's shards (ZeRO: each state by its stage,
+    `zero_shards`), or with an `ep` axis over ep x cp where that is more (the experts' split; the dense layers'
+    is no finer); offloaded optimizer state is on the host."""
     strategy = c.strategy or script_strategy
+    model = c.mesh.get("tp", 1) * c.mesh.get("pp", 1)
+    optimizer = 0 if c.offload == "optimizer" else totals.optimizer
+    if strategy in ZERO:
+        p, g, o = zero_shards(strategy, c.mesh)
+        return totals.params // (model * p) + totals.grads // (model * g) + optimizer // (model * o)
     ways = shards(strategy, c.mesh)
     ep = c.mesh.get("ep", 1)
     if ep > 1:  # the experts are split over ep and the cp ranks it borrows, whatever the strategy
         ways = max(ways, ep * c.mesh.get("cp", 1))
-    split = c.mesh.get("tp", 1) * c.mesh.get("pp", 1) * ways
-    optimizer = 0 if c.offload == "optimizer" else totals.optimizer
-    return (totals.params + totals.grads + optimizer) // split
+    return (totals.params + totals.grads + optimizer) // (model * ways)
 
 
 def illegal(c: Candidate) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
     the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
     shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
-    the mesh's other candidates are not pruned with it).
+    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload, and
+    ZeRO-3 no compiled blocks.
 
     Example:
         >>> illegal(Candidate({"dp": 1, "ep": 8}, "fsdp"))
@@ -85,6 +101,10 @@ def illegal(c: Candidate) -> str | None:
     ep = c.mesh.get("ep", 1)
     if ep > 1 and c.strategy == "fsdp" and dp == ep:
         return f"fsdp with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
+    if c.strategy in ZERO and c.offload == "optimizer":
+        return f"{c.strategy} (DeepSpeed) offloads through its own config, not af.offload"
+    if c.strategy == "zero3" and c.compile not in (None, "none"):
+        return "zero3 with compiled blocks: the dry run's ZeRO-3 model does not run them (not planned)"
     if gbs is None:
         return None
     if gbs % dp:

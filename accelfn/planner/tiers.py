@@ -86,6 +86,7 @@ def plan(
     global_batch_size: int | None = None,
     budget_minutes: float = 15.0,
     axes: Sequence[str] = AXES,
+    strategies: Sequence[str] | None = None,
     workers: int = 2,
     progress: bool = False,
     prune: bool = True,
@@ -108,6 +109,8 @@ def plan(
     `memory_gib` is the usable memory per device (default: the row's memory less the dry run's reserve).
     `calibration` (`accelfn.planner.calibrate.load(gpu)`, from `accelfn plan --calibrate RUN_DIR`) scales the
     compute model to the measured runs on that device and gives each row its error band.
+    `strategies` are the strategies searched where the script leaves its own open (default: ddp, fsdp, hsdp, and
+    zero1-3, DeepSpeed's ZeRO stages, where DeepSpeed is installed).
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
     A candidate without a pipeline of a model with at least `extrapolate_min_blocks` blocks (None: never) is
     measured by dry runs of its model cut to 2 and 3 blocks, extrapolated to all of them (rows marked `~`);
@@ -147,6 +150,11 @@ def plan(
     ):
         raise ValueError(f"af.plan: global_batch_size must be an integer >= 1, got {global_batch_size!r}")
     _check("budget_minutes", budget_minutes, minimum=0)
+    bad_strategies = [s for s in strategies or () if s not in launch_env.STRATEGIES]
+    if bad_strategies:
+        raise ValueError(
+            f"af.plan: strategies {bad_strategies} are not strategies; use some of {launch_env.STRATEGIES}"
+        )
     bad = [a for a in axes if a not in AXES]
     if bad:
         raise ValueError(f"af.plan: axes {bad} are not mesh axes the planner searches; use some of {AXES}")
@@ -193,6 +201,8 @@ def plan(
             global_batch_size=global_batch_size,
             experts=int(probe.get("experts", 0)),
         )
+        if strategies:
+            space = attrs.evolve(space, strategies=tuple(strategies))
         candidates = enumerate_candidates(space)
         fallen: list[Fallen] = []
         survivors: list[Candidate] = []

@@ -107,13 +107,15 @@ TABLE: tuple[Strategy, ...] = (
     ),
 )  # fmt: skip
 STRATEGIES = tuple(dict.fromkeys(s.name for s in TABLE))
+# shorthands for backend="deepspeed" at a ZeRO stage (the strategy knob's values zero1-3): row name, stage
+ZERO_STRATEGIES = {"zero1": ("ddp", 1), "zero2": ("ddp", 2), "zero3": ("fsdp", 3)}
 BACKENDS = tuple(dict.fromkeys(s.backend for s in TABLE))
 
 
 def strategy_for(name: str, backend: str) -> Strategy:
     """The row of `TABLE` for `shard(strategy=name, backend=backend)`; a ValueError naming what exists."""
     if name not in STRATEGIES:
-        raise ValueError(f"shard: strategy must be one of {STRATEGIES}, got {name!r}")
+        raise ValueError(f"shard: strategy must be one of {(*STRATEGIES, *ZERO_STRATEGIES)}, got {name!r}")
     if backend not in BACKENDS:
         raise ValueError(f"shard: backend must be one of {BACKENDS}, got {backend!r}")
     for row in TABLE:
@@ -220,6 +222,8 @@ def shard(
     with the combinators; `zero_stage` (0-3) overrides the stage of `ds_config` and of `strategy`
     ("ddp" -> 1, "fsdp" -> 3); `offload_optimizer=True` keeps the optimizer state and update on the CPU
     (ZeRO-Offload, with DeepSpeedCPUAdam).
+    `strategy="zero1"|"zero2"|"zero3"` is short for `backend="deepspeed", zero_stage=1|2|3` (the values of a launch
+    config's strategy knob, `accelfn.launch_env.knob("strategy")`, that `accelfn plan` searches).
 
     `strategy="local_sgd"` only: `sync_every` (default 1), the number of updates between two averagings of the
     replicas' params.
@@ -254,6 +258,7 @@ def shard(
         >>> int(state.step)
         1
     """
+    strategy, backend, zero_stage = _zero_shorthand(strategy, backend, zero_stage)
     row = strategy_for(strategy, backend)
     given = {
         "ds_config": ds_config,
@@ -367,6 +372,26 @@ def shard(
             ExpertParallel(mesh, tuple(ep_plan.items()) if ep_plan is not None else None)
         )
     return step
+
+
+def _zero_shorthand(strategy: str, backend: str, zero_stage: int | None) -> tuple[str, str, int | None]:
+    """`strategy="zero1"|"zero2"|"zero3"` (a launch config's strategy knob) as `backend="deepspeed"` with that ZeRO
+    stage: stages 1 and 2 on the "ddp" row, 3 on the "fsdp" row.
+
+    Example:
+        >>> _zero_shorthand("zero2", "torch", None), _zero_shorthand("fsdp", "torch", None)
+        (('ddp', 'deepspeed', 2), ('fsdp', 'torch', None))
+    """
+    if strategy not in ZERO_STRATEGIES:
+        return strategy, backend, zero_stage
+    name, stage = ZERO_STRATEGIES[strategy]
+    if zero_stage is not None and zero_stage != stage:
+        raise ValueError(
+            f"shard: strategy={strategy!r} is ZeRO stage {stage}, but zero_stage={zero_stage} was given"
+        )
+    if backend not in ("torch", "deepspeed"):  # "torch": the default, left as it is
+        raise ValueError(f"shard: strategy={strategy!r} runs on backend='deepspeed', not backend={backend!r}")
+    return name, "deepspeed", stage
 
 
 def _check_axes(mesh: Mesh) -> None:

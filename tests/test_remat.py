@@ -201,7 +201,8 @@ def test_memory_budget_is_handed_to_the_compiler_and_scoped_to_its_step():
 
 
 # torchtitan's "op" selective checkpointing, copied by hand from torchtitan/parallelisms/parallelize_llama.py
-# (2024-12, `_save_list` and `_apply_ac_to_transformer_block`); the CPU's SDPA kernel stands for CUDA's there
+# (2024-12, `_save_list` and `_apply_ac_to_transformer_block`); the CPU's SDPA kernel stands for CUDA's there.
+# accelfn leaves `abs` out (accelfn/transforms/remat.py says why): a bf16 block runs none
 _TORCHTITAN_SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

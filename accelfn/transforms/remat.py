@@ -6,13 +6,16 @@ the block's forward again (`torch.utils.checkpoint`, non-reentrant). Policies, a
 - `"full"`: recompute everything inside the block;
 - `"selective"`: torchtitan's op-level selective checkpointing (`selective_ac_option="op"`, the policy of its
   published Llama 3.1 runs, torchtitan of 2024-12): save the outputs of the ops in `SELECTIVE_SAVE` (`mm`,
-  the attention kernels, `reduce_scatter_tensor`, and `abs` / `max` for fp8's scales) *except every second
-  `mm`* of each call of a block (counted apart in the forward and in the recomputation), so a Llama layer's
+  the attention kernels, `reduce_scatter_tensor`, and `max` for fp8's scales) *except every second `mm`* of
+  each call of a block (counted apart in the forward and in the recomputation), so a Llama layer's
   k, o and up projections (2nd, 4th and 6th of its 7 matmuls) run again in the backward, and everything else
   (norms, activations, element-wise) is recomputed. As in torchtitan, only `aten.mm` is saved and counted:
   `addmm` (a linear with a bias), `bmm` and a direct `_scaled_mm` are recomputed; under fp8 (torchao's
   float8 linears) the checkpoint sees the `mm` of the float8 tensors, not the `_scaled_mm` inside them, so
-  fp8 recomputes the same projections;
+  fp8 recomputes the same projections. torchtitan's list then also had `abs` (the `abs` of `max(abs(x))`): in
+  an eager block that keeps a full-size copy of every tensor cast to fp8 (+38 GiB on Table 1's 8B); compiled,
+  as its fp8 runs were, the partitioner keeps only what the backward reads (the `max`), and torchtitan took
+  `abs` out in 2025-02 (pytorch/torchtitan#820, for that memory): accelfn leaves it out;
 - a callable `policy(op) -> bool` (save this op's output?) or returning a `torch.utils.checkpoint.CheckpointPolicy`;
   `save_matmuls` is accelfn's "selective" before 2026-11-27 (every matmul, attention and collective saved);
 - `every=n`: only every n-th block (blocks n, 2n, ...), trading memory for speed;
@@ -84,7 +87,8 @@ def _ops(*names: str) -> frozenset[Any]:
 # the ops whose outputs torchtitan's "op" selective checkpointing saves (torchtitan/parallelisms/
 # parallelize_llama.py `_save_list`, 2024-12: the torchtitan of its published Llama 3.1 runs), but every second
 # `mm` of a block (`selective_policy`). Its list names CUDA's flash and memory-efficient attention; the other
-# backends' SDPA kernels (cuDNN's, the CPU's flash) stand for them on their devices.
+# backends' SDPA kernels (cuDNN's, the CPU's flash) stand for them on their devices. Its `abs` is left out (the
+# module docs say why).
 SELECTIVE_SAVE = _ops(
     "aten.mm",
     "aten._scaled_dot_product_efficient_attention",
@@ -92,8 +96,7 @@ SELECTIVE_SAVE = _ops(
     "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "_c10d_functional.reduce_scatter_tensor",
-    "aten.abs",  # low precision: the amax of a tensor, its fp8 scale, is cheap to keep
-    "aten.max",
+    "aten.max",  # low precision: a tensor's amax, its fp8 scale, is cheap to keep
 )
 _MM = torch.ops.aten.mm.default
 

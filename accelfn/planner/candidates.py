@@ -25,11 +25,8 @@ from ..launch_env import REMAT, format_mesh
 __all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size", "ZERO"]
 
 SCHEDULES = ("1f1b", "gpipe")
-ZERO = (
-    "zero1",
-    "zero2",
-    "zero3",
-)  # DeepSpeed's ZeRO stages (af.shard(strategy="zero2") = backend="deepspeed")
+# DeepSpeed's ZeRO stages, values of the strategy knob (af.shard(strategy="zero2") = backend="deepspeed", stage 2)
+ZERO = ("zero1", "zero2", "zero3")
 MAX_ACCUMULATE = 16
 
 
@@ -114,7 +111,7 @@ class Space:
     open: frozenset[str]
     axes: tuple[str, ...] = ("dp", "tp", "pp", "cp")
     global_batch_size: int | None = None
-    strategies: tuple[str, ...] = attrs.field(factory=lambda: default_strategies())
+    strategies: tuple[str, ...] = attrs.field(factory=default_strategies)
     remats: tuple[str, ...] = REMAT
     offloads: tuple[str, ...] = ("none", "optimizer")
     compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles

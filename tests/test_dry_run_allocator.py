@@ -137,6 +137,20 @@ def test_expandable_segments_grow_one_segment_by_20_mib_pages() -> None:
     assert grown.reserved == 40 * MIB
 
 
+def test_options_read_pytorch_cuda_alloc_conf_and_name_a_bad_value() -> None:
+    assert Options.from_conf("") == Options()
+    assert Options.from_conf(" expandable_segments:True , garbage_collection_threshold:0.6") == Options(
+        expandable_segments=True
+    )
+    assert Options.from_conf("max_split_size_mb:512").max_split_size == 512 * MIB
+    with pytest.raises(ValueError, match="max_split_size_mb is '20'; it must be a whole number above 20"):
+        Options.from_conf("max_split_size_mb:20")  # CUDAAllocatorConfig: must be > kLargeBuffer / 1 MiB
+    with pytest.raises(ValueError, match="expandable_segments is 'yes'"):
+        Options.from_conf("expandable_segments:yes")
+    with pytest.raises(ValueError, match="'expandable_segments' is not key:value"):
+        Options.from_conf("expandable_segments")
+
+
 # ---- the replay of a step's trace --------------------------------------------------------------------------------
 
 
@@ -210,14 +224,17 @@ def test_dry_run_reports_reserved_above_allocated_with_fsdp_streams_apart(
     from accelfn.dryrun.tracker import FSDP_ALL_GATHER_STREAM, FSDP_REDUCE_SCATTER_STREAM
 
     seen: list[tuple[Trace, Reserved]] = []
+    options: list[Options] = []
     real = allocator.replay
 
     def spy(trace: Trace, **kwargs: Any) -> Reserved:
         out = real(trace, **kwargs)
         seen.append((trace, out))
+        options.append(kwargs["options"])
         return out
 
     monkeypatch.setattr(allocator, "replay", spy)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     report = af.dry_run("examples/train_llama.py", ["--model", "tiny"], nproc_per_node=8, device="cuda",
                         gpu="h100", search=False)  # fmt: skip
     ((trace, r),) = seen
@@ -234,3 +251,11 @@ def test_dry_run_reports_reserved_above_allocated_with_fsdp_streams_apart(
     streams = {allocator.stream_of(rec) for _, _, rec in trace.events}
     assert streams == {"default", FSDP_ALL_GATHER_STREAM, FSDP_REDUCE_SCATTER_STREAM}
     assert "peak reserved" in str(report) and '"reserved"' in report.to_json()
+    # the real run's allocator configuration, read as its processes would: one segment per pool that grows
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    again = af.dry_run("examples/train_llama.py", ["--model", "tiny"], nproc_per_node=8, device="cuda",
+                       gpu="h100", search=False)  # fmt: skip
+    assert options == [Options(), Options(expandable_segments=True)]
+    (trace2, grown) = seen[1]
+    assert grown == replay(trace2, capacity=again.capacity_bytes, options=Options(expandable_segments=True))
+    assert again.per_rank["reserved"] == grown.reserved >= again.per_rank["peak"] == report.per_rank["peak"]

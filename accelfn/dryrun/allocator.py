@@ -75,6 +75,36 @@ class Options:
     max_split_size: int | None = None
     expandable_segments: bool = False
 
+    @classmethod
+    def from_conf(cls, conf: str) -> Options:
+        """The options of a `PYTORCH_CUDA_ALLOC_CONF` value (`key:value` pairs, comma-separated); its other keys
+        (`garbage_collection_threshold`, `roundup_power2_divisions`, ...) are not replayed and are ignored.
+
+        Example:
+            >>> Options.from_conf("expandable_segments:True,max_split_size_mb:128")
+            Options(max_split_size=134217728, expandable_segments=True)
+        """
+        out = cls()
+        for item in filter(None, (part.strip() for part in conf.split(","))):
+            key, sep, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep or not value:
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {item!r} is not key:value")
+            if key == "expandable_segments":
+                if value not in ("True", "False"):
+                    raise ValueError(
+                        f"PYTORCH_CUDA_ALLOC_CONF: expandable_segments is {value!r}, not True or False"
+                    )
+                out = attrs.evolve(out, expandable_segments=value == "True")
+            elif key == "max_split_size_mb":
+                # CUDAAllocatorConfig: it must be above kLargeBuffer's 20 MiB
+                if not value.isdigit() or int(value) <= LARGE_BUFFER >> 20:
+                    raise ValueError(
+                        f"PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb is {value!r}; it must be a whole number above 20"
+                    )
+                out = attrs.evolve(out, max_split_size=int(value) << 20)
+        return out
+
 
 class _Block:
     __slots__ = ("addr", "size", "prev", "next", "allocated", "requested", "pool")

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,9 +158,11 @@ def _report(
         top.append((LOSS_ROW, worst.by_module[LOSS_ROW]))
     notes = list(session.notes)
     if worst.trace is not None and device != "cpu":  # the caching allocator's segments (a device's)
-        from .allocator import replay
+        from .allocator import Options, replay
 
-        reserved = replay(worst.trace, capacity=capacity)
+        # the allocator's own configuration, as the real run's processes would read it
+        options = Options.from_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        reserved = replay(worst.trace, capacity=capacity, options=options)
         if reserved.allocated != worst.peak:  # the replay's own check: the tracker's peak, to the byte
             notes.append(
                 f"the caching allocator's replay allocated {reserved.allocated:,} bytes at its peak where the step's "

@@ -19,20 +19,23 @@ import pytest
 from tests._published import ROOT, ROWS, dry_run_kwargs, outcome
 
 # predicted / published tokens/s per GPU, measured with this commit's model (default assumptions). Until
-# 2026-11-27: 1.34 / 1.62 / 1.52, 1.29 / 1.40 / 1.27, 1.40 / 1.10; since, a compiled step's update and FSDP's no-grad
+# 2026-11-27: 1.34 / 1.62 / 1.52, 1.29 / 1.40 / 1.27, 1.40 / 1.10; then a compiled step's update and FSDP's no-grad
 # copies stay eager, attention runs at FlashAttention-2's measured speed per direction and length, and the 500 W
-# h100-96gb row's peaks sit between the H100 SXM's and NVL's ratings (docs/dry_run.md says what each did)
+# h100-96gb row's peaks sit between the H100 SXM's and NVL's ratings (1.24 / 1.42 / 1.35, 1.19 / 1.32 / 1.21,
+# 1.35 / 1.09); since, the fused AdamW update is timed (28 bytes per parameter: 1.24 / 1.41 / 1.34,
+# 1.19 / 1.32 / 1.21, 1.29 / 1.06) and remat("selective") is torchtitan's policy, recomputing every second mm of a
+# layer (docs/dry_run.md says what each did)
 RATIO = {
-    "torchtitan-t1-8b-8-eager": 1.24,
-    "torchtitan-t1-8b-8-compile": 1.42,
-    "torchtitan-t1-8b-8-fp8": 1.35,
-    "torchtitan-t3-8b-128-eager": 1.19,
-    "torchtitan-t3-8b-128-compile": 1.32,
-    "torchtitan-t3-8b-128-fp8": 1.21,
-    "accelfn-h100-0.9b-compile": 1.35,
-    "accelfn-h100-0.9b-eager": 1.09,
+    "torchtitan-t1-8b-8-eager": 1.175,
+    "torchtitan-t1-8b-8-compile": 1.300,
+    "torchtitan-t1-8b-8-fp8": 1.261,
+    "torchtitan-t3-8b-128-eager": 1.136,
+    "torchtitan-t3-8b-128-compile": 1.228,
+    "torchtitan-t3-8b-128-fp8": 1.177,
+    "accelfn-h100-0.9b-compile": 1.287,
+    "accelfn-h100-0.9b-eager": 1.062,
 }
-WITHIN = {"accelfn-h100-0.9b-eager"}  # rows the model predicts within 15%
+WITHIN = {"accelfn-h100-0.9b-eager", "torchtitan-t3-8b-128-eager"}  # rows the model predicts within 15%
 CI_ROWS = [
     "torchtitan-t1-8b-8-eager",
     "torchtitan-t1-8b-8-compile",

@@ -91,6 +91,7 @@ def test_the_probe_counts_the_experts_of_the_scripts_model() -> None:
 @pytest.fixture(scope="module")
 def moe_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     kw = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "ep"), memory_gib=MOE_MEMORY_GIB, workers=1)
+    kw["strategies"] = ("ddp", "fsdp", "hsdp")  # (ZeRO: below)
     return af.plan(MOE, MOE_ARGS, **kw), af.plan(MOE, MOE_ARGS, prune=False, **kw)  # type: ignore[arg-type]
 
 
@@ -148,7 +149,7 @@ def test_accelfn_plan_writes_an_ep_config_that_accelfn_launch_trains(tmp_path: P
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no calibration of this machine's user
     path, js = tmp_path / "plan.yaml", tmp_path / "plan.json"
     args = ["--nproc-per-node", "2", "--global-batch-size", "16", "--axes", "dp,ep", "--memory-gib", "0.002",
-            "--workers", "1"]  # fmt: skip
+            "--workers", "1", "--strategies", "ddp,fsdp,hsdp"]  # fmt: skip
     code = main(["plan", *args, "--no-progress", "--write", str(path), "--json", str(js), MOE, *MOE_ARGS])
     assert code == 0
     chosen = json.loads(js.read_text())["chosen"]["candidate"]

@@ -109,7 +109,7 @@ class Space:
     world: int
     nproc_per_node: int
     open: frozenset[str]
-    axes: tuple[str, ...] = ("dp", "tp", "pp", "cp")
+    axes: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
     global_batch_size: int | None = None
     strategies: tuple[str, ...] = attrs.field(factory=default_strategies)
     remats: tuple[str, ...] = REMAT

@@ -11,7 +11,13 @@ new segments are 20 MiB (`kLargeBuffer`) for requests under 10 MiB (`kMinLargeAl
 pool, more than 1 MiB in the large one (`should_split`); freed blocks merged with free neighbours of their segment
 (`free_block`, `try_merge_blocks`); segments never given back, except when a new one would not fit in the device's
 memory: then every wholly free cached segment is released and the allocation retried (`malloc`,
-`release_cached_blocks`). `max_split_size` and `expandable_segments` (`PYTORCH_CUDA_ALLOC_CONF`) are options.
+`release_cached_blocks`). `max_split_size` and `expandable_segments` (`PYTORCH_CUDA_ALLOC_CONF`) are options;
+expandable segments are modelled as one segment per pool that maps 2 MiB (small) or 20 MiB (large) pages at its
+end, best fit ignoring a block's room to grow, and releasing only the free pages at the end (the allocator also
+unmaps free pages inside a segment).
+
+Not modelled: the delay before a block freed while another stream uses it is reused (`record_stream`'s events),
+`roundup_power2_divisions`, `garbage_collection_threshold`, CUDA graphs' private pools.
 
 Example:
     >>> from accelfn.dryrun.allocator import CachingAllocator

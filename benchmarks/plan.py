@@ -41,6 +41,7 @@ def run(row: tuple, budget_minutes: float) -> dict:
         cmd = [sys.executable, "-m", "accelfn.cli.main", "plan", "--nproc-per-node", str(nproc), "--nnodes",
                str(nnodes), "--budget-minutes", str(budget_minutes), "--global-batch-size", str(gbs), "--no-progress", "--json", str(out),
                str(SCRIPT), *args, *COMMON]  # fmt: skip
+        load_before = os.getloadavg()[0]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -64,6 +65,10 @@ def run(row: tuple, budget_minutes: float) -> dict:
         "tokens": chosen.get("tokens_per_s_per_gpu"),
         "peak_gib": chosen["peak"] / 2**30 if chosen else None,
         "table": stdout,
+        "load": (
+            load_before,
+            os.getloadavg()[0],
+        ),  # the 1-minute load average before and after (shared machine)
     }
 
 
@@ -78,8 +83,8 @@ def main() -> None:
     rows = ROWS if args.only is None else [ROWS[args.only]]
     print("| model, world (seq 8192, bf16, meta init) | plan time | target | host peak RSS (largest process) | "
           "candidates | dry runs (extrapolated) | fell: lowering / does not fit / dominated / time bound / budget | "
-          "chosen | tokens/s/GPU | peak/GPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "chosen | tokens/s/GPU | peak/GPU | load average (before, after) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         budget = args.budget_minutes or row[4] / 60 * 0.9
         r = run(row, budget)
@@ -88,7 +93,8 @@ def main() -> None:
             f"| {r['name']} | {r['seconds']:.0f} s | <= {r['target']} s | {r['rss_gib']:.2f} GiB | "
             f"{r['candidates']} | {r['dry_runs']} ({r['extrapolated']}) | {t['lowering']} / {t['does not fit']} / "
             f"{t['dominated']} / {t['time bound']} / {t['budget']} | "
-            f"{r['chosen']} | {r['tokens'] or 0:,.0f} | {r['peak_gib'] or 0:.1f} GiB |",
+            f"{r['chosen']} | {r['tokens'] or 0:,.0f} | {r['peak_gib'] or 0:.1f} GiB | "
+            f"{r['load'][0]:.1f}, {r['load'][1]:.1f} |",
             flush=True,
         )
         if args.verbose:

@@ -419,11 +419,12 @@ def plan(
         while True:
             rows.sort(key=_rank)
             left = deadline - time.monotonic()
-            todo = [
-                r
-                for r in rows[:confirm]
-                if r.extrapolated and (r is rows[0] or CONFIRM_SLACK * (r.dry_run_s or 0.0) <= left)
-            ]
+            todo = []
+            for r in rows[:confirm]:  # counted as if one after another (two at once share this machine)
+                cost = CONFIRM_SLACK * (r.dry_run_s or 0.0)
+                if r.extrapolated and (r is rows[0] or cost <= left):
+                    todo.append(r)
+                    left -= cost
             if not todo:
                 break
             full = {_job(r.candidate, base): r for r in todo}

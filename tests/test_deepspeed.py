@@ -36,7 +36,8 @@ def _ok(proc, configs):
 def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_special():
     configs = [
         "zero1:mlp", "zero2:mlp", "zero3:mlp",                      # fp32, Loss(total, count), uneven counts
-        "zero3:gpt2", "zero1:gpt2:accumulate",                      # a tiny GPT-2; accumulate with Loss
+        "zero3:gpt2:compile", "zero1:gpt2:accumulate",              # a tiny GPT-2, compiled per block (and
+                                                                    # vs plain PyTorch); accumulate with Loss
         "zero3:mlp:accumulate", "zero2:mlp:accumulate:schedule",    # warmup-cosine -> LambdaLR
         "zero2:distill", "zero3:distill:accumulate",                # student + frozen teacher in the loss
         "zero2:mlp:bf16",                                           # bf16 trains (looser tolerance)

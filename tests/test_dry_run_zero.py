@@ -89,8 +89,9 @@ def _real_comm(calls: list[list[Any]]) -> dict[str, tuple[int, int, int]]:
 
 # ---- against the real engine, on 2 processes -------------------------------------------------------------------
 OPTIONS: dict[str, dict[str, Any]] = {
-    # the tiny Llama under DeepSpeed's defaults: one gradient bucket, the whole model prefetched and kept, ...
-    "llama": {},
+    # the tiny Llama under DeepSpeed's defaults: one gradient bucket, the whole model prefetched and kept, ...;
+    # its blocks compiled (af.compile(regions="blocks"): ZeRO-3's hooks break each block's graph at every module)
+    "llama, compiled blocks": {"compile": "blocks"},
     # several buckets, params larger than one, reduce to each owner; ZeRO-3's prefetch, reuse distance and
     # persistence cut short; two micro-batches (an af.Loss: a counting forward each, without gradients)
     "llama, small buckets, 2 micro-batches": {
@@ -236,6 +237,11 @@ def test_zero_3_follows_the_zero_paper_at_64_ranks_in_seconds() -> None:
     assert volume(default)[:2] == (2 * n, 2 * n)
     persistent = sum(k for k in numels if k <= 100_000)
     assert default.per_rank["params"] == 2 * n // 64 + 2 * persistent
+    # compiled blocks: each module's params fetched by its hooks inside the block, as in the eager step
+    compiled = _dry(3, {"compile": "blocks"}, steps=3, nproc=8, nnodes=8)
+    assert _comm(compiled) == _comm(default)
+    assert all(compiled.per_rank[k] == default.per_rank[k] for k in ("params", "grads", "optimizer"))
+    assert any("af.compile under DeepSpeed ZeRO-3" in note for note in compiled.notes)
     assert time.perf_counter() - start < 60
 
 

@@ -15,6 +15,10 @@ one by one, as torchtitan compiles the blocks of its pipeline stages.
 With a `tp` axis too (fsdp x tp, torchtitan's 2-D runs) the blocks hold DTensors and are compiled the same way;
 each compiled block is entered with plain tensors where a tensor-parallel style handed it an
 `AsyncCollectiveTensor` (torch 2.13 drops the gradient of such an input to a compiled region).
+Under DeepSpeed ZeRO-3 (`af.shard(strategy="zero3")`) each block is compiled in place the same way, and
+DeepSpeed's hooks on every module inside it (fetch and release of its partitioned params, `torch.compiler.disable`d)
+run where they would run eagerly: Dynamo breaks the block's graph at each of them, so each module's own forward is a
+graph of its own, and the block fetches, releases and communicates exactly as the eager step does.
 
 Example:
     >>> import torch, accelfn as af
@@ -126,6 +130,30 @@ def _compile_block(block: nn.Module, kwargs: dict[str, Any]) -> None:
     block._compiled_call_impl = call
 
 
+def _under_zero3(plan: Plan) -> bool:
+    """Whether the step is sharded by DeepSpeed's ZeRO-3 (its hooks on every module break a compiled block)."""
+    shard = next((t for t in plan.transforms if t.kind == "shard"), None)
+    if shard is None or getattr(shard, "backend", "torch") != "deepspeed":
+        return False
+    from .shard.deepspeed.config import zero_stage_of
+
+    return zero_stage_of(shard) == 3
+
+
+def _eager_in_region(block: nn.Module) -> None:
+    """In a dry run: the block's forward run eagerly (its modules' hooks with it), its ops counted as a compiled
+    region's in the time model."""
+    from ..dryrun.timing import compiled_region
+
+    forward = block.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with compiled_region():
+            return forward(*args, **kwargs)
+
+    object.__setattr__(block, "forward", run)
+
+
 def _dynamo_settings_for_blocks() -> contextlib.AbstractContextManager[Any]:
     """torchtitan's and Accelerate's settings for per-block compile: `.item()` calls stay in the graph, and
     activation checkpointing's recomputation does not replay the forward's side effects. A context: the step
@@ -182,6 +210,8 @@ class Compile(TransformBase):
                 _compile_block(block, kwargs)
                 compiled += 1
             plan.notes.append(f"compiled {compiled}/{len(blocks)} blocks of {name or 'the model'}")
+            if _under_zero3(plan):
+                plan.notes.append("ZeRO-3's module hooks break each block's graph at every module")
             if inside:
                 plan.notes.append(f"{inside} compiled inside their remat checkpoint (tensor parallel)")
             if compiled < len(blocks):
@@ -218,6 +248,19 @@ class Compile(TransformBase):
         except ValueError:
             found, name = nn.ModuleList(), ""
         blocks = [b for b in found if not isinstance(b, Skip)]  # a pipeline stage's own blocks
+        if _under_zero3(plan):
+            # DeepSpeed's ZeRO-3 hooks fetch each module's params inside the block: one traced region over the
+            # block would hold its partitions, not its params. The real run's graphs break at every hook.
+            for block in blocks:
+                _eager_in_region(block)
+            plan.notes.append(f"dry run: {len(blocks)} blocks eager under ZeRO-3 (graph breaks at its hooks)")
+            dry_mode.note(
+                f"af.compile under DeepSpeed ZeRO-3: the {len(blocks)} blocks of {name or 'the model'} run eagerly "
+                "with ZeRO-3's hooks (their fetches, releases and collectives as in the real run, where Dynamo breaks "
+                "each block's graph at every module's hooks); their ops count as compiled in the time model, their "
+                "saved tensors are eager autograd's"
+            )
+            return
         done = sum(partition_block(b) for b in blocks)
         plan.notes.append(f"dry run: {done}/{len(blocks)} blocks as partitioned graphs, the rest eager")
         dry_mode.note(

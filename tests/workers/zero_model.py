@@ -5,7 +5,8 @@ tests/test_dry_run_zero.py dry-runs: the same model, loss, optimizer and combina
 - `"model": "net"`: `ZeroNet`, what the Llama does not have, with AdamW without weight decay on vectors (two
   param groups, so two flat buffers in ZeRO-1/2), a (2, 33) batch per rank.
 
-Both with bf16 autocast, clip 1.0, `accumulate` micro-batches (default 1) and `ds_config` from the options."""
+Both with bf16 autocast, clip 1.0, `accumulate` micro-batches (default 1), `compile` (`"blocks"`: af.compile per
+block; default none) and `ds_config` from the options."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def zero_step(mesh: af.Mesh, stage: int, options: dict[str, Any], optimizer: Any
     """(the sharded step, the state `step.init` returns) of `options` (`optimizer` replaces the default)."""
     model, loss_fn, tx = model_and_loss(options)
     step = af.autocast(af.train_step(loss_fn, optimizer or tx, clip_grad_norm=1.0), "bf16")
+    if options.get("compile"):
+        step = af.compile(step, regions=options["compile"])
     if options.get("accumulate", 1) > 1:
         step = af.accumulate(step, options["accumulate"])
     step = af.shard(step, mesh, backend="deepspeed", zero_stage=stage, ds_config=options.get("ds_config"))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STRATEGY_STAGE",
+    "zero_stage_of",
     "build_config",
     "config_for",
     "load_user_config",
@@ -55,6 +56,24 @@ def load_user_config(ds_config: Mapping[str, Any] | str | Path | None) -> dict[s
             )
         return loaded
     return copy.deepcopy(dict(ds_config))
+
+
+def zero_stage_of(shard: Any) -> int:
+    """The ZeRO stage an `af.shard(..., backend="deepspeed")` transform runs (as `build_config` resolves it:
+    `zero_stage`, else the user's `ds_config`, else its strategy's), known before its lowering.
+
+    Example:
+        >>> import accelfn as af
+        >>> mesh = af.Mesh({"dp": -1}, device="cpu")
+        >>> step = af.shard(af.train_step(lambda m, b: m(b).sum(), af.optim.adamw(1e-3)), mesh, strategy="zero3")
+        >>> zero_stage_of(step.transforms[-1])
+        3
+        >>> mesh.close()
+    """
+    if shard.zero_stage is not None:
+        return int(shard.zero_stage)
+    user = load_user_config(shard.ds_config) or {}
+    return int(user.get("zero_optimization", {}).get("stage", STRATEGY_STAGE[shard.strategy]))
 
 
 def split_optimizer(tx: GradientTransformation | None) -> tuple[Mapping[str, Any] | None, float | None]:

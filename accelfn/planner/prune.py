@@ -90,8 +90,7 @@ def illegal(c: Candidate) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
     the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
     shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
-    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload, and
-    ZeRO-3 no compiled blocks.
+    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload.
 
     Example:
         >>> illegal(Candidate({"dp": 1, "ep": 8}, "fsdp"))
@@ -103,8 +102,6 @@ def illegal(c: Candidate) -> str | None:
         return f"fsdp with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
     if c.strategy in ZERO and c.offload == "optimizer":
         return f"{c.strategy} (DeepSpeed) offloads through its own config, not af.offload"
-    if c.strategy == "zero3" and c.compile not in (None, "none"):
-        return "zero3 with compiled blocks: the dry run's ZeRO-3 model does not run them (not planned)"
     if gbs is None:
         return None
     if gbs % dp:

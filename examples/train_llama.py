@@ -57,12 +57,16 @@ def build(name: str, seq_len: int, n_layers: int | None = None) -> torch.nn.Modu
     return LlamaForCausalLM(config)
 
 
+LOSS_IMPL = "auto"  # --loss: af.losses.cross_entropy's impl
+
+
 def loss_fn(model: torch.nn.Module, batch: torch.Tensor | dict[str, torch.Tensor]) -> af.Loss:
     """Next-token cross entropy over token ids (shifted here), or over `{"input_ids", "labels"}` whose labels are
     already aligned with the inputs (what context parallel needs: each rank holds a part of every sequence)."""
+    impl = LOSS_IMPL
     if isinstance(batch, dict):
-        return af.losses.cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["labels"])
-    return af.losses.cross_entropy(model(input_ids=batch).logits[:, :-1], batch[:, 1:])
+        return af.losses.cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["labels"], impl=impl)
+    return af.losses.cross_entropy(model(input_ids=batch).logits[:, :-1], batch[:, 1:], impl=impl)
 
 
 def main() -> None:
@@ -126,6 +130,13 @@ def main() -> None:
         default=None,
         help="with a tp axis: the loss on the logits' vocabulary shards (default: on, as torchtitan)",
     )
+    p.add_argument(
+        "--loss",
+        choices=("auto", "chunked", "plain"),
+        default="auto",
+        help="the cross entropy: chunked where exact (auto, the default) or plain F.cross_entropy on fp32 logits "
+        "(torchtitan's of 2024-12: three fp32 copies of the logits at its peak)",
+    )
     p.add_argument("--accumulate", default="auto", help="micro-batches per step (default 1)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--schedule", default="auto", help="pipeline schedule, with a pp axis (default 1f1b)")
@@ -142,6 +153,8 @@ def main() -> None:
         "device (no memory: step.init shards it, then allocates and initialises this rank's shards only)",
     )
     args = p.parse_args()
+    global LOSS_IMPL
+    LOSS_IMPL = args.loss
 
     torch.manual_seed(0)
     axes = parse_mesh(args.mesh, source="--mesh") if args.mesh else {}

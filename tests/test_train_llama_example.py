@@ -67,3 +67,18 @@ def test_the_knobs_reach_the_step(
     composition = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Step("))
     assert all(s in composition for s in shows), composition
     assert not any(h in composition for h in hides), composition
+
+
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_the_loss_knob_reaches_the_cross_entropy(loss: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --loss plain is torchtitan 9dec370's loss (F.cross_entropy on the fp32 logits), the published runs' rows use it
+    seen: list[str] = []
+    real = af.losses.cross_entropy
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("impl", "auto"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(af.losses, "cross_entropy", spy)
+    af.dry_run(LLAMA, ["--loss", loss, "--steps", "1"], nproc_per_node=2, device="cpu", search=False)
+    assert seen and set(seen) == {loss}, seen

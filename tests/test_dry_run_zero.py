@@ -242,6 +242,11 @@ def test_zero_3_follows_the_zero_paper_at_64_ranks_in_seconds() -> None:
     assert _comm(compiled) == _comm(default)
     assert all(compiled.per_rank[k] == default.per_rank[k] for k in ("params", "grads", "optimizer"))
     assert any("af.compile under DeepSpeed ZeRO-3" in note for note in compiled.notes)
+    # so the planner plans it
+    from accelfn.planner.candidates import Candidate
+    from accelfn.planner.prune import illegal
+
+    assert illegal(Candidate({"dp": 64}, "zero3", compile="blocks")) is None
     assert time.perf_counter() - start < 60
 
 

@@ -131,7 +131,7 @@ def plan(
         ... )
         >>> p = af.plan(script, nproc_per_node=2, axes=("dp",), workers=1)
         >>> p.open_knobs, sorted(r.candidate.label for r in p.rows)
-        (['mesh', 'strategy'], ['dp=2 ddp', 'dp=2 fsdp'])
+        (['mesh', 'strategy'], ['dp=2 ddp', 'dp=2 fsdp', 'dp=2 zero1', 'dp=2 zero2', 'dp=2 zero3'])
         >>> p.write_config(script.parent / "plan.yaml").name  # accelfn launch --config plan.yaml train.py
         'plan.yaml'
     """

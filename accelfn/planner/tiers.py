@@ -18,7 +18,6 @@ chosen row's confirmation its estimated time. The measured ones are ranked by pr
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -256,9 +255,10 @@ def plan(
             return CONFIRM_SLACK * (top.dry_run_s or 0.0) if top is not None and top.extrapolated else 0.0
 
         def cutoff() -> float:
-            """The last moment to start a dry run: the budget less the confirmation's reserve and a typical
-            job's wall time (a job started then still runs), so that the whole plan fits in the budget."""
-            return deadline - confirm_reserve() - (statistics.median(walls) if walls else 0.0)
+            """The last moment to start a dry run: the budget less the confirmation's reserve and the longest
+            job's wall time so far (a job started then still runs; the median let the 405B plan's longer jobs run
+            134 s past its budget), so that the whole plan fits in the budget."""
+            return deadline - confirm_reserve() - (max(walls) if walls else 0.0)
 
         def lower(c: Candidate) -> float:
             """The probe's compute, scaled by the least ratio of a measured rank's compute to its share of it

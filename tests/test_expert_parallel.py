@@ -430,33 +430,30 @@ def test_dry_run_of_dp2_tp2_ep4_dispatches_over_tp_x_ep():
     assert "2 of 16 experts per rank (split over tp=2 x ep=4)" in report.strategy, report.strategy
 
 
+def _example_moe_params() -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """examples/train_moe.py's model with `--experts 8`, built here from its transformers config on the meta device
+    (the reference the dry-run tests count against): all its params, and of them the experts'."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        params = dict(Qwen3MoeForCausalLM(cfg).named_parameters())
+    experts = {n: p for n, p in params.items() if ".experts." in n}
+    assert len(experts) == 4  # gate_up_proj, down_proj of 2 layers
+    return params, experts
+
+
 def test_dry_run_of_fsdp4_ep4_shards_two_local_experts_on_dim_1_without_padding():
     """16 ranks on fake tensors (fsdp=4 x ep=4, strategy fsdp, 8 experts: 2 per ep rank over efsdp=4): the
     experts are FSDP-sharded on dim 1, so the measured rank (rank 0, where FSDP2 puts dim 0's padding) holds
     1/16 of the experts, not 1 of its 2 experts padded to 4 rows (2x), and each efsdp all-gather and
     reduce-scatter moves its ep rank's 2 experts, not 4 rows. The reference: the model's params counted here."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "8", "--strategy", "fsdp"],
                         nproc_per_node=8, nnodes=2, device="cpu", mesh="fsdp=4,ep=4", search=False)  # fmt: skip
     assert "experts FSDP-sharded on dim 1 over efsdp=4 (2 local experts: no padding)" in report.strategy
-    cfg = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )  # fmt: skip (the example's model)
-    with torch.device("meta"):
-        params = dict(Qwen3MoeForCausalLM(cfg).named_parameters())
-    experts = {n: p for n, p in params.items() if ".experts." in n}
-    assert len(experts) == 4  # gate_up_proj, down_proj of 2 layers
+    params, experts = _example_moe_params()
     dense = sum(-(-p.shape[0] // 16) * p[0].numel() * 4 for n, p in params.items() if n not in experts)
     assert report.per_rank["params"] == dense + sum(p.numel() * 4 for p in experts.values()) // 16
     one_layer = (
@@ -475,28 +472,10 @@ def test_dry_run_of_hsdp_dp2_fsdp4_ep2_shards_the_experts_over_fsdp_and_replicat
     (1 of each ep rank's 4 experts per rank) and replicated over dp. Their gradients: reduce-scattered over fsdp
     (each MoE layer's 4 local experts), then every rank's gradient shards all-reduced over dp, never over ep.
     The reference: the model's params counted here."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "8", "--strategy", "hsdp"],
                         nproc_per_node=8, nnodes=2, device="cpu", mesh="dp=2,fsdp=4,ep=2", search=False)  # fmt: skip
     assert "shard(hsdp, dp=2, fsdp=4, ep=2)" in report.strategy, report.strategy
-    cfg = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )  # fmt: skip (the example's)
-    with torch.device("meta"):
-        params = dict(Qwen3MoeForCausalLM(cfg).named_parameters())
-    experts = {n: p for n, p in params.items() if ".experts." in n}
-    assert len(experts) == 4  # gate_up_proj, down_proj of 2 layers
+    params, experts = _example_moe_params()
     dense = sum(-(-p.shape[0] // 8) * p[0].numel() * 4 for n, p in params.items() if n not in experts)
     expert_bytes = sum(p.numel() * 4 for p in experts.values()) // 2 // 4  # E/ep experts, then / fsdp
     assert report.per_rank["params"] == dense + expert_bytes, report.per_rank

@@ -173,11 +173,32 @@ def save_pretrained(
     final = Path(path).absolute()
     atomic.check_replaceable(final, ("model.safetensors", HF_INDEX, "config.json"), keeps_others=True)
     full = gather_full(named)
-    if full is not None and experts.splits_experts(config):  # transformers' own layout: one key per expert
-        full = experts.split(full)
+    hf = _hf_model(module, config) if full is not None and experts.splits_experts(config) else None
+    if (
+        full is not None and hf is not None
+    ):  # transformers' own layout: one key per expert, its renames undone
+        full = experts.to_hf(full, hf)
     if full is not None:
         write_folder(final, lambda tmp: write_weights(tmp, full, size, config, module), _is_weight_file)
     Comm().barrier()
+
+
+def _hf_model(module: nn.Module | None, config: Any) -> nn.Module | None:
+    """The transformers model whose conversion mapping `save_pretrained` reverts: `module` where it is one
+    (it may carry the conversions `from_pretrained` used), else the class `config.architectures` names (or
+    the causal LM of its model type), built on the meta device from `config`; None without a transformers
+    config."""
+    transformers = _transformers()
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    if isinstance(module, transformers.PreTrainedModel) and not is_carved(module):
+        return module
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if len(names) == 1 else None
+    with torch.device("meta"):
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def _transformers() -> Any:
@@ -444,8 +465,9 @@ def load_pretrained(
     With `like` (e.g. `state.params`, donated), values are copied into its tensors (cast to their dtype,
     sliced to their DTensor shard) and names `like` lacks raise unless `strict=False`. Fused experts in `like`
     (`mlp.experts.gate_up_proj [E, 2F, D]`, `down_proj`) are read from the per-expert keys transformers writes
-    (`mlp.experts.{e}.gate_proj.weight`, ...); each rank reads only the slices of its own experts (an `ep` or
-    FSDP shard), never the whole tensor.
+    (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`, ..., with the
+    other keys transformers renames for that model type, as the folder's `config.json` names it); each rank
+    reads only the slices of its own experts (an `ep` or FSDP shard), never the whole tensor.
     """
     folder = Path(path)
     files = _weight_files(folder)
@@ -456,14 +478,10 @@ def load_pretrained(
         return out
     headers = {f: io.read_header(f)[0] for f in files}
     where_of = {k: f for f, h in headers.items() for k in h if k != "__metadata__"}
-    fused = {
-        k: src
-        for k, v in like.items()
-        if k not in where_of and (src := experts.fused_sources(k, set(where_of), list(v.shape))) is not None
-    }
-    consumed = {key for src in fused.values() for key, _ in src}
-    missing = [k for k in like if k not in where_of and k not in fused]
-    unexpected = [k for k in where_of if k not in like and k not in consumed]
+    stored, fused = _read_plan(folder, where_of, like)
+    consumed = {key for src in fused.values() for key, _ in src} | set(stored.values())
+    missing = [k for k in like if k not in stored and k not in fused]
+    unexpected = [k for k in where_of if k not in consumed]
     if missing or (strict and unexpected):
         raise CheckpointMismatchError(
             f"weights at '{folder}' do not match `like`: missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -477,29 +495,49 @@ def load_pretrained(
             targets[name] = Target(name, v, fresh=alias_key(v) in used or _is_meta(v))
             used.add(alias_key(v))
             continue
-        info = headers[where_of[name]][name]
-        check_leaf(name, v.dtype, info["shape"], v, f"'{where_of[name]}'")  # dtype is cast, shape must match
-        key = alias_key(v)
+        key = stored[name]
+        info = headers[where_of[key]][key]
+        check_leaf(name, v.dtype, info["shape"], v, f"'{where_of[key]}'")  # dtype is cast, shape must match
         local = v.to_local() if is_dtensor(v) else v  # type: ignore[attr-defined]
-        targets[name] = Target(name, v, fresh=key in used or local.device.type == "meta")
-        used.add(key)
+        targets[name] = Target(name, v, fresh=alias_key(v) in used or local.device.type == "meta")
+        used.add(alias_key(v))
     for name, sources in fused.items():
         _read_experts(targets[name], sources, where_of)
     for f in files:
-        names = {n for n in targets if n not in fused and where_of[n] == f}
+        names = {stored[n]: n for n in targets if n not in fused and where_of[stored[n]] == f}  # key -> name
         if not names:
             continue
         into = {
-            n: targets[n].local
-            for n in names
-            if targets[n].direct({"offset": [0] * targets[n].local.ndim, "shape": headers[f][n]["shape"]})
+            k: targets[n].local
+            for k, n in names.items()
+            if targets[n].direct({"offset": [0] * targets[n].local.ndim, "shape": headers[f][k]["shape"]})
         }
-        tensors = io.read_file(f, names=names, into=into)
-        for n in names:
-            targets[n].fill(tensors[n], [0] * tensors[n].ndim)
+        tensors = io.read_file(f, names=set(names), into=into)
+        for k, n in names.items():
+            targets[n].fill(tensors[k], [0] * tensors[k].ndim)
     for t in targets.values():
         t.check_complete(folder)
     return {n: t.value for n, t in targets.items()}
+
+
+def _read_plan(
+    folder: Path, where_of: dict[str, Path], like: dict[str, torch.Tensor]
+) -> tuple[dict[str, str], dict[str, list[tuple[str, list[int]]]]]:
+    """The checkpoint key of each name of `like` read whole, and the per-expert keys of each fused expert
+    tensor: as transformers renames and joins them on load where the folder's `config.json` names a model type
+    it converts (Mixtral's `block_sparse_moe.experts.{e}.w1.weight`, ...); else names as stored, and fused
+    experts from Qwen-style per-expert keys."""
+    config = folder / "config.json" if folder.is_dir() else None
+    mapping = experts.conversions(json.loads(config.read_text())) if config and config.exists() else None
+    shapes = {k: list(v.shape) for k, v in like.items()}
+    if mapping is not None:
+        return experts.read_plan(list(where_of), shapes, mapping)
+    fused = {
+        k: src
+        for k, shape in shapes.items()
+        if k not in where_of and (src := experts.fused_sources(k, set(where_of), shape)) is not None
+    }
+    return {k: k for k in like if k in where_of}, fused
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -514,7 +552,7 @@ def _check_expert_shapes(
     where_of: dict[str, Path],
 ) -> None:
     """Raise `CheckpointMismatchError` when a per-expert key does not have its share of `name`'s `shape`."""
-    rows = shape[1] // 2 if name.endswith("gate_up_proj") else shape[1]
+    rows = shape[1] // (len(sources) // shape[0])  # gate and up: two sources per expert
     for key, _ in sources:
         got = headers[where_of[key]][key]["shape"]
         if got != [rows, shape[2]]:

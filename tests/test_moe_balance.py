@@ -258,3 +258,18 @@ def test_a_group_limited_router_without_its_own_bias_is_refused():
     del gate.e_score_correction_bias
     with pytest.raises(ValueError, match="is not a softmax top-k router"):
         add_expert_bias(model, routers=["model.layers.1.mlp.gate"])
+
+
+def test_fp8_says_why_the_experts_stay_in_their_dtype():
+    """One process: the note in print(step) names what fp8 grouped GEMMs need (torchao's moe_training: CUDA
+    sm90 with triton for fp8 rowwise, sm100 for mxfp8), and torch has no CPU kernel for them (if it gains one,
+    this note and docs/parallelism.md's "Not yet" are stale)."""
+    step = af.autocast_fp8(af.train_step(lm, af.optim.sgd(0.1)), backend="torchao", emulate=True)
+    step.init(qwen())
+    text = repr(step)
+    assert "stay in float32: fp8 grouped GEMMs are not wired in" in text, text
+    assert "fp8 rowwise on sm90" in text and "mxfp8 on sm100" in text, text
+    a, b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.zeros(2, 16, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="CPU"):
+        torch._scaled_grouped_mm(a, b.transpose(-2, -1), torch.ones(16), torch.ones(2, 16),
+                                 offs=torch.tensor([8, 16], dtype=torch.int32), out_dtype=torch.bfloat16)  # fmt: skip

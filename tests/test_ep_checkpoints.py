@@ -9,12 +9,26 @@ from tests._launch import output_of, run_workers
 
 
 @pytest.mark.slow
-def test_an_ep2_checkpoint_loads_at_ep4_and_at_fsdp2_x_ep2(tmp_path):
-    """Params and AdamW state exact after the reshard; one more step equal to the saved layout's."""
+def test_an_ep2_checkpoint_loads_at_ep4_and_at_fsdp2_x_ep2_and_in_one_process(tmp_path):
+    """Params and AdamW state exact after the reshard; one more step equal to the saved layout's. The same
+    checkpoint loads in this process without ep: params and AdamW state exact."""
+    from safetensors.torch import load_file
+
+    from accelfn.tree import flatten_with_path
+    from tests.workers.ep_worker import lm_loss, make_model
+
     proc = run_workers("ep_ckpt_worker.py", 4, str(tmp_path / "ckpt"), timeout=300)
     assert proc.returncode == 0, output_of(proc)
     for layout in ("ep4", "fsdp2xep2"):
         assert proc.stdout.count(f"OK {layout}") == 4, output_of(proc)
+    fresh = af.train_step(lm_loss, af.optim.adamw(1e-2)).init(make_model("qwen", None), seed=5)
+    loaded = af.checkpoint.load(tmp_path / "ckpt", like=fresh)
+    got = {f"params/{k}": v for k, v in loaded.params.items()}
+    got.update({f"opt/{k}": v for k, v in flatten_with_path(loaded.opt_state) if isinstance(v, torch.Tensor)})
+    want = load_file(tmp_path / "ckpt-state.safetensors")
+    assert sorted(got) == sorted(want) and any(k.startswith("opt/") and "experts" in k for k in want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
     # the ep2-trained model's save_pretrained folder: transformers loads it with no missing or unexpected key
     from safetensors.torch import load_file
     from transformers import Qwen3MoeForCausalLM

@@ -9,6 +9,8 @@ optimizer-state tensor, gathered, equal to the saved ones (torch.equal: a reshar
 nothing); the experts really held as other pieces; one more step after the load equal on both layouts (fp32
 round-off) to one more step of the saved layout. The same state written by `save_pretrained` (Hugging Face's
 per-expert keys) read back by `load_pretrained` at each layout: exact, each rank reading only its experts.
+Rank 0 writes the saved params and optimizer state whole (`<folder>-state.safetensors`) for the test's load in
+one process without ep.
 """
 
 import sys
@@ -103,6 +105,7 @@ def main():
         save_file(
             {k[7:]: v for k, v in saved.items() if k.startswith("params/")}, folder + "-full.safetensors"
         )
+        save_file(saved, folder + "-state.safetensors")  # params and AdamW state, for a load in one process
     assert any(k.startswith("opt/") and "experts" in k for k in saved), sorted(saved)
     after, m_ref = step(state, data[0])
     want_next = gathered(after)

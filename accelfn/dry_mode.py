@@ -41,6 +41,7 @@ class Watcher:
         self.skipped: list[str] = []
         self.notes: list[str] = []
         self.requested_kinds: list[str] = []
+        self.moe_layers: list[Any] = []  # MoE dispatchers in the order they first dispatched (`moe_layer`)
 
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         """One call of a training step: `call()` runs it."""
@@ -83,6 +84,29 @@ class Watcher:
     def modelled_device(self) -> str | None:
         """The name of the device the run models (its table row's), for messages; None where the host is it."""
         return None
+
+    def untracked(self) -> contextlib.AbstractContextManager[Any]:
+        """A block of real tensors the dry run does not measure (its own bookkeeping, which the real run does not
+        do: a routing model's sampling)."""
+        return contextlib.nullcontext()
+
+    def moe_routing(self) -> str | float:
+        """How MoE dispatchers route their rows, which fake tensors do not hold (`accelfn.moe.routing_model`:
+        "uniform", "even" or a max/mean factor; a dry run's `Assumptions.moe_routing`)."""
+        return "uniform"
+
+    def moe_layer(self, dispatcher: Any) -> int:
+        """The MoE layer `dispatcher` routes: its place in the order the dispatchers first dispatched in this run
+        (the routing model's seed)."""
+        for i, d in enumerate(self.moe_layers):
+            if d is dispatcher:
+                return i
+        self.moe_layers.append(dispatcher)
+        return len(self.moe_layers) - 1
+
+    def moe_routed(self, layer: int, counts: Any, rank: int) -> None:
+        """MoE layer `layer` routed `counts` ([ep ranks, experts]: each source rank's rows per expert) and the rank
+        simulated received the rows of ep rank `rank`'s experts."""
 
 
 _watcher: Watcher | None = None

@@ -13,7 +13,9 @@ from torch import nn
 
 import accelfn as af
 from accelfn import mesh as _mesh
+from accelfn.dryrun import Assumptions
 from accelfn.moe import AllToAllDispatcher, ep_forward, load_balancing_loss, local_experts
+from accelfn.moe.routing_model import imbalance, routed_counts, uniform_choices
 from accelfn.transforms.shard.expert_parallel import expert_params, model_ep_plan
 from tests._launch import ROOT, expect_ok, run_workers
 
@@ -388,28 +390,100 @@ def test_ep4_and_ep2_with_pp2_tp2_cp2_equal_one_process(tmp_path):
 # tests/test_plan_space.py launches it from the config `accelfn plan --write` chose.
 
 
+def test_uniform_routing_picks_k_distinct_experts_every_k_subset_alike():
+    """The dry run's uniform router: each token's k experts are distinct, and each of the C(5, 3) = 10 subsets of
+    3 of 5 experts comes up equally often (chi-square over 20,000 tokens, 9 degrees of freedom, below its 99.9%
+    quantile 27.88); k = E picks every expert."""
+    chosen = uniform_choices(20_000, 3, 5, torch.Generator().manual_seed(0))
+    ordered = chosen.sort(1).values
+    assert bool((ordered[:, 1:] > ordered[:, :-1]).all()) and int(chosen.min()) >= 0 and int(chosen.max()) < 5
+    subsets = torch.unique(ordered, dim=0, return_counts=True)[1].double()
+    assert len(subsets) == 10 and float(((subsets - 2000) ** 2 / 2000).sum()) < 27.88, subsets
+    every = uniform_choices(7, 4, 4, torch.Generator().manual_seed(1)).sort(1).values
+    assert torch.equal(every, torch.arange(4).expand(7, 4))
+
+
+def test_uniform_routing_imbalance_equals_an_independent_simulation():
+    """At 128 tokens x top-8 of 16 experts on each of 4 ep ranks (4 experts each), the modelled max/mean rows
+    per expert and the busiest rank's rows over the mean, averaged over 300 layers, equal those of 600 numpy
+    trials (an argsort of uniform keys per token, another generator) within 4 standard errors. Sampling with
+    replacement would give a larger imbalance (1.112 vs 1.081 here, 4 standard errors 0.006): the test tells them
+    apart."""
+    import numpy as np
+
+    tokens, k, experts, ep = 128, 8, 16, 4
+
+    def figures(counts: np.ndarray) -> tuple[float, float]:  # counts [ep, experts]
+        load = counts.sum(0)
+        ranks = load.reshape(ep, experts // ep).sum(1)
+        return load.max() / load.mean(), ranks.max() / ranks.mean()
+
+    ours = np.array([figures(routed_counts("uniform", tokens=tokens, k=k, num_experts=experts, sources=ep,
+                                           layer=layer).numpy()) for layer in range(300)])  # fmt: skip
+    rng = np.random.default_rng(12345)
+    ref = []
+    for _ in range(6):  # 100 trials at a time
+        picks = rng.random((100, ep, tokens, experts)).argsort(-1)[..., :k]
+        onehot = (picks[..., None] == np.arange(experts)).any(-2)  # [trial, ep, tokens, experts]
+        ref += [figures(c) for c in onehot.sum(2)]
+    ref_a = np.array(ref)
+    for j in range(2):
+        se = np.sqrt(ours[:, j].var() / len(ours) + ref_a[:, j].var() / len(ref_a))
+        mean, ref_mean = ours[:, j].mean(), ref_a[:, j].mean()
+        assert abs(mean - ref_mean) < 4 * se, (j, mean, ref_mean, se)
+    assert 1.06 < ref_a[:, 0].mean() < 1.1 and 1.01 < ref_a[:, 1].mean() < 1.04, ref_a.mean(0)
+
+
+def test_routing_models_are_seeded_per_layer_and_even_is_the_exact_spread():
+    """The uniform model routes alike in two runs (a seed per layer and source rank) and differently per layer and
+    rank; "even" is every expert rows / E (the remainder to the first, every rank alike); a measured factor gives
+    the first expert that many times the mean; anything else is a named error."""
+    one = dict(tokens=64, k=2, num_experts=8, sources=4)
+    a, b = routed_counts("uniform", layer=3, **one), routed_counts("uniform", layer=3, **one)
+    assert torch.equal(a, b) and not torch.equal(a, routed_counts("uniform", layer=4, **one))
+    assert a.sum(1).tolist() == [128] * 4 and len({tuple(r) for r in a.tolist()}) == 4
+    even = routed_counts("even", tokens=5, k=3, num_experts=4, sources=2)
+    assert even.tolist() == [[4, 4, 4, 3]] * 2
+    measured = routed_counts(2.0, **one)
+    assert imbalance(measured) == 2.0 and measured.sum(1).tolist() == [128] * 4
+    for bad in ("balanced", 0.5, True):
+        with pytest.raises(ValueError, match=f"moe_routing must be one of 'uniform', 'even'.*got {bad!r}"):
+            Assumptions(moe_routing=bad)
+
+
 def test_dry_run_of_the_example_at_deepseek_v3_shapes_on_256_h100s_counts_the_all_to_alls_and_the_experts():
     """DeepSeek-V3's layer shapes (a `transformers` DeepseekV3Config, one dense and one MoE layer: 256 experts,
     top-8) as one of 256 ranks (dp=32 x ep=8) of an H100 job, on fake tensors: the dispatch models a balanced
-    router; the rows move through 4 all-to-alls on ep (dispatch and combine, forward and backward) within a node;
+    router (uniform: this rank given the busiest ep rank's rows, as `routed_counts` computes them); the rows move through 4 all-to-alls on ep (dispatch and combine, forward and backward) within a node;
     the experts' gradients are summed over dp only; the experts run as on an H100 (grouped GEMMs in bf16) and
     their FLOPs are counted: the step's FLOPs equal the model's matmuls and attention counted here by hand."""
     tokens, k, d, f, heads = 4096, 8, 7168, 2048, 128
     report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--model", "deepseek-v3", "--layers", "2", "--init",
                         "meta", "--bf16", "--seq", str(tokens), "--batch-size", "1", "--steps", "2"],
                         nproc_per_node=8, nnodes=32, gpu="h100", mesh="dp=32,ep=8", search=False)  # fmt: skip
+    # the default routing model: each of the 8 ep ranks' tokens picks 8 of 256 experts at random; this rank gets
+    # the busiest ep rank's rows (its 32 experts' rows from every rank), sends its own 4096 x 8
+    counts = routed_counts("uniform", tokens=tokens, k=k, num_experts=256, sources=8, layer=0)
+    loads = counts.view(8, 8, 32).sum(2)  # [source, destination ep rank]
+    busiest = int(loads.sum(0).argmax())
+    received = int(loads[:, busiest].sum())
+    assert received > tokens * k  # the busiest rank gets more than the even share
     a2a = report.comm["all_to_all"]["ep"]
     assert a2a["count"] == 4 and a2a["intra_node"], report.comm
-    assert a2a["bus_bytes"] == 4 * tokens * k * d * 2 * 7 // 8  # bf16 rows, 7/8 of them to the other ranks
+    # dispatch sends 4096 x 8 rows and the backward returns the received ones; combine sends back the received
+    # rows and its backward the 4096 x 8: bf16 rows, 7/8 of them to the other ranks
+    assert a2a["bus_bytes"] == 2 * (tokens * k + received) * d * 2 * 7 // 8, (a2a, received)
+    assert report.moe == {"routing": "uniform", "moe_imbalance": imbalance(counts), "ep": 8, "layers": 1,
+                          "rank_load": received / (tokens * k)}  # fmt: skip
+    assert 1.05 < report.moe["moe_imbalance"] < 1.3, report.moe  # 8 x 4096 x 8 rows over 256 experts
+    assert "MoE routing (assumed uniform" in str(report) and '"moe_imbalance"' in report.to_json()
     assert "dp" in report.comm["all_reduce"], report.comm  # the experts' gradients: over dp, not dp x ep
     assert "grouped GEMMs in bfloat16" in report.strategy, report.strategy
     attention = 7168 * 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 * heads * 256 + heads * 128 * d
     per_token = (
         2 * attention + 3 * d * 18432 + 3 * d * f + d * 256 + d * 129280
     )  # shared expert, router, head
-    routed = (
-        tokens * k * 3 * d * f
-    )  # every row one expert's gate_up and down (a balanced router: all received)
+    routed = received * 3 * d * f  # every received row one expert's gate_up and down
     sdpa = 2 * (2 * 2 * tokens * tokens * 192 * heads) // 2  # q k^T and p v (v padded to 192), causal half
     expected = 3 * (2 * tokens * per_token + 2 * routed) + 2 * (
         sdpa + 5 * sdpa // 2
@@ -446,13 +520,19 @@ def _example_moe_params() -> tuple[dict[str, nn.Parameter], dict[str, nn.Paramet
 
 
 def test_dry_run_of_fsdp4_ep4_shards_two_local_experts_on_dim_1_without_padding():
-    """16 ranks on fake tensors (fsdp=4 x ep=4, strategy fsdp, 8 experts: 2 per ep rank over efsdp=4): the
+    """16 ranks on fake tensors (fsdp=4 x ep=4, strategy fsdp, 8 experts: 2 per ep rank over efsdp=4; "even"
+    routing: the all-to-alls' bytes as before the routing model): the
     experts are FSDP-sharded on dim 1, so the measured rank (rank 0, where FSDP2 puts dim 0's padding) holds
     1/16 of the experts, not 1 of its 2 experts padded to 4 rows (2x), and each efsdp all-gather and
     reduce-scatter moves its ep rank's 2 experts, not 4 rows. The reference: the model's params counted here."""
     report = af.dry_run(ROOT / "examples" / "train_moe.py", ["--steps", "2", "--experts", "8", "--strategy", "fsdp"],
-                        nproc_per_node=8, nnodes=2, device="cpu", mesh="fsdp=4,ep=4", search=False)  # fmt: skip
+                        nproc_per_node=8, nnodes=2, device="cpu", mesh="fsdp=4,ep=4", search=False,
+                        assumptions=Assumptions(moe_routing="even"))  # fmt: skip
     assert "experts FSDP-sharded on dim 1 over efsdp=4 (2 local experts: no padding)" in report.strategy
+    # "even" routing: every expert 1/8 of each rank's 8 x 16 tokens x 2 rows, as before the routing model: 4
+    # all-to-alls of 256 rows of 32 fp32 per MoE layer, 2 layers
+    assert report.comm["all_to_all"]["ep"]["bytes"] == 2 * 4 * 256 * 32 * 4, report.comm
+    assert report.moe == {"routing": "even", "moe_imbalance": 1.0, "rank_load": 1.0, "layers": 2, "ep": 4}
     params, experts = _example_moe_params()
     dense = sum(-(-p.shape[0] // 16) * p[0].numel() * 4 for n, p in params.items() if n not in experts)
     assert report.per_rank["params"] == dense + sum(p.numel() * 4 for p in experts.values()) // 16

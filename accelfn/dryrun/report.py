@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from ..moe.routing_model import check_routing
 from .comm_time import CommAssumptions
 from .step_time import StepTime
 from .timing import TimingAssumptions
@@ -31,7 +32,10 @@ class Assumptions:
     `timing`: the per-op compute model's figures (`accelfn.dryrun.timing.TimingAssumptions`: the GEMM
     efficiency, attention efficiency, memory efficiency, launch floor, ...); `comm`: the collectives' model's
     (`accelfn.dryrun.comm_time.CommAssumptions`: link efficiencies, NCCL's latencies); `reserve_bytes`: device
-    memory kept free; `host_memory_bytes`: host memory of a node.
+    memory kept free; `host_memory_bytes`: host memory of a node; `moe_routing`: how MoE layers route their
+    rows (`accelfn.moe.routing_model`): "uniform" (each token's k experts uniformly at random, the null model of
+    a balanced router; the rank simulated gets the busiest ep rank's rows), "even" (every expert `rows / E`) or
+    a measured max/mean rows per expert (a real run's `metrics["moe_imbalance"]`).
 
     Example:
         >>> from accelfn.dryrun.timing import TimingAssumptions
@@ -43,6 +47,7 @@ class Assumptions:
     comm: CommAssumptions = attrs.Factory(CommAssumptions)
     reserve_bytes: int = 2 * 2**30  # CUDA context, NCCL buffers and allocator slack kept free on each device
     host_memory_bytes: int = 2048 * 2**30  # host memory of a node (a DGX H100 / H200 has 2 TiB)
+    moe_routing: str | float = attrs.field(default="uniform", converter=check_routing)
 
 
 @attrs.frozen
@@ -114,6 +119,22 @@ def _assumes(a: Mapping[str, Any]) -> str:
         + f", {a['kernels']:,} kernels; links {a['intra_efficiency']:.0%} of {a['intra_node_gbs']:,.0f} / "
         f"{a['inter_efficiency']:.0%} of {a['inter_node_gbs']:,.0f} GB/s intra/inter-node, NCCL latencies "
         f"{a['ring_base_us']} us + {a['nvlink_hop_us']}/{a['net_hop_us']} us per hop; {a['overlap']}"
+        + (f"; MoE routing {a['moe_routing']}" if "moe_routing" in a else "")
+    )
+
+
+def _moe_line(moe: Mapping[str, Any]) -> str:
+    """The report's line on the modelled MoE routing (`Report.moe`)."""
+    routing = moe["routing"]
+    what = {
+        "uniform": "each token's k experts uniformly at random",
+        "even": "every expert rows / E",
+    }.get(routing, f"the busiest expert {routing}x the mean")
+    rank = "the busiest ep rank's rows" if routing != "even" else "its own even share"
+    return (
+        f"MoE routing (assumed {routing}: {what}; this rank is given {rank}): moe_imbalance "
+        f"{moe['moe_imbalance']:.3f} (max/mean rows per expert over the ep={moe['ep']} group's batch, worst of "
+        f"{moe['layers']} layer(s)); this rank's experts receive {moe['rank_load']:.3f}x the mean rows per ep rank"
     )
 
 
@@ -148,6 +169,7 @@ class Report:
     elapsed_s: float = 0.0
     step_objects: list[dict[str, Any]] = attrs.Factory(list)
     init: dict[str, Any] | None = None  # the memory before the first training step (see _init_report)
+    moe: dict[str, Any] | None = None  # the modelled MoE routing and its imbalance (see summary._moe)
 
     def to_dict(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=True)
@@ -214,6 +236,8 @@ class Report:
                 )
         lines.append(f"  {'total':<32}{gib(self.total_bus_bytes):>15}")
         lines += ["", f"FLOPs per {per} (this rank): {self.flops_per_step / 1e12:,.2f} TFLOP"]
+        if self.moe is not None:
+            lines.append(_moe_line(self.moe))
         if len(self.step_objects) > 1:
             lines += [
                 "",

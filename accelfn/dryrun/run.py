@@ -199,6 +199,7 @@ def _run_once(
     session.on_model = on_model
     session.device_is_host = device == "cpu"
     session.spec = spec
+    session.routing = assumptions.moe_routing
     start = time.perf_counter()
     with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
         session.init = InitTracker(fake_mode=detect_fake_mode())

@@ -77,6 +77,9 @@ class Session(dry_mode.Watcher):
         self.device_is_host = False  # the real run computes on the host (device "cpu"): no separate device
         self.spec: Any = None  # the device table's row the run models (`accelfn.platforms.specs.DeviceSpec`)
         self.on_model: Callable[[Any], None] | None = None  # called with each model before its lowering
+        self.routing: str | float = "uniform"  # how MoE layers route their rows (`Assumptions.moe_routing`)
+        self.moe: dict[int, tuple[torch.Tensor, int]] = {}  # MoE layer -> (counts [ep, E], rank simulated)
+        self._searching = False  # the micro-batch search's probes: their routing is not the report's
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def real_tensors(self) -> contextlib.AbstractContextManager[Any]:
@@ -143,6 +146,18 @@ class Session(dry_mode.Watcher):
 
     def modelled_device(self) -> str | None:
         return None if self.device_is_host or self.spec is None else str(self.spec.name)
+
+    def untracked(self) -> contextlib.AbstractContextManager[Any]:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        return _disable_current_modes()  # the fake mode and the step's tracker
+
+    def moe_routing(self) -> str | float:
+        return self.routing
+
+    def moe_routed(self, layer: int, counts: Any, rank: int) -> None:
+        if not self._searching:
+            self.moe[layer] = (counts, rank)
 
     def train_call(self, step: Any, state: Any, batch: Any, call: Callable[[], Any]) -> Any:
         if self.init is not None and self.init.active:
@@ -390,6 +405,7 @@ class Session(dry_mode.Watcher):
         """The largest per-rank micro-batch that fits (`accelfn.dryrun.search.largest_micro_batch`), in rows of
         the loop's step object with the largest peak, over the loop's step objects whose states are alive."""
         assert self.capacity is not None
+        self._searching = True
         runs: list[tuple[StepRecord, Any, Any, Any]] = []  # (record, step, state, batch) of the loop's steps
         for rec in self._loop_records():
             live = (state, batch) if rec is stopping else (rec.state_ref() or rec.held, rec.batch)

@@ -99,6 +99,8 @@ def _report(
                 tokens_per_step=rec_tokens,
                 dtype=str(rec.dtype).removeprefix("torch."),
             )
+            if session.moe:
+                prediction.assumes["moe_routing"] = session.routing
         if times:
             _axes_comm(last.comm, groups, shape, nproc_per_node, into=comm, times=times)
             flops += last.flops * times
@@ -241,7 +243,33 @@ def _report(
         ranks_tried=[rank],
         step_objects=objects,
         init=init,
+        moe=_moe(session),
     )
+
+
+def _moe(session: Session) -> dict[str, Any] | None:
+    """The modelled MoE routing of the measured steps (`Assumptions.moe_routing`): `moe_imbalance`, the max/mean
+    rows per expert of an ep group's batch (the worst layer; `accelfn.moe.step_metrics`'s definition), and
+    `rank_load`, the rows the rank simulated received over the mean per ep rank (the worst layer; the busiest
+    ep rank's under the "uniform" model)."""
+    from ..moe.routing_model import imbalance
+
+    if not session.moe:
+        return None
+    loads = []
+    with session.real_tensors():  # (the report is made in the fake world; the counts are real)
+        for counts, rank in session.moe.values():
+            ep, experts = counts.shape
+            per_rank = counts.sum(0).view(ep, experts // ep).sum(1).double()
+            loads.append(float(per_rank[rank] / per_rank.mean().clamp_min(1e-12)))
+        worst = max(imbalance(c) for c, _ in session.moe.values())
+    return {
+        "routing": session.routing,
+        "moe_imbalance": worst,
+        "rank_load": max(loads),
+        "layers": len(session.moe),
+        "ep": next(iter(session.moe.values()))[0].shape[0],
+    }
 
 
 def _init_report(

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dry_mode
+from .routing_model import routed_counts
 
 __all__ = ["Dispatcher", "AllToAllDispatcher", "DispatchHandle"]
 
@@ -41,7 +42,8 @@ __all__ = ["Dispatcher", "AllToAllDispatcher", "DispatchHandle"]
 class Dispatcher(Protocol):
     """Moves rows (one per token and chosen expert) to the ranks holding their experts and back.
 
-    `dispatch(x, experts)`: `x` [N, D] rows, `experts` [N] global expert ids; returns the rows this rank
+    `dispatch(x, experts)`: `x` [N, D] rows, `experts` [N] global expert ids (or [T, k]: row t*k + j is token
+    t's j-th choice, which tells a dry run's routing model k); returns the rows this rank
     received, grouped by local expert (local expert 0's rows first), the number of rows per local expert
     ([local experts], int64) and a handle. `combine(y, handle)`: `y` laid out like those received rows;
     returns [N, ...] rows in the order of `x`. Both are differentiable.
@@ -104,6 +106,7 @@ class AllToAllDispatcher:
     capacity_factor: float | None = None
     data_group: Any = None
     dropped: torch.Tensor | None = None  # rows this rank dropped over capacity since `take_dropped`
+    _model: tuple[Any, torch.Tensor] | None = attrs.field(default=None, init=False)  # dry run: key, counts
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts % self.size:
@@ -156,7 +159,8 @@ class AllToAllDispatcher:
         self, x: torch.Tensor, experts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         if dry_mode.active() is not None:
-            return self._modelled(x)
+            return self._modelled(x, experts.shape[1] if experts.ndim == 2 else 1)
+        experts = experts.reshape(-1)
         n_local, n = self.local_experts, x.shape[0]
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)
@@ -182,17 +186,36 @@ class AllToAllDispatcher:
         per_expert = got.view(self.size, n_local).sum(0)
         return rows[regroup], per_expert, DispatchHandle(order, regroup, send, recv, n)
 
-    def _modelled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """A dry run (fake tensors: no expert ids to read): the rows move as a balanced router sends them (each
-        expert `rows / E`), through the same all-to-all, so its traffic and the experts' work are counted."""
-        n, n_local = x.shape[0], self.local_experts
-        counts = [n // self.num_experts + (e < n % self.num_experts) for e in range(self.num_experts)]
-        send = [sum(counts[r * n_local : (r + 1) * n_local]) for r in range(self.size)]
-        me = dist.get_rank(self.group) if self.size > 1 else 0
-        recv = [send[me]] * self.size  # every rank routes alike
-        with dry_mode.real_tensors():
-            mine = torch.tensor(counts[me * n_local : (me + 1) * n_local]) * self.size
-            self.tokens = torch.tensor(counts) if self.tokens is None else self.tokens + torch.tensor(counts)
+    def _modelled(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """A dry run (fake tensors: no expert ids to read): the rows move as the dry run's routing model sends them
+        (`accelfn.moe.routing_model`, `Assumptions.moe_routing`), through the same all-to-all, so its traffic and
+        the experts' work are counted. Every ep rank's rows per expert are modelled, and this rank is given the
+        busiest ep rank's (the most rows received; the step waits on it): its own rows sent, the rows the
+        others send to its experts received. Under "even" this rank's own share, as every rank's is alike."""
+        watcher = dry_mode.active()
+        assert watcher is not None
+        routing, layer = watcher.moe_routing(), watcher.moe_layer(self)
+        n_local, tokens = self.local_experts, x.shape[0] // k
+        key = (routing, tokens, k, layer)
+        with watcher.untracked():  # the model's sampling: no part of the real step's memory or kernels
+            if self._model is None or self._model[0] != key:
+                counts = routed_counts(
+                    routing, tokens=tokens, k=k, num_experts=self.num_experts, sources=self.size, layer=layer
+                )
+                self._model = (key, counts)
+            counts = self._model[1]
+            loads = counts.view(self.size, self.size, n_local).sum(2)  # [source rank, destination rank]
+            if routing == "even":
+                me = dist.get_rank(self.group) if self.size > 1 else 0
+            else:
+                me = int(loads.sum(0).argmax())  # the busiest ep rank (the first of equals)
+            send, recv = loads[me].tolist(), loads[:, me].tolist()
+            received = counts[:, me * n_local : (me + 1) * n_local].sum(0).tolist()
+            routed = counts[me].tolist()
+        with dry_mode.real_tensors():  # small host tensors, as the real run's counts (on its device)
+            mine = torch.tensor(received)
+            self.tokens = torch.tensor(routed) if self.tokens is None else self.tokens + torch.tensor(routed)
+        watcher.moe_routed(layer, counts, me)
         rows = _exchange(x, recv, send, self.group) if self.size > 1 else x
         return rows, mine, DispatchHandle(None, None, send, recv)
 

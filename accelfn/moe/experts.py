@@ -120,7 +120,7 @@ def ep_forward(
     # with an fp32 residual stream (af.autocast) moves half the bytes both ways, the same values
     moved = hidden.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else hidden
     rows = moved.repeat_interleave(k, dim=0)  # row t*k + j: token t's j-th choice
-    received, counts, handle = dispatcher.dispatch(rows, top_k_index.reshape(-1))
+    received, counts, handle = dispatcher.dispatch(rows, top_k_index)  # [T, k]: k for a dry run's model
     back = dispatcher.combine(local_experts(module, received, counts, grouped), handle).view(tokens, k, -1)
     out = (back.float() * top_k_weights.float().unsqueeze(-1)).sum(1)
     return out.to(hidden.dtype)

@@ -352,6 +352,82 @@ def test_a_compiled_blocks_forward_and_backward_are_marked_compiled_and_the_upda
     assert update.costs and not any(c.graph for c in update.costs if c is not None)  # type: ignore[attr-defined]
 
 
+class _Costs:
+    """Records `op_cost` of every op run inside it (None for views, wrappers and collectives)."""
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from accelfn.dryrun.timing import op_cost
+
+        costs: list[tuple[str, object]] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                costs.append((func.__name__.split(".")[0], op_cost(func, args, kwargs or {}, out)))
+                return out
+
+        self.costs, self._mode = costs, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        self._mode.__exit__(*exc)
+
+
+def test_fsdp2s_copy_in_wrapper_moves_nothing_and_its_copies_never_fuse() -> None:
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (defines torch.ops.fsdp)
+
+    from accelfn.dryrun.timing import op_cost
+
+    shards = [torch.randn(6), torch.randn(2)]
+    buffer = torch.empty(32)  # 4 ranks x 8 elements
+    out = torch.ops.fsdp.all_gather_copy_in(shards, buffer, [6, 2], 8, 1)
+    # the wrapper: its whole output buffer is not moved; the `_foreach_copy_` it runs is (recorded on its own)
+    assert op_cost(torch.ops.fsdp.all_gather_copy_in.default, (shards, buffer, [6, 2], 8, 1), {}, out) is None
+    grads, flat = [torch.randn(4, 2), torch.randn(8)], torch.empty(16)
+    with torch.enable_grad():  # as in the backward, where a compiled region's ops fuse
+        cat = op_cost(torch.ops.fsdp.chunk_cat.default, (grads, 0, 4), {"out": flat}, None)
+        copy = op_cost(torch.ops.aten._foreach_copy_.default, ([flat[:8]], [grads[1]]), {}, None)
+        parts = [torch.empty(24), torch.empty(8)]  # the unsharded parameters
+        split = op_cost(torch.ops.fsdp.split_with_sizes_copy.default, (buffer, [24, 8]), {"out": parts}, None)
+        mul = op_cost(torch.ops.aten.mul.Tensor, (flat, flat), {}, flat * flat)
+    assert cat is not None and copy is not None and split is not None and mul is not None
+    assert cat.nbytes == 2 * 16 * 4 and split.nbytes == 2 * 32 * 4  # what they read and write
+    assert not (cat.graph or copy.graph or split.graph) and mul.graph
+
+
+def test_a_step_compiled_per_block_fuses_only_the_blocks_ops_and_keeps_the_loss_eager() -> None:
+    from accelfn.dryrun.compiled import partition_block
+    from accelfn.dryrun.step_time import compile_regions
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    assert partition_block(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    block(x)  # traced once, outside the recording (the same graph as the test above: cached)
+    with _Costs() as rec:
+        torch.nn.functional.log_softmax(block(x).float() * 2.0, -1).sum().backward()
+    costs = [(name, c) for name, c in rec.costs if c is not None]
+    in_block = {name for name, c in costs if c.region}  # type: ignore[attr-defined]
+    outside = {name for name, c in costs if not c.region}  # type: ignore[attr-defined]
+    assert {"gelu", "gelu_backward", "addmm", "mm"} <= in_block  # the block's forward and its backward graph
+    assert {"_log_softmax", "_log_softmax_backward_data", "mul"} <= outside  # the loss: outside, both ways
+    assert all(c.graph for _, c in costs)  # type: ignore[attr-defined]
+
+    timeline = [c for _, c in costs]
+    whole, blocks = _step(timeline, ("dp",), compiled="step"), _step(timeline, ("dp",), compiled="blocks")
+    eager_loss = sum(1 for c in timeline if c.kind == "memory" and not c.region)  # type: ignore[attr-defined]
+    assert blocks.kernels > whole.kernels and blocks.launch_bound >= eager_loss > 0
+    assert blocks.by_kind["memory"] > whole.by_kind["memory"]
+    assert blocks.assumes["compiled"] == "blocks" and whole.assumes["compiled"] == "step"
+    assert (
+        compile_regions("train_step(f) -> autocast(bfloat16) -> shard(fsdp, dp=8) -> compile()") == "blocks"
+    )
+    assert compile_regions("train_step(f) -> shard(ddp, dp=1) -> compile(regions='blocks')") == "blocks"
+    assert compile_regions("train_step(f) -> shard(ddp, dp=1) -> compile()") == "step"
+
+
 def test_the_pipeline_bubble_comes_from_the_schedules_order_and_shrinks_with_interleaving() -> None:
     from accelfn.dryrun.step_time import Pipeline, makespan, pipeline_of
     from accelfn.dryrun.timing import OpCost

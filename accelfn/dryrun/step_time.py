@@ -14,12 +14,13 @@ stream per link (within a node, across nodes: collectives on one link share its 
 - the pipeline's bubble: the idle time of a rank while the schedule fills and drains, from the schedule's own
   order of actions (1F1B, interleaved 1F1B: `makespan`) with this rank's forward and backward times per
   micro-batch and stage; other schedules: `(pp - 1) / (m v)` of the busy time (Narayanan et al. 2021);
-- under `af.compile` the forward and backward (what torch.compile compiles: the ops `OpCost.graph` marks) have
-  no launch floor, and each run of their memory-bound kernels between two matmuls, attention kernels or
-  collectives is one fused kernel moving what its largest op moves (inductor's fusion, checked against the
-  kernels inductor makes of a Llama decoder block: docs/dry_run.md); the rest (the optimizer's update, the
-  clip, FSDP's copies out of its all-gathers, which run under no_grad) stays eager, one kernel per op, each at
-  least the launch floor, as torch.compile leaves it.
+- under `af.compile` the forward and backward (what torch.compile compiles: the ops `OpCost.graph` marks; compiled
+  per block, as under FSDP and torchtitan, only the blocks' own ops, `OpCost.region`: the loss, the head and the
+  embedding stay eager) have no launch floor, and each run of their memory-bound kernels between two matmuls,
+  attention kernels or collectives is one fused kernel moving what its largest op moves (inductor's fusion,
+  checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md); the rest (the optimizer's update, the
+  clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
+  compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it.
 
 Example:
     >>> from accelfn.platforms.specs import spec
@@ -47,7 +48,7 @@ from .layout import _intra_node
 from .timing import OpCost, TimingAssumptions, cost_time
 from .tracker import Collective
 
-__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of"]
+__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions"]
 
 
 @attrs.frozen
@@ -173,6 +174,23 @@ def pipeline_of(strategy: str) -> Pipeline | None:
     return None
 
 
+def compile_regions(strategy: str) -> str | None:
+    """What a step's description (`repr(step)`'s chain) compiles: None (nothing), `"blocks"` (each block on its
+    own: `regions='blocks'`, and always under FSDP, HSDP, ZeRO-3 and a pipeline, as `af.compile` lowers them and
+    torchtitan compiles) or `"step"` (the forward, the loss and the backward in one graph).
+
+    Example:
+        >>> compile_regions("train_step(f) -> shard(fsdp, dp=8) -> compile()")
+        'blocks'
+        >>> compile_regions("train_step(f) -> shard(ddp, dp=1) -> compile()"), compile_regions("train_step(f)")
+        ('step', None)
+    """
+    if "compile(" not in strategy:
+        return None
+    blocks = "regions='blocks'" in strategy or "pipeline(" in strategy
+    return "blocks" if blocks or re.search(r"shard\((fsdp|hsdp|zero3)\b", strategy) else "step"
+
+
 def _where(
     c: Collective, groups: Mapping[str, tuple[str, ...]], shape: Mapping[str, int], nproc_per_node: int
 ) -> tuple[tuple[str, ...], int, int | None]:
@@ -190,7 +208,7 @@ def predict_step(
     groups: Mapping[str, tuple[str, ...]] | None = None,
     shape: Mapping[str, int] | None = None,
     nproc_per_node: int = 8,
-    compiled: bool = False,
+    compiled: bool | str | None = False,
     pipeline: Pipeline | None = None,
     timing: TimingAssumptions | None = None,
     comm: CommAssumptions | None = None,
@@ -198,7 +216,11 @@ def predict_step(
     """The predicted time of one step from its `timeline` (the dry run's `Measured.timeline`: `OpCost`s and
     `Collective`s in the order they ran) on `device`; `groups` maps process group names to the mesh axes they
     span (`shape` the mesh, row-major, `nproc_per_node` ranks per node); `compiled` the step runs under
-    `af.compile`. See the module docs for the model."""
+    `af.compile`: `"blocks"` (or `compile_regions`' answer) when each block is compiled on its own, so that only
+    the ops the blocks run fuse, `"step"` or True when the forward, loss and backward are one graph. See the
+    module docs for the model."""
+    per_block = compiled == "blocks"
+    compiled = bool(compiled)
     groups = groups or {}
     shape = shape or {}
     ta = attrs.evolve(timing or TimingAssumptions(), eager=not compiled)
@@ -257,11 +279,12 @@ def predict_step(
     in_fb = False
     for ev in timeline:
         if isinstance(ev, OpCost):
-            if ev.kind == "memory" and compiled and ev.graph:
+            inside = compiled and ev.graph and (ev.region or not per_block)
+            if ev.kind == "memory" and inside:
                 fused = max(fused, ev.nbytes)
                 continue
             flush()
-            eager = not compiled or not ev.graph
+            eager = not inside
             compute(cost_time(ev, device, ta), ev.kind, ev.backward, ta.launch_s if eager else 0.0)
             continue
         if not isinstance(ev, Collective):
@@ -308,9 +331,11 @@ def predict_step(
         **attrs.asdict(ca),
         "intra_node_gbs": device.intra_node_gbs,
         "inter_node_gbs": device.inter_node_gbs,
-        "compiled": compiled,
-        "fusion": "compiled: in the forward and backward, each run of memory-bound kernels between "
-        "matmuls/attention/collectives is one kernel moving its largest op's bytes; the update eager"
+        "compiled": ("blocks" if per_block else "step") if compiled else False,
+        "fusion": "compiled: in the forward and backward"
+        + (" of each compiled block" if per_block else "")
+        + ", each run of memory-bound kernels between matmuls/attention/collectives is one kernel moving its "
+        "largest op's bytes; the update" + (", the loss and FSDP's hooks eager" if per_block else " eager")
         if compiled
         else "eager: one kernel per op",
         "overlap": "data-parallel all-gathers prefetched one ahead, reductions async until the update; "

@@ -23,7 +23,7 @@ from .layout import _axes_comm, _bus, _layout
 from .records import Measured
 from .report import Assumptions, Report, predict
 from .session import Session
-from .step_time import pipeline_of, predict_step
+from .step_time import compile_regions, pipeline_of, predict_step
 from .tracker import CATEGORIES, LOSS_ROW
 
 
@@ -87,7 +87,7 @@ def _report(
                 groups=groups,
                 shape=shape,
                 nproc_per_node=nproc_per_node,
-                compiled="compile(" in rec.name,
+                compiled=compile_regions(rec.name),
                 pipeline=pipeline_of(rec.name),
                 timing=assumptions.timing,
                 comm=assumptions.comm,

@@ -13,7 +13,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   recomputation included; half of them when causal) at the fraction of the bf16 peak FlashAttention-2 was
   measured to reach on an H100 for that direction and sequence length (`FA2_H100_TFLOPS`: the backward slower).
 - everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
-  bandwidth; views move nothing and launch nothing.
+  bandwidth; views move nothing and launch nothing, nor does FSDP2's `all_gather_copy_in` (a wrapper: the copy it
+  runs is recorded on its own). FSDP2's copies in and out of its collectives are never part of a compiled region.
 - kernels the dry run does not run (torch's fused optimizer kernels, `torch._fused_adamw_`, have no fake version):
   `in_place_kernel` stands in for each launch, memory-bound, moving what it reads and writes.
 - eager mode: no kernel takes less than `launch_s` (the host issues one op at a time; a kernel shorter than
@@ -32,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -104,6 +106,14 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"}
 # it from 9.0: Hopper, Blackwell, and ROCm's MI300 series, which report 9.4)
 _NO_GROUPED_MM = {"a100-40gb", "a100-80gb", "l40s", "l4", "a10g"}
 _COMMUNICATION = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}  # the comm model's, not compute
+# FSDP2's own ops (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). `fsdp::all_gather_copy_in` only wraps
+# the `_foreach_copy_` it runs, which the dry run records on its own (the shards cast and copied into the all-gather's
+# buffer): the wrapper moves nothing itself (counted as its whole output, it was 6x its copy). Its copy, the copy-out
+# (`fsdp::split_with_sizes_copy`) and the reduce-scatter's copy-in (`fsdp::chunk_cat`) run in FSDP2's hooks, around
+# the blocks that torch.compile compiles (torchtitan's `apply_compile`, and af.compile under FSDP: each block), so they
+# are never fused into a compiled region's kernels: eager, one kernel each, in the backward too.
+_WRAPPERS = {("fsdp", "all_gather_copy_in")}
+_NEVER_FUSED = {("fsdp", "split_with_sizes_copy"), ("fsdp", "chunk_cat"), ("aten", "_foreach_copy_")}
 _FREE = {
     "_unsafe_view",
     "alias",
@@ -338,8 +348,10 @@ class OpCost:
     of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
     backward), or a memory-bound kernel's `nbytes` moved; `backward` whether autograd ran it; `graph` whether it
     ran in the forward (grad enabled) or the backward, what a compiled step compiles (False: the update, and
-    no-grad work outside the backward such as FSDP's copies after its all-gathers, which stay eager). The dry
-    run's tracker records one per op, `cost_time` times it.
+    no-grad work outside the backward such as FSDP's copies after its all-gathers, which stay eager); `region`
+    whether a compiled block ran it (its forward inside `compiled_region`, or in the backward the backward of an
+    autograd node made there: what a step compiled per block compiles; False: the loss, the head, the embedding
+    and FSDP's hooks around the blocks). The dry run's tracker records one per op, `cost_time` times it.
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -361,9 +373,13 @@ class OpCost:
     graph: bool = True
     seq: int = 0
     backward_kernel: bool = False
+    region: bool = True
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
+# the autograd sequence numbers of the nodes made inside compiled regions' forwards: [start, end) per region, in
+# the order they ran (a node's `_sequence_nr()` is its creation order, so the backward knows its region's nodes)
+_REGION_NODES: list[tuple[int, int]] = []
 
 
 @contextlib.contextmanager
@@ -379,11 +395,29 @@ def compiled_region() -> Iterator[None]:
         >>> c.graph
         True
     """
+    # the forward's own nodes only: a checkpoint's recomputation in the backward runs on the engine's thread,
+    # whose sequence numbers are its own (and its nodes are never run backward)
+    outermost = _REGION[0] == 0 and torch._C._current_graph_task_id() == -1
+    start = torch._C._autograd._get_sequence_nr() if outermost else None
     _REGION[0] += 1
     try:
         yield
     finally:
         _REGION[0] -= 1
+        if start is not None:
+            end = torch._C._autograd._get_sequence_nr()
+            if end > start:
+                bisect.insort(_REGION_NODES, (start, end))
+
+
+def _in_region_backward() -> bool:
+    """Whether the autograd node running now was made inside a compiled region's forward."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return False
+    seq = node._sequence_nr()
+    i = bisect.bisect_right(_REGION_NODES, (seq, math.inf)) - 1
+    return i >= 0 and _REGION_NODES[i][0] <= seq < _REGION_NODES[i][1]
 
 
 _KIND: dict[Any, str] = {}  # op overload -> "", "matmul", "sdpa" or "memory" (classified once)
@@ -399,6 +433,7 @@ def _kind(func: Any) -> str:
             or name in _FREE
             or namespace == "prim"
             or namespace in _COMMUNICATION
+            or (namespace, name) in _WRAPPERS
         ):
             kind = ""
         elif name in _MATMULS:
@@ -461,14 +496,22 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     if not kind:
         return None
     backward = torch._C._current_graph_task_id() != -1
-    graph = backward or torch.is_grad_enabled() or _REGION[0] > 0
+    graph = (backward or torch.is_grad_enabled() or _REGION[0] > 0) and (
+        getattr(func, "namespace", ""),
+        func.__name__.split(".")[0],
+    ) not in _NEVER_FUSED
+    region = graph and (_REGION[0] > 0 or (backward and _in_region_backward()))
     if func is _IN_PLACE:  # what it writes, it read first
         return OpCost(
-            "memory", nbytes=_bytes_of(args[0]) + 2 * _bytes_of(args[1]), backward=backward, graph=graph
+            "memory",
+            nbytes=_bytes_of(args[0]) + 2 * _bytes_of(args[1]),
+            backward=backward,
+            graph=graph,
+            region=region,
         )
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
-        return OpCost("memory", nbytes=moved, backward=backward, graph=graph)
+        return OpCost("memory", nbytes=moved, backward=backward, graph=graph, region=region)
     name = func.__name__.split(".")[0]
     if kind == "matmul":
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
@@ -480,7 +523,9 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             if x.ndim == 2 and w.ndim == 2 and outs and outs[0].ndim == 3:
                 groups = outs[0].shape[0]
                 m, k = x.shape[0], max(1, x.shape[1] // groups)
-            return OpCost("matmul", m, n, k, groups, _math_dtype(x), size, backward=backward, graph=graph)
+            return OpCost(
+                "matmul", m, n, k, groups, _math_dtype(x), size, backward=backward, graph=graph, region=region
+            )
         batch = x.shape[0] if x.ndim == 3 else 1
         return OpCost(
             "matmul",
@@ -492,6 +537,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             size,
             backward=backward,
             graph=graph,
+            region=region,
         )
     flops = _sdpa_flops(func, name, args, kwargs)
     if flops is None:
@@ -503,6 +549,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         dtype=q.dtype,
         backward=backward,
         graph=graph,
+        region=region,
         seq=int(k.shape[-2]),
         backward_kernel=name.endswith("_backward"),
     )

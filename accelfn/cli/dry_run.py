@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import traceback
 from pathlib import Path
@@ -77,6 +78,13 @@ def add_parser(sub: Any) -> None:
         default=2048.0,
         help="host memory of a node in GiB, for the memory before the first step (default 2048: a DGX H100)",
     )
+    p.add_argument(
+        "--moe-routing",
+        default="uniform",
+        help="how MoE layers route their rows (fake tensors hold no expert ids): uniform (default: each token's "
+        "k experts at random; the rank is given the busiest ep rank's rows), even (every expert rows / E), or "
+        "a measured max/mean rows per expert (a number, a real run's metrics['moe_imbalance'])",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_run)
@@ -134,6 +142,14 @@ def _dry_run(args: argparse.Namespace, dry_run: Any, Assumptions: Any) -> int:  
         except ValueError as e:
             print(f"accelfn dry-run: --gpu: {e}", file=sys.stderr)
             return 2
+    routing: str | float = args.moe_routing
+    with contextlib.suppress(ValueError):
+        routing = float(routing)
+    try:
+        assumptions = Assumptions(host_memory_bytes=int(args.host_memory_gib * 2**30), moe_routing=routing)
+    except ValueError as e:
+        print(f"accelfn dry-run: --moe-routing: {e}", file=sys.stderr)
+        return 2
     if not Path(args.script).is_file():
         print(f"accelfn dry-run: no such script: {args.script}", file=sys.stderr)
         return 2
@@ -150,7 +166,7 @@ def _dry_run(args: argparse.Namespace, dry_run: Any, Assumptions: Any) -> int:  
             rank=rank,
             mesh=args.mesh,
             search=not args.no_search,
-            assumptions=Assumptions(host_memory_bytes=int(args.host_memory_gib * 2**30)),
+            assumptions=assumptions,
         )
     except ValueError as e:
         if "af.dry_run:" in str(e):

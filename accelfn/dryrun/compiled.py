@@ -9,10 +9,13 @@ saved tensors as the block's activations (exact for the partitioner torch ships)
 as temporaries. Inductor also fuses chains of pointwise ops, whose intermediates never exist: here they do,
 one op at a time, so a compiled step's transient peak is an estimate from above (as eager's).
 
-Identical blocks (same class, parameter shapes, arguments) share one traced graph, as Inductor's cache does.
-Activation checkpointing stays outside the traced region (torch's checkpoint cannot be traced without Dynamo):
-the block's checkpoint wraps the partitioned forward, so under `af.remat` the checkpoint's policy decides what is
-kept, as in a compiled region that holds a checkpoint.
+Identical blocks (same class, parameter shapes, arguments, remat) share one traced graph, as Inductor's cache does.
+Under `af.remat` the block's checkpoint goes inside the traced region, as `torch.compile` of a checkpointed block
+puts it (the real engine compiles the block with its checkpoint; torchtitan compiles the checkpoint-wrapped
+block): the policy tags each op of the joint graph, the partitioner recomputes what is tagged to recompute and
+saves a must-save output only where the backward reads it. Eager SAC keeps every must-save output: under
+torchtitan's policy a Llama layer's down projection (128 MiB a layer on Table 1's 8B, 4 GiB in all), which the
+dry run held while it kept the eager checkpoint around the partitioned graphs.
 
 Example:
     >>> import torch
@@ -54,6 +57,7 @@ def _key(
 ) -> _Key:
     return (
         type(block),
+        repr(getattr(block, "_accelfn_remat", None)),  # every=n: checkpointed blocks beside plain ones
         tuple(names),
         tuple(_meta(t) for t in tensors),
         str(spec),
@@ -64,11 +68,68 @@ def _key(
     )
 
 
-def _eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-    """The "compiler" of the partitioned graphs: runs them op by op (on fake tensors in a dry run)."""
-    from torch._functorch.aot_autograd import make_boxed_func
+def _run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """torch's `run_and_save_rng_state` for a graph run op by op: the op, and the generator's state for the
+    recomputation (the CPU generator's, 5,056 bytes; CUDA's philox seed and offset, 16), as an empty tensor of its
+    size (a higher-order op would reach the dry run's dispatch modes as such)."""
+    out = op(*args, **kwargs)
+    device = next(t.device for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    size = torch.get_rng_state().numel() if device.type == "cpu" else 16
+    return torch.empty(size, dtype=torch.uint8, device=device), out
 
+
+def _run_with_rng_state(rng_state: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's `run_with_rng_state` for a graph run op by op: the op (fake tensors draw no numbers)."""
+    return op(*args, **kwargs)
+
+
+def _eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """The "compiler" of the partitioned graphs: runs them op by op (on fake tensors in a dry run). A random op
+    the partitioner recomputes (attention under "full" remat) comes wrapped in torch's RNG higher-order ops;
+    they run as the op itself."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    plain = {run_and_save_rng_state: _run_and_save_rng_state, run_with_rng_state: _run_with_rng_state}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in plain:
+            node.target = plain[node.target]
+    gm.recompile()
     return make_boxed_func(gm)
+
+
+def _checkpointed(forward: Callable[..., Any], policy: Any) -> Callable[..., Any]:
+    """`forward` under `af.remat`'s checkpoint as Dynamo hands it to AOTAutograd in a compiled region (torch's
+    `tag_activation_checkpoint`): traced, the checkpoint's policy tags each op of the joint graph (`recompute`,
+    "full" preferring to recompute them all) and the partitioner honours the tags, saving a `MUST_SAVE` output
+    only where the backward reads it. Eager, the checkpoint keeps every `MUST_SAVE` output, read or not."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..transforms.remat import _cache_dropper, policy_contexts
+
+    contexts = policy_contexts(policy, always=True)
+    assert contexts is not None
+    drop_cache = _cache_dropper(forward)
+
+    def with_graph_id() -> Any:  # the partitioner tells consecutive checkpoints apart by it
+        forward_ctx, recompute_ctx = contexts()
+        forward_ctx.ac_graph_id = 1
+        return forward_ctx, recompute_ctx
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if drop_cache is not None:
+            args, kwargs = drop_cache(args, kwargs)
+        return checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,  # as Dynamo's: the traced graph's RNG ops are functionalized instead
+            context_fn=with_graph_id,
+            early_stop=False,
+            **kwargs,
+        )
+
+    return run
 
 
 def _trace(
@@ -138,10 +199,9 @@ def partition_block(block: nn.Module) -> bool:
 
     False (the block stays eager) where its parameters are tensor subclasses (DTensor under tensor parallel) or
     it holds torchao's or Transformer Engine's modules: AOTAutograd would trace through them, which the dry run
-    does not model. A checkpoint `af.remat` put on the block stays outermost.
+    does not model. A checkpoint `af.remat` put on the block is traced with it (`_checkpointed`); calls that
+    cannot be traced (no gradients, tensor subclasses as inputs) run the eager checkpoint.
     """
-    from ..transforms.remat import checkpoint_in_place
-
     if getattr(block, "_accelfn_partitioned", False):
         return True
     state0 = dict(block.named_parameters()) | dict(block.named_buffers())
@@ -151,10 +211,10 @@ def partition_block(block: nn.Module) -> bool:
             object.__setattr__(block, "_accelfn_region", True)
         return False
     remat = getattr(block, "_accelfn_remat", None)
-    if remat is not None:  # put the checkpoint back around the partitioned forward
-        object.__delattr__(block, "forward")
-        object.__delattr__(block, "_accelfn_remat")
-    forward = block.forward
+    eager = block.forward  # af.remat's eager checkpoint, if any: for calls that cannot be traced
+    # the checkpoint goes inside the traced region, as torch.compile of a checkpointed block puts it
+    inner: list[Callable[..., Any]] | None = getattr(block, "_accelfn_remat_inner", None)
+    forward = eager if remat is None or inner is None else _checkpointed(inner[0], remat)
 
     def partitioned(*args: Any, **kwargs: Any) -> Any:
         state = dict(block.named_parameters()) | dict(block.named_buffers())
@@ -163,7 +223,7 @@ def partition_block(block: nn.Module) -> bool:
         flat = [*state.values(), *tensors]
         if not torch.is_grad_enabled() or not all(_traceable(t) for t in flat):
             with compiled_region():
-                return forward(*args, **kwargs)
+                return eager(*args, **kwargs)
         consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         key = _key(block, list(state), flat, spec, consts)
         graph = _GRAPHS.get(key)
@@ -177,8 +237,6 @@ def partition_block(block: nn.Module) -> bool:
 
     object.__setattr__(block, "forward", partitioned)
     object.__setattr__(block, "_accelfn_partitioned", True)
-    if remat is not None:
-        checkpoint_in_place(block, remat)
     return True
 
 

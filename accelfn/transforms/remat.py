@@ -68,6 +68,7 @@ __all__ = [
     "MATMUL_SAVE",
     "save_matmuls",
     "selective_policy",
+    "policy_contexts",
 ]
 
 POLICIES = ("full", "selective")
@@ -267,20 +268,35 @@ def _recompute_under(modes: list[Any], inner: Callable[[], Any] | None) -> tuple
     return fwd, recompute()
 
 
+def policy_contexts(policy: str | Callable[..., Any], *, always: bool = False) -> Callable[[], Any] | None:
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for a `remat` policy: None for "full" (recompute
+    everything), or with `always=True` a context that marks every op to recompute (what Dynamo gives a plain
+    checkpoint in a compiled region); "selective" makes a fresh policy (its own `mm` counter) per call.
+
+    Example:
+        >>> forward_ctx, recompute_ctx = policy_contexts("selective")()
+        >>> policy_contexts("full") is None
+        True
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    if policy == "selective":  # a counter per call of the block: a fresh policy each time
+        return lambda: create_selective_checkpoint_contexts(selective_policy())
+    decide = _policy_fn(policy)
+    if decide is None and always:
+        decide = lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE  # noqa: E731
+    return functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
+
+
 def checkpoint_in_place(block: nn.Module, policy: str | Callable[..., Any]) -> None:
     """Make `block`'s forward checkpointed (only while gradients are recorded), keeping the module as it is."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
     if getattr(block, "_accelfn_remat", None) is not None:
         return  # lowered again (a second init): already checkpointed
     original = block.forward
     drop_cache = _cache_dropper(original)
-    context_fn: Callable[[], Any] | None
-    if policy == "selective":  # a counter per call of the block: a fresh policy each time
-        context_fn = lambda: create_selective_checkpoint_contexts(selective_policy())  # noqa: E731
-    else:
-        decide = _policy_fn(policy)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, decide) if decide else None
+    context_fn = policy_contexts(policy)
 
     inner = [original]  # what the checkpoint runs: the block's own forward, or it compiled (compile_inside)
 

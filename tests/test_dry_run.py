@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import accelfn as af
 from accelfn import mesh as _mesh
@@ -83,6 +84,39 @@ def test_tracker_labels_what_the_loss_allocates(impl: str) -> None:
     # gradient, the logits'; chunked: the forward's chunk, the backward's, the logits' gradient
     assert logits_sized == ["", "loss", "loss", "loss"], made
     assert (after.numel() * 4, "") in made and logits.grad is not None
+
+
+@pytest.mark.parametrize("shift", ["logits", "labels"])
+def test_the_logits_are_the_heads_and_their_slices_gradient_outside_modules(shift: str) -> None:
+    """Allocations go to the innermost module running: the logits to the head that computes them; a loss that
+    slices them outside the model (`logits[:, :-1]`) has autograd allocate the whole logits' gradient for the
+    slice's backward, before the head's backward runs: outside modules (docs/dry_run.md's worked example). A
+    loss that shifts the labels instead allocates no such gradient."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class Named(ModTracker):  # as the dry run's session names the module running
+        def current(self) -> str:
+            parents = [p for p in self.parents if p != "Global"]
+            return max(parents, key=lambda p: p.count(".")) if parents else ""
+
+    vocab, rows, width = 1000, 7, 16
+    model = nn.Sequential()
+    model.add_module("embed", nn.Embedding(vocab, width))
+    model.add_module("head", nn.Linear(width, vocab))
+    ids = torch.randint(0, vocab, (2, rows))
+    names = Named()
+    with names, StepTracker(module_name=names.current) as t:
+        t.phase = "forward_backward"
+        logits = model(ids)
+        if shift == "logits":  # as examples/train_llama.py
+            loss = af.losses.cross_entropy(logits[:, :-1], ids[:, 1:], impl="plain")
+        else:  # as transformers' ForCausalLMLoss
+            loss = af.losses.cross_entropy(logits, F.pad(ids[:, 1:], (0, 1), value=-100), impl="plain")
+        loss.total.backward()
+    whole = 2 * rows * vocab * 4  # the logits' bytes (fp32)
+    made = [rec.module for _, delta, rec in t.events if delta > 0 and rec.nbytes == whole]
+    assert made.count("Sequential.head") == 1, made  # the logits, in the head's forward
+    assert made.count("") == (1 if shift == "logits" else 0), made  # the slice's gradient of the whole logits
 
 
 # ---- against the published formulas, at 64 fake ranks ----------------------------------------------------------
@@ -340,6 +374,11 @@ def test_dry_run_matches_the_real_run(
         assert real.gloo and groups_of(real.report, mesh, rank) == real.gloo, (rank, real.report["comm"])
         assert groups_of(dry, mesh, rank) == real.gloo, (rank, dry["comm"])
         assert counts(dry) == counts(real.report), rank
+        if "tp" not in mesh and "pp" not in mesh and args[1] in ("fsdp", "hsdp"):
+            # FSDP2 gathers each unit (2 blocks and the root) for its forward and again for its backward: the
+            # lowering passes reshard_after_forward=True to the root too (FSDP2 keeps it gathered only if unset)
+            gathers = sum(row["count"] for row in real.report["comm"]["all_gather"].values())
+            assert gathers == 2 * (2 + 1), (rank, real.report["comm"])
         got = over_count(dry, real.report)
         # the real tp run frees one async collective's 4 KiB buffer before or after the peak, as gloo's thread
         # finishes (measured: 359,424 or 363,520 bytes of comm buffers on rank 2): that much, and only there

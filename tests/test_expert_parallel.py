@@ -303,6 +303,37 @@ def test_ep_plan_without_an_ep_axis_is_refused():
         _step(mesh, ep_plan={"experts": "ep_dispatch_experts"})
 
 
+def test_ep_dispatcher_is_swapped_named_and_checked(ep2):
+    """af.shard(ep_dispatcher=factory): the factory is called per experts module with the ep group, the experts, the
+    ep size, the capacity factor and the data group; print(step) names it; a factory whose result is no Dispatcher,
+    a value that is not callable, or a dispatcher without an ep axis are refused, naming the culprit."""
+    made = []
+
+    class Mine(AllToAllDispatcher):
+        def __init__(self, **kw):  # noqa: ANN003
+            made.append(sorted(kw))
+            super().__init__(**kw)
+
+    step = _step(ep2, ep_dispatcher=Mine)
+    step.init(qwen(layers=2))
+    assert made == [["capacity_factor", "data_group", "group", "num_experts", "size"]] * 2, made
+    assert (
+        "expert_parallel(ep=2, dispatcher=test_ep_dispatcher_is_swapped_named_and_checked.<locals>.Mine)"
+        in repr(step)
+    ), repr(step)
+    assert "Mine dispatch" in repr(step) and "all-to-all dispatch" not in repr(step), repr(step)
+    with pytest.raises(TypeError, match=r"ep_dispatcher=.*<lambda>\) returned dict for 'model.layers.0.mlp.experts'"
+                       ".*no dispatch and no combine method"):  # fmt: skip
+        _step(ep2, ep_dispatcher=lambda **kw: {}).init(qwen())
+    with pytest.raises(TypeError, match="ep_dispatcher"):
+        _step(ep2, ep_dispatcher="deepep")
+    with (
+        af.Mesh({"dp": -1}, device="cpu") as mesh,
+        pytest.raises(ValueError, match="ep_dispatcher given, but the mesh has no ep axis"),
+    ):
+        _step(mesh, ep_dispatcher=AllToAllDispatcher)
+
+
 def _assert_loads_in_one_process(folder, model) -> None:
     """The checkpoint a worker saved at `folder` (`save=`) loads without ep in one process into `model`'s state:
     exactly the params the worker gathered into `<folder>-full.safetensors`."""
@@ -321,9 +352,12 @@ def test_ep2_equals_one_process(tmp_path):
     """Loss, grad norm and params (experts, router, attention, embeddings) after 2 SGD steps; clipping; every token
     to one rank's experts (the other receives none: no hang, zero gradients); a user's MoE module and plan;
     under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
-    saved and loaded at ep2, and without ep in one process (exact); two runs bitwise identical; under af.autocast bf16 (vs one process under it); the load-balancing loss of the global batch (vs transformers' aux_loss)."""
+    saved and loaded at ep2, and without ep in one process (exact); two runs bitwise identical; under af.autocast bf16 (vs one process under it); the load-balancing loss of the global batch (vs transformers' aux_loss);
+    a user's dispatcher (`ep_dispatcher`: all-gather and select instead of all-to-all); AdamW with a rank that
+    receives no token (its experts' state and weight decay as one process's); selective af.remat."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1:repeat",
-               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip", "qwen:bf16"]  # fmt: skip
+               "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip", "qwen:bf16", "qwen:gather:clip",
+               "user:gather:to=1", "qwen:adamw:to=1", "qwen:selective"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
     # the ep2 checkpoint loads without ep, in one process: the same params (resharded from the experts' pieces)
     _assert_loads_in_one_process(tmp_path / "ckpt", qwen(layers=2, vocab=64))

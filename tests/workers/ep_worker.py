@@ -13,9 +13,12 @@ with a tp axis: the model's tp plan on attention, embeddings and head, 2 kv head
 pp (af.pipeline over the mesh's pp axis, 2 micro-batches of 1F1B: each stage's experts split over its ep group),
 bias (aux-loss-free balancing: the expert bias updated after each step from the global counts, vs one process),
 experts=<n> (n experts instead of 4; under fsdp with fewer local experts than efsdp ranks: checked sharded on dim 1
-over efsdp, with no padding).
-Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD
-steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group.
+over efsdp, with no padding), gather (`af.shard(ep_dispatcher=GatherDispatcher)`: a user's dispatcher that moves
+the rows by all-gather and select, not all-to-all; named in print(step)), adamw (AdamW with weight decay, in both
+runs, instead of SGD), selective (`af.remat(step, "selective")`).
+Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD (or AdamW)
+steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group
+(accelfn's all-to-all and the user's all-gather dispatcher, which receive the same rows).
 """
 
 import math
@@ -80,6 +83,66 @@ class UserMoE(nn.Module):
         probs = self.router(flat).softmax(-1)
         w, idx = probs.topk(TOPK, dim=-1)
         return self.head(h + self.experts(flat, idx, w).view_as(h))
+
+
+GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's `x` (one shape on all) stacked in rank order, on every rank; the backward sums the gradient of
+    the stacked tensor over the ranks (each rank's loss read its copy) and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        GATHER(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        n, r = grad.shape[0] // dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad[r * n : (r + 1) * n], None
+
+
+class GatherDispatcher:
+    """A user's dispatcher (an `ep_dispatcher` factory: accelfn calls it with these keywords), another algorithm than
+    accelfn's all-to-all: every rank all-gathers every rank's rows and expert ids and keeps the rows of its own
+    experts (grouped by local expert, then source rank, then position); `combine` all-gathers every rank's outputs
+    and each rank picks its own rows' from them."""
+
+    def __init__(self, group, num_experts, size, capacity_factor=None, data_group=None):
+        assert capacity_factor is None, "GatherDispatcher is dropless"
+        self.group, self.size, self.local = group, size, num_experts // size
+
+    def dispatch(self, x, experts):
+        ids, rank = experts.reshape(-1), dist.get_rank(self.group)
+        sizes = torch.empty(self.size, dtype=torch.int64)
+        GATHER(sizes, torch.tensor([x.shape[0]]), group=self.group)
+        most = int(sizes.max())
+        every = _Gathered.apply(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), self.group)
+        every_ids = torch.empty(self.size * most, dtype=ids.dtype)
+        GATHER(every_ids, torch.cat([ids, ids.new_full((most - len(ids),), -1)]), group=self.group)
+        owner = torch.where(every_ids >= 0, every_ids // self.local, -1)
+        picks = []  # per rank: the gathered rows its experts take, by local expert (stable: source rank, position)
+        for r in range(self.size):
+            idx = torch.nonzero(owner == r).reshape(-1)
+            picks.append(idx[torch.argsort(every_ids[idx], stable=True)])
+        mine = picks[rank]
+        counts = torch.bincount(every_ids[mine] - rank * self.local, minlength=self.local)
+        return every[mine], counts, (picks, x.shape[0], most)
+
+    def combine(self, y, handle):
+        picks, n, most = handle
+        widest = max(len(p) for p in picks)
+        outs = _Gathered.apply(torch.cat([y, y.new_zeros((widest - y.shape[0], *y.shape[1:]))]), self.group)
+        where = torch.full((self.size * most,), -1, dtype=torch.int64)  # gathered row -> its place in `outs`
+        for r, idx in enumerate(picks):
+            where[idx] = r * widest + torch.arange(len(idx))
+        rank = dist.get_rank(self.group)
+        return outs[where[rank * most : rank * most + n]]
 
 
 USER_PLAN = {
@@ -199,12 +262,18 @@ def check_identity(mesh):
     g = torch.Generator().manual_seed(10 + mesh.rank)
     ep = mesh.axis_size("ep")
     d = AllToAllDispatcher(mesh.group("ep"), EXPERTS, ep)
+    other = GatherDispatcher(mesh.group("ep"), EXPERTS, ep)
     for n in (0, 1, 7):
         x = torch.randn(n, 5, generator=g)
         experts = torch.randint(0, EXPERTS, (n,), generator=g)
         rows, counts, handle = d.dispatch(x, experts)
         assert counts.sum().item() == rows.shape[0], (counts, rows.shape)
         assert torch.equal(d.combine(rows, handle), x)
+        # the user's all-gather dispatcher receives the same rows in the same order (by local expert, source rank,
+        # position), and its combine is the identity too
+        rows2, counts2, handle2 = other.dispatch(x, experts)
+        assert torch.equal(rows2, rows) and torch.equal(counts2, counts), (rows2, rows)
+        assert torch.equal(other.combine(rows2, handle2), x)
 
 
 def check(mesh, kind, options):
@@ -217,9 +286,12 @@ def check(mesh, kind, options):
     data = aligned(batches()) if cp else batches()
     loss = aligned_loss if cp else lm_loss
     aux = "aux" in options
-    ref_step = af.train_step(
-        aux_loss(reference=True) if aux else loss, af.optim.sgd(0.5), clip_grad_norm=clip
-    )
+    adamw = "adamw" in options
+
+    def optimizer():
+        return af.optim.adamw(1e-2, weight_decay=0.1) if adamw else af.optim.sgd(0.5)
+
+    ref_step = af.train_step(aux_loss(reference=True) if aux else loss, optimizer(), clip_grad_norm=clip)
     bf16 = "bf16" in options
     if bf16:
         ref_step = af.autocast(ref_step, "bf16")
@@ -240,21 +312,27 @@ def check(mesh, kind, options):
     tokens = (
         mesh  # group=mesh: the ranks that see different tokens (the data axes and cp; accelfn.moe.row_group)
     )
-    step = af.train_step(aux_loss(tokens) if aux else loss, af.optim.sgd(0.5), clip_grad_norm=clip)
+    step = af.train_step(aux_loss(tokens) if aux else loss, optimizer(), clip_grad_norm=clip)
     if "accumulate" in options:
         step = af.accumulate(step, 2)
     if "remat" in options:
         step = af.remat(step, "full")
+    if "selective" in options:
+        step = af.remat(step, "selective")
     if bf16:
         step = af.autocast(step, "bf16")
     pp = "pp" in options
     if pp:
         step = af.pipeline(step, mesh, microbatches=2)
-    step = af.shard(
-        step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None
-    )
+    gather = GatherDispatcher if "gather" in options else None
+    step = af.shard(step, mesh, strategy=strategy, inputs="global", ep_plan=USER_PLAN if kind == "user" else None,
+                    ep_dispatcher=gather)  # fmt: skip
     state = step.init(make_model(kind, to, bias, kv_heads=tp), seed=3)
     text = repr(step)
+    if gather:
+        assert "dispatcher=GatherDispatcher" in text and "GatherDispatcher dispatch" in text, text
+    else:
+        assert "all-to-all dispatch" in text, text
     split = expert_axes(mesh)  # ep, and the tp and cp axes it borrows
     per_rank = EXPERTS // math.prod(mesh.axis_size(a) for a in split)
     if (
@@ -346,7 +424,8 @@ def check(mesh, kind, options):
             assert torch.equal(full(loaded.params[k]), full(v)), k
         state2, m2 = step(loaded, data[0])
         assert torch.isfinite(m2["loss"]), m2
-    if to is not None:  # the other rank's experts got no token: zero gradients, unchanged (one process too)
+    if to is not None and not adamw:  # the other rank's experts got no token: zero gradients, unchanged (one
+        # process too); AdamW's weight decay moves them (checked equal to one process above)
         first = make_model(kind, to, bias, kv_heads=tp).state_dict()
         idle = [e for e in range(EXPERTS) if e // 2 != to]  # the router chose experts 2*to and 2*to+1 only
         for n in experts:

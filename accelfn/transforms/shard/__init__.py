@@ -214,6 +214,7 @@ def shard(
     loss_parallel: bool | None = None,
     sequence_parallel: bool | None = None,
     ep_plan: Mapping[str, str] | None = None,
+    ep_dispatcher: Callable[..., Any] | None = None,
 ) -> Step:
     """Run `step` data-parallel over `mesh`'s data axes (`dp`, `fsdp`), context-parallel over its `cp` axis and
     tensor-parallel over its `tp` axis; see the module docs.
@@ -244,7 +245,9 @@ def shard(
     `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, the dense layers
     see `ep` as a data axis beside them (each of its ranks a tp group, cp group or stage rank as without ep), and
     the experts are split over `ep` and the `tp` and `cp` axes it borrows; the tp plan's entries for the experts
-    give way to the ep plan.
+    give way to the ep plan. `ep_dispatcher` swaps how the rows move (default: `accelfn.moe.AllToAllDispatcher`):
+    a factory called per experts module as `ep_dispatcher(group=, num_experts=, size=, capacity_factor=,
+    data_group=)` that returns an `accelfn.moe.Dispatcher`; `print(step)` names it.
 
     Context parallel (a `cp` axis of size > 1): the cp ranks read the same rows and each computes on a part of
     every sequence (dim 1 of each batch tensor), attention all-gathering keys and values; labels must be aligned
@@ -305,6 +308,10 @@ def shard(
     if ep_plan is not None and ep == 1:
         raise ValueError(
             f"shard: ep_plan given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"
+        )
+    if ep_dispatcher is not None and ep == 1:
+        raise ValueError(
+            f"shard: ep_dispatcher given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"
         )
     if ep > 1 and sequence_parallel:
         raise ValueError(
@@ -368,9 +375,8 @@ def shard(
     if ep > 1:
         from .expert_parallel import ExpertParallel
 
-        step = step.with_transform(
-            ExpertParallel(mesh, tuple(ep_plan.items()) if ep_plan is not None else None)
-        )
+        plan_items = tuple(ep_plan.items()) if ep_plan is not None else None
+        step = step.with_transform(ExpertParallel(mesh, plan_items, dispatcher=ep_dispatcher))
     return step
 
 

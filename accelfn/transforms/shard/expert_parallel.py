@@ -10,6 +10,11 @@ base model's prefix), or as the user passes it, `af.shard(step, mesh, ep_plan={.
   ep_dispatch_experts   an experts module (`experts(hidden, top_k_index, top_k_weights)`): its forward
                         dispatches rows to the experts' ranks and back (`accelfn.moe`)
 
+Dispatch: `AllToAllDispatcher` (`accelfn.moe.dispatch`) by default; `af.shard(..., ep_dispatcher=factory)` swaps it
+(a DeepEP-style one on GPUs, say): `factory(group=, num_experts=, size=, capacity_factor=, data_group=)` is called
+once per experts module at lowering and returns an `accelfn.moe.Dispatcher` (`AllToAllDispatcher` is such a
+factory); the step counts its tokens for the metrics (`CountedDispatcher`) and `print(step)` names it.
+
 Gradients: a dense param is summed over every data axis, ep included; an expert only over the data axes it is
 not split over (`contract.summed_axes`); the global norm counts each expert once (`ExpertParallelSync`).
 
@@ -54,7 +59,15 @@ from .tensor_parallel import TensorParallelSync
 if TYPE_CHECKING:
     from ...engine import Plan
 
-__all__ = ["ExpertParallel", "ExpertParallelSync", "model_ep_plan", "expert_params", "STYLES"]
+__all__ = [
+    "ExpertParallel",
+    "ExpertParallelSync",
+    "CountedDispatcher",
+    "make_dispatcher",
+    "model_ep_plan",
+    "expert_params",
+    "STYLES",
+]
 
 STYLES = ("grouped_gemm", "ep_dispatch_experts")
 
@@ -136,6 +149,60 @@ def expert_params(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+class CountedDispatcher:
+    """A user's `Dispatcher` with the statistics the step's MoE metrics read (`take_tokens`, `take_dropped`,
+    `capacity_factor`), counted here from the expert ids it is given (a training forward only, as
+    `AllToAllDispatcher` counts); `dispatch` and `combine` are the user's."""
+
+    def __init__(self, inner: Any, num_experts: int) -> None:
+        self.inner, self.num_experts = inner, num_experts
+        self.capacity_factor = getattr(inner, "capacity_factor", None)
+        self.tokens: torch.Tensor | None = None
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        from ...moe.dispatch import _counting
+
+        if _counting() and dry_mode.active() is None:  # fake tensors hold no expert ids
+            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).cpu()
+            self.tokens = counts if self.tokens is None else self.tokens + counts
+        return self.inner.dispatch(x, experts)  # type: ignore[no-any-return]
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        return self.inner.combine(y, handle)  # type: ignore[no-any-return]
+
+    def take_tokens(self) -> torch.Tensor:
+        tokens = self.tokens if self.tokens is not None else torch.zeros(self.num_experts, dtype=torch.int64)
+        self.tokens = None
+        return tokens
+
+    def take_dropped(self) -> torch.Tensor:
+        take = getattr(self.inner, "take_dropped", None)
+        return take() if take is not None else torch.zeros((), dtype=torch.int64)  # type: ignore[no-any-return]
+
+
+def dispatcher_name(factory: Any) -> str:
+    """How `print(step)` names a dispatcher factory: its (qualified) name."""
+    return str(getattr(factory, "__qualname__", None) or type(factory).__name__)
+
+
+def make_dispatcher(factory: Any, owner: str, **kw: Any) -> Any:
+    """The dispatcher `factory(group=, num_experts=, size=, capacity_factor=, data_group=)` makes for the experts
+    module `owner`, checked (a `dispatch` and a `combine` method; TypeError naming the factory otherwise), with
+    the step's statistics (`CountedDispatcher`) unless it keeps its own (`take_tokens`)."""
+    made = factory(**kw)
+    missing = [m for m in ("dispatch", "combine") if not callable(getattr(made, m, None))]
+    if missing:
+        raise TypeError(
+            f"shard(ep_dispatcher={dispatcher_name(factory)}) returned {type(made).__name__} for {owner!r}, which has no "
+            f"{' and no '.join(missing)} method: an ep_dispatcher is called as factory(group=, num_experts=, size=, "
+            "capacity_factor=, data_group=) and returns an accelfn.moe.Dispatcher (dispatch(x, experts) -> (rows, "
+            "counts, handle); combine(y, handle) -> rows)"
+        )
+    if callable(getattr(made, "take_tokens", None)) and hasattr(made, "capacity_factor"):
+        return made
+    return CountedDispatcher(made, kw["num_experts"])
+
+
 @attrs.frozen(eq=False)
 class ExpertParallel(TransformBase):
     mesh: Mesh
@@ -143,13 +210,16 @@ class ExpertParallel(TransformBase):
     kind: str = "expert_parallel"
     # the lowered experts modules' dispatchers (filled by `lower`; the sync reads their token counts)
     dispatchers: list[Any] = attrs.field(factory=list, eq=False)
+    # makes each experts module's Dispatcher (None: AllToAllDispatcher); `af.shard(ep_dispatcher=...)`
+    dispatcher: Any = None
 
     @property
     def size(self) -> int:
         return self.mesh.axis_size("ep")
 
     def describe(self) -> str:
-        return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''})"
+        given = f", dispatcher={dispatcher_name(self.dispatcher)}" if self.dispatcher is not None else ""
+        return f"expert_parallel(ep={self.size}{', user plan' if self.plan is not None else ''}{given})"
 
     def without_experts(
         self, module: nn.Module, tp_plan: Mapping[str, Any], notes: list[str]
@@ -231,9 +301,9 @@ class ExpertParallel(TransformBase):
                 )
             factors |= {factor} if factor is not None else set()
             data = self.mesh.data_group()
-            self.dispatchers.append(
-                AllToAllDispatcher(group, experts, split, capacity_factor=factor, data_group=data)
-            )
+            made = make_dispatcher(self.dispatcher or AllToAllDispatcher, owner, group=group, num_experts=experts,
+                                   size=split, capacity_factor=factor, data_group=data)  # fmt: skip
+            self.dispatchers.append(made)
             if "tp" in axes:  # the tp ranks hold the same tokens: each dispatches its share of them
                 m.forward = functools.partial(
                     tp_shared_forward, m, self.dispatchers[-1], self.mesh.group("tp"), grouped=grouped
@@ -244,7 +314,11 @@ class ExpertParallel(TransformBase):
         plan.notes.append(
             f"{len(owners)} experts module(s), {per} experts per rank"
             + (f" (split over {over})" if len(axes) > 1 else "")
-            + ", all-to-all dispatch, "
+            + (
+                f", {dispatcher_name(self.dispatcher)} dispatch, "
+                if self.dispatcher
+                else ", all-to-all dispatch, "
+            )
             + (f"grouped GEMMs in {', '.join(str(d)[6:] for d in grouped)}, else " if grouped else "")
             + "per-expert loop"
             + "".join(f", capacity factor {f} (tokens over it dropped)" for f in sorted(factors))

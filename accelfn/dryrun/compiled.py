@@ -52,12 +52,17 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (type(t), tuple(t.shape), t.dtype, t.requires_grad)
 
 
-def _key(
-    block: nn.Module, names: list[str], tensors: list[torch.Tensor], spec: Any, consts: list[Any]
-) -> _Key:
+def _kind(block: nn.Module) -> _Key:
+    """What the traced graph of a block depends on besides its inputs: its modules' classes (a layer whose linears
+    torchao made float8 has the same parameters as a plain one) and settings, and its `af.remat` policy (every=n:
+    checkpointed blocks beside plain ones)."""
+    modules = tuple((type(m), repr(getattr(m, "config", None))) for m in block.modules())
+    return modules, repr(getattr(block, "_accelfn_remat", None))
+
+
+def _key(kind: _Key, names: list[str], tensors: list[torch.Tensor], spec: Any, consts: list[Any]) -> _Key:
     return (
-        type(block),
-        repr(getattr(block, "_accelfn_remat", None)),  # every=n: checkpointed blocks beside plain ones
+        kind,
         tuple(names),
         tuple(_meta(t) for t in tensors),
         str(spec),
@@ -161,11 +166,16 @@ _TENSOR = _Tensor()
 
 
 def _traceable(t: Any) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter) or type(t).__name__ == "FakeTensor"
+    """Plain (or fake) tensors, and torchao's float8 tensors (its weights under FSDP's fp8 all-gather), which
+    AOTAutograd traces through as torch.compile does: their `_scaled_mm`s and casts land in the graph."""
+    if type(t) in (torch.Tensor, nn.Parameter) or type(t).__name__ == "FakeTensor":
+        return True
+    return type(t).__module__.startswith("torchao.float8")
 
 
-def _holds_subclass_modules(block: nn.Module) -> bool:
-    return any(type(m).__module__.startswith(("torchao", "transformer_engine")) for m in block.modules())
+def _holds_untraced_modules(block: nn.Module) -> bool:
+    """Transformer Engine's modules: graph breaks under torch.compile (their blocks stay eager there)."""
+    return any(type(m).__module__.startswith("transformer_engine") for m in block.modules())
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -197,15 +207,15 @@ def _unwatched() -> Iterator[None]:
 def partition_block(block: nn.Module) -> bool:
     """Run `block`'s forward (and its backward) as the partitioned graphs of a compiled region; True if done.
 
-    False (the block stays eager) where its parameters are tensor subclasses (DTensor under tensor parallel) or
-    it holds torchao's or Transformer Engine's modules: AOTAutograd would trace through them, which the dry run
-    does not model. A checkpoint `af.remat` put on the block is traced with it (`_checkpointed`); calls that
+    False (the block stays eager) where its parameters are tensor subclasses other than torchao's float8 ones
+    (DTensor under tensor parallel) or it holds Transformer Engine's modules. torchao's float8 linears are traced
+    through, as torch.compile traces them (checked against Inductor on CPU with `emulate=True`). A checkpoint `af.remat` put on the block is traced with it (`_checkpointed`); calls that
     cannot be traced (no gradients, tensor subclasses as inputs) run the eager checkpoint.
     """
     if getattr(block, "_accelfn_partitioned", False):
         return True
     state0 = dict(block.named_parameters()) | dict(block.named_buffers())
-    if not all(_traceable(t) for t in state0.values()) or _holds_subclass_modules(block):
+    if not all(_traceable(t) for t in state0.values()) or _holds_untraced_modules(block):
         if not getattr(block, "_accelfn_region", False):  # still compiled: its ops fuse in the time model
             object.__setattr__(block, "forward", _in_region(block.forward))
             object.__setattr__(block, "_accelfn_region", True)
@@ -216,6 +226,8 @@ def partition_block(block: nn.Module) -> bool:
     inner: list[Callable[..., Any]] | None = getattr(block, "_accelfn_remat_inner", None)
     forward = eager if remat is None or inner is None else _checkpointed(inner[0], remat)
 
+    kind = _kind(block)
+
     def partitioned(*args: Any, **kwargs: Any) -> Any:
         state = dict(block.named_parameters()) | dict(block.named_buffers())
         leaves, spec = tree_flatten((args, kwargs))
@@ -225,7 +237,7 @@ def partition_block(block: nn.Module) -> bool:
             with compiled_region():
                 return eager(*args, **kwargs)
         consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        key = _key(block, list(state), flat, spec, consts)
+        key = _key(kind, list(state), flat, spec, consts)
         graph = _GRAPHS.get(key)
         if graph is None:
             graph = _trace(block, forward, list(state), spec, consts)

@@ -411,10 +411,15 @@ def compiled_region() -> Iterator[None]:
 
 
 def _in_region_backward() -> bool:
-    """Whether the autograd node running now was made inside a compiled region's forward."""
+    """Whether the autograd node running now was made inside a compiled region's forward, or is autograd's
+    accumulation of a gradient into its parameter: the dry run's partitioned backward graphs hand their gradients
+    on with references still held, so `AccumulateGrad` copies them (bf16, same strides) where a compiled backward's
+    fresh outputs are taken as they are (it does not copy them in the eager trace either): counted as the region's."""
     node = torch._C._current_autograd_node()
     if node is None:
         return False
+    if node.name() == "torch::autograd::AccumulateGrad":
+        return True
     seq = node._sequence_nr()
     i = bisect.bisect_right(_REGION_NODES, (seq, math.inf)) - 1
     return i >= 0 and _REGION_NODES[i][0] <= seq < _REGION_NODES[i][1]

@@ -16,7 +16,7 @@ import torch
 
 import accelfn as af
 from accelfn import mesh as _mesh
-from accelfn.dryrun.tracker import bus_bytes
+from accelfn.dryrun.tracker import StepTracker, bus_bytes
 from tests._launch import ROOT, output_of, run_workers
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -78,6 +78,27 @@ def _comm(report: Any) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def _dry_calls(
+    monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any
+) -> tuple[Any, list[tuple[str, int]]]:
+    """`_dry(*args, **kwargs)`'s report and its reported call's collectives in order, `(kind, bytes)` each."""
+    calls: list[list[tuple[str, int]]] = []
+    by_group = StepTracker.collectives_by_group
+
+    def recording(self: StepTracker) -> Any:  # once per measured call, at its end
+        calls.append([(c.kind, c.nbytes) for c in self.collectives])
+        return by_group(self)
+
+    monkeypatch.setattr(StepTracker, "collectives_by_group", recording)
+    return _dry(*args, **kwargs), calls[-1]
+
+
+def _buckets(calls: list[tuple[str, int]]) -> dict[str, list[int]]:
+    """The bytes of each gradient bucket's reduction, in order: `reduce` (ZeRO-1/2, to each partition's owner) and
+    `reduce_scatter` (ZeRO-3) calls."""
+    return {kind: [n for k, n in calls if k == kind] for kind in ("reduce", "reduce_scatter")}
+
+
 def _real_comm(calls: list[list[Any]]) -> dict[str, tuple[int, int, int]]:
     """The same of the worker's collectives, `[kind, group size, bytes]` each."""
     out: dict[str, tuple[int, int, int]] = {}
@@ -89,9 +110,15 @@ def _real_comm(calls: list[list[Any]]) -> dict[str, tuple[int, int, int]]:
 
 # ---- against the real engine, on 2 processes -------------------------------------------------------------------
 OPTIONS: dict[str, dict[str, Any]] = {
-    # the tiny Llama under DeepSpeed's defaults: one gradient bucket, the whole model prefetched and kept, ...;
-    # its blocks compiled (af.compile(regions="blocks"): ZeRO-3's hooks break each block's graph at every module)
-    "llama, compiled blocks": {"compile": "blocks"},
+    # the tiny Llama's blocks compiled (af.compile(regions="blocks"): ZeRO-3's hooks break each block's graph at
+    # every module), small buckets reduced to each owner: ZeRO-2's buckets follow the order in which the compiled
+    # backward's gradients come ready (7 reduces a step run eagerly, 9 compiled)
+    "llama, compiled blocks, small buckets": {
+        "compile": "blocks",
+        "ds_config": {
+            "zero_optimization": {"reduce_bucket_size": 100_000, "use_multi_rank_bucket_allreduce": False}
+        },
+    },
     # several buckets, params larger than one, reduce to each owner; ZeRO-3's prefetch, reuse distance and
     # persistence cut short; two micro-batches (an af.Loss: a counting forward each, without gradients)
     "llama, small buckets, 2 micro-batches": {
@@ -125,18 +152,23 @@ def real_engine(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[di
 
 @pytest.mark.slow
 def test_zero_1_2_3_bytes_and_collectives_equal_the_real_engines_on_two_processes(
-    real_engine: tuple[dict[str, Any], list[dict[str, Any]]],
+    real_engine: tuple[dict[str, Any], list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # per rank: params, gradients and optimizer state to the byte, and each of the first 3 steps' collectives
-    # (kind, count, bytes, bus bytes): ZeRO-3's first step records the trace, the second checks it across the
-    # ranks, the third on prefetches along it
+    # (kind, count, bytes, bus bytes) and the gradient buckets' reductions one by one (ZeRO-2's buckets take the
+    # gradients in the order they come ready): ZeRO-3's first step records the trace, the second checks it
+    # across the ranks, the third prefetches along it
     options, records = real_engine
     for real in records:
         stage, rank = real["stage"], real["rank"]
         for k, calls in enumerate(real["comm"]):
-            report = _dry(stage, options, steps=k + 1, rank=rank)
+            report, dry_calls = _dry_calls(monkeypatch, stage, options, steps=k + 1, rank=rank)
             where = f"ZeRO-{stage}, rank {rank}, step {k}"
             assert _comm(report) == _real_comm(calls), where
+            # (ZeRO-2 with compiled blocks: the same collectives, other buckets, until the dry run's compiled
+            # blocks take their inputs in Dynamo's order: the strict xfail below)
+            if not (stage == 2 and options.get("compile")):
+                assert _buckets(dry_calls) == _buckets([(kind, n) for kind, _, n in calls]), where
             # params: those a step starts with (the dry run reports the step with the largest peak; ZeRO-3's
             # later steps start with the persistent params gathered)
             assert report.per_rank["params"] in real["params_per_step"][: k + 1], where
@@ -146,6 +178,44 @@ def test_zero_1_2_3_bytes_and_collectives_equal_the_real_engines_on_two_processe
             assert report.per_rank["grads"] == real.get("grads_full", real["grads"]), where
             assert report.per_rank["optimizer"] == real["optimizer"], where
             assert any(f"ZeRO-{stage} is modelled" in note for note in report.notes)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="accelfn/dryrun/compiled.py traces a block over (its params in declaration order, then the call's "
+    "tensors); Dynamo's graph takes the call's tensors, then the params in the order the forward uses them",
+)
+def test_a_compiled_blocks_gradients_come_ready_in_torch_compiles_order_in_the_dry_run() -> None:
+    # The autograd engine runs the gradient accumulations that a compiled block's backward makes ready at once
+    # in an order set by the order of the compiled function's inputs (its ready queue ties them): ZeRO-2's
+    # gradient hooks fire in that order and fill its buckets so (the tiny Llama with 100,000-element buckets:
+    # the same 9 reduces a step, holding different params). The reference: torch.compile (aot_eager: the same
+    # AOTAutograd function as Inductor's) of the same block
+    import copy
+
+    from train_llama import build
+
+    from accelfn.dryrun.compiled import partition_block
+
+    model = build("tiny", 128)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 8, 128)
+    position = model.model.rotary_emb(x, torch.arange(8)[None])
+
+    def ready_order(block: torch.nn.Module, run: Any) -> list[str]:
+        names = {id(p): n for n, p in block.named_parameters()}
+        ready: list[str] = []
+        for p in block.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: ready.append(names[id(p)]))
+        out = run(x.clone().requires_grad_(), position_embeddings=position)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        return ready
+
+    compiled = copy.deepcopy(layer)
+    reference = ready_order(compiled, torch.compile(compiled, backend="aot_eager"))
+    dry = copy.deepcopy(layer)
+    assert partition_block(dry)
+    assert ready_order(dry, dry) == reference
 
 
 # ---- the ZeRO paper at 64 ranks ---------------------------------------------------------------------------------

@@ -18,7 +18,12 @@ by the strategy:
   (`use_multi_rank_bucket_allreduce`, the default; without it one `dist.reduce` per partition owner); a
   gradient larger than the bucket is reduced on its own, split where the running size passes the bucket size.
   ZeRO-2 reduces in the gradient hooks, in the order gradients are ready, ZeRO-1 when the backward ends, in
-  the flat order (with `overlap_comm` in the hooks too). A rank keeps its partition's gradients in
+  the flat order (with `overlap_comm` in the hooks too). A compiled block's backward makes its gradients ready
+  at once, and the autograd engine accumulates them (and runs the hooks) in an order set by the order of the
+  compiled function's inputs: Dynamo's is the call's tensors, then the params as the forward first uses them;
+  the dry run's traced blocks (`accelfn/dryrun/compiled.py`) take the params first, in declaration order, so
+  with small buckets ZeRO-2's buckets hold the same bytes in other groupings (the tiny Llama: 9 reduces a step
+  on both sides, of other sizes). A rank keeps its partition's gradients in
   `grads_in_partition`, sized by the *whole* params that overlap its partition, plus zeros for the
   partition's padding. The step: an overflow check (a uint8 all-reduce, bf16 and fp16), the gradient norm (an
   fp32 all-reduce per group), the update of the fp32 master partition with the optimizer's moments of the

@@ -354,10 +354,11 @@ def test_ep2_equals_one_process(tmp_path):
     under af.accumulate and full af.remat (the all-to-alls run again in the recomputed forward); a checkpoint
     saved and loaded at ep2, and without ep in one process (exact); two runs bitwise identical; under af.autocast bf16 (vs one process under it); the load-balancing loss of the global batch (vs transformers' aux_loss);
     a user's dispatcher (`ep_dispatcher`: all-gather and select instead of all-to-all); AdamW with a rank that
-    receives no token (its experts' state and weight decay as one process's); selective af.remat."""
+    receives no token (its experts' state and weight decay as one process's); selective af.remat; the experts'
+    grouped GEMMs in emulated mxfp8 (af.autocast_fp8) vs one process running them alike (to 1e-3: bf16 outputs)."""
     configs = ["qwen", "qwen:clip:to=0", "qwen:to=1", "user", "user:clip:to=1", "qwen:accumulate", "qwen:remat:to=1:repeat",
                "user:accumulate", f"qwen:save={tmp_path / 'ckpt'}", "qwen:aux:clip", "qwen:bf16", "qwen:gather:clip",
-               "user:gather:to=1", "qwen:adamw:to=1", "qwen:selective"]  # fmt: skip
+               "user:gather:to=1", "qwen:adamw:to=1", "qwen:selective", "qwen:fp8", "qwen:fp8:to=1:clip"]  # fmt: skip
     expect_ok(run_workers("ep_worker.py", 2, "ep=2", *configs, timeout=300), configs, 2)
     # the ep2 checkpoint loads without ep, in one process: the same params (resharded from the experts' pieces)
     _assert_loads_in_one_process(tmp_path / "ckpt", qwen(layers=2, vocab=64))

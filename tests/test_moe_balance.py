@@ -17,6 +17,7 @@ from accelfn.moe import (
     add_aux_loss,
     add_expert_bias,
     biased_topk,
+    local_experts,
     register_expert_bias,
     router_z_loss,
     set_capacity,
@@ -28,11 +29,11 @@ from tests._launch import expect_ok, run_workers
 EXPERTS, TOPK = 4, 2
 
 
-def qwen() -> nn.Module:
+def qwen(hidden: int = 16, moe: int = 8) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=hidden, intermediate_size=32, moe_intermediate_size=moe,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                          num_experts=EXPERTS, num_experts_per_tok=TOPK)  # fmt: skip
     model = Qwen3MoeForCausalLM(cfg)
@@ -260,16 +261,73 @@ def test_a_group_limited_router_without_its_own_bias_is_refused():
         add_expert_bias(model, routers=["model.layers.1.mlp.gate"])
 
 
-def test_fp8_says_why_the_experts_stay_in_their_dtype():
-    """One process: the note in print(step) names what fp8 grouped GEMMs need (torchao's moe_training: CUDA
-    sm90 with triton for fp8 rowwise, sm100 for mxfp8), and torch has no CPU kernel for them (if it gains one,
-    this note and docs/parallelism.md's "Not yet" are stale)."""
-    step = af.autocast_fp8(af.train_step(lm, af.optim.sgd(0.1)), backend="torchao", emulate=True)
+def test_fp8_experts_forward_and_gradients_within_torchaos_bounds():
+    """The experts' grouped GEMMs in emulated mxfp8 (as `af.autocast_fp8(emulate=True)` sets them) against the same
+    experts in fp32 (the per-expert loop): 4 experts, uneven row groups (padded to 32-row blocks) and an idle one.
+    Bounds from torchao's own test of one mxfp8 grouped GEMM (test/prototype/moe_training/test_mxfp8_grouped_mm.py,
+    test_mxfp8_grouped_gemm_with_dq_fwd_bwd: SQNR >= 27 dB output, 25 dB input gradient, 24 dB weight gradient),
+    less 10 log10(3) = 4.8 dB for the three quantized products in series here (gate, up, down): 22, 20, 19 dB; below
+    40 dB (really quantized). The idle expert's gradients are zeros (not NaN from unset rows, transformers #48205)."""
+    from torchao.quantization.utils import compute_error
+
+    from accelfn.moe.experts import FP8_RECIPE
+
+    experts = qwen(hidden=64, moe=64).model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 64**-0.5)
+        experts.down_proj.normal_(0, 64**-0.5)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([37, 0, 50, 9])
+    rows = torch.randn(int(counts.sum()), 64, generator=g, requires_grad=True)
+    weigh = torch.randn(int(counts.sum()), 64, generator=g)
+    outs = []
+    for recipe in (None, "mxfp8_emulated"):
+        if recipe is not None:
+            setattr(experts, FP8_RECIPE, recipe)
+        y = local_experts(experts, rows, counts)
+        outs.append(
+            (y, *torch.autograd.grad((y * weigh).sum(), [rows, experts.gate_up_proj, experts.down_proj]))
+        )
+    out, *grads = outs[1]
+    assert out.dtype == torch.float32
+    for what, a, b, least in zip(
+        ("output", "rows", "gate_up_proj", "down_proj"), outs[0], outs[1], (22, 20, 19, 19)
+    ):
+        sqnr = compute_error(a, b).item()
+        assert least <= sqnr < 40, (what, sqnr)
+    assert not grads[1][1].any() and not grads[2][1].any()  # expert 1: no rows (NaN would count as nonzero)
+
+
+def test_autocast_fp8_puts_the_experts_in_fp8_or_refuses_naming_the_opt_out():
+    """One process. emulate=True: both experts modules' grouped GEMMs in emulated mxfp8 (print(step) says so), and a
+    step's expert update is the fp32 experts' one (`fp8_experts=False`, the same fp8 Linear layers) within the weight
+    gradient's bound above, but not equal. Without emulation on a CPU (no fp8 grouped GEMM): a RuntimeError naming
+    the experts, the kernels torchao has and the opt-out. `fp8_experts=False` keeps them in their dtype, said in
+    print(step); experts whose dims take no 32-blocks are kept, said with the dims."""
+    from torchao.quantization.utils import compute_error
+
+    from accelfn.moe.experts import FP8_RECIPE
+
+    def fp8(**kw):  # noqa: ANN003, ANN202
+        return af.autocast_fp8(af.train_step(lm, af.optim.sgd(1.0)), backend="torchao", **kw)
+
+    updates, texts = [], []
+    for fp8_experts in (True, False):
+        step = fp8(emulate=True, fp8_experts=fp8_experts)
+        state = step.init(qwen(hidden=32, moe=32))
+        before = state.params["model.layers.1.mlp.experts.down_proj"].clone()
+        state, _ = step(state, batch())
+        updates.append(before - state.params["model.layers.1.mlp.experts.down_proj"])  # lr 1: the gradient
+        texts.append(repr(step))
+        fp8_set = [getattr(m, FP8_RECIPE, None) for m in step.model.modules() if hasattr(m, "gate_up_proj")]
+        assert fp8_set == (["mxfp8_emulated"] * 2 if fp8_experts else [None, None]), fp8_set
+    assert "2 experts module(s) with grouped GEMMs in mxfp8_emulated (torchao)" in texts[0], texts[0]
+    assert "fp8_experts=False" in texts[1] and "stay in float32 (fp8_experts=False)" in texts[1], texts[1]
+    assert 19 <= compute_error(updates[1], updates[0]).item() < 40
+    with pytest.raises(RuntimeError, match=r"experts \(model.layers.0.mlp.experts and 1 more\) .* no fp8 kernel on cpu "
+                       r"\(torchao's moe_training runs fp8 rowwise on CUDA sm90 .* Pass fp8_experts=False"):  # fmt: skip
+        fp8().init(qwen(hidden=32, moe=32))
+    step = fp8(emulate=True)
     step.init(qwen())
     text = repr(step)
-    assert "stay in float32: fp8 grouped GEMMs are not wired in" in text, text
-    assert "fp8 rowwise on sm90" in text and "mxfp8 on sm100" in text, text
-    a, b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.zeros(2, 16, 16, dtype=torch.float8_e4m3fn)
-    with pytest.raises(NotImplementedError, match="CPU"):
-        torch._scaled_grouped_mm(a, b.transpose(-2, -1), torch.ones(16), torch.ones(2, 16),
-                                 offs=torch.tensor([8, 16], dtype=torch.int32), out_dtype=torch.bfloat16)  # fmt: skip
+    assert "2 experts module(s) kept in float32 (dims (16, 16, 8) not multiples of 32" in text, text

@@ -5,7 +5,8 @@ The experts module keeps the `transformers` interface, `experts(hidden [T, D], t
 top_k_weights [T, k]) -> [T, D]`, and the fused layout `gate_up_proj [E, 2F, D]`, `down_proj [E, D, F]` (gate
 then up, no bias, not transposed; `act_fn`), of which each rank holds `E / ep` experts. A module with another
 layout defines `ep_local_forward(rows, counts) -> rows`: its local experts on rows grouped by local expert
-(`accelfn.moe.local_part(p)`: this rank's experts of a parameter).
+(`accelfn.moe.local_part(p)`: this rank's experts of a parameter). Under `af.autocast_fp8` the fused layout's two
+GEMMs run through torchao's fp8 grouped GEMM (`FP8_RECIPE`, set on the module by the fp8 lowering).
 
 Example (one process, 4 experts, top-2; the same output as the dense loop):
     >>> import torch
@@ -31,7 +32,11 @@ from torch import nn
 
 from .dispatch import Dispatcher
 
-__all__ = ["ep_forward", "local_experts", "local_part"]
+__all__ = ["ep_forward", "local_experts", "local_part", "fp8_grouped", "FP8_RECIPE", "FP8_ALIGN"]
+
+FP8_RECIPE = "moe_fp8_grouped_mm"  # an experts module's attribute: the torchao recipe of its grouped GEMMs
+# rows per group (and K, N multiples) each recipe takes: fp8 rowwise's `_scaled_grouped_mm` 16, mxfp8 its 32-blocks
+FP8_ALIGN = {"rowwise": 16, "mxfp8": 32, "mxfp8_emulated": 32}
 
 
 def local_part(p: torch.Tensor) -> torch.Tensor:
@@ -70,6 +75,64 @@ def _grouped(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, gate_u
     return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offs)
 
 
+def _fp8_mm(recipe: str) -> Any:
+    """torchao's differentiable fp8 grouped GEMM for `recipe`, as `mm(a [M, K], b_t [E, K, N], offs) -> [M, N]`
+    bf16 (torchao.prototype.moe_training, as torchtitan's MoE fp8 training calls it)."""
+    if recipe == "rowwise":
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as rowwise
+
+        return lambda a, b, offs: rowwise(
+            a, b, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+        )
+    from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm as mxfp8
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    kernels = KernelPreference.EMULATED if recipe == "mxfp8_emulated" else KernelPreference.AUTO
+    return lambda a, b, offs: mxfp8(a, b, offs=offs, out_dtype=torch.bfloat16, kernel_preference=kernels)
+
+
+def fp8_grouped(
+    module: nn.Module,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    recipe: str,
+) -> torch.Tensor:
+    """The local experts' two GEMMs in fp8 through torchao (`recipe`: "rowwise" on sm90, "mxfp8" on sm100,
+    "mxfp8_emulated" anywhere, for tests): each expert's rows padded with zero rows to a multiple of
+    `FP8_ALIGN[recipe]` (what the kernels take; the weight gradient's scaling blocks then stay within one expert),
+    the padding dropped after; the result in the rows' dtype. The weights are quantized from their own dtype
+    (fp32 master weights included), as torchao's wrapper tensors do.
+
+    Example (emulated mxfp8, 2 experts, 90 rows; the SQNR vs the fp32 GEMMs is above 22 dB: torchao's 27 dB per
+    GEMM, three quantized products in series, gate, up and down):
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchao.quantization.utils import compute_error
+        >>> _ = torch.manual_seed(0)
+        >>> m = nn.Module(); m.act_fn = nn.SiLU()
+        >>> gate_up, down = torch.randn(2, 128, 64) / 8, torch.randn(2, 64, 64) / 8
+        >>> rows, counts = torch.randn(90, 64), torch.tensor([55, 35])
+        >>> y = fp8_grouped(m, rows, counts, gate_up, down, "mxfp8_emulated")
+        >>> bool(compute_error(_grouped(m, rows, counts, gate_up, down), y) > 22)
+        True
+    """
+    align = FP8_ALIGN[recipe]
+    padded = (counts + align - 1) // align * align
+    shift = (padded.cumsum(0) - padded) - (
+        counts.cumsum(0) - counts
+    )  # each group's start: padded minus packed
+    place = torch.repeat_interleave(shift, counts) + torch.arange(rows.shape[0], device=rows.device)
+    x = rows.new_zeros((int(padded.sum()), rows.shape[1])).index_copy(0, place, rows)
+    offs = padded.cumsum(0).to(torch.int32)
+    mm = _fp8_mm(recipe)
+    with torch.autocast(rows.device.type, enabled=False):  # torchao picks its own dtypes
+        hidden = _gate(module, mm(x, gate_up.transpose(-2, -1), offs))
+        out = mm(hidden, down.transpose(-2, -1), offs)
+    return out[place].to(rows.dtype)
+
+
 def local_experts(
     module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grouped: tuple[torch.dtype, ...] = ()
 ) -> torch.Tensor:
@@ -88,6 +151,9 @@ def local_experts(
                 "for another layout)"
             )
     gate_up, down = local_part(module.gate_up_proj), local_part(module.down_proj)  # type: ignore[arg-type]
+    recipe = getattr(module, FP8_RECIPE, None)  # af.autocast_fp8
+    if recipe is not None and rows.shape[0] > 0:
+        return fp8_grouped(module, rows, counts, gate_up, down, recipe)
     dtype = _math_dtype(rows, gate_up)
     if dtype in grouped and _grouped_ok(rows.to(dtype), gate_up, down):
         return _grouped(module, rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))

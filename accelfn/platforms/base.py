@@ -97,6 +97,11 @@ class Platform:
         """The dtypes in which `torch._grouped_mm` runs natively here (MoE experts use it, else a per-expert loop)."""
         return ()
 
+    def fp8_grouped_mm(self) -> str | None:
+        """The torchao recipe whose fp8 grouped GEMMs run natively here (MoE experts under `af.autocast_fp8`):
+        "rowwise" (`torch._scaled_grouped_mm`, CUDA sm90 with triton), "mxfp8" (CUDA sm100), or None."""
+        return None
+
     def supports_float64(self) -> bool:
         """Whether tensors of this kind can be float64 (e.g. metrics stacked in one wide dtype)."""
         return True

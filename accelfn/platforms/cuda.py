@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from . import specs
@@ -55,6 +57,16 @@ class CudaPlatform(TorchAccelerator):
         if not self.is_available() or torch.version.cuda is None or not hasattr(torch, "_grouped_mm"):
             return ()
         return (torch.bfloat16,) if torch.cuda.get_device_capability() >= (9, 0) else ()
+
+    def fp8_grouped_mm(self) -> str | None:
+        if not self.is_available() or torch.version.cuda is None:
+            return None
+        major = torch.cuda.get_device_capability()[0]
+        if major == 10:  # B200/GB200: torchao's mxfp8 kernels
+            return "mxfp8"
+        if major == 9 and importlib.util.find_spec("triton") is not None:  # H100/H200: quantized by triton
+            return "rowwise"
+        return None
 
     def pins_host_copies(self) -> bool:
         return self.is_available()

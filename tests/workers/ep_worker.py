@@ -15,7 +15,8 @@ bias (aux-loss-free balancing: the expert bias updated after each step from the 
 experts=<n> (n experts instead of 4; under fsdp with fewer local experts than efsdp ranks: checked sharded on dim 1
 over efsdp, with no padding), gather (`af.shard(ep_dispatcher=GatherDispatcher)`: a user's dispatcher that moves
 the rows by all-gather and select, not all-to-all; named in print(step)), adamw (AdamW with weight decay, in both
-runs, instead of SGD), selective (`af.remat(step, "selective")`).
+runs, instead of SGD), selective (`af.remat(step, "selective")`), fp8 (`af.autocast_fp8(emulate=True)` on the experts only, in both runs: their
+grouped GEMMs in emulated mxfp8; hidden size and expert width 32).
 Checked: the loss, the gradient norm, the token imbalance (`metrics["moe_imbalance"]`) and the params (experts, router, attention, embeddings) after each of 2 SGD (or AdamW)
 steps (under a pipeline: the stage's own); the experts really split; the identity of dispatch-then-combine over the ep group
 (accelfn's all-to-all and the user's all-gather dispatcher, which receive the same rows).
@@ -42,6 +43,7 @@ from accelfn.transforms.shard.expert_parallel import expert_axes
 
 CONFIGS = [arg.split(":") for arg in sys.argv[2:]]
 VOCAB, EXPERTS, TOPK = 64, 4, 2
+HIDDEN, MOE_F = 16, 8  # the qwen model's hidden size and expert width (32, 32 under fp8: mxfp8's 32-blocks)
 
 
 class UserExperts(nn.Module):
@@ -160,7 +162,7 @@ def make_model(kind, to, bias=False, kv_heads=1):
     else:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=MOE_F,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=8,
                              num_experts=EXPERTS, num_experts_per_tok=TOPK, max_position_embeddings=32,
                              tie_word_embeddings=False)  # fmt: skip
@@ -276,9 +278,16 @@ def check_identity(mesh):
         assert torch.equal(other.combine(rows2, handle2), x)
 
 
+# fp8: one process and the ep ranks quantize alike (an expert's padded row group holds the same rows in the same
+# order), but bf16 GEMM outputs of fp32 inputs that differ by round-off can round a bf16 ulp apart
+FP8_TOL = 1e-3
+
+
 def check(mesh, kind, options):
-    global EXPERTS
+    global EXPERTS, HIDDEN, MOE_F
     EXPERTS = next((int(o[8:]) for o in options if o.startswith("experts=")), 4)
+    fp8 = "fp8" in options
+    HIDDEN, MOE_F = (32, 32) if fp8 else (16, 8)
     strategy = "fsdp" if "fsdp" in options else "hsdp" if "hsdp" in options else "ddp"
     to = next((int(o[3:]) for o in options if o.startswith("to=")), None)
     clip = 0.05 if "clip" in options else 1e9
@@ -295,6 +304,12 @@ def check(mesh, kind, options):
     bf16 = "bf16" in options
     if bf16:
         ref_step = af.autocast(ref_step, "bf16")
+
+    def experts_in_fp8(s):  # the experts only (no Linear in fp8: their per-rank scales would differ)
+        return af.autocast_fp8(s, backend="torchao", emulate=True, module_filter=lambda m, n: False)
+
+    if fp8:
+        ref_step = experts_in_fp8(ref_step)
     bias = "bias" in options
     tp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1
     ref = ref_step.init(make_model(kind, to, bias, kv_heads=tp), seed=3)
@@ -321,6 +336,8 @@ def check(mesh, kind, options):
         step = af.remat(step, "selective")
     if bf16:
         step = af.autocast(step, "bf16")
+    if fp8:
+        step = experts_in_fp8(step)
     pp = "pp" in options
     if pp:
         step = af.pipeline(step, mesh, microbatches=2)
@@ -329,6 +346,8 @@ def check(mesh, kind, options):
                     ep_dispatcher=gather)  # fmt: skip
     state = step.init(make_model(kind, to, bias, kv_heads=tp), seed=3)
     text = repr(step)
+    if fp8:
+        assert "2 experts module(s) with grouped GEMMs in mxfp8_emulated (torchao)" in text, text
     if gather:
         assert "dispatcher=GatherDispatcher" in text and "GatherDispatcher dispatch" in text, text
     else:
@@ -380,7 +399,7 @@ def check(mesh, kind, options):
         assert q.placements[0].is_replicate() and q.placements[1].is_shard(0), q.placements
     # bf16: the experts' rows in other groupings round otherwise; tp, cp, pp: round-off only (a tp-split norm's
     # gradient left unsummed is 3e-5 off after 2 steps)
-    tol = 2e-2 if bf16 else 1e-6 if tp > 1 or cp or "pp" in options else 2e-5
+    tol = 2e-2 if bf16 else FP8_TOL if fp8 else 1e-6 if tp > 1 or cp or "pp" in options else 2e-5
     if pp:  # this stage's params only: some, experts among them, none of the other stage's
         assert experts and set(state.params) < set(ref_params[0]), sorted(state.params)
     for i, b in enumerate(data):

@@ -11,6 +11,9 @@
   (`recipe="current"`), amax reduced over the mesh's data-parallel group under `af.shard`; TE's
   scaling state travels in `state.extra["te_fp8"]`. NVIDIA only; imported lazily.
 - `backend="auto"`: TE when installed on an FP8-capable GPU, else torchao; `repr(step)` says which.
+- MoE experts (stacked 3-D weights, not Linear layers; any backend): their grouped GEMMs through torchao's fp8
+  grouped GEMM, fp8 rowwise on sm90, mxfp8 on sm100, emulated mxfp8 with `emulate=True`; a RuntimeError on a
+  platform with none, unless `fp8_experts=False` keeps them in their dtype (`accelfn.transforms.fp8.experts`).
 
 Example:
     >>> import torch, accelfn as af
@@ -120,27 +123,6 @@ def _skipped_note(skipped: dict[str, str]) -> str:
     return "; kept in high precision: " + ", ".join(parts)
 
 
-def _experts_note(plan: Plan) -> str:
-    """What `print(step)` says of an MoE model's experts (3-D weights, not Linear layers: not swapped)."""
-    from ..shard.expert_parallel import expert_params, model_ep_plan
-
-    ep = find(plan.transforms, "expert_parallel")
-    given = getattr(ep, "plan", None)
-    raw = dict(given) if given is not None else model_ep_plan(plan.module)
-    if not raw:
-        return ""
-    try:
-        owners = set(expert_params(plan.module, raw).values())
-    except ValueError:  # a plan that does not fit: expert parallel names the entry
-        return ""
-    dtype = str(plan.autocast_dtype or next(plan.module.parameters()).dtype).removeprefix("torch.")
-    return (
-        f"; the experts ({len(owners)} modules of stacked expert weights, not Linear layers) stay in {dtype}: "
-        "fp8 grouped GEMMs are not wired in (torchao's moe_training runs them on CUDA only: fp8 rowwise on sm90 "
-        "with triton, mxfp8 on sm100)"
-    )
-
-
 def _te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
@@ -151,6 +133,7 @@ class AutocastFP8(TransformBase):
     recipe: str | None = None
     module_filter: ModuleFilter | None = None
     emulate: bool = False
+    fp8_experts: bool = True
     kind: str = "fp8"
 
     def describe(self) -> str:
@@ -159,6 +142,8 @@ class AutocastFP8(TransformBase):
             args.append(f"recipe={self.recipe!r}")
         if self.emulate:
             args.append("emulate=True")
+        if not self.fp8_experts:
+            args.append("fp8_experts=False")
         return f"autocast_fp8({', '.join(args)})"
 
     def check(self, others: Sequence[Transform]) -> None:
@@ -174,7 +159,10 @@ class AutocastFP8(TransformBase):
         return "torchao"
 
     def lower(self, plan: Plan) -> None:
+        from .experts import lower_experts
+
         backend = self.choose(plan)
+        experts = lower_experts(plan, emulate=self.emulate, fp8_experts=self.fp8_experts)  # (refuses first)
         if self.backend == "auto":
             plan.notes.append(f"autocast_fp8: chose {backend}")
         skipped: dict[str, str] = {}
@@ -192,9 +180,7 @@ class AutocastFP8(TransformBase):
             from .te import convert as te_convert
 
             n = te_convert(plan, keep, self.recipe)
-        plan.notes.append(
-            f"{n} Linear layers in fp8 ({backend})" + _skipped_note(skipped) + _experts_note(plan)
-        )
+        plan.notes.append(f"{n} Linear layers in fp8 ({backend})" + _skipped_note(skipped) + experts)
         plan.fp8_skipped = skipped
 
     def init_state(self, plan: Plan, state: TrainState) -> TrainState:
@@ -213,8 +199,11 @@ def autocast_fp8(
     recipe: str | None = None,
     module_filter: Callable[..., Any] | None = None,
     emulate: bool = False,
+    fp8_experts: bool = True,
 ) -> Step:
-    """Train eligible Linear layers in FP8 (see the module docs for backends and recipes).
+    """Train eligible Linear layers in FP8 (see the module docs for backends and recipes), and an MoE model's
+    experts' grouped GEMMs (`accelfn.transforms.fp8.experts`): in fp8 where the platform has them, refused where
+    it has none unless `fp8_experts=False`, which keeps the experts in their dtype.
 
     Example:
         >>> import torch, accelfn as af
@@ -229,4 +218,4 @@ def autocast_fp8(
         raise ValueError(f"autocast_fp8: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torchao" and recipe is not None and recipe not in RECIPES:
         raise ValueError(f"autocast_fp8: torchao recipe must be one of {RECIPES}, got {recipe!r}")
-    return step.with_transform(AutocastFP8(backend, recipe, module_filter, emulate))
+    return step.with_transform(AutocastFP8(backend, recipe, module_filter, emulate, fp8_experts))

@@ -91,7 +91,7 @@ def test_the_logits_are_the_heads_and_their_slices_gradient_outside_modules(shif
     """Allocations go to the innermost module running: the logits to the head that computes them; a loss that
     slices them outside the model (`logits[:, :-1]`) has autograd allocate the whole logits' gradient for the
     slice's backward, before the head's backward runs: outside modules (docs/dry_run.md's worked example). A
-    loss that shifts the labels instead allocates no such gradient."""
+    loss that shifts the labels instead allocates that gradient itself: the loss's."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class Named(ModTracker):  # as the dry run's session names the module running
@@ -117,6 +117,8 @@ def test_the_logits_are_the_heads_and_their_slices_gradient_outside_modules(shif
     made = [rec.module for _, delta, rec in t.events if delta > 0 and rec.nbytes == whole]
     assert made.count("Sequential.head") == 1, made  # the logits, in the head's forward
     assert made.count("") == (1 if shift == "logits" else 0), made  # the slice's gradient of the whole logits
+    # the plain loss's log-softmax, its gradient and the logits' gradient
+    assert made.count("loss") == (0 if shift == "logits" else 3), made
 
 
 # ---- against the published formulas, at 64 fake ranks ----------------------------------------------------------

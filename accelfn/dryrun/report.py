@@ -132,9 +132,9 @@ def _moe_line(moe: Mapping[str, Any]) -> str:
     }.get(routing, f"the busiest expert {routing}x the mean")
     rank = "the busiest ep rank's rows" if routing != "even" else "its own even share"
     return (
-        f"MoE routing (assumed {routing}: {what}; this rank is given {rank}): moe_imbalance "
-        f"{moe['moe_imbalance']:.3f} (max/mean rows per expert over the ep={moe['ep']} group's batch, worst of "
-        f"{moe['layers']} layer(s)); this rank's experts receive {moe['rank_load']:.3f}x the mean rows per ep rank"
+        f"MoE routing (assumed {routing}: {what}; this rank is given {rank}):\n"
+        f"  moe_imbalance {moe['moe_imbalance']:.3f} (max/mean rows per expert of the ep={moe['ep']} group's "
+        f"batch, worst of {moe['layers']} layers); this rank's experts get {moe['rank_load']:.3f}x the mean"
     )
 
 

@@ -331,3 +331,41 @@ def test_autocast_fp8_puts_the_experts_in_fp8_or_refuses_naming_the_opt_out():
     step.init(qwen())
     text = repr(step)
     assert "2 experts module(s) kept in float32 (dims (16, 16, 8) not multiples of 32" in text, text
+
+
+_FP8_MOE_SCRIPT = """
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+import accelfn as af
+
+with af.Mesh.from_env(device="cpu") as mesh:
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    step = af.train_step(lambda m, b: m(input_ids=b).logits.float().mean(), af.optim.sgd(0.1))
+    step = af.autocast_fp8(af.autocast(step, "bf16"), backend="torchao", module_filter=lambda m, n: False)
+    step = af.shard(step, mesh)
+    state = step.init(Qwen3MoeForCausalLM(cfg))
+    state, m = step(state, torch.randint(0, 64, (2, 64)))
+"""
+
+
+def test_dry_run_of_an_h100_counts_the_fp8_experts_grouped_gemms_as_fp8(tmp_path):
+    """`accelfn dry-run --gpu h100` of ep=2 with the experts in fp8 (no Linear layer: module_filter): torchao's
+    kernels do not run on fake tensors, so the experts' GEMMs are modelled as `torch._scaled_grouped_mm` on fp8
+    operands (said in print(step)); the fp8 FLOPs are exactly those of the experts' two GEMMs, forward, input and
+    weight gradient (3 x 2 x rows x (64 x 128 + 64 x 64)), on rows padded to 16 per expert."""
+    script = tmp_path / "fp8_moe.py"
+    script.write_text(_FP8_MOE_SCRIPT)
+    report = af.dry_run(script, nproc_per_node=2, device="cuda", gpu="h100", mesh="ep=2", search=False)
+    assert not report.errors, report.errors
+    assert (
+        "experts module(s) with grouped GEMMs in fp8 (modelled: torchao's kernels do not run on fake tensors)"
+        in (report.strategy)
+    ), report.strategy
+    (obj,) = report.step_objects
+    per_row = (
+        3 * 2 * (64 * 128 + 64 * 64)
+    )  # fwd + 2 bwd GEMMs, gate_up [128, 64] and down [64, 64], 2 FLOPs a MAC
+    fp8 = obj["fp8_flops_per_step"]
+    assert fp8 > 0 and fp8 % (per_row * 16) == 0 and fp8 // per_row >= 2 * 64 * 2, (fp8, fp8 / per_row)

@@ -101,7 +101,7 @@ FA2_H100_TFLOPS: Mapping[int, tuple[float, float]] = {
 }
 _H100_BF16 = 989.0
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
 # CUDA rows before compute capability 9.0, where torch's `_grouped_mm` does not run (accelfn's CUDA platform picks
 # it from 9.0: Hopper, Blackwell, and ROCm's MI300 series, which report 9.4)
 _NO_GROUPED_MM = {"a100-40gb", "a100-80gb", "l40s", "l4", "a10g"}
@@ -522,7 +522,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
         outs = _tensors(out)
         size = outs[0].element_size() if outs else 2
-        if name == "_grouped_mm":
+        if name in ("_grouped_mm", "_scaled_grouped_mm"):  # scaled: fp8 experts (accelfn.moe.experts)
             m, n, k, groups = _grouped_shape(x, w)
             # the weight gradient: out [G, K, N]
             if x.ndim == 2 and w.ndim == 2 and outs and outs[0].ndim == 3:
@@ -591,7 +591,10 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any
 
 
 # formulas the dry run's FLOP count adds to torch's (`torch.utils.flop_counter.flop_registry`)
-FLOP_FORMULAS: dict[Any, Any] = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+FLOP_FORMULAS: dict[Any, Any] = {
+    torch.ops.aten._grouped_mm: grouped_mm_flops,
+    torch.ops.aten._scaled_grouped_mm: grouped_mm_flops,  # (a, b, scale_a, scale_b, offs=...)
+}
 
 
 def grouped_mm_dtypes(device: DeviceSpec) -> tuple[torch.dtype, ...]:

@@ -36,7 +36,7 @@ __all__ = ["ep_forward", "local_experts", "local_part", "fp8_grouped", "FP8_RECI
 
 FP8_RECIPE = "moe_fp8_grouped_mm"  # an experts module's attribute: the torchao recipe of its grouped GEMMs
 # rows per group (and K, N multiples) each recipe takes: fp8 rowwise's `_scaled_grouped_mm` 16, mxfp8 its 32-blocks
-FP8_ALIGN = {"rowwise": 16, "mxfp8": 32, "mxfp8_emulated": 32}
+FP8_ALIGN = {"rowwise": 16, "mxfp8": 32, "mxfp8_emulated": 32, "fp8_modelled": 16}
 
 
 def local_part(p: torch.Tensor) -> torch.Tensor:
@@ -75,9 +75,43 @@ def _grouped(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, gate_u
     return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offs)
 
 
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
+    """`torch._scaled_grouped_mm` of fp8 copies of `a` (row-major) and `b` (column-major), unit scales of shapes
+    `rows` and `cols`."""
+    f8, one = torch.float8_e4m3fn, torch.float32
+    return torch._scaled_grouped_mm(a.to(f8), _column_major(b.to(f8)), a.new_ones(rows, dtype=one),
+                                    a.new_ones(cols, dtype=one), offs=offs, out_dtype=torch.bfloat16)  # fmt: skip
+
+
+class _ModelledFP8(torch.autograd.Function):
+    """A dry run's stand-in for torchao's fp8 grouped GEMM, whose kernels (triton's, sm100's) do not run on fake
+    tensors: its three grouped GEMMs (output, input gradient, weight gradient) as `torch._scaled_grouped_mm` on fp8
+    operands (unit scales: the values are fake), so the dry run counts them as fp8 matmuls, at the fp8 peak."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b_t, offs)
+        return _scaled(a, b_t, offs, a.shape[0], (b_t.shape[0], b_t.shape[2]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b_t, offs = ctx.saved_tensors
+        experts, k, n = b_t.shape
+        dgrad = _scaled(grad, b_t.transpose(-2, -1), offs, grad.shape[0], (experts, k))
+        wgrad = _scaled(grad.t().contiguous(), a, offs, n * experts, k * experts)  # [E, N, K]
+        return dgrad.to(a.dtype), wgrad.transpose(-2, -1).to(b_t.dtype), None
+
+
 def _fp8_mm(recipe: str) -> Any:
     """torchao's differentiable fp8 grouped GEMM for `recipe`, as `mm(a [M, K], b_t [E, K, N], offs) -> [M, N]`
-    bf16 (torchao.prototype.moe_training, as torchtitan's MoE fp8 training calls it)."""
+    bf16 (torchao.prototype.moe_training, as torchtitan's MoE fp8 training calls it); "fp8_modelled": a dry run's
+    stand-in (`_ModelledFP8`)."""
+    if recipe == "fp8_modelled":
+        return _ModelledFP8.apply
     if recipe == "rowwise":
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as rowwise
 

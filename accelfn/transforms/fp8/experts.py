@@ -1,7 +1,8 @@
 """The experts of an MoE model under `af.autocast_fp8`: their grouped GEMMs in fp8 through torchao's
 `moe_training` kernels (`accelfn.moe.experts.fp8_grouped`), the recipe chosen per platform
 (`Platform.fp8_grouped_mm()`: fp8 rowwise on CUDA sm90, mxfp8 on sm100; emulated mxfp8 where `emulate=True`),
-a named refusal where none runs, or left in their dtype with `fp8_experts=False`.
+a named refusal where none runs, or left in their dtype with `fp8_experts=False`. A dry run of a GPU with fp8
+grouped GEMMs models them (`torch._scaled_grouped_mm` on fp8 fake tensors: counted at the fp8 peak).
 
 The experts modules are those of the model's expert-parallel plan (its own, `config.base_model_ep_plan`, or the
 `ep_plan` given to `af.shard`); their stacked weights stay as they are (fp32 master weights, checkpoints and
@@ -63,6 +64,11 @@ def fp8_recipe(plan: Plan, emulate: bool) -> str | None:
     platform's (`Platform.fp8_grouped_mm()`), or None where it has none."""
     if emulate:
         return "mxfp8_emulated"
+    if (
+        dry_mode.modelled_device() is not None
+    ):  # a dry run of a GPU job: that device's, modelled on fake tensors
+        grouped = dry_mode.grouped_mm_dtypes()  # (torchao's kernels do not run on them: `_ModelledFP8`)
+        return "fp8_modelled" if dry_mode.fp8_support(plan.platform.kind) and grouped else None
     return plan.platform.fp8_grouped_mm()
 
 
@@ -96,16 +102,12 @@ def lower_experts(plan: Plan, *, emulate: bool, fp8_experts: bool) -> str:
     what = f"the experts ({len(owners)} modules of stacked expert weights)"
     if not fp8_experts:
         return f"; {what} stay in {dtype} (fp8_experts=False)"
-    if dry_mode.modelled_device() is not None and not emulate:
-        return (
-            f"; {what} are modelled in {dtype}: torchao's fp8 grouped GEMM kernels (triton, sm100) do not run on the "
-            "dry run's fake tensors"
-        )
     recipe = fp8_recipe(plan, emulate)
     if recipe is None:
+        device = dry_mode.modelled_device() or plan.device  # in a dry run, the device it models
         raise RuntimeError(
             f"autocast_fp8: the model's experts ({next(iter(owners))} and {len(owners) - 1} more) compute with grouped "
-            f"GEMMs, which have no fp8 kernel on {plan.device} ({_KERNELS}). Pass fp8_experts=False to keep the experts "
+            f"GEMMs, which have no fp8 kernel on {device} ({_KERNELS}). Pass fp8_experts=False to keep the experts "
             f"in {dtype} (the Linear layers still in fp8), or emulate=True to emulate mxfp8 (slow; for tests)"
         )
     done, kept = [], {}
@@ -121,7 +123,10 @@ def lower_experts(plan: Plan, *, emulate: bool, fp8_experts: bool) -> str:
             experts = int(module.gate_up_proj.shape[0])  # type: ignore[union-attr,index]
             one_rank = AllToAllDispatcher(None, experts, 1)
             module.forward = functools.partial(ep_forward, module, one_rank)  # type: ignore[method-assign]
-    note = f"; {len(done)} experts module(s) with grouped GEMMs in {recipe} (torchao)" if done else ""
+    how = (
+        "fp8 (modelled: torchao's kernels do not run on fake tensors)" if recipe == "fp8_modelled" else recipe
+    )
+    note = f"; {len(done)} experts module(s) with grouped GEMMs in {how} (torchao)" if done else ""
     if kept:
         name, why = next(iter(kept.items()))
         note += f"; {len(kept)} experts module(s) kept in {dtype} ({why}: e.g. {name})"

@@ -198,8 +198,10 @@ def make_dispatcher(factory: Any, owner: str, **kw: Any) -> Any:
             "capacity_factor=, data_group=) and returns an accelfn.moe.Dispatcher (dispatch(x, experts) -> (rows, "
             "counts, handle); combine(y, handle) -> rows)"
         )
-    if callable(getattr(made, "take_tokens", None)) and hasattr(made, "capacity_factor"):
-        return made
+    if all(callable(getattr(made, m, None)) for m in ("take_tokens", "take_dropped")) and hasattr(
+        made, "capacity_factor"
+    ):
+        return made  # keeps its own statistics (AllToAllDispatcher and its subclasses)
     return CountedDispatcher(made, kw["num_experts"])
 
 

@@ -115,8 +115,9 @@ class _ZeroRun(StepRun):
 
 class ZeroPhases(TrainPhases):
     """`DeepSpeedPhases` over a modelled engine: the forward and backward (the engine's gradient hooks are
-    the strategy's), the loss and count summed as DeepSpeed's phases do (one float64 all-reduce each), the
-    engine's step as the reduce (ZeRO-1's reduction), clip (overflow check and norm) and update phases."""
+    the strategy's), the engine's step as the reduce (ZeRO-1's reduction), clip (overflow check and norm) and
+    update phases, the count summed before the first backward and the loss after the step as DeepSpeed's
+    phases do (one float64 all-reduce each)."""
 
     def start(self, plan: Plan, state: Any, batch: Any) -> StepRun:
         return _ZeroRun(plan, plan.sync, state, batch)
@@ -160,11 +161,6 @@ class ZeroPhases(TrainPhases):
         run.grads = {}  # ZeRO-1's full gradients: freed by the reduction
         sync.end_reduction(run.params)
         run.grads = sync.partition_grads()
-        scalars = _global_sum([run.loss_sum, *run.aux_sum.values()], run.loss_sum.device, sync.group)
-        run.metrics["loss"] = (scalars[0] / run.count_sum.clamp_min(1)).to(torch.float32)
-        run.metrics.update(
-            {k: (v / run.aux_count).to(torch.float32) for k, v in zip(run.aux_sum, scalars[1:])}
-        )
 
     def clip(self, run: StepRun) -> None:
         sync = run.sync
@@ -186,6 +182,13 @@ class ZeroPhases(TrainPhases):
         sync.step(run.state.opt_state, run.scale)
         run.metrics["lr"] = torch.as_tensor(sync.lr(run.state.step), dtype=torch.float32).reshape(())
         run.opt_state = run.state.opt_state
+        # the loss and aux summed over the ranks after the engine's step, as DeepSpeedPhases does (the engine
+        # steps inside its forward_backward)
+        assert run.loss_sum is not None and run.count_sum is not None
+        scalars = _global_sum([run.loss_sum, *run.aux_sum.values()], run.loss_sum.device, sync.group)
+        summed = {"loss": (scalars[0] / run.count_sum.clamp_min(1)).to(torch.float32)}
+        summed.update({k: (v / run.aux_count).to(torch.float32) for k, v in zip(run.aux_sum, scalars[1:])})
+        run.metrics = {**summed, **run.metrics}  # in the real phases' order: the loss first
 
     def metrics(self, run: StepRun) -> tuple[Any, dict[str, torch.Tensor]]:
         return next_state(run, run.state.extra), run.metrics

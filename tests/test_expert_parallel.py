@@ -486,6 +486,16 @@ def test_routing_models_are_seeded_per_layer_and_even_is_the_exact_spread():
             Assumptions(moe_routing=bad)
 
 
+def test_a_real_run_under_a_watcher_routes_by_its_expert_ids():
+    """The routing model is for fake tensors only: a real run measured by the dry run's watcher (`measure_real`)
+    dispatches by the real expert ids (a model there would send other splits than the other processes')."""
+    d = AllToAllDispatcher(group=None, num_experts=4, size=1)
+    x, experts = torch.arange(6.0).reshape(3, 2), torch.tensor([[2, 0], [2, 1], [3, 2]])
+    with af.dry_mode.watching(af.dry_mode.Watcher()):
+        rows, counts, handle = d.dispatch(x.repeat_interleave(2, 0), experts)
+    assert counts.tolist() == [1, 1, 3, 1] and torch.equal(d.combine(rows, handle), x.repeat_interleave(2, 0))
+
+
 def test_dry_run_of_the_example_at_deepseek_v3_shapes_on_256_h100s_counts_the_all_to_alls_and_the_experts():
     """DeepSeek-V3's layer shapes (a `transformers` DeepseekV3Config, one dense and one MoE layer: 256 experts,
     top-8) as one of 256 ranks (dp=32 x ep=8) of an H100 job, on fake tensors: the dispatch models a balanced

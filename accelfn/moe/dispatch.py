@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import attrs
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import dry_mode
 from .routing_model import routed_counts
@@ -158,7 +159,7 @@ class AllToAllDispatcher:
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        if dry_mode.active() is not None:
+        if dry_mode.active() is not None and is_fake(x):  # a dry run (not a real run measured by its watcher)
             return self._modelled(x, experts.shape[1] if experts.ndim == 2 else 1)
         experts = experts.reshape(-1)
         n_local, n = self.local_experts, x.shape[0]

@@ -1,7 +1,8 @@
 """Mixture-of-experts pieces for expert parallelism (`af.shard` over an `ep` mesh axis): the swappable
 `Dispatcher` (`dispatch`), the experts' forward (`experts`), the load-balancing and router z-losses of the
 global batch (`balance`), aux-loss-free balancing by an expert bias (`bias`), the capacity factor with token
-dropping (`capacity`), the step's MoE metrics (`metrics`). See `accelfn.transforms.shard.expert_parallel`.
+dropping (`capacity`), the step's MoE metrics (`metrics`), how a dry run routes its fake rows (`routing_model`).
+See `accelfn.transforms.shard.expert_parallel`.
 """
 
 from .balance import add_aux_loss, load_balancing_loss, router_z_loss

@@ -106,9 +106,11 @@ def _real_comm(calls: list[list[Any]]) -> dict[str, tuple[int, int, int]]:
 OPTIONS: dict[str, dict[str, Any]] = {
     # the tiny Llama's blocks compiled (af.compile(regions="blocks"): ZeRO-3's hooks break each block's graph at
     # every module), small buckets reduced to each owner: ZeRO-2's buckets follow the order in which the compiled
-    # backward's gradients come ready (7 reduces a step run eagerly, 9 compiled)
+    # backward's gradients come ready (7 reduces a step run eagerly, 9 compiled). aot_eager: the AOTAutograd
+    # function Inductor's is, whose inputs set that order, without Inductor's codegen (27 s of the suite)
     "llama, compiled blocks, small buckets": {
         "compile": "blocks",
+        "compile_backend": "aot_eager",
         "ds_config": {
             "zero_optimization": {"reduce_bucket_size": 100_000, "use_multi_rank_bucket_allreduce": False}
         },

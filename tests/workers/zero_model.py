@@ -6,7 +6,7 @@ tests/test_dry_run_zero.py dry-runs: the same model, loss, optimizer and combina
   param groups, so two flat buffers in ZeRO-1/2), a (2, 33) batch per rank.
 
 Both with bf16 autocast, clip 1.0, `accumulate` micro-batches (default 1), `compile` (`"blocks"`: af.compile per
-block; default none) and `ds_config` from the options."""
+block; default none) with `compile_backend` (torch.compile's; default Inductor) and `ds_config` from the options."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def zero_step(mesh: af.Mesh, stage: int, options: dict[str, Any], optimizer: Any
     model, loss_fn, tx = model_and_loss(options)
     step = af.autocast(af.train_step(loss_fn, optimizer or tx, clip_grad_norm=1.0), "bf16")
     if options.get("compile"):
-        step = af.compile(step, regions=options["compile"])
+        backend = {"backend": options["compile_backend"]} if "compile_backend" in options else {}
+        step = af.compile(step, regions=options["compile"], **backend)
     if options.get("accumulate", 1) > 1:
         step = af.accumulate(step, options["accumulate"])
     step = af.shard(step, mesh, backend="deepspeed", zero_stage=stage, ds_config=options.get("ds_config"))

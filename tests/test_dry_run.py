@@ -400,7 +400,11 @@ def test_cli_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert cli(str(tmp_path / "missing.py")).returncode == 2
     assert cli("--rank", "first", str(LLAMA)).returncode == 2
     bad_routing = cli("--moe-routing", "balanced", str(LLAMA))  # the MoE routing model's name, named
-    assert bad_routing.returncode == 2 and "--moe-routing" in bad_routing.stderr and "'balanced'" in bad_routing.stderr
+    assert (
+        bad_routing.returncode == 2
+        and "--moe-routing" in bad_routing.stderr
+        and "'balanced'" in bad_routing.stderr
+    )
 
 
 def test_value_dependent_data_is_a_clear_error() -> None:

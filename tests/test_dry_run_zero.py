@@ -161,10 +161,9 @@ def test_zero_1_2_3_bytes_and_collectives_equal_the_real_engines_on_two_processe
             report, dry_calls = _dry_calls(monkeypatch, stage, options, steps=k + 1, rank=rank)
             where = f"ZeRO-{stage}, rank {rank}, step {k}"
             assert _comm(report) == _real_comm(calls), where
-            # (ZeRO-2 with compiled blocks: the same collectives, other buckets, until the dry run's compiled
-            # blocks take their inputs in Dynamo's order: the strict xfail below)
-            if not (stage == 2 and options.get("compile")):
-                assert dry_calls == [(kind, nbytes) for kind, _, nbytes in calls], where
+            # every collective in order (ZeRO-2 with compiled blocks too: the dry run's compiled blocks take
+            # their inputs in Dynamo's order, so their gradients come ready as torch.compile's do)
+            assert dry_calls == [(kind, nbytes) for kind, _, nbytes in calls], where
             # params: those a step starts with (the dry run reports the step with the largest peak; ZeRO-3's
             # later steps start with the persistent params gathered)
             assert report.per_rank["params"] in real["params_per_step"][: k + 1], where
@@ -176,11 +175,6 @@ def test_zero_1_2_3_bytes_and_collectives_equal_the_real_engines_on_two_processe
             assert any(f"ZeRO-{stage} is modelled" in note for note in report.notes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="accelfn/dryrun/compiled.py traces a block over (its params in declaration order, then the call's "
-    "tensors); Dynamo's graph takes the call's tensors, then the params in the order the forward uses them",
-)
 def test_a_compiled_blocks_gradients_come_ready_in_torch_compiles_order_in_the_dry_run() -> None:
     # The autograd engine runs the gradient accumulations that a compiled block's backward makes ready at once
     # in an order set by the order of the compiled function's inputs (its ready queue ties them): ZeRO-2's

@@ -46,6 +46,7 @@ __all__ = ["partition_block", "saved_bytes"]
 
 _Key = tuple[Any, ...]
 _GRAPHS: dict[_Key, Callable[..., Any]] = {}
+_ORDERS: dict[_Key, list[str]] = {}  # the state's names in the order the block's forward first uses them
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -137,19 +138,48 @@ def _checkpointed(forward: Callable[..., Any], policy: Any) -> Callable[..., Any
     return run
 
 
+def _use_order(
+    forward: Callable[..., Any], state: dict[str, torch.Tensor], args: Any, kwargs: Any
+) -> list[str]:
+    """The names of `state` in the order `forward` first passes them to a torch function (those it never uses
+    last): the order in which Dynamo makes a compiled block's params inputs of its graph, after the call's
+    tensors. The autograd engine runs the gradient accumulations a compiled backward makes ready at once in an
+    order set by its inputs' order (its ready queue ties them), so DDP's and ZeRO's gradient hooks fire in it."""
+    from torch.overrides import TorchFunctionMode
+
+    names = {id(t): n for n, t in state.items()}
+    used: dict[str, None] = {}
+
+    class FirstUse(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
+            for t in tree_flatten((a, kw or {}))[0]:
+                if id(t) in names:
+                    used.setdefault(names[id(t)])
+            return func(*a, **(kw or {}))
+
+    with _unwatched(), torch.no_grad(), FirstUse():
+        forward(*args, **kwargs)
+    return [*used, *(n for n in state if n not in used)]
+
+
 def _trace(
-    block: nn.Module, forward: Callable[..., Any], names: list[str], spec: Any, consts: list[Any]
+    block: nn.Module,
+    forward: Callable[..., Any],
+    names: list[str],
+    n_tensors: int,
+    spec: Any,
+    consts: list[Any],
 ) -> Any:
+    """`forward` as AOTAutograd's partitioned graphs over (the call's `n_tensors` tensors, then the state in
+    `names`' order): the order of Dynamo's graph's inputs."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.nn.utils.stateless import _reparametrize_module
 
-    n_state = len(names)
-
     def fn(*flat: torch.Tensor) -> Any:
-        tensors = iter(flat[n_state:])
+        tensors = iter(flat[:n_tensors])
         args, kwargs = tree_unflatten([next(tensors) if c is _TENSOR else c for c in consts], spec)
-        with _reparametrize_module(block, dict(zip(names, flat[:n_state], strict=True))):
+        with _reparametrize_module(block, dict(zip(names, flat[n_tensors:], strict=True))):
             return forward(*args, **kwargs)
 
     return aot_function(
@@ -232,15 +262,18 @@ def partition_block(block: nn.Module) -> bool:
         state = dict(block.named_parameters()) | dict(block.named_buffers())
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        flat = [*state.values(), *tensors]
-        if not torch.is_grad_enabled() or not all(_traceable(t) for t in flat):
+        if not torch.is_grad_enabled() or not all(_traceable(t) for t in [*state.values(), *tensors]):
             with compiled_region():
                 return eager(*args, **kwargs)
         consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        key = _key(kind, list(state), flat, spec, consts)
+        key = _key(kind, list(state), [*state.values(), *tensors], spec, consts)
+        names = _ORDERS.get(key)
+        if names is None:
+            names = _ORDERS[key] = _use_order(eager, state, args, kwargs)
+        flat = [*tensors, *(state[n] for n in names)]  # as Dynamo orders its graph's inputs
         graph = _GRAPHS.get(key)
         if graph is None:
-            graph = _trace(block, forward, list(state), spec, consts)
+            graph = _trace(block, forward, names, len(tensors), spec, consts)
             with _unwatched():  # tracing is not this step's memory or FLOPs
                 graph(*[t.detach().requires_grad_(t.requires_grad) for t in flat])
             _GRAPHS[key] = graph

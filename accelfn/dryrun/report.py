@@ -111,8 +111,13 @@ def _assumes(a: Mapping[str, Any]) -> str:
         f"peak (quantized over {a['sm_count']} SMs), attention at {a['attention_efficiency']:.0%}, memory-bound "
         f"ops at {a['memory_efficiency']:.0%} of {a['memory_gbs']:,.0f} GB/s ({kinds}); "
         + (
-            f"compiled (forward and backward fused, no launch floor; the update eager, launch floor "
-            f"{a['launch_s'] * 1e6:.0f} us)"
+            (
+                "compiled per block (the blocks' forward and backward fused, no launch floor; the loss, head, "
+                "embedding, FSDP's copies and the update eager, launch floor "
+                if a["compiled"] == "blocks"
+                else "compiled (forward and backward fused, no launch floor; the update eager, launch floor "
+            )
+            + f"{a['launch_s'] * 1e6:.0f} us)"
             if a["compiled"]
             else f"eager, launch floor {a['launch_s'] * 1e6:.0f} us"
         )

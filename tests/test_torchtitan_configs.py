@@ -1,16 +1,18 @@
 """torchtitan's published Llama 3.1 8B configurations (docs/performance.md, Tables 1 and 3: 8 and 128 H100s of
 96 GB) dry-run at their real world size: each lowers, fits, and its peak reserved memory (the dry run's replay of
 the CUDA caching allocator, accelfn/dryrun/allocator.py) is within 15% of the published memory (torchtitan's max
-reserved memory), above the live bytes it replays. The rows, commands and figures are read from
-accelfn/dryrun/published_runs.json (issue 31 item 7)."""
+reserved memory), above the live bytes it replays; Table 5 (405B on 512, 1F1B and interleaved) runs at 512 ranks
+with 2 layers per stage. The rows, commands and figures are read from accelfn/dryrun/published_runs.json, and
+docs/dry_run.md shows those commands and the measured figures (issue 31 item 7)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
-from tests._published import ROWS, outcome
+from tests._published import ROOT, ROWS, outcome
 
 GIB = 2**30
 
@@ -66,13 +68,17 @@ RESERVED_SHRUNK = {
 }  # measured
 
 
+# Table 5 at full size, rank 0 (docs/dry_run.md's table; 39 and 44 s a row here, 2026-11-27): measured, not run
+RESERVED_FULL = {"torchtitan-t5-405b-512-1f1b": 80.64, "torchtitan-t5-405b-512-interleaved": 81.69}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("row", TABLE5, ids=lambda r: r["id"])
 def test_torchtitan_405b_stages_run_sequence_parallel_and_hand_over_their_part_of_the_sequence(
     row: dict[str, Any],
 ) -> None:
     import accelfn as af
-    from tests._published import ROOT, dry_run_kwargs
+    from tests._published import dry_run_kwargs
 
     script, args, kwargs = dry_run_kwargs(row["command"])
     report = af.dry_run(str(ROOT / script), [*args, "--layers", "16"], search=False, **kwargs)
@@ -114,3 +120,56 @@ def test_float8_tensors_count_their_fp8_data_not_their_reported_dtype() -> None:
     assert type(g).__name__ == "Float8TrainingTensor"
     scale = g._scale.untyped_storage().nbytes()
     assert t.peak_bytes == 2 * 256 * 512 + scale, t.peak_bytes  # counting the placeholders: + 2 x 262,144
+
+
+DOCS = ROOT / "docs" / "dry_run.md"
+
+
+def _doc_commands() -> set[str]:
+    """The `accelfn dry-run` command lines of docs/dry_run.md's bash blocks, continued lines joined."""
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", DOCS.read_text(), re.S))
+    lines = re.sub(r" *\\\n *", " ", blocks).splitlines()
+    return {line.strip() for line in lines if line.startswith("accelfn dry-run ")}
+
+
+def test_every_torchtitan_configuration_is_a_command_in_the_docs() -> None:
+    # the rows' own commands (the ones the tests above dry-run), so the docs' commands are the tested ones
+    rows = [r for r in ROWS.values() if r["id"].startswith("torchtitan-")]
+    assert len(rows) == 8  # Tables 1 and 3 (eager, compile, compile + Float8), Table 5 (1F1B, interleaved)
+    missing = [r["id"] for r in rows if r["command"] not in _doc_commands()]
+    assert not missing, missing
+
+
+def _doc_memory_table() -> list[list[str]]:
+    """The cells of docs/dry_run.md's table in "torchtitan's configurations: memory" (no header)."""
+    section = DOCS.read_text().split("## torchtitan's configurations: memory\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in cells] for cells in rows[1:]]
+
+
+def _gib(cell: str) -> float:
+    match = re.search(r"\d+\.\d+", cell)
+    assert match, cell
+    return float(match.group())
+
+
+def test_the_docs_memory_table_is_the_measured_figures() -> None:
+    # every torchtitan row once, found by its published figure; reserved / published as measured above (the 8B
+    # rows to the test's ratios, Table 5 to its full-size figures) and the printed ratios their quotients
+    by_published = {
+        r["published"]["memory_gib"]: r["id"] for r in ROWS.values() if r["id"].startswith("torchtitan-")
+    }
+    assert len(by_published) == 8
+    seen = []
+    for _name, published, reserved, ratio, live, live_ratio, fits in _doc_memory_table():
+        rid = by_published[_gib(published)]
+        seen.append(rid)
+        got = _gib(reserved) / _gib(published)
+        if rid in RESERVED_RATIO:
+            assert got == pytest.approx(RESERVED_RATIO[rid], abs=0.001), (rid, got)
+        else:
+            assert _gib(reserved) == RESERVED_FULL[rid], rid
+        assert _gib(ratio) == round(got, 2), (rid, ratio, got)
+        assert _gib(live_ratio) == round(_gib(live) / _gib(published), 2), (rid, live_ratio)
+        assert _gib(live) < _gib(reserved) and fits == "yes", rid
+    assert sorted(seen) == sorted(by_published.values())

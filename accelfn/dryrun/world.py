@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
                 _real_device_meshes(),
                 FakeTensorMode(allow_non_fake_inputs=True) as mode,
                 _swappable_fakes(mode),
+                _lazy_fsdp_chunks(),
                 HostReads(real_bookkeeping=True) as reads,
             ):
                 yield reads
@@ -193,3 +194,54 @@ def _swappable_fakes(mode: Any) -> Iterator[None]:
         yield
     finally:
         torch.utils.swap_tensors = original
+
+
+class _LazyChunks(Sequence[torch.Tensor]):
+    """FSDP2's `_chunk_with_empty(tensor, n, dim)` made on demand: chunk i is `torch.chunk(tensor, n, dim)[i]` (the
+    same view), or an empty tensor past the last chunk, as the original pads its list."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        self.size = tensor.size(dim)
+        self.step = -(-self.size // num_chunks)  # torch.chunk's chunk size: ceil(size / n)
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        if not -self.num_chunks <= i < self.num_chunks:
+            raise IndexError(f"chunk {i} of {self.num_chunks}")
+        i %= self.num_chunks
+        start = i * self.step
+        if start >= self.size:
+            return self[0].new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.step, self.size - start))
+
+
+# FSDP2 shards a parameter by cutting it into one chunk per rank of its shard group and keeping its own (and chunk 0's
+# size): at 1,024 ranks that is 1,024 fake views per parameter, each through the fake mode and the tracker (0.1 s
+# a parameter, most of a DeepSeek-V3 dry run's time). The dry run makes only the chunks FSDP reads.
+@contextlib.contextmanager
+def _lazy_fsdp_chunks() -> Iterator[None]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = _fsdp_param._chunk_with_empty
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+        if num_chunks <= 1 or tensor.size(dim) == 0:
+            return original(tensor, num_chunks, dim)
+        return _LazyChunks(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty  # type: ignore[assignment]  # FSDP2 only indexes it
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original

@@ -1,12 +1,15 @@
 """Mixture of experts: tokens/s of expert parallel vs the same model sharded as dense, the experts' grouped GEMM
 vs the per-expert loop, and the dry run's predicted step for Qwen3-235B-A22B on 64 H100s with and without ep.
 
-    python benchmarks/moe.py [--nproc 2] [--steps 8] [--part train,gemm,dryrun] [--only 235b|deepseek]
+    python benchmarks/moe.py [--nproc 2] [--steps 8] [--part train,gemm,dryrun] [--meshes 'ep;fsdp;dp']
+                              [--only 235b|deepseek]
 
-train   one job of `--nproc` CPU processes per mesh (`accelfn launch`, gloo): a small Qwen3-MoE (`--experts`, top-2,
-        `--hidden`, `--layers`), AdamW, fp32, `--rows` x `--seq` tokens per
-        rank; `ep=N` (experts split, dense layers replicated: ddp) vs `fsdp=N` (every expert FSDP-sharded and
-        all-gathered like a dense layer) and `dp=N` (ddp: every expert on every rank, gradients all-reduced). Median step time after 2 warm-up steps; tokens/s over all ranks.
+train   one job of `--nproc` CPU processes per mesh of `--meshes` (`accelfn launch`, gloo): a small Qwen3-MoE
+        (`--experts`, top-2, `--hidden`, `--layers`), AdamW, fp32, `--rows` x `--seq` tokens per rank; `ep=N`
+        (experts split, dense layers replicated: ddp) vs `fsdp=N` (every expert FSDP-sharded and all-gathered
+        like a dense layer) and `dp=N` (ddp: every expert on every rank, gradients all-reduced), or
+        meshes of several axes (`--meshes 'dp=2,ep=2;fsdp=2,ep=2'`: fsdp where the mesh has an fsdp axis, else
+        ddp). Median step time after 2 warm-up steps; tokens/s over all ranks.
         On CPU the experts run as the per-expert loop (the CPU platform lists no grouped-GEMM dtype).
 gemm    one process: `accelfn.moe.local_experts` on the same rows, grouped (`torch._grouped_mm`, which torch
         runs on CPU too, though no platform picks it there) vs the loop, forward + backward.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -39,7 +43,8 @@ def worker(args: argparse.Namespace) -> None:
     import accelfn as af
 
     world = int(os.environ["WORLD_SIZE"])
-    mesh = af.Mesh({args.worker: world}, device="cpu")
+    axes = _axes(args.worker, world)
+    mesh = af.Mesh(axes, device="cpu")
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
@@ -56,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     step = af.shard(
         af.train_step(loss_fn, af.optim.adamw(1e-3)),
         mesh,
-        strategy="fsdp" if args.worker == "fsdp" else "ddp",
+        strategy=_strategy(axes),
     )
     state = step.init(model, seed=0)
     g = torch.Generator().manual_seed(mesh.rank)
@@ -70,14 +75,33 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
     if mesh.is_main:
         s = statistics.median(times)
-        print("RESULT " + json.dumps({"mesh": f"{args.worker}={world}, {'fsdp' if args.worker == 'fsdp' else 'ddp'}", "step_s": s,
+        print("RESULT " + json.dumps({"mesh": f"{_name(axes)}, {_strategy(axes)}", "step_s": s,
                                       "tokens_per_s": args.rows * args.seq * world / s}))  # fmt: skip
     mesh.close()
 
 
+def _axes(mesh: str, world: int) -> dict[str, int]:
+    """`"ep"` (the whole world on one axis) or `"dp=2,ep=2"` as a mesh's axes."""
+    if "=" not in mesh:
+        return {mesh: world}
+    axes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+    if math.prod(axes.values()) != world:
+        raise SystemExit(f"--meshes: {mesh} has {math.prod(axes.values())} ranks, the job {world}")
+    return axes
+
+
+def _strategy(axes: dict[str, int]) -> str:
+    """fsdp where the mesh has an fsdp axis (the experts FSDP-sharded over it too), else ddp."""
+    return "fsdp" if "fsdp" in axes else "ddp"
+
+
+def _name(axes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
 def train(args: argparse.Namespace) -> list[dict]:
     rows = []
-    for axis in ("ep", "fsdp", "dp"):
+    for axis in args.meshes.split(";"):
         cmd = [sys.executable, "-m", "accelfn.cli.main", "launch", "--nproc-per-node", str(args.nproc), "--cpu",
                __file__, "--worker", axis, *_shape(args)]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -196,6 +220,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4, help="rows per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--part", default="train,gemm,dryrun")
+    p.add_argument(
+        "--meshes",
+        default="ep;fsdp;dp",
+        help="train: the meshes, `;`-separated: an axis (all ranks on it) or axes, e.g. 'ep;fsdp;dp=2,ep=2'",
+    )
     p.add_argument("--only", default=None, help="dryrun: the rows of one model (235b, deepseek)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

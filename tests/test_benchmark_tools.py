@@ -52,3 +52,15 @@ def test_remat_batch_reports_none_when_the_first_batch_does_not_fit(monkeypatch)
         rb, "run_trial", lambda p, b, a: {"policy": p, "batch": b, "fits": False, "oom": True}
     )
     assert rb.largest("none", argparse.Namespace(start=8, max_batch=64, granularity=4), []) is None
+
+
+def test_moe_benchmark_meshes_name_their_axes_and_strategy():
+    """benchmarks/moe.py's `--meshes`: an axis takes every rank, axes must multiply to the job's size, fsdp where
+    the mesh has an fsdp axis (the experts' efsdp), else ddp."""
+    moe = _load("moe")
+    assert moe._axes("ep", 4) == {"ep": 4}
+    assert moe._axes("fsdp=2,ep=2", 4) == {"fsdp": 2, "ep": 2}
+    assert [moe._strategy(moe._axes(m, 4)) for m in ("ep", "fsdp", "dp=2,ep=2", "fsdp=2,ep=2")] == [
+        "ddp", "fsdp", "ddp", "fsdp"]  # fmt: skip
+    with pytest.raises(SystemExit, match="dp=2,ep=4 has 8 ranks, the job 4"):
+        moe._axes("dp=2,ep=4", 4)

@@ -16,7 +16,7 @@ gemm    one process: `accelfn.moe.local_experts` on the same rows, grouped (`tor
 dryrun  `accelfn dry-run --nproc-per-node 8 --gpu h100` of examples/train_moe.py (meta device, bf16, full remat,
         4096-token rows, `--batch-size` rows per rank): Qwen3-235B-A22B on 8 nodes over the meshes a user would
         try (fsdp only; ep=8 in a node with efsdp across nodes, at 1 to 4 rows; ep=16/32/64 across nodes), and
-        DeepSeek-V3 (671B) on 32 and 128 nodes (`DRYRUNS`; `--only 235b` or `--only deepseek`); ~1-5 min each.
+        DeepSeek-V3 (671B) on 32 and 128 nodes (`DRYRUNS`; `--only 235b` or `--only deepseek`); ~25 s each.
         The all-to-alls' bus bytes are split into what crosses the network and what stays on NVLink.
 """
 

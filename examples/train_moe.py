@@ -37,6 +37,7 @@ from transformers import (
 
 import accelfn as af
 from accelfn.launch_env import knob
+from accelfn.moe.autocast_experts import grouped_mm_in_autocast_dtype
 
 # Qwen3-MoE's published shapes (config.json on the hub), for dry runs at scale (`--init meta`)
 MODELS = {
@@ -105,10 +106,11 @@ def make_data(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": (start + stride * torch.arange(seq)) % 64}
 
 
-def _experts_for_the_device(model: torch.nn.Module, mesh: af.Mesh) -> None:
+def _experts_for_the_device(model: torch.nn.Module, mesh: af.Mesh, bf16: bool) -> None:
     """Without an ep axis `transformers` runs the experts itself, by `torch._grouped_mm` where it can: on a GPU
-    that kernel takes bf16 only, so fp32 experts there (or in a dry run modelling one) take its batched GEMMs
-    instead. With ep, accelfn's dispatcher picks the kernel (`accelfn.moe`)."""
+    that kernel takes bf16 only, so fp32 experts there (or in a dry run modelling one) run it in autocast's
+    dtype under `--bf16` (`accelfn.moe.autocast_experts`), else as its batched GEMMs (every row's expert
+    weights gathered: small models only). With ep, accelfn's dispatcher picks the kernel (`accelfn.moe`)."""
     if "ep" in mesh.axis_names and mesh.axis_size("ep") > 1:
         return
     modelled = af.dry_mode.grouped_mm_dtypes()
@@ -117,7 +119,10 @@ def _experts_for_the_device(model: torch.nn.Module, mesh: af.Mesh) -> None:
         dtypes = mesh.platform.grouped_mm_dtypes()
     dtype = next(model.parameters()).dtype
     if dtypes is not None and dtype not in dtypes:
-        model.set_experts_implementation("batched_mm")
+        if bf16 and torch.bfloat16 in dtypes:
+            grouped_mm_in_autocast_dtype(model)
+        else:
+            model.set_experts_implementation("batched_mm")
 
 
 def loss_fn(model, batch):
@@ -189,7 +194,7 @@ def main() -> None:
         step = af.shard(step, mesh, strategy=strategy)  # an ep axis: experts split over it (the model's plan)
         with af.init_empty() if args.init == "meta" else contextlib.nullcontext():
             model = make_model(args.experts, args.seed, args.model, args.layers)
-        _experts_for_the_device(model, mesh)
+        _experts_for_the_device(model, mesh, args.bf16)
         state = step.init(model, seed=args.seed)
         # enough rows that every data-parallel rank gets batches (a dry run on 1,024 ranks)
         rows = max(512, 2 * batch_size * mesh.data_size)

@@ -113,36 +113,18 @@ def test_load_pretrained_joins_per_expert_keys_into_fused_experts(tmp_path, kind
         assert torch.equal(loaded[k], v), k
 
 
-def test_load_pretrained_reads_only_this_ep_ranks_experts_of_a_mixtral_folder(tmp_path, monkeypatch):
+def test_load_pretrained_reads_only_this_ep_ranks_experts_of_a_mixtral_folder(tmp_path):
     """Rank 1 of ep=2 (torch's fake process group: no peer is needed to read) fills its Shard(0) pieces,
     experts 2 and 3, from transformers' own Mixtral folder and opens no other expert's key."""
-    import safetensors
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from tests.workers.ep_ckpt_worker import opened_keys
+
     model = _mixtral()
     model.save_pretrained(tmp_path / "theirs")
-    opened: list[str] = []
-    real = safetensors.safe_open
-
-    class Spy:
-        def __init__(self, path, framework):
-            self.f = real(path, framework=framework)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_slice(self, key):
-            opened.append(key)
-            return self.inner.get_slice(key)
-
-    monkeypatch.setattr(safetensors, "safe_open", Spy)
     af.mesh.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
@@ -157,7 +139,8 @@ def test_load_pretrained_reads_only_this_ep_ranks_experts_of_a_mixtral_folder(tm
                 )
             else:
                 like[k] = torch.zeros_like(v)
-        loaded = af.checkpoint.load_pretrained(tmp_path / "theirs", like=like)
+        with opened_keys() as opened:
+            loaded = af.checkpoint.load_pretrained(tmp_path / "theirs", like=like)
     finally:
         af.mesh.destroy_process_group()
     for k, v in want.items():

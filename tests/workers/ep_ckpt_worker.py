@@ -13,6 +13,7 @@ Rank 0 writes the saved params and optimizer state whole (`<folder>-state.safete
 one process without ep.
 """
 
+import contextlib
 import sys
 
 import torch
@@ -51,12 +52,12 @@ def experts_per_rank(state):
     return {tuple(v.to_local().shape) for k, v in state.params.items() if "experts" in k}
 
 
-def check_pretrained(hf, step, saved, mesh):
-    """The Hugging Face folder written at ep2 read into this layout: exact, each rank opening only the
-    per-expert keys of the experts it holds."""
+@contextlib.contextmanager
+def opened_keys():
+    """The keys read through `safetensors.safe_open(...).get_slice` while the block runs (a list, filled live)."""
     import safetensors
 
-    opened = []
+    opened: list[str] = []
     real = safetensors.safe_open
 
     class Spy:
@@ -74,12 +75,19 @@ def check_pretrained(hf, step, saved, mesh):
             opened.append(key)
             return self.inner.get_slice(key)
 
-    like = step.init(make_model("qwen", None), seed=7).params
     safetensors.safe_open = Spy
     try:
-        params = af.checkpoint.load_pretrained(hf, like=like)
+        yield opened
     finally:
         safetensors.safe_open = real
+
+
+def check_pretrained(hf, step, saved, mesh):
+    """The Hugging Face folder written at ep2 read into this layout: exact, each rank opening only the
+    per-expert keys of the experts it holds."""
+    like = step.init(make_model("qwen", None), seed=7).params
+    with opened_keys() as opened:
+        params = af.checkpoint.load_pretrained(hf, like=like)
     for k, v in params.items():
         assert torch.equal(full(v), saved[f"params/{k}"]), f"load_pretrained: {k} differs"
     mine = {int(k.split(".experts.")[1].split(".")[0]) for k in opened}

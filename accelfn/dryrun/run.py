@@ -153,7 +153,9 @@ def measure_real(
 ) -> Report:
     """The dry run's measurements on a real run (this process, in a job started by `accelfn launch`): the same
     tracker on real tensors, for validating the dry run against the real thing. Measures `steps` calls of each
-    step object and stops the script when its loop comes round (`step` as for `dry_run`)."""
+    step object and stops the script when its loop comes round (`step` as for `dry_run`). Functional
+    collectives run on copies and are waited for at once, so the backend's worker thread, which drops its
+    references after the wait returns, frees nothing the step counts (the measured run does not overlap them)."""
     session = Session(steps, None, False, step)
     start = time.perf_counter()
     with dry_mode.watching(session):

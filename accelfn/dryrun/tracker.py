@@ -190,6 +190,34 @@ def _collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out
     return None
 
 
+def _functional_collective(func: Any) -> bool:
+    """Whether `func` is a functional collective that makes its output (not one writing into its arguments)."""
+    return (
+        func.namespace == "_c10d_functional"
+        and func._overloadpacket.__name__ in _FUNCTIONAL
+        and not func._schema.is_mutable
+    )
+
+
+def _collective_on_copies(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """A functional collective of a real run, on copies of its tensor arguments, waited for, its output copied.
+
+    The backend keeps the tensors it was given: gloo's worker thread drops its references some time after the
+    wait has returned, so a storage the program dropped first would be freed on that thread at a point of the
+    step that varies from run to run (a rank of a context-parallel step measured a key's all-gather, 48 KiB,
+    live at the peak in 2 runs of 12). The copies go to the backend untracked (made while the tracker is not
+    on the stack), so the tracked input and output live as long as the program holds them, which is what the
+    dry run counts. The collective is waited for at once: a real run measured this way does not overlap it.
+    """
+    from torch.utils._pytree import tree_map_only
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    held = func(
+        *tree_map_only(torch.Tensor, torch.clone, args), **tree_map_only(torch.Tensor, torch.clone, kwargs)
+    )
+    return tree_map_only(torch.Tensor, lambda t: torch.clone(wait(t)), held)
+
+
 def fake_scalar(x: torch.Tensor) -> bool | int | float | None:
     """What a host read (`.item()`, `.tolist()`, `float()`) of a fake tensor gives in a dry run: zero of its
     type (None for a real tensor: read it)."""
@@ -582,7 +610,10 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented  # DTensor lowers it to local ops and collectives, which come back here
         if func in _SKIP_OPS:
             return func(*args, **kwargs)
-        out = func(*args, **kwargs)
+        if self._fake_mode is None and _functional_collective(func):
+            out = _collective_on_copies(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         coll = _collective(func, args, kwargs, out)
         if coll is not None:
             coll.phase, coll.backward = self.phase, torch._C._current_graph_task_id() != -1

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,7 +32,7 @@ ACCELFN_LOG_WITH = "ACCELFN_LOG_WITH"  # experiment trackers "tensorboard,jsonl"
 # The planner's knobs (`accelfn plan --write`, a config's `plan:` section): read by a script through `knob`
 # where it leaves the choice to the launch configuration ("auto"); absent: the script's default applies.
 ACCELFN_STRATEGY = "ACCELFN_STRATEGY"  # af.shard's strategy: ddp|fsdp|hsdp|zero1|zero2|zero3
-ACCELFN_REMAT = "ACCELFN_REMAT"  # activation checkpointing: none|selective|full
+ACCELFN_REMAT = "ACCELFN_REMAT"  # activation checkpointing: none|selective|full|full:2|selective:2 ...
 ACCELFN_ACCUMULATE = "ACCELFN_ACCUMULATE"  # micro-batches per step (af.accumulate)
 ACCELFN_GLOBAL_BATCH_SIZE = "ACCELFN_GLOBAL_BATCH_SIZE"  # samples per step over all data-parallel ranks
 ACCELFN_PIPELINE_SCHEDULE = "ACCELFN_PIPELINE_SCHEDULE"  # af.pipeline's schedule, e.g. 1f1b
@@ -221,6 +222,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 # af.shard's strategies; zero1-3: DeepSpeed ZeRO stages 1-3 (af.shard(strategy="zero2") = backend="deepspeed",
 # zero_stage=2), so that a script passing the knob to af.shard runs them unchanged
 STRATEGIES = ("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3")
+# the remat policies; POLICY:N (e.g. "full:2") checkpoints every n-th block only (`parse_remat`)
 REMAT = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
 COMPILE = ("none", "step", "blocks")  # af.compile(step) / af.compile(step, regions="blocks")
@@ -239,11 +241,12 @@ ASKED: set[str] = set()
 
 
 def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str | int:
-    """A knob's value from its text (an int for the counts), checked; `source` names the culprit in errors.
+    """A knob's value from its text (an int for the counts; remat as `parse_remat`), checked; `source` names
+    the culprit in errors.
 
     Example:
-        >>> parse_knob("accumulate", "4"), parse_knob("remat", "selective")
-        (4, 'selective')
+        >>> parse_knob("accumulate", "4"), parse_knob("remat", "selective"), parse_knob("remat", "full:2")
+        (4, 'selective', 'full:2')
     """
     if name not in KNOBS:
         raise ValueError(f"unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
@@ -258,11 +261,81 @@ def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str |
             raise ValueError(f"{where}={raw!r} must be an integer >= 1")
         return n
     text = str(raw).strip().lower() if allowed is not str else str(raw).strip()
+    if name == "remat":
+        return parse_remat(text, source=where, raw=raw)
     if isinstance(allowed, tuple) and text not in allowed:
         raise ValueError(f"{where}={raw!r} is not one of {', '.join(allowed)}")
     if not text:
         raise ValueError(f"{where}={raw!r} must not be empty")
     return text
+
+
+def parse_remat(text: str, *, source: str = ACCELFN_REMAT, raw: Any = None) -> str:
+    """The `remat` knob's value, canonical: a policy of `REMAT`, or ``POLICY:N`` (selective or full on every
+    n-th block only, blocks n, 2n, ... as `af.remat(step, POLICY, every=N)`; ``POLICY:1`` is ``POLICY``);
+    `source` names the culprit in errors.
+
+    Example:
+        >>> parse_remat("Full:2"), parse_remat("selective:1"), parse_remat("none")
+        ('full:2', 'selective', 'none')
+    """
+    shown = text if raw is None else raw
+    policy, sep, every = str(text).strip().lower().partition(":")
+    policy = policy.strip()
+    if policy not in REMAT:
+        raise ValueError(
+            f"{source}={shown!r} is not one of {', '.join(REMAT)}, or POLICY:N (selective or full on every "
+            "n-th block, e.g. full:2)"
+        )
+    if not sep:
+        return policy
+    if policy == "none":
+        raise ValueError(
+            f"{source}={shown!r}: 'none' checkpoints no block; every n-th block needs selective or full"
+        )
+    try:
+        n = int(every)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"{source}={shown!r}: the block interval {every.strip()!r} must be an integer >= 1 "
+            f"(e.g. {policy}:2 checkpoints blocks 2, 4, 6, ...)"
+        )
+    return policy if n == 1 else f"{policy}:{n}"
+
+
+def remat_args(value: str) -> dict[str, Any]:
+    """`af.remat`'s arguments for a `remat` knob value other than "none": ``af.remat(step, **remat_args(v))``.
+
+    Example:
+        >>> remat_args("full:2"), remat_args("selective")
+        ({'policy': 'full', 'every': 2}, {'policy': 'selective', 'every': 1})
+    """
+    text = parse_remat(value, source="remat")
+    if text == "none":
+        raise ValueError("remat_args('none'): remat 'none' checkpoints nothing; do not apply af.remat")
+    policy, _, every = text.partition(":")
+    return {"policy": policy, "every": int(every or 1)}
+
+
+def remat_flag(text: str) -> str:
+    """An argparse `type` for a script's `--remat` flag: "auto" (the launch configuration's) or a remat value,
+    checked and canonical; a bad one is argparse's usage error, naming the flag.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser()
+        >>> _ = p.add_argument("--remat", type=remat_flag, default="auto")
+        >>> p.parse_args(["--remat", "full:2"]).remat
+        'full:2'
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_remat(text, source="--remat")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def knob(

@@ -6,6 +6,7 @@ any mix of fsdp / hsdp / ddp, tensor, context and pipeline parallel, remat, comp
     accelfn launch --nproc-per-node 4 --cpu --mesh pp=2,dp=2 examples/train_llama.py
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,tp=2 examples/train_llama.py --remat selective
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,cp=2 examples/train_llama.py --remat full
+    accelfn launch --nproc-per-node 2 --cpu examples/train_llama.py --model tiny --remat full:2
     accelfn dry-run --nproc-per-node 8 --nnodes 8 examples/train_llama.py --model 8b --strategy fsdp
     accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=8,tp=8 examples/train_llama.py --model 70b --remat --init meta
     accelfn dry-run --nproc-per-node 8 --nnodes 16 --mesh pp=4,dp=4,tp=8 examples/train_llama.py --model 405b --init meta
@@ -27,7 +28,7 @@ import contextlib
 import torch
 
 import accelfn as af
-from accelfn.launch_env import knob, parse_mesh
+from accelfn.launch_env import knob, parse_mesh, remat_args, remat_flag
 
 MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 344, 2, 4, 2, 1024),
@@ -99,9 +100,10 @@ def main() -> None:
         nargs="?",
         const="full",
         default="auto",
-        choices=("full", "selective", "none", "auto"),
-        help="recompute each decoder layer in the backward pass: full (`--remat` alone), selective (keep the "
-        "matmuls' outputs), none (the default)",
+        type=remat_flag,
+        help="recompute decoder layers in the backward pass: full (`--remat` alone), selective (torchtitan's "
+        "op-level policy), none (the default); POLICY:N on every n-th layer only (layers n, 2n, ...), e.g. "
+        "full:2 (torchtitan's selective_ac_option=2)",
     )
     p.add_argument(
         "--compile",
@@ -189,7 +191,7 @@ def main() -> None:
     if args.bf16:
         step = af.autocast(step, torch.bfloat16)
     if remat != "none":
-        step = af.remat(step, remat)
+        step = af.remat(step, **remat_args(remat))
     if accumulate > 1:
         step = af.accumulate(step, accumulate)
     if pp > 1:  # pipeline parallel: every rank of a pipeline reads the same batch

@@ -36,7 +36,7 @@ from transformers import (
 )
 
 import accelfn as af
-from accelfn.launch_env import knob
+from accelfn.launch_env import knob, remat_args, remat_flag
 from accelfn.moe.autocast_experts import grouped_mm_in_autocast_dtype
 
 # Qwen3-MoE's published shapes (config.json on the hub), for dry runs at scale (`--init meta`)
@@ -162,8 +162,9 @@ def main() -> None:
         nargs="?",
         const="full",
         default="auto",
-        choices=["full", "selective", "none", "auto"],
-        help="recompute each decoder layer in the backward: full (`--remat` alone), selective, none (default)",
+        type=remat_flag,
+        help="recompute decoder layers in the backward: full (`--remat` alone), selective, none (default); "
+        "POLICY:N on every n-th layer only (layers n, 2n, ...), e.g. full:2",
     )
     p.add_argument("--accumulate", default="auto", help="micro-batches per step (default 1)")
     p.add_argument(
@@ -184,7 +185,7 @@ def main() -> None:
         batch_size = args.batch_size or (int(global_batch) // mesh.data_size if global_batch else 8)
         step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.0), clip_grad_norm=1.0)
         if remat != "none":
-            step = af.remat(step, remat)
+            step = af.remat(step, **remat_args(remat))
         if args.bf16:
             step = af.autocast(step, "bf16")
         if accumulate > 1:

@@ -20,14 +20,19 @@ from collections.abc import Iterator
 
 import attrs
 
-from ..launch_env import REMAT, format_mesh
+from ..launch_env import format_mesh
 
-__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size", "ZERO"]
+__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size", "ZERO", "REMATS"]
 
 SCHEDULES = ("1f1b", "gpipe")
 # DeepSpeed's ZeRO stages, values of the strategy knob (af.shard(strategy="zero2") = backend="deepspeed", stage 2)
 ZERO = ("zero1", "zero2", "zero3")
 MAX_ACCUMULATE = 16
+# the remat values searched: each policy on every block, and full on every 2nd block (blocks 2, 4, ...: torchtitan's
+# layer-selective AC, `selective_ac_option="2"`), between none and full in memory and in recomputation. Not
+# searched, to keep a mesh's candidates at 4/3 rather than 5/3 or more: selective:2 (between none and selective,
+# close to both) and every 3rd block or more (each saves less than full:2 for the same dry run); the knob takes them
+REMATS = ("none", "selective", "full:2", "full")
 
 
 def deepspeed_installed() -> bool:
@@ -112,7 +117,7 @@ class Space:
     axes: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
     global_batch_size: int | None = None
     strategies: tuple[str, ...] = attrs.field(factory=default_strategies)
-    remats: tuple[str, ...] = REMAT
+    remats: tuple[str, ...] = REMATS
     offloads: tuple[str, ...] = ("none", "optimizer")
     compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles
     schedules: tuple[str, ...] = SCHEDULES

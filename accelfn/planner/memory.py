@@ -2,7 +2,8 @@
 
 Two candidates of the same mesh, strategy, compile choice, global batch and pipeline micro-batches differ in
 memory only by knobs whose order is known: a smaller accumulation (a larger micro-batch), less remat
-(none > selective > full), no offload rather than the optimizer's, GPipe rather than 1F1B (all micro-batches in
+(`remat_needs_more`: none > selective > full on every block; a policy on every n-th block between none and that
+policy on every block), no offload rather than the optimizer's, GPipe rather than 1F1B (all micro-batches in
 flight) each need at least as much. A candidate needing at least the memory of one measured not to fit cannot
 fit (`needs_more_memory`); the most frugal candidate of each such group, run first (`frugal_first`), prunes its
 whole group when it does not fit.
@@ -22,10 +23,18 @@ from collections.abc import Callable
 
 from .candidates import Candidate, data_size
 
-__all__ = ["group", "frugality", "needs_more_memory", "activation_share", "frugal_candidates", "frugal_first"]
+__all__ = [
+    "group",
+    "frugality",
+    "needs_more_memory",
+    "remat_needs_more",
+    "activation_share",
+    "frugal_candidates",
+    "frugal_first",
+]
 
 # each knob's values, the most memory first (a value not listed, or None, compares only to itself)
-REMAT = ("none", "selective", "full")
+REMAT = ("none", "selective", "full")  # on every block; POLICY:N on every n-th (`remat_needs_more`)
 OFFLOAD = ("none", "optimizer")
 SCHEDULE = ("gpipe", "1f1b")
 BINDS = 0.5  # memory may bind in a group whose hungriest estimate is above this fraction of the capacity
@@ -48,23 +57,64 @@ def _at_most(a: int | None, b: int | None) -> bool:
     return a <= b
 
 
-def frugality(c: Candidate) -> tuple[int, int, int, int]:
+def _remat(value: str | None) -> tuple[int, int] | None:
+    """A remat knob value as (its policy's rank in `REMAT`, the block interval n); None where unknown."""
+    if value is None:
+        return None
+    policy, _, every = value.partition(":")
+    rank = _rank(REMAT, policy)
+    if rank is None or not (every or "1").isdigit() or int(every or 1) < 1:
+        return None
+    return rank, int(every or 1)
+
+
+def remat_needs_more(a: str | None, b: str | None) -> bool:
+    """Whether remat `a` keeps at least the activations of remat `b`, block by block (`af.remat`'s `every=n`
+    checkpoints blocks n, 2n, ...; the others keep everything, as under "none"): "none" does; else `b` must
+    checkpoint every block `a` does (its interval divides `a`'s) with a policy keeping no more (full <
+    selective). So full:2 is between none and full, selective:2 between none and selective and above full:2,
+    and selective and full:2 are not ordered (either may need more). Unknown values equal only themselves.
+
+    Example:
+        >>> remat_needs_more("full:2", "full"), remat_needs_more("none", "full:2"), remat_needs_more("full", "full:2")
+        (True, True, False)
+        >>> remat_needs_more("selective", "full:2"), remat_needs_more("full:2", "selective")
+        (False, False)
+    """
+    if a == b:
+        return True
+    ra, rb = _remat(a), _remat(b)
+    if ra is None or rb is None:
+        return False
+    (pa, na), (pb, nb) = ra, rb
+    if pa == 0:  # none keeps everything
+        return True
+    return pb != 0 and na % nb == 0 and pa <= pb
+
+
+def _remat_frugality(value: str | None) -> float:
+    """A number that grows as remat keeps less (compatible with `remat_needs_more`): the policy's rank over
+    its block interval (none 0, selective 1, full 2; full:2 1, selective:2 0.5); -1 for None or unknown."""
+    r = _remat(value)
+    return -1.0 if r is None else r[0] / r[1]
+
+
+def frugality(c: Candidate) -> tuple[int, float, int, int]:
     """How little memory `c` needs within its group, larger for less: accumulation, remat, offload, schedule."""
-    remat, offload = _rank(REMAT, c.remat), _rank(OFFLOAD, c.offload)
-    schedule = _rank(SCHEDULE, c.pipeline_schedule)
-    return (c.accumulate or 0, -1 if remat is None else remat, -1 if offload is None else offload,
+    offload, schedule = _rank(OFFLOAD, c.offload), _rank(SCHEDULE, c.pipeline_schedule)
+    return (c.accumulate or 0, _remat_frugality(c.remat), -1 if offload is None else offload,
             -1 if schedule is None else schedule)  # fmt: skip
 
 
 def needs_more_memory(c: Candidate, other: Candidate) -> bool:
     """Whether `c` needs at least the memory of `other`: the same group, and on every memory knob the same
-    value or one that needs more (a smaller accumulation, less remat, no offload, GPipe)."""
+    value or one that needs more (a smaller accumulation, less remat as `remat_needs_more`, no offload, GPipe)."""
     if group(c) != group(other):
         return False
     acc = _at_most(c.accumulate, other.accumulate)
     return (
         acc
-        and _at_most(_rank(REMAT, c.remat), _rank(REMAT, other.remat))
+        and remat_needs_more(c.remat, other.remat)
         and _at_most(_rank(OFFLOAD, c.offload), _rank(OFFLOAD, other.offload))
         and _at_most(_rank(SCHEDULE, c.pipeline_schedule), _rank(SCHEDULE, other.pipeline_schedule))
     )

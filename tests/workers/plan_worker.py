@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import accelfn as af
-from accelfn.launch_env import knob
+from accelfn.launch_env import knob, remat_args
 
 
 def main() -> None:
@@ -59,7 +59,7 @@ def main() -> None:
 
     step = af.train_step(loss_fn, af.optim.adamw(1e-3, weight_decay=0.0))
     if remat != "none":
-        step = af.remat(step, remat)
+        step = af.remat(step, **remat_args(remat))
     if accumulate > 1:
         step = af.accumulate(step, accumulate)
     if offload == "optimizer":

@@ -136,7 +136,10 @@ def test_per_block_remat_is_chosen_where_none_does_not_fit_and_it_is_faster_than
     assert best.candidate.remat == "full:2"
     assert pruned.best is not None and pruned.best.candidate.key == best.candidate.key
     assert pruned.best.peak == best.peak and pruned.best.step_time_s == best.step_time_s
-    assert "remat=full:2" in pruned.table()
+    text = pruned.table()
+    assert (
+        "remat=full:2" in text and "note: remat=full:2 and the like: that policy on every n-th block" in text
+    )
 
 
 def test_the_written_per_block_config_is_what_launch_and_dry_run_apply(plans, tmp_path: Path) -> None:

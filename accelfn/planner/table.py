@@ -243,6 +243,14 @@ class Plan:
             lines.append(f"  {tier:<24}{n:>6}" + (f"   e.g. {first}" if first else ""))
         for note in self.notes:
             lines.append(f"note: {note}")
+        per_block = sorted(
+            {r.candidate.remat for r in self.rows[:top] if r.candidate.remat and ":" in r.candidate.remat}
+        )
+        if per_block:
+            lines.append(
+                f"note: remat={per_block[0]} and the like: that policy on every n-th block only (blocks n, 2n, ...: "
+                "af.remat(step, POLICY, every=N))"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -11,7 +11,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   GEMMs fill fewer SMs and reach less of the peak.
 - attention (torch's SDPA kernels, forward and backward): the FLOPs of its matmuls (the backward's five, the
   recomputation included; half of them when causal) at the fraction of the bf16 peak FlashAttention-2 was
-  measured to reach on an H100 for that direction and sequence length (`FA2_H100_TFLOPS`: the backward slower).
+  measured to reach on an H100 for that direction, sequence length and mask (`FA2_H100_TFLOPS` without a causal
+  mask, `FA2_H100_CAUSAL_TFLOPS` with one: the backward slower, a causal kernel slower on the half it computes).
 - everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
   bandwidth; views move nothing and launch nothing, nor does FSDP2's `all_gather_copy_in` (a wrapper: the copy it
   runs is recorded on its own). FSDP2's copies in and out of its collectives are never part of a compiled region.
@@ -41,7 +42,8 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from ..platforms.specs import DeviceSpec, peak_tflops
@@ -98,6 +100,26 @@ FA2_H100_TFLOPS: Mapping[int, tuple[float, float]] = {
     4096: (368.0, 310.0),
     8192: (370.0, 318.0),
     16384: (370.0, 322.0),
+}
+# The same paper's figure "Attention forward speed, head dim 128" with a causal mask (figure 5d; the FLOPs of the
+# computed half, as its benchmark counts them): FlashAttention-2 at 191 / 260 / 298 / 319 / 333 / 335 TFLOP/s, slower
+# than without the mask, most at short lengths (the diagonal blocks' masking and the uneven work per query block).
+# The paper has no causal backward figure: the backward is *assumed* to slow as the forward does at the same length
+# (the causal / non-causal forward ratio times the non-causal backward above). FlashAttention-2's own H100 figure
+# (Dao-AILab/flash-attention assets/flash2_h100_fwd_bwd_benchmark.png, 2023: forward + backward, head dim 128)
+# bounds the assumption: its causal / non-causal ratio for the pair is 0.66 / 0.75 / 0.83 / 0.90 / 0.92 / 0.97,
+# the assumption's 0.62 / 0.74 / 0.82 / 0.87 / 0.90 / 0.91 (the causal backward a little slower than measured).
+_FA2_H100_CAUSAL_FORWARD: Mapping[int, float] = {
+    512: 191.0,
+    1024: 260.0,
+    2048: 298.0,
+    4096: 319.0,
+    8192: 333.0,
+    16384: 335.0,
+}
+FA2_H100_CAUSAL_TFLOPS: Mapping[int, tuple[float, float]] = {
+    n: (fwd, FA2_H100_TFLOPS[n][1] * fwd / FA2_H100_TFLOPS[n][0])
+    for n, fwd in _FA2_H100_CAUSAL_FORWARD.items()
 }
 _H100_BF16 = 989.0
 
@@ -168,36 +190,42 @@ class TimingAssumptions:
     def sms(self, device: DeviceSpec) -> int | None:
         return self.sm_count if self.sm_count is not None else SM_COUNT.get(device.key)
 
-    def attention(self, backward: bool = False, seq: int = 0) -> float:
-        """The fraction of the bf16 peak an attention kernel reaches: `attention_efficiency` (a long forward's)
-        times FlashAttention-2's measured speed for the kernel's direction and key length over a long forward's
-        (`attention_fraction`).
+    def attention(self, backward: bool = False, seq: int = 0, causal: bool = False) -> float:
+        """The fraction of the bf16 peak an attention kernel reaches: `attention_efficiency` (a long non-causal
+        forward's) times FlashAttention-2's measured speed for the kernel's direction, key length and mask over a
+        long non-causal forward's (`attention_fraction`).
 
         Example:
             >>> a = TimingAssumptions()
             >>> round(a.attention(), 3), round(a.attention(backward=True, seq=8192), 3)
             (0.374, 0.322)
+            >>> round(a.attention(seq=8192, causal=True), 3)  # 333 TFLOP/s
+            0.337
         """
-        return self.attention_efficiency * attention_fraction(backward, seq) / attention_fraction()
+        return self.attention_efficiency * attention_fraction(backward, seq, causal) / attention_fraction()
 
 
-def attention_fraction(backward: bool = False, seq: int = 0) -> float:
-    """FlashAttention-2's measured fraction of the H100's bf16 peak (`FA2_H100_TFLOPS`) for a forward or backward
-    kernel over `seq` keys (interpolated in log2 of the length, held at the table's ends; 0: the longest).
+def attention_fraction(backward: bool = False, seq: int = 0, causal: bool = False) -> float:
+    """FlashAttention-2's measured fraction of the H100's bf16 peak for a forward or backward kernel over `seq`
+    keys, without a causal mask (`FA2_H100_TFLOPS`) or with one (`FA2_H100_CAUSAL_TFLOPS`, its backward an
+    assumption), interpolated in log2 of the length and held at the table's ends (0: the longest).
 
     Example:
         >>> round(attention_fraction(False, 8192), 3), round(attention_fraction(True, 8192), 3)
         (0.374, 0.322)
         >>> round(attention_fraction(True, 3000), 3)  # between 2k (291) and 4k (310) TFLOP/s
         0.305
+        >>> round(attention_fraction(False, 2048, causal=True) * 989)  # causal: 298 TFLOP/s where 362 without
+        298
     """
-    lengths = sorted(FA2_H100_TFLOPS)
+    table = FA2_H100_CAUSAL_TFLOPS if causal else FA2_H100_TFLOPS
+    lengths = sorted(table)
     pick = 1 if backward else 0
     seq = lengths[-1] if seq <= 0 else min(max(seq, lengths[0]), lengths[-1])
     hi = next(n for n in lengths if n >= seq)
     lo = lengths[max(0, lengths.index(hi) - 1)]
     w = (math.log2(seq) - math.log2(lo)) / (math.log2(hi) - math.log2(lo)) if hi != lo else 1.0
-    tflops = FA2_H100_TFLOPS[lo][pick] * (1 - w) + FA2_H100_TFLOPS[hi][pick] * w
+    tflops = table[lo][pick] * (1 - w) + table[hi][pick] * w
     return tflops / _H100_BF16
 
 
@@ -273,9 +301,11 @@ def attention_time(
     *,
     backward: bool = False,
     seq: int = 0,
+    causal: bool = False,
 ) -> float:
-    """Seconds of an attention kernel doing `flops` (its matmuls') at `assumptions.attention(backward, seq)` of
-    the peak (`backward`: SDPA's backward kernel; `seq`: its key length).
+    """Seconds of an attention kernel doing `flops` (its matmuls', the computed half's when causal) at
+    `assumptions.attention(backward, seq, causal)` of the peak (`backward`: SDPA's backward kernel; `seq`: its
+    key length; `causal`: with a causal mask).
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -286,7 +316,7 @@ def attention_time(
         >>> round(bwd / fwd, 3)  # FlashAttention-2 on H100: 370 TFLOP/s forward, 318 backward
         1.164
     """
-    return flops / (_peak(device, dtype) * assumptions.attention(backward, seq))
+    return flops / (_peak(device, dtype) * assumptions.attention(backward, seq, causal))
 
 
 @attrs.define
@@ -320,8 +350,30 @@ def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) ->
     return None
 
 
-def _sdpa_flops(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key; None for other ops."""
+def _causal_mask(mask: Any, lq: int, lk: int) -> bool:
+    """Whether an SDPA call's explicit mask is a decoder's causal mask. transformers builds one (B or 1, 1, L, L)
+    where the CPU kernel needs it (the dry run's case), where on CUDA it passes `is_causal` and the flash kernel
+    skips the masked half. A real mask is read: causal when exactly the keys after each query are masked (a bool
+    mask's False, a float mask's large negative values). A fake or meta one has no values: any square mask shared
+    by all heads is taken as causal (an assumption: a bidirectional padding mask looks the same)."""
+    if not isinstance(mask, torch.Tensor) or lq != lk or mask.ndim < 2 or mask.shape[-2:] != (lq, lq):
+        return False
+    if mask.ndim > 2 and mask.shape[-3] != 1:
+        return False
+    if mask.is_meta or isinstance(mask, FakeTensor) or type(mask) is not torch.Tensor:
+        return True
+    with _disable_current_modes():  # read the values without the dry run's modes seeing it
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        tril = torch.ones(lq, lq, dtype=torch.bool, device=mask.device).tril()
+        return bool((allowed == tril).all())
+
+
+def _sdpa_flops(
+    func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, bool] | None:
+    """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key (the computed half's when
+    causal), and whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`); None for other
+    ops."""
     if not name.startswith("_scaled_dot_product_") or "attention" not in name:
         return None
     q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
@@ -330,26 +382,20 @@ def _sdpa_flops(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
     b, h, lq, d = q.shape
     per_matmul = 2 * b * h * lq * k.shape[-2] * d
     flops = (5 if name.endswith("_backward") else 2) * per_matmul  # the backward recomputes q @ k^T
-    mask = _arg(func, args, kwargs, "attn_mask")
-    # a square mask over all heads is a decoder's causal mask (transformers builds one where the CPU kernel
-    # needs it; on CUDA it passes is_causal and the flash kernel skips the masked half): an assumption
-    causal = _arg(func, args, kwargs, "is_causal") or (
-        isinstance(mask, torch.Tensor)
-        and lq == k.shape[-2]
-        and mask.shape[-2:] == (lq, lq)
-        and mask.shape[-3] == 1
-    )
-    return flops // 2 if causal else flops
+    mask = _arg(func, args, kwargs, "attn_mask")  # the efficient and cuDNN kernels call it attn_bias
+    mask = mask if mask is not None else _arg(func, args, kwargs, "attn_bias")
+    causal = bool(_arg(func, args, kwargs, "is_causal")) or _causal_mask(mask, lq, int(k.shape[-2]))
+    return (flops // 2 if causal else flops), causal
 
 
 @attrs.frozen(slots=True)
 class OpCost:
     """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
     of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
-    backward), or a memory-bound kernel's `nbytes` moved; `backward` whether autograd ran it; `graph` whether it
-    ran in the forward (grad enabled) or the backward, what a compiled step compiles (False: the update, and
-    no-grad work outside the backward such as FSDP's copies after its all-gathers, which stay eager); `region`
-    whether a compiled block ran it (its forward inside `compiled_region`, or in the backward the backward of an
+    backward, `causal` with a causal mask), or a memory-bound kernel's `nbytes` moved; `backward` whether
+    autograd ran it; `graph` whether it ran in the forward (grad enabled) or the backward, what a compiled step
+    compiles (False: the update, and no-grad work outside the backward such as FSDP's copies after its
+    all-gathers, which stay eager); `region` whether a compiled block ran it (its forward inside `compiled_region`, or in the backward the backward of an
     autograd node made there: what a step compiled per block compiles; False: the loss, the head, the embedding
     and FSDP's hooks around the blocks). The dry run's tracker records one per op, `cost_time` times it.
 
@@ -374,6 +420,7 @@ class OpCost:
     seq: int = 0
     backward_kernel: bool = False
     region: bool = True
+    causal: bool = False
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
@@ -544,9 +591,10 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             graph=graph,
             region=region,
         )
-    flops = _sdpa_flops(func, name, args, kwargs)
-    if flops is None:
+    sdpa = _sdpa_flops(func, name, args, kwargs)
+    if sdpa is None:
         return None
+    flops, causal = sdpa
     q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
     return OpCost(
         "attention",
@@ -557,6 +605,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         region=region,
         seq=int(k.shape[-2]),
         backward_kernel=name.endswith("_backward"),
+        causal=causal,
     )
 
 
@@ -645,7 +694,13 @@ def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) 
     if cost.kind == "attention":
         dtype = cost.dtype if cost.dtype.itemsize == 2 else torch.bfloat16
         return attention_time(
-            cost.flops, device, assumptions, dtype, backward=cost.backward_kernel, seq=cost.seq
+            cost.flops,
+            device,
+            assumptions,
+            dtype,
+            backward=cost.backward_kernel,
+            seq=cost.seq,
+            causal=cost.causal,
         )
     return memory_time(cost.nbytes, device, assumptions)
 
@@ -672,7 +727,7 @@ class OpTimer(TorchDispatchMode):
                 "tiles": a.tiles,
                 "sm_count": a.sms(device),
                 "attention_efficiency": a.attention_efficiency,
-                "attention_by": "FlashAttention-2's measured speed on H100 by direction and key length",
+                "attention_by": "FlashAttention-2's measured speed on H100 by direction, key length and causal mask",
                 "memory_efficiency": a.memory_efficiency,
                 "memory_gbs": device.memory_gbs,
                 "launch_s": a.launch_s if a.eager else 0.0,

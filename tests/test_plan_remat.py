@@ -225,3 +225,16 @@ def test_a_step_from_the_knob_is_the_step_by_hand_and_changes_no_result() -> Non
     for name, p in knob_params.items():
         torch.testing.assert_close(p, hand_params[name], rtol=0, atol=1e-6)
         torch.testing.assert_close(p, ref_params[name].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_llama_example_takes_a_per_block_remat_flag() -> None:
+    """examples/train_llama.py --remat full:2 (one fake rank, 4 tiny blocks): its peak is between --remat none's
+    and --remat full's, as the planner's memory order has it."""
+    args = ["--model", "tiny", "--layers", "4", "--strategy", "ddp", "--compile", "none", "--accumulate", "1"]
+    peak = {
+        r: af.dry_run(
+            "examples/train_llama.py", [*args, "--remat", r], nproc_per_node=1, search=False
+        ).per_rank["peak"]
+        for r in ("none", "full:2", "full")
+    }
+    assert peak["full"] < peak["full:2"] < peak["none"], peak

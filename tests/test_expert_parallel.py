@@ -295,12 +295,23 @@ def test_router_logits_under_a_pipeline_are_refused():
             af.shard(af.pipeline(base, mesh, microbatches=2), mesh).init(model)
 
 
-def test_ep_plan_without_an_ep_axis_is_refused():
-    with (
-        af.Mesh({"dp": -1}, device="cpu") as mesh,
-        pytest.raises(ValueError, match="ep_plan given, but the mesh has no ep axis"),
-    ):
-        _step(mesh, ep_plan={"experts": "ep_dispatch_experts"})
+def test_ep_plan_without_an_ep_axis_is_kept_for_the_planner_and_leaves_the_experts_whole():
+    """A script passing ep_plan= runs on any mesh (accelfn plan reads the plan to search ep: GIVEN); without ep the
+    experts stay whole, the step the plain one: the same params after a step as without the plan."""
+    from accelfn.transforms.shard.expert_parallel import GIVEN
+
+    plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts"}
+    ids = torch.randint(0, 32, (2, 5))
+    loss = lambda m, b: m(input_ids=b).logits.float().pow(2).mean()  # noqa: E731
+    with af.Mesh({"dp": -1}, device="cpu") as mesh:
+        states = []
+        for kw in ({"ep_plan": plan}, {}):
+            step = af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, **kw)
+            states.append(step(step.init(qwen()), ids)[0])
+            assert not kw or GIVEN[-1] == plan
+    a, b = states
+    assert a.params.keys() == b.params.keys()
+    assert all(torch.allclose(a.params[k], b.params[k], atol=1e-6) for k in a.params)
 
 
 def test_ep_dispatcher_is_swapped_named_and_checked(ep2):

@@ -1,7 +1,8 @@
 """The planner's candidates: every configuration of the knobs a script leaves open, for one world.
 
-A `Candidate` is a mesh (pp, dp replicate/shard, ep, cp, tp; tp, cp and ep inside a node) with the knobs of
-`accelfn.launch_env.knob` (strategy, remat, accumulate, pipeline schedule and micro-batches, offload); `None`
+A `Candidate` is a mesh (pp, dp replicate/shard, ep, cp, tp; tp and cp inside a node, ep inside it or across
+whole nodes) with the knobs of `accelfn.launch_env.knob` (strategy, remat, accumulate, pipeline schedule and
+micro-batches, offload); `None`
 leaves a knob to the script. `enumerate_candidates` lists them for a `Space`. An `ep` axis (expert parallel,
 a data axis whose ranks also split the experts, with the tp and cp ranks it borrows) is enumerated only for a
 model with experts (`Space.experts`, counted by the planner's probe).
@@ -22,7 +23,16 @@ import attrs
 
 from ..launch_env import format_mesh
 
-__all__ = ["Candidate", "Space", "enumerate_candidates", "divisors", "data_size", "ZERO", "REMATS"]
+__all__ = [
+    "Candidate",
+    "Space",
+    "enumerate_candidates",
+    "ep_sizes",
+    "divisors",
+    "data_size",
+    "ZERO",
+    "REMATS",
+]
 
 SCHEDULES = ("1f1b", "gpipe")
 # DeepSpeed's ZeRO stages, values of the strategy knob (af.shard(strategy="zero2") = backend="deepspeed", stage 2)
@@ -125,9 +135,31 @@ class Space:
     experts: int = 0
 
 
+def ep_sizes(data: int, inner: int, node: int, experts: int) -> list[int]:
+    """The `ep` sizes searched for a mesh with `data` data-parallel ranks and tp x cp = `inner` (`node` processes
+    per node, `experts` per MoE layer): every one inside a node (ep x tp x cp divides the node), and across nodes
+    where tp x cp fill the node or the experts outnumber it: those whose expert group (ep x tp x cp, the ranks that
+    split the experts) spans whole nodes and divides the experts, so that each rank holds a whole share of them.
+
+    Example:
+        >>> ep_sizes(data=8, inner=1, node=8, experts=4)  # inside a node only
+        [1, 2, 4, 8]
+        >>> ep_sizes(data=8, inner=8, node=8, experts=64)  # tp x cp fill the node: ep spans 2, 4 or 8 nodes
+        [1, 2, 4, 8]
+        >>> ep_sizes(data=32, inner=1, node=8, experts=64)  # 64 experts outnumber the node's 8
+        [1, 2, 4, 8, 16, 32]
+    """
+    inside = divisors(math.gcd(data, node // inner)) if node % inner == 0 else [1]
+    if inner < node and experts <= node:
+        return inside
+    across = [ep for ep in divisors(data) if (ep * inner) % node == 0 and experts % (ep * inner) == 0]
+    return sorted({*inside, *across})
+
+
 def _meshes(space: Space) -> Iterator[dict[str, int]]:
-    """pp, dp, ep, cp, tp with tp, cp and ep inside a node (their product divides the node's processes); ep
-    only for a model with experts, its ranks taken from the data-parallel ones (dp x ep is the data size)."""
+    """pp, dp, ep, cp, tp with tp and cp inside a node (their product divides the node's processes), and ep
+    inside it too or across whole nodes (`ep_sizes`); ep only for a model with experts, its ranks taken from the
+    data-parallel ones (dp x ep is the data size)."""
     if "mesh" not in space.open:
         yield {}
         return
@@ -139,7 +171,7 @@ def _meshes(space: Space) -> Iterator[dict[str, int]]:
                 continue
             for pp in divisors(world // (tp * cp)) if "pp" in space.axes else [1]:
                 data = world // (tp * cp * pp)
-                for ep in divisors(math.gcd(data, node // (tp * cp))) if expert else [1]:
+                for ep in ep_sizes(data, tp * cp, node, space.experts) if expert else [1]:
                     mesh = {"pp": pp, "dp": data // ep, "ep": ep, "cp": cp, "tp": tp}
                     yield {k: v for k, v in mesh.items() if v > 1 or k == "dp"}
 
@@ -157,6 +189,8 @@ def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, 
                 yield mesh, s
             continue
         inner = space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("ep", 1))
+        if inner < 1:  # ep spans nodes: no fsdp axis inside a node beside it
+            continue
         dp = mesh.get("dp", 1)
         for shard in divisors(dp):
             if 1 < shard < dp and inner % shard == 0:

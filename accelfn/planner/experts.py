@@ -1,9 +1,12 @@
-"""How many experts a script's model has per MoE layer: what lets the planner add an `ep` axis.
+"""How many experts a script's model has per MoE layer, and their bytes: what lets the planner add an `ep` axis.
 
 The planner's probe (a one-process dry run of the script) sees the model the script builds (`dry_run(on_model=...)`);
-`count_experts` reads it as expert parallel's lowering does: the model's own ep plan (`transformers`'
-`config.base_model_ep_plan`), the parameters it stacks over experts (`grouped_gemm`, experts on dim 0). A model
-without a plan, or whose plan matches nothing, has none (0): its script gets no `ep` candidates.
+`count_experts` reads it as expert parallel's lowering does: the plan the script gives `af.shard(..., ep_plan=)`
+(recorded by `af.shard` in `expert_parallel.GIVEN`, as `launch_env.ASKED` records the knobs a script asks for),
+else the model's own (`transformers`' `config.base_model_ep_plan`); the parameters it stacks over experts
+(`grouped_gemm`, experts on dim 0). A model without a plan, or whose plan matches nothing, has none (0): its
+script gets no `ep` candidates. `expert_bytes` is the bytes of those parameters: the part of the model's states
+that expert parallel splits more finely than the dense layers (the planner's states bound, `prune.States`).
 
 Example:
     >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -12,46 +15,64 @@ Example:
     ...                      num_experts_per_tok=2)
     >>> count_experts(Qwen3MoeForCausalLM(cfg)), count_experts(nn.Linear(2, 2))
     (4, 0)
+    >>> expert_bytes(Qwen3MoeForCausalLM(cfg))  # 4 experts x (2 x 8 x 16 + 16 x 8) fp32
+    6144
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
-__all__ = ["count_experts", "recording_experts"]
+__all__ = ["count_experts", "expert_bytes", "recording_experts"]
 
 
-def count_experts(model: nn.Module) -> int:
-    """The experts of each MoE layer of `model` (the fewest, if its layers differ), 0 without an ep plan."""
+def _stacked(model: nn.Module, plan: Mapping[str, str] | None) -> list[nn.Parameter]:
+    """The params `plan` (default: the model's own) stacks over experts; none without a plan or a match."""
     from ..transforms.shard.expert_parallel import expert_params, model_ep_plan
 
-    plan = model_ep_plan(model)
+    plan = plan if plan is not None else model_ep_plan(model)
     if not plan:
-        return 0
+        return []
     try:
         stacked = expert_params(model, plan)
     except ValueError:  # the plan names nothing of this model (e.g. its MoE layers cut away)
-        return 0
-    sizes = [model.get_parameter(name).shape[0] for name in stacked]
+        return []
+    return [model.get_parameter(name) for name in stacked]
+
+
+def count_experts(model: nn.Module, plan: Mapping[str, str] | None = None) -> int:
+    """The experts of each MoE layer of `model` under `plan` (default: its own; the fewest, if its layers
+    differ), 0 without a plan."""
+    sizes = [p.shape[0] for p in _stacked(model, plan)]
     return int(min(sizes)) if sizes else 0
+
+
+def expert_bytes(model: nn.Module, plan: Mapping[str, str] | None = None) -> int:
+    """The bytes of `model`'s params stacked over experts under `plan` (default: its own), 0 without a plan."""
+    return sum(p.numel() * p.element_size() for p in _stacked(model, plan))
 
 
 def recording_experts(
     hook: Callable[[nn.Module], None] | None, seen: dict[str, Any]
 ) -> Callable[[nn.Module], None]:
-    """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]`, then runs `hook`.
+    """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]` and
+    `expert_bytes(model)` in `seen["expert_bytes"]`, under the last plan the script gave `af.shard` (if any),
+    then runs `hook`.
 
     Example:
         >>> seen = {}
         >>> recording_experts(None, seen)(nn.Linear(2, 2)); seen
-        {'experts': 0}
+        {'experts': 0, 'expert_bytes': 0}
     """
+    from ..transforms.shard.expert_parallel import GIVEN
 
     def record(model: nn.Module) -> None:
-        seen["experts"] = count_experts(model)
+        plan = GIVEN[-1] if GIVEN else None
+        seen["experts"] = count_experts(model, plan)
+        seen["expert_bytes"] = expert_bytes(model, plan)
         if hook is not None:
             hook(model)
 

@@ -5,8 +5,9 @@ data-parallel ranks); everything the lowering checks (heads and kv heads by tp, 
 batch by micro-batches) is left to the lowering itself, which the search runs on fake ranks (`search.py`):
 its error is the reason a candidate falls. The states bound is the bytes of parameters, gradients and
 optimizer state one rank holds at least, known without running a step: the whole model's (a one-process dry
-run measures them) divided by the ways the candidate splits them; a candidate whose bound exceeds the device's
-usable memory cannot fit.
+run measures them) divided by the ways the candidate splits them, the experts' params (and their grads and
+optimizer state) by the ways expert parallel splits them; a candidate whose bound exceeds the device's usable
+memory cannot fit.
 
 Example:
     >>> from accelfn.planner.candidates import Candidate
@@ -15,6 +16,9 @@ Example:
     2000000000
     >>> states_bound(Candidate({"dp": 8}, "ddp"), totals, script_strategy=None)
     16000000000
+    >>> moe = attrs.evolve(totals, experts=3 * 10**9)  # 3/4 of the params are experts
+    >>> states_bound(Candidate({"dp": 2, "ep": 4}, "ddp"), moe, script_strategy=None)  # 4 GB dense + 12 GB / 4
+    7000000000
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import attrs
 
 from .candidates import ZERO, Candidate, data_size
 
-__all__ = ["States", "states_bound", "illegal", "shards", "zero_shards", "time_bound"]
+__all__ = ["States", "states_bound", "illegal", "shards", "expert_shards", "zero_shards", "time_bound"]
 
 
 @attrs.frozen
@@ -34,15 +38,25 @@ class States:
     params: int
     grads: int
     optimizer: int
+    experts: int = 0  # of `params`, the bytes of the params stacked over experts (`experts.expert_bytes`)
 
     @classmethod
-    def of(cls, per_rank: dict[str, int]) -> States:
-        """From a one-process dry run's `per_rank`."""
+    def of(cls, per_rank: dict[str, int], experts: int = 0) -> States:
+        """From a one-process dry run's `per_rank` and the bytes of its model's expert params."""
         return cls(
             params=per_rank.get("params", 0) + per_rank.get("buffers", 0),
             grads=per_rank.get("grads", 0),
             optimizer=per_rank.get("optimizer", 0),
+            experts=experts,
         )
+
+    def split(self, optimizer: int) -> tuple[int, int]:
+        """(dense, experts): the bytes of params, grads and `optimizer` (the state counted) of the dense layers
+        and of the experts, each state split as the params are (grads and optimizer state follow their param)."""
+        whole = self.params + self.grads + optimizer
+        share = min(1.0, self.experts / self.params) if self.params else 0.0
+        experts = int(whole * share)
+        return whole - experts, experts
 
 
 def shards(strategy: str | None, mesh: dict[str, int]) -> int:
@@ -68,11 +82,30 @@ def zero_shards(strategy: str, mesh: dict[str, int]) -> tuple[int, int, int]:
     return (data if stage >= 3 else 1, data if stage >= 2 else 1, data)
 
 
+def expert_shards(strategy: str | None, mesh: dict[str, int]) -> int:
+    """Over how many ranks beside tp x pp the experts are split under `strategy` with an `ep` axis, as the
+    lowering splits them: over ep and the cp ranks it borrows (the tp ranks it borrows are tp's own split), then
+    fsdp (efsdp) over the data axes other than ep, hsdp over its `fsdp` axis, ddp over none; a strategy the
+    script fixes (None) as fsdp.
+
+    Example:
+        >>> expert_shards("ddp", {"dp": 2, "ep": 4}), expert_shards("fsdp", {"dp": 2, "ep": 4})
+        (4, 8)
+    """
+    ep, cp = mesh.get("ep", 1), mesh.get("cp", 1)
+    if strategy in ("fsdp", None):
+        return data_size(mesh) * cp  # ep x cp x the other data axes
+    if strategy == "hsdp":
+        return ep * cp * mesh.get("fsdp", 1)
+    return ep * cp
+
+
 def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -> int:
     """The least bytes of params, grads and optimizer state a rank of `c` holds: each is split at most over
     tp x pp (a stage holds at least the average) and the strategy's shards (ZeRO: each state by its stage,
-    `zero_shards`), or with an `ep` axis over ep x cp where that is more (the experts' split; the dense layers'
-    is no finer); offloaded optimizer state is on the host."""
+    `zero_shards`); with an `ep` axis, the experts' part (`totals.experts`) over their own split
+    (`expert_shards`), or without that part known, the whole over the larger of the two splits; offloaded
+    optimizer state is on the host."""
     strategy = c.strategy or script_strategy
     model = c.mesh.get("tp", 1) * c.mesh.get("pp", 1)
     optimizer = 0 if c.offload == "optimizer" else totals.optimizer
@@ -80,10 +113,13 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
         p, g, o = zero_shards(strategy, c.mesh)
         return totals.params // (model * p) + totals.grads // (model * g) + optimizer // (model * o)
     ways = shards(strategy, c.mesh)
-    ep = c.mesh.get("ep", 1)
-    if ep > 1:  # the experts are split over ep and the cp ranks it borrows, whatever the strategy
-        ways = max(ways, ep * c.mesh.get("cp", 1))
-    return (totals.params + totals.grads + optimizer) // (model * ways)
+    if c.mesh.get("ep", 1) == 1:
+        return (totals.params + totals.grads + optimizer) // (model * ways)
+    experts = expert_shards(strategy, c.mesh)
+    if not totals.experts:  # which bytes are experts is not known: the finer split for all
+        return (totals.params + totals.grads + optimizer) // (model * max(ways, experts))
+    dense, expert = totals.split(optimizer)
+    return dense // (model * ways) + expert // (model * experts)
 
 
 def illegal(c: Candidate) -> str | None:

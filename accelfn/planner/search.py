@@ -69,10 +69,12 @@ def run_job(job: Job) -> dict[str, Any]:
 
 
 def _run_job(job: Job) -> dict[str, Any]:
+    from ..transforms.shard.expert_parallel import GIVEN
     from .experts import recording_experts
     from .extrapolate import keep_blocks, rank_blocks
 
     launch_env.ASKED.clear()
+    GIVEN.clear()  # the ep plan this job's script gives af.shard (read by recording_experts)
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
     seen: dict[str, Any] = {}
     # the stage counts to read each rank's blocks for: the expected one, and those of a schedule the script
@@ -100,6 +102,7 @@ def _run_job(job: Job) -> dict[str, Any]:
             "report": report.to_dict(),
             "blocks": seen.get("blocks", 0),
             "experts": seen.get("experts", 0),
+            "expert_bytes": seen.get("expert_bytes", 0),
             "asked": sorted(launch_env.ASKED),
         }
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict

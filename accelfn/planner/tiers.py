@@ -191,7 +191,7 @@ def plan(
             )
         open_knobs = ["mesh", *[k for k in launch_env.KNOBS if k in asked]]
         fixed = [k for k in launch_env.KNOBS if k not in asked and k != "global_batch_size"]
-        totals = States.of(probe["report"]["per_rank"])
+        totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
         space = Space(
             world=nproc_per_node * nnodes,
             nproc_per_node=nproc_per_node,

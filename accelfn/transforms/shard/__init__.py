@@ -241,7 +241,8 @@ def shard(
     Expert parallel (an `ep` axis of size > 1, strategy "ddp" or "fsdp"): the ep ranks read their own rows
     (data-parallel for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their
     experts by all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
-    (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it; see
+    (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it (on a mesh without ep it is kept for
+    `accelfn plan`, which reads it to search ep, and the experts stay whole); see
     `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, the dense layers
     see `ep` as a data axis beside them (each of its ranks a tp group, cp group or stage rank as without ep), and
     the experts are split over `ep` and the `tp` and `cp` axes it borrows; the tp plan's entries for the experts
@@ -305,10 +306,10 @@ def shard(
             f"shard: tp_plan given, but the mesh has no tp axis of size > 1 (shape {mesh.shape})"
         )
     ep = mesh.axis_size("ep") if "ep" in mesh.axis_names else 1
-    if ep_plan is not None and ep == 1:
-        raise ValueError(
-            f"shard: ep_plan given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"
-        )
+    if ep_plan is not None:  # kept on a mesh without ep (the experts stay whole): a script runs on any mesh
+        from .expert_parallel import GIVEN
+
+        GIVEN[:] = [dict(ep_plan)]
     if ep_dispatcher is not None and ep == 1:
         raise ValueError(
             f"shard: ep_dispatcher given, but the mesh has no ep axis of size > 1 (shape {mesh.shape})"

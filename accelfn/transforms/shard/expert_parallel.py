@@ -70,6 +70,9 @@ __all__ = [
 ]
 
 STYLES = ("grouped_gemm", "ep_dispatch_experts")
+# The last ep plan given to af.shard in this process, on any mesh (what `accelfn plan`'s one-process probe reads to count
+# a model's experts: `accelfn.planner.experts`), as `launch_env.ASKED` records the knobs a script asks for.
+GIVEN: list[dict[str, str]] = []
 
 
 def model_ep_plan(module: nn.Module) -> dict[str, str] | None:

@@ -101,6 +101,7 @@ def main() -> None:
         const="full",
         default="auto",
         type=remat_flag,
+        metavar="{none,selective,full,POLICY:N,auto}",
         help="recompute decoder layers in the backward pass: full (`--remat` alone), selective (torchtitan's "
         "op-level policy), none (the default); POLICY:N on every n-th layer only (layers n, 2n, ...), e.g. "
         "full:2 (torchtitan's selective_ac_option=2)",

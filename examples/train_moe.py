@@ -163,6 +163,7 @@ def main() -> None:
         const="full",
         default="auto",
         type=remat_flag,
+        metavar="{none,selective,full,POLICY:N,auto}",
         help="recompute decoder layers in the backward: full (`--remat` alone), selective, none (default); "
         "POLICY:N on every n-th layer only (layers n, 2n, ...), e.g. full:2",
     )

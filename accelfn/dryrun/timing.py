@@ -370,10 +370,10 @@ def _causal_mask(mask: Any, lq: int, lk: int) -> bool:
 
 def _sdpa_flops(
     func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[int, bool] | None:
+) -> tuple[int, bool, bool] | None:
     """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key (the computed half's when
-    causal), and whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`); None for other
-    ops."""
+    causal), whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`) and whether it was
+    given an explicit mask; None for other ops."""
     if not name.startswith("_scaled_dot_product_") or "attention" not in name:
         return None
     q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
@@ -385,19 +385,20 @@ def _sdpa_flops(
     mask = _arg(func, args, kwargs, "attn_mask")  # the efficient and cuDNN kernels call it attn_bias
     mask = mask if mask is not None else _arg(func, args, kwargs, "attn_bias")
     causal = bool(_arg(func, args, kwargs, "is_causal")) or _causal_mask(mask, lq, int(k.shape[-2]))
-    return (flops // 2 if causal else flops), causal
+    return (flops // 2 if causal else flops), causal, isinstance(mask, torch.Tensor)
 
 
 @attrs.frozen(slots=True)
 class OpCost:
     """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
     of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
-    backward, `causal` with a causal mask), or a memory-bound kernel's `nbytes` moved; `backward` whether
-    autograd ran it; `graph` whether it ran in the forward (grad enabled) or the backward, what a compiled step
-    compiles (False: the update, and no-grad work outside the backward such as FSDP's copies after its
-    all-gathers, which stay eager); `region` whether a compiled block ran it (its forward inside `compiled_region`, or in the backward the backward of an
-    autograd node made there: what a step compiled per block compiles; False: the loss, the head, the embedding
-    and FSDP's hooks around the blocks). The dry run's tracker records one per op, `cost_time` times it.
+    backward, `causal` with a causal mask, `mask` given it as an explicit mask), or a memory-bound kernel's
+    `nbytes` moved; `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
+    the backward, what a compiled step compiles (False: the update, and no-grad work outside the backward such
+    as FSDP's copies after its all-gathers, which stay eager); `region` whether a compiled block ran it (its
+    forward inside `compiled_region`, or in the backward the backward of an autograd node made there: what a step
+    compiled per block compiles; False: the loss, the head, the embedding and FSDP's hooks around the blocks).
+    The dry run's tracker records one per op, `cost_time` times it.
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -421,6 +422,7 @@ class OpCost:
     backward_kernel: bool = False
     region: bool = True
     causal: bool = False
+    mask: bool = False
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
@@ -594,7 +596,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     sdpa = _sdpa_flops(func, name, args, kwargs)
     if sdpa is None:
         return None
-    flops, causal = sdpa
+    flops, causal, masked = sdpa
     q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
     return OpCost(
         "attention",
@@ -606,6 +608,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         seq=int(k.shape[-2]),
         backward_kernel=name.endswith("_backward"),
         causal=causal,
+        mask=masked,
     )
 
 

@@ -252,7 +252,8 @@ def test_accelfn_plan_writes_a_config_that_accelfn_launch_applies(tmp_path: Path
     proc = run_workers("plan_worker.py", 2, "--offload", "none", launch_args=("--config", str(path)))
     assert proc.returncode == 0, output_of(proc)
     ran = re.search(
-        r"config mesh=(\{.*?\}) strategy=(\w+) remat=([\w:]+) accumulate=(\d+) global_batch=(\d+)", proc.stdout
+        r"config mesh=(\{.*?\}) strategy=(\w+) remat=([\w:]+) accumulate=(\d+) global_batch=(\d+)",
+        proc.stdout,
     )
     assert ran, output_of(proc)
     assert eval(ran.group(1)) == chosen["mesh"]  # noqa: S307 - a dict the worker printed
@@ -502,7 +503,7 @@ def test_a_mesh_whose_most_frugal_candidate_does_not_fit_falls_by_one_dry_run(me
     measured = [r.candidate.label for r in pruned.unfit]  # dp=4's most frugal: full remat, most micro-batches
     assert measured == ["dp=4 remat=full acc=2"]
     dominated = [f for f in pruned.fallen if f.candidate.mesh_spec == "dp=4" and f.tier == "dominated"]
-    assert len(dominated) == 2 * len(REMATS) - 1  # its group: every remat searched x acc 1, 2; but the frugal one
+    assert len(dominated) == 2 * len(REMATS) - 1  # its group (each remat x acc 1, 2) but the frugal one
     for f in dominated:
         assert "needs at least the memory of dp=4 remat=full acc=2, measured not to fit" in f.reason
     truly_unfit = {r.candidate.key for r in exhaustive.unfit}

@@ -30,16 +30,20 @@ __all__ = ["count_experts", "expert_bytes", "recording_experts"]
 
 
 def _stacked(model: nn.Module, plan: Mapping[str, str] | None) -> list[nn.Parameter]:
-    """The params `plan` (default: the model's own) stacks over experts; none without a plan or a match."""
+    """The params `plan` (default: the model's own) stacks over experts; none without a plan or a match of the
+    model's own plan; a ValueError naming the entry of a given `plan` that does not fit the model."""
     from ..transforms.shard.expert_parallel import expert_params, model_ep_plan
 
-    plan = plan if plan is not None else model_ep_plan(model)
-    if not plan:
-        return []
-    try:
+    if plan is not None:  # the script's own: one that does not fit its model is its error, named
         stacked = expert_params(model, plan)
-    except ValueError:  # the plan names nothing of this model (e.g. its MoE layers cut away)
-        return []
+    else:
+        own = model_ep_plan(model)
+        if not own:
+            return []
+        try:
+            stacked = expert_params(model, own)
+        except ValueError:  # the plan names nothing of this model (e.g. its MoE layers cut away)
+            return []
     return [model.get_parameter(name) for name in stacked]
 
 

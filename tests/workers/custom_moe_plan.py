@@ -1,10 +1,12 @@
-"""A user's own MoE module (not transformers') under `af.shard(..., ep_plan=USER_PLAN)`, mesh, strategy and global batch
+"""A user's own MoE module (not transformers') under `af.shard(..., ep_plan=plan)`, mesh, strategy and global batch
 left to the launch configuration: what `accelfn plan` must find ep candidates for (tests/test_plan_ep.py).
 
     accelfn plan --nproc-per-node 8 --global-batch-size 16 --axes dp,ep tests/workers/custom_moe_plan.py
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -15,6 +17,8 @@ from accelfn.moe import local_part
 
 EXPERTS, TOPK, VOCAB, D, F = 8, 2, 32, 16, 64
 
+# --bad-plan: a plan whose entry matches nothing of the model (the planner's probe names it)
+BAD_PLAN = {"moe.experts.w_up": "grouped_gemm", "moe.experts": "ep_dispatch_experts"}
 USER_PLAN = {
     "moe.experts.w_in": "grouped_gemm",
     "moe.experts.w_out": "grouped_gemm",
@@ -73,12 +77,11 @@ def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    plan = BAD_PLAN if "--bad-plan" in sys.argv[1:] else USER_PLAN
     with af.Mesh.from_env(device="cpu") as mesh:
         strategy = knob("strategy", "auto", "ddp")
         rows = int(knob("global_batch_size", "auto", 8)) // mesh.data_size
-        step = af.shard(
-            af.train_step(loss_fn, af.optim.adamw(1e-2)), mesh, strategy=strategy, ep_plan=USER_PLAN
-        )
+        step = af.shard(af.train_step(loss_fn, af.optim.adamw(1e-2)), mesh, strategy=strategy, ep_plan=plan)
         torch.manual_seed(0)
         state = step.init(UserModel())
         for i in range(2):

@@ -362,6 +362,8 @@ def _causal_mask(mask: Any, lq: int, lk: int) -> bool:
         return False
     if mask.is_meta or isinstance(mask, FakeTensor) or type(mask) is not torch.Tensor:
         return True
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        return False
     with _disable_current_modes():  # read the values without the dry run's modes seeing it
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         tril = torch.ones(lq, lq, dtype=torch.bool, device=mask.device).tril()

@@ -1,10 +1,10 @@
-"""Per-block activation checkpointing as a launch knob (`remat: full:2`, `af.remat(step, "full", every=2)`),
-searched by `accelfn plan`: its syntax and errors, its memory order, a plan of a small model where it is the best
-that fits (checked against the exhaustive search), the written config, and the step it builds.
+"""Per-block activation checkpointing as a launch knob (`remat: selective:2`, `af.remat(step, "selective",
+every=2)`), searched by `accelfn plan`: its syntax and errors, its memory order, a plan of a small model where it
+is the best that fits (checked against the exhaustive search), the written config, and the step it builds.
 
 The planned script is tests/workers/plan_worker.py (a tiny Llama) with 4 blocks of 128 tokens, one process, all
-but remat fixed: none holds 14.1 MiB at its peak, full:2 10.6 MiB, selective 8.0 MiB, full 5.8 MiB; in the time
-model none < full:2 < selective < full (the recomputation counted).
+but remat fixed: none holds 14.1 MiB at its peak, selective:2 11.4 MiB, selective 8.0 MiB, full 5.8 MiB; in the
+time model none < selective:2 < selective < full (the recomputation counted).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests._launch import WORKERS
 SCRIPT = str(WORKERS / "plan_worker.py")
 ARGS = ["--strategy", "ddp", "--accumulate", "1", "--offload", "none", "--compile", "none"]
 ARGS += ["--global-batch-size", "4", "--layers", "4", "--seq-len", "128"]  # the grid: remat alone
-MEMORY_GIB = 12.5 / 1024  # usable: 12.5 MiB, between full:2's peak and none's
+MEMORY_GIB = 12.5 / 1024  # usable: 12.5 MiB, between selective:2's peak and none's
 
 
 # ---- the knob's syntax ------------------------------------------------------------------------------------------
@@ -104,16 +104,13 @@ def test_per_block_remat_needs_memory_between_none_and_every_block() -> None:
     assert not remat_needs_more(None, "full") and not remat_needs_more("full:2", None)
 
 
-def test_the_searched_remats_are_each_policy_and_full_on_every_second_block() -> None:
+def test_the_searched_remats_are_each_policy_and_selective_on_every_second_block() -> None:
     space = Space(world=2, nproc_per_node=2, open=frozenset({"mesh", "remat"}), axes=("dp",))
-    assert (
-        [c.remat for c in enumerate_candidates(space)]
-        == list(REMATS)
-        == ["none", "selective", "full:2", "full"]
-    )
+    want = ["none", "selective:2", "selective", "full"]
+    assert [c.remat for c in enumerate_candidates(space)] == list(REMATS) == want
 
 
-# ---- the plan: full:2 is the best that fits ----------------------------------------------------------------------
+# ---- the plan: selective:2 is the best that fits -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -122,24 +119,24 @@ def plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     return af.plan(SCRIPT, ARGS, **kw), af.plan(SCRIPT, ARGS, prune=False, **kw)  # type: ignore[arg-type]
 
 
-def test_per_block_remat_is_chosen_where_none_does_not_fit_and_it_is_faster_than_full(plans) -> None:
+def test_per_block_remat_is_chosen_where_none_does_not_fit_and_it_is_the_fastest_that_does(plans) -> None:
     pruned, exhaustive = plans
     assert pruned.open_knobs == ["mesh", "remat"]
     assert exhaustive.dry_runs == exhaustive.candidates == len(REMATS)
     assert [r.candidate.remat for r in exhaustive.unfit] == ["none"]
     by = {r.candidate.remat: r for r in exhaustive.rows}
-    assert set(by) == {"selective", "full:2", "full"}
-    # full:2 keeps less than none and more than full, and recomputes less than full
-    assert by["full"].peak < by["full:2"].peak <= exhaustive.capacity_bytes < exhaustive.unfit[0].peak
-    assert by["full:2"].step_time_s < by["selective"].step_time_s < by["full"].step_time_s
+    assert set(by) == {"selective:2", "selective", "full"}
+    # selective:2 keeps less than none and more than selective, and recomputes less than selective
+    peaks = [by[r].peak for r in ("full", "selective", "selective:2")]
+    assert peaks == sorted(peaks) and peaks[-1] <= exhaustive.capacity_bytes < exhaustive.unfit[0].peak
+    assert by["selective:2"].step_time_s < by["selective"].step_time_s < by["full"].step_time_s
     best = max(exhaustive.rows, key=lambda r: r.tokens_per_s_per_gpu or 0.0)
-    assert best.candidate.remat == "full:2"
+    assert best.candidate.remat == "selective:2"
     assert pruned.best is not None and pruned.best.candidate.key == best.candidate.key
     assert pruned.best.peak == best.peak and pruned.best.step_time_s == best.step_time_s
     text = pruned.table()
-    assert (
-        "remat=full:2" in text and "note: remat=full:2 and the like: that policy on every n-th block" in text
-    )
+    assert "remat=selective:2" in text
+    assert "note: remat=selective:2 and the like: that policy on every n-th block" in text
 
 
 def test_the_written_per_block_config_is_what_launch_and_dry_run_apply(plans, tmp_path: Path) -> None:
@@ -150,12 +147,12 @@ def test_the_written_per_block_config_is_what_launch_and_dry_run_apply(plans, tm
     best = pruned.best
     assert best is not None
     path = pruned.write_config(tmp_path / "plan.yaml")
-    assert load(path).plan.remat == "full:2"
-    # accelfn launch --config: the script's knob reads full:2, af.remat's arguments every 2nd block
+    assert load(path).plan.remat == "selective:2"
+    # accelfn launch --config: the script's knob reads selective:2, af.remat's arguments every 2nd block
     env = resolve(LaunchOptions(script=SCRIPT, config_file=str(path), cpu=True), environ={}).env
-    assert env["ACCELFN_REMAT"] == "full:2"
+    assert env["ACCELFN_REMAT"] == "selective:2"
     assert launch_env.remat_args(launch_env.knob("remat", "auto", "none", environ=env)) == {
-        "policy": "full",
+        "policy": "selective",
         "every": 2,
     }
     # accelfn dry-run --config: the plan's figures
@@ -186,8 +183,8 @@ def _batches() -> list[torch.Tensor]:
 
 
 def test_a_step_from_the_knob_is_the_step_by_hand_and_changes_no_result() -> None:
-    """af.remat(**remat_args(knob)) with ACCELFN_REMAT=full:2 is af.remat("full", every=2): blocks 2 and 4 of 4
-    checkpointed; two AdamW steps of each give plain PyTorch's losses and parameters (one process, real
+    """af.remat(**remat_args(knob)) with ACCELFN_REMAT=selective:2 is af.remat("selective", every=2): blocks 2
+    and 4 of 4 checkpointed; two AdamW steps of each give plain PyTorch's losses and parameters (one process, real
     tensors; remat recomputes, never changes a result)."""
 
     def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> af.Loss:
@@ -204,9 +201,9 @@ def test_a_step_from_the_knob_is_the_step_by_hand_and_changes_no_result() -> Non
         return losses, checkpointed, {k: v.detach().clone() for k, v in state.params.items()}
 
     base = af.train_step(loss_fn, af.optim.adamw(1e-3, weight_decay=0.0))
-    value = launch_env.knob("remat", "auto", "none", environ={"ACCELFN_REMAT": "full:2"})
+    value = launch_env.knob("remat", "auto", "none", environ={"ACCELFN_REMAT": "selective:2"})
     knob_losses, knob_blocks, knob_params = train(af.remat(base, **launch_env.remat_args(value)))
-    hand_losses, hand_blocks, hand_params = train(af.remat(base, "full", every=2))
+    hand_losses, hand_blocks, hand_params = train(af.remat(base, "selective", every=2))
     assert knob_blocks == hand_blocks == [2, 4]
 
     model = _model()  # the reference: plain PyTorch, no checkpointing

@@ -38,11 +38,12 @@ SCHEDULES = ("1f1b", "gpipe")
 # DeepSpeed's ZeRO stages, values of the strategy knob (af.shard(strategy="zero2") = backend="deepspeed", stage 2)
 ZERO = ("zero1", "zero2", "zero3")
 MAX_ACCUMULATE = 16
-# the remat values searched: each policy on every block, and full on every 2nd block (blocks 2, 4, ...: torchtitan's
-# layer-selective AC, `selective_ac_option="2"`), between none and full in memory and in recomputation. Not
-# searched, to keep a mesh's candidates at 4/3 rather than 5/3 or more: selective:2 (between none and selective,
-# close to both) and every 3rd block or more (each saves less than full:2 for the same dry run); the knob takes them
-REMATS = ("none", "selective", "full:2", "full")
+# the remat values searched: each policy on every block, and selective on every 2nd block (blocks 2, 4, ...), between
+# none and selective in memory and in recomputation. Not searched, to keep a mesh's candidates at 4/3 of the three
+# policies' rather than 5/3 or more: full:2 (torchtitan's layer-selective AC, `selective_ac_option="2"`) and every
+# 3rd block or more; at Llama 3 8B's shapes the dry run's time model puts full:2 at selective's step time with 22%
+# more memory, and full:4 at selective:2's with 8% more (docs/plan.md, "Per-block remat"). The knob takes them all.
+REMATS = ("none", "selective:2", "selective", "full")
 
 
 def deepspeed_installed() -> bool:

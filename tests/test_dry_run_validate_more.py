@@ -4,6 +4,7 @@ and the measurement of the real side (our `StepTracker` on real tensors) against
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +169,82 @@ def test_a_real_run_gives_the_backend_copies_so_its_worker_thread_frees_nothing_
         assert [(c.kind, c.nbytes) for c in tracker.collectives] == [("all_gather", 1024)]
     finally:
         dist.destroy_process_group()
+
+
+def _gloo_pair() -> list[Any]:
+    """Two ranks of a gloo process group in this process (ranks 0 and 1, each used from its own thread), not
+    registered with torch.distributed (the test's process has no default group)."""
+    import threading
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank: int) -> None:
+        backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2)
+        group = ProcessGroup(store, rank, 2)
+        group._set_default_backend(ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+        groups[rank] = group
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    return groups
+
+
+def test_a_real_run_gives_c10d_collectives_copies_and_waits_so_the_caller_s_tensor_dies_with_its_reference() -> (
+    None
+):
+    """As the test above, for c10d's collectives (DDP's reducer, FSDP2, DeepSpeed and torch.distributed's calls
+    issue them): gloo's worker thread holds a collective's Work, and the tensors in it, until some time after the
+    wait returns. Deterministic here: rank 1 (a thread) joins the all-reduce only once rank 0 has dropped its
+    tensor and Work (or after 2 s). Without the fix the backend still holds the tensor then (the collective cannot
+    have run); with it, rank 0's call ran on copies and waited (for rank 1's 2 s), and the tensor dies with the
+    program's last reference. Then the results land in the caller's tensors, each Work comes back completed, and
+    an all-reduce's future holds the caller's tensor (DDP's reducer views its gradients from that value)."""
+    import threading
+
+    from accelfn.dryrun.tracker import StepTracker
+
+    group0, group1 = _gloo_pair()
+    dropped = threading.Event()
+
+    def rank1() -> None:
+        dropped.wait(2.0)
+        group1.allreduce([torch.full((256,), 2.0)]).wait()
+        group1.allreduce([torch.arange(4.0) * 10]).wait()
+        group1._allgather_base(torch.empty(6), torch.arange(3.0) + 3).wait()
+        group1._reduce_scatter_base(torch.empty(2), torch.arange(4.0) * 10).wait()
+
+    other = threading.Thread(target=rank1, daemon=True)  # (left behind if rank 0 fails)
+    other.start()
+    try:
+        with StepTracker() as tracker:
+            x = torch.ones(256)
+            work = group0.allreduce([x])
+            key = x.untyped_storage()._cdata
+            del work, x  # the program's last references
+            freed_at_once = key not in tracker._live
+            dropped.set()
+            summed = torch.arange(4.0)
+            work = group0.allreduce([summed])
+            done = work.is_completed()
+            work.wait()
+            (held,) = work.get_future().value()
+            gathered, scattered = torch.empty(6), torch.empty(2)
+            group0._allgather_base(gathered, torch.arange(3.0)).wait()
+            group0._reduce_scatter_base(scattered, torch.arange(4.0)).wait()
+    finally:
+        dropped.set()
+        other.join(30)
+    assert freed_at_once  # before the fix: False
+    assert done and held is summed and torch.equal(summed, torch.arange(4.0) * 11)
+    assert torch.equal(gathered, torch.arange(6.0)) and torch.equal(scattered, torch.tensor([0.0, 11.0]))
+    assert [(c.kind, c.size, c.nbytes) for c in tracker.collectives] == [
+        ("all_reduce", 2, 1024), ("all_reduce", 2, 16), ("all_gather", 2, 24), ("reduce_scatter", 2, 16)
+    ]  # fmt: skip

@@ -218,6 +218,71 @@ def _collective_on_copies(func: Any, args: tuple[Any, ...], kwargs: Mapping[str,
     return tree_map_only(torch.Tensor, lambda t: torch.clone(wait(t)), held)
 
 
+# c10d collectives whose Work gloo runs on its worker thread (every one but point to point: `send` and `recv_`
+# complete on the caller's Work, held by the program); each writes its result into its first argument
+_C10D_QUEUED = frozenset(_C10D) - {"send", "recv_"}
+
+
+def _queued_c10d_collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether `func` is a c10d collective the backend's worker thread runs, on dense tensors."""
+    return (
+        func.namespace == "c10d"
+        and func._overloadpacket.__name__ in _C10D_QUEUED
+        and not any(
+            isinstance(t, torch.Tensor) and t.layout != torch.strided for t in tree_flatten((args, kwargs))[0]
+        )
+    )
+
+
+def _c10d_on_copies(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """A c10d collective of a real run (DDP's reducer, FSDP2, DeepSpeed, `torch.distributed`'s calls), on
+    copies of its tensor arguments, waited for at once; the result is copied into the caller's first argument
+    (where every one of them writes it) and a completed Work comes back, whose future holds the caller's tensors
+    where the backend's held the copies (DDP's reducer views its gradients from that value).
+
+    As for `_collective_on_copies`: gloo's worker thread drops the tensors of a collective some time after its
+    wait has returned, so a storage the program dropped first was freed on that thread at a point of the step
+    that varied from run to run. The copies are untracked; the caller's tensors live as long as the program
+    holds them."""
+    from torch.distributed.distributed_c10d import Work
+    from torch.utils._pytree import tree_map, tree_map_only
+
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a copy's storage -> (the copy, the caller's)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        c = torch.clone(t)
+        copies[c.untyped_storage().data_ptr()] = (c, t)
+        return c
+
+    # a copy, or a view of one (gloo's all-gather chunks), as the caller's tensor
+    def caller_s(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.untyped_storage().data_ptr() not in copies:
+            return x
+        c, t = copies[x.untyped_storage().data_ptr()]
+        if x is c:
+            return t
+        if c.stride() != t.stride():  # (the copy of a tensor not dense laid out anew)
+            return x
+        return t.as_strided(x.size(), x.stride(), x.storage_offset() + t.storage_offset())
+
+    c_args, c_kwargs = tree_map_only(torch.Tensor, copy, (args, kwargs))
+    out = func(*c_args, **c_kwargs)
+    work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+    work.wait()
+    if func._overloadpacket.__name__ != "barrier":  # (its tensor is a placeholder)
+        for mine, theirs in zip(tree_flatten(args[0])[0], tree_flatten(c_args[0])[0], strict=True):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(theirs)
+    try:
+        value = tree_map(caller_s, work.get_future().value())
+    except RuntimeError:  # a Work without a future (gloo's reduce-scatter): the result's tensors
+        value = [t for t in tree_flatten(args[0])[0] if isinstance(t, torch.Tensor)]
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    done.set_result(value)
+    boxed = torch._C._distributed_c10d._create_work_from_future(done).boxed()  # type: ignore[attr-defined]
+    return (args[0], boxed) if isinstance(out, tuple) else boxed
+
+
 def fake_scalar(x: torch.Tensor) -> bool | int | float | None:
     """What a host read (`.item()`, `.tolist()`, `float()`) of a fake tensor gives in a dry run: zero of its
     type (None for a real tensor: read it)."""
@@ -612,6 +677,8 @@ class StepTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._fake_mode is None and _functional_collective(func):
             out = _collective_on_copies(func, args, kwargs)
+        elif self._fake_mode is None and _queued_c10d_collective(func, args, kwargs):
+            out = _c10d_on_copies(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         coll = _collective(func, args, kwargs, out)

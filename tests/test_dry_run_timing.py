@@ -784,3 +784,56 @@ def test_a_step_compiled_as_one_graph_runs_transformers_causal_mask_as_a_full_at
         OpCost("attention", flops=flops, seq=2048, causal=True, backward_kernel=b) for b in (False, True)
     ]
     assert predict_step(plain, H100, compiled="step").compute_s == pytest.approx(causal_s)
+
+
+@pytest.mark.parametrize("n, gbs", [(1024, 1950), (2048, 2180), (4096, 2300), (16384, 1810)])
+def test_a_compiled_reduction_runs_at_torch_compiles_measured_bandwidth(n, gbs) -> None:
+    # Dao-AILab/quack's figure: torch.compile's RMSNorm (bf16) on an H100 80GB HBM3, GB/s by the rows' length
+    from accelfn.dryrun.step_time import predict_step
+    from accelfn.dryrun.timing import OpCost
+
+    nbytes = 10**9
+    norm = OpCost("memory", nbytes=nbytes, reduce=n)
+    pointwise = OpCost("memory", nbytes=nbytes)
+    assert predict_step([norm], H100, compiled="step").compute_s == pytest.approx(nbytes / (gbs * 1e9))
+    assert predict_step([pointwise], H100, compiled="step").compute_s == pytest.approx(
+        nbytes / (3350e9 * 0.9)
+    )
+    # eager: ATen's kernel, at memory_efficiency like any other
+    assert predict_step([norm], H100).compute_s == pytest.approx(nbytes / (3350e9 * 0.9))
+    # a flat figure overrides the measured one
+    flat = TimingAssumptions(reduction_efficiency=0.5)
+    assert predict_step([norm], H100, compiled="step", timing=flat).compute_s == pytest.approx(
+        nbytes / 1675e9
+    )
+
+
+def test_a_fused_run_takes_its_slowest_reduction_and_short_reductions_run_as_pointwise() -> None:
+    from accelfn.dryrun.step_time import predict_step
+    from accelfn.dryrun.timing import OpCost
+
+    nbytes = 10**9
+    run = [OpCost("memory", nbytes=nbytes, reduce=4096), OpCost("memory", nbytes=1, reduce=256)]
+    # log2-interpolated: 256 keys' 1,275 GB/s is the run's slowest
+    assert predict_step(run, H100, compiled="step").compute_s == pytest.approx(nbytes / 1275e9)
+    short = [OpCost("memory", nbytes=nbytes, reduce=2)]  # summing pairs: inductor makes it pointwise
+    assert predict_step(short, H100, compiled="step").compute_s == pytest.approx(nbytes / (3350e9 * 0.9))
+    w = math.log2(3000 / 2048)
+    mid = [OpCost("memory", nbytes=nbytes, reduce=3000)]
+    assert predict_step(mid, H100, compiled="step").compute_s == pytest.approx(
+        nbytes / ((2180 * (1 - w) + 2300 * w) * 1e9)
+    )
+
+
+def test_reductions_are_recorded_with_the_length_of_the_rows_they_reduce() -> None:
+    x = torch.randn(4, 8, 2048)
+    cases = [
+        (torch.ops.aten.mean.dim, (x, [-1], True), 2048),  # transformers' RMSNorm
+        (torch.ops.aten.sum.dim_IntList, (x, [0, 1]), 32),  # a weight gradient's sum over the tokens
+        (torch.ops.aten._log_softmax.default, (x, -1, False), 2048),
+        (torch.ops.aten._log_softmax_backward_data.default, (x, x, -1, torch.float32), 2048),
+        (torch.ops.aten.mul.Tensor, (x, x), 0),
+    ]
+    for func, args, reduce in cases:
+        out = func(*args)
+        assert op_cost(func, args, {}, out).reduce == reduce, func

@@ -18,7 +18,8 @@ stream per link (within a node, across nodes: collectives on one link share its 
   per block, as under FSDP and torchtitan, only the blocks' own ops, `OpCost.region`: the loss, the head and the
   embedding stay eager) have no launch floor, and each run of their memory-bound kernels between two matmuls,
   attention kernels or collectives is one fused kernel moving what its largest op moves (inductor's fusion,
-  checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md); the rest (the optimizer's update, the
+  checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md), at the bandwidth
+  torch.compile's reduction kernels were measured to reach where the run reduces (`timing.fused_time`); the rest (the optimizer's update, the
   clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
   compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it;
 - a step compiled as one graph traces the model's mask: `transformers` passes SDPA `is_causal` in place of its
@@ -52,7 +53,7 @@ from ..mesh import GRAD_AXES
 from ..platforms.specs import DeviceSpec
 from .comm_time import CommAssumptions, collective_time, group_nodes, ranks_in_node
 from .layout import _intra_node
-from .timing import OpCost, TimingAssumptions, cost_time
+from .timing import OpCost, TimingAssumptions, cost_time, fused_time
 from .tracker import Collective
 
 __all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions", "traced_mask"]
@@ -265,6 +266,7 @@ def predict_step(
     pending = 0.0  # when the last asynchronous reduction ends
     comm_s = 0.0
     fused = 0  # bytes of the largest memory-bound op of the current run (compiled)
+    reduce = 0  # the rows' length of the run's reduction that reaches the least bandwidth (0: none)
 
     forward_s = backward_s = 0.0
 
@@ -282,10 +284,10 @@ def predict_step(
         kernels += 1
 
     def flush() -> None:
-        nonlocal fused
+        nonlocal fused, reduce
         if fused:
-            compute(cost_time(OpCost("memory", nbytes=fused), device, ta), "memory", floor=0.0)
-            fused = 0
+            compute(fused_time(fused, reduce, device, ta), "memory", floor=0.0)
+            fused = reduce = 0
 
     # asynchronous reductions not yet on their link: (issued at, seconds, link); each link serves in the order
     # of issue, so a prefetched all-gather issued earlier goes before them
@@ -312,6 +314,10 @@ def predict_step(
                 ev = traced_mask(ev)
             if ev.kind == "memory" and inside:
                 fused = max(fused, ev.nbytes)
+                if ev.reduce and (
+                    not reduce or fused_time(1, ev.reduce, device, ta) > fused_time(1, reduce, device, ta)
+                ):
+                    reduce = ev.reduce
                 continue
             flush()
             eager = not inside

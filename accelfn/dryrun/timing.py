@@ -60,6 +60,8 @@ __all__ = [
     "attention_fraction",
     "compiled_region",
     "memory_time",
+    "fused_time",
+    "reduction_fraction",
     "in_place_kernel",
     "grouped_mm_flops",
     "grouped_mm_dtypes",
@@ -122,6 +124,25 @@ FA2_H100_CAUSAL_TFLOPS: Mapping[int, tuple[float, float]] = {
     for n, fwd in _FA2_H100_CAUSAL_FORWARD.items()
 }
 _H100_BF16 = 989.0
+# torch.compile's kernels for a reduction over rows of N elements, on an H100 80GB HBM3 (3.35 TB/s): Dao-AILab/quack,
+# "Getting Memory-bound Kernels to Speed-of-Light" (Guo, Zadouri, Dao 2025: media/2025-07-10-membound-sol.md), the
+# figure "Model memory throughput of multiple kernels", RMSNorm in bf16 under torch 2.7.1's default compile, 32k
+# rows (16k and 8k at the two longest): GB/s by N, read from the figure (about +-30 GB/s). A hand-written kernel
+# reaches 2.9-3.0 TB/s from N 2k; inductor's 58-69% of the bandwidth at N 1k-4k, where `memory_efficiency` says 90%.
+TORCH_COMPILE_REDUCTION_GBS: Mapping[int, float] = {
+    256: 1275.0,
+    512: 1575.0,
+    1024: 1950.0,
+    2048: 2180.0,
+    4096: 2300.0,
+    8192: 1945.0,
+    16384: 1810.0,
+    32768: 1775.0,
+    65536: 1530.0,
+    131072: 1505.0,
+    262144: 1500.0,
+}
+_H100_HBM3_GBS = 3350.0
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
 # CUDA rows before compute capability 9.0, where torch's `_grouped_mm` does not run (accelfn's CUDA platform picks
@@ -160,7 +181,9 @@ class TimingAssumptions:
     the fraction of the bf16 peak SDPA's forward kernel reaches on a long sequence (FlashAttention-2's on H100:
     370 of 989 TFLOP/s), scaled for each kernel's direction and key length as FlashAttention-2 was measured
     (`attention_fraction`: the backward and short sequences slower); `memory_efficiency`: the fraction of the memory bandwidth
-    memory-bound kernels reach (an assumption: no published figure is held here); `launch_s`: the least time
+    memory-bound kernels reach (an assumption: no published figure is held here); `reduction_efficiency`: the
+    fraction a compiled kernel with a reduction reaches (None: torch.compile's measured RMSNorm for the reduced
+    length, `reduction_fraction`); `launch_s`: the least time
     one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether that
     floor applies (False under `af.compile`, whose kernels are issued together).
     """
@@ -171,6 +194,7 @@ class TimingAssumptions:
     sm_count: int | None = None
     attention_efficiency: float = FA2_H100_TFLOPS[16384][0] / _H100_BF16
     memory_efficiency: float = 0.9
+    reduction_efficiency: float | None = None
     launch_s: float = 5e-6
     eager: bool = True
 
@@ -250,6 +274,42 @@ def _peak(device: DeviceSpec, dtype: torch.dtype) -> float:
             "to accelfn/platforms/specs.py or model another dtype"
         )
     return peak * 1e12
+
+
+def reduction_fraction(n: int) -> float:
+    """The fraction of an H100's memory bandwidth torch.compile's kernel for a reduction over rows of `n` elements
+    was measured to reach (`TORCH_COMPILE_REDUCTION_GBS`, interpolated in log2 of `n`, held at the ends).
+
+    Example:
+        >>> round(reduction_fraction(2048), 2), round(reduction_fraction(3000), 2)
+        (0.65, 0.67)
+    """
+    lengths = sorted(TORCH_COMPILE_REDUCTION_GBS)
+    n = min(max(n, lengths[0]), lengths[-1])
+    hi = next(x for x in lengths if x >= n)
+    lo = lengths[max(0, lengths.index(hi) - 1)]
+    w = (math.log2(n) - math.log2(lo)) / (math.log2(hi) - math.log2(lo)) if hi != lo else 1.0
+    gbs = TORCH_COMPILE_REDUCTION_GBS[lo] * (1 - w) + TORCH_COMPILE_REDUCTION_GBS[hi] * w
+    return gbs / _H100_HBM3_GBS
+
+
+def fused_time(nbytes: int, reduce: int, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
+    """Seconds of one compiled (fused) memory-bound kernel moving `nbytes`: with a reduction over rows of `reduce`
+    elements (256 or more: shorter ones inductor runs like pointwise kernels) at `reduction_efficiency` (None:
+    `reduction_fraction(reduce)`) of the bandwidth, else at `memory_efficiency`.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> a, h100 = TimingAssumptions(), spec("h100-sxm")
+        >>> round(fused_time(10**9, 2048, h100, a) / fused_time(10**9, 0, h100, a), 2)  # 0.9 / 0.65
+        1.38
+    """
+    if reduce < min(TORCH_COMPILE_REDUCTION_GBS):
+        return memory_time(nbytes, device, assumptions)
+    fraction = assumptions.reduction_efficiency
+    if fraction is None:
+        fraction = reduction_fraction(reduce)
+    return nbytes / (device.memory_gbs * 1e9 * fraction)
 
 
 def memory_time(nbytes: int, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
@@ -395,7 +455,7 @@ class OpCost:
     """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
     of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
     backward, `causal` with a causal mask, `mask` given it as an explicit mask), or a memory-bound kernel's
-    `nbytes` moved; `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
+    `nbytes` moved (`reduce`: the length of the rows a reduction reduces, 0 for none); `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
     the backward, what a compiled step compiles (False: the update, and no-grad work outside the backward such
     as FSDP's copies after its all-gathers, which stay eager); `region` whether a compiled block ran it (its
     forward inside `compiled_region`, or in the backward the backward of an autograd node made there: what a step
@@ -425,6 +485,7 @@ class OpCost:
     region: bool = True
     causal: bool = False
     mask: bool = False
+    reduce: int = 0
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
@@ -567,7 +628,14 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         )
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
-        return OpCost("memory", nbytes=moved, backward=backward, graph=graph, region=region)
+        return OpCost(
+            "memory",
+            nbytes=moved,
+            backward=backward,
+            graph=graph,
+            region=region,
+            reduce=_reduced(func, args, kwargs, out),
+        )
     name = func.__name__.split(".")[0]
     if kind == "matmul":
         x, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
@@ -612,6 +680,43 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         causal=causal,
         mask=masked,
     )
+
+
+# reductions (aten names): their rows' length is their input's elements over their output's, or for the softmax
+# family (whose output is its input's size) the size of the reduced dim
+_REDUCTIONS = {
+    "sum",
+    "mean",
+    "var",
+    "var_mean",
+    "std",
+    "amax",
+    "amin",
+    "norm",
+    "linalg_vector_norm",
+    "logsumexp",
+    "_fused_rms_norm",
+    "native_layer_norm",
+    "nll_loss_forward",
+}
+_SOFTMAX = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
+
+
+def _reduced(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """The length of the rows a reduction op reduces (0 for other ops)."""
+    name = func.__name__.split(".")[0]
+    if name in _SOFTMAX:
+        x, dim = args[0], _arg(func, args, kwargs, "dim")
+        ok = isinstance(x, torch.Tensor) and x.ndim and isinstance(dim, int)
+        return int(x.shape[dim]) if ok else 0
+    if name not in _REDUCTIONS:
+        return 0
+    if name in ("native_layer_norm", "_fused_rms_norm"):  # (input, normalized_shape, ...)
+        return math.prod(args[1]) if len(args) > 1 else 0
+    ins, outs = _tensors(args[:1]), _tensors(out)
+    if not ins or not outs or outs[0].numel() == 0:
+        return 0
+    return max(0, ins[0].numel() // max(1, outs[0].numel()))
 
 
 def _grouped_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
@@ -734,6 +839,9 @@ class OpTimer(TorchDispatchMode):
                 "attention_efficiency": a.attention_efficiency,
                 "attention_by": "FlashAttention-2's measured speed on H100 by direction, key length and causal mask",
                 "memory_efficiency": a.memory_efficiency,
+                "reduction_efficiency": a.reduction_efficiency
+                if a.reduction_efficiency is not None
+                else "torch.compile's measured RMSNorm by reduced length (quack, H100)",
                 "memory_gbs": device.memory_gbs,
                 "launch_s": a.launch_s if a.eager else 0.0,
                 "peaks": "fp8 matmuls (_scaled_mm) at the fp8 peak; other ops at their operands' dtype's",

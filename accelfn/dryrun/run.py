@@ -153,9 +153,10 @@ def measure_real(
 ) -> Report:
     """The dry run's measurements on a real run (this process, in a job started by `accelfn launch`): the same
     tracker on real tensors, for validating the dry run against the real thing. Measures `steps` calls of each
-    step object and stops the script when its loop comes round (`step` as for `dry_run`). Functional
-    collectives run on copies and are waited for at once, so the backend's worker thread, which drops its
-    references after the wait returns, frees nothing the step counts (the measured run does not overlap them)."""
+    step object and stops the script when its loop comes round (`step` as for `dry_run`). Collectives (functional
+    and c10d's, point to point aside) run on copies and are waited for at once, so the backend's worker thread,
+    which drops its references after the wait returns, frees nothing the step counts (the measured run does not
+    overlap them); c10d's write their results into the caller's tensors and return a completed Work."""
     session = Session(steps, None, False, step)
     start = time.perf_counter()
     with dry_mode.watching(session):

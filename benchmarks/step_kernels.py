@@ -8,7 +8,9 @@ fused AdamW, clip 1.0, F.cross_entropy on the fp32 logits), eager and with `torc
 warm-up steps, the median of 10 timed steps (CUDA events), then 3 steps under torch.profiler, whose CUDA kernels
 are summed by kind (by name: cuBLAS/CUTLASS GEMMs, flash attention, inductor's Triton kernels split into
 pointwise and reductions, the fused AdamW, ATen's other kernels) per step; `idle` is the step's time less its
-kernels' (the GPU waiting for the host).
+kernels' (the GPU waiting for the host). `--modes compile-skipmask` compiles with transformers' causal mask
+skipped as it is outside torch.compile (`masking_utils._ignore_causal_mask_sdpa` made to answer True): SDPA gets
+`is_causal` in place of the mask (docs/dry_run.md, "Predicted time against published runs", item 9).
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ def run(mode: str, steps: int) -> dict:
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    forward = torch.compile(model) if mode == "compile" else model
+    if mode == "compile-skipmask":
+        import transformers.masking_utils as masking
+
+        masking._ignore_causal_mask_sdpa = lambda *args, **kwargs: True
+    forward = torch.compile(model) if mode.startswith("compile") else model
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32000, (8, 2048), generator=g).cuda() for _ in range(4)]
 

@@ -27,7 +27,8 @@ stream per link (within a node, across nodes: collectives on one link share its 
   versions keep the previous behavior of never skipping while compiling"), so there the attention kernels get
   the explicit mask, compute every block and skip none: an attention call the dry run saw with a causal mask
   (`OpCost.mask`) runs as a full, non-causal one (`traced_mask`). Compiled per block, the mask is made outside the
-  blocks and skipped.
+  blocks and skipped. (The cause taken for a measured 3.3x slower attention under `torch.compile(model)` on an
+  H100; not confirmed yet: docs/dry_run.md, "Predicted time against published runs", item 9.)
 
 Example:
     >>> from accelfn.platforms.specs import spec

@@ -761,31 +761,6 @@ def test_a_dry_runs_predicted_step_holds_the_fused_adamw_update_of_every_paramet
     assert report.predicted.compute_s > update + 3 * weight  # without the update: 0.19 ms against 0.16 + 0.07
 
 
-@pytest.mark.skipif(
-    torch.torch_version.TorchVersion(torch.__version__) >= "2.14",
-    reason="torch.compile lets transformers skip its causal mask from torch 2.14",
-)
-def test_a_step_compiled_as_one_graph_runs_transformers_causal_mask_as_a_full_attention() -> None:
-    from accelfn.dryrun.step_time import predict_step
-    from accelfn.dryrun.timing import OpCost
-
-    flops = 10**12  # the computed half's
-    forward = OpCost("attention", flops=flops, seq=2048, causal=True, mask=True)
-    backward = OpCost("attention", flops=flops, seq=2048, causal=True, mask=True, backward_kernel=True)
-    # FlashAttention-2 at 2k keys (FlashAttention-3's paper): 298 / 362 TFLOP/s forward causal / not; backward
-    # 291 without the mask, with it assumed 291 x 298 / 362
-    causal_s = flops / 298e12 + flops / (291e12 * 298 / 362)
-    full_s = 2 * flops / 362e12 + 2 * flops / 291e12  # every block computed, no causal skipping
-    assert predict_step([forward, backward], H100).compute_s == pytest.approx(causal_s)  # eager: skipped
-    assert predict_step([forward, backward], H100, compiled="blocks").compute_s == pytest.approx(causal_s)
-    assert predict_step([forward, backward], H100, compiled="step").compute_s == pytest.approx(full_s)
-    # is_causal (no mask: torchtitan's model) stays causal when compiled whole
-    plain = [
-        OpCost("attention", flops=flops, seq=2048, causal=True, backward_kernel=b) for b in (False, True)
-    ]
-    assert predict_step(plain, H100, compiled="step").compute_s == pytest.approx(causal_s)
-
-
 @pytest.mark.parametrize("n, gbs", [(1024, 1950), (2048, 2180), (4096, 2300), (16384, 1810)])
 def test_a_compiled_reduction_runs_at_torch_compiles_measured_bandwidth(n, gbs) -> None:
     # Dao-AILab/quack's figure: torch.compile's RMSNorm (bf16) on an H100 80GB HBM3, GB/s by the rows' length

@@ -30,9 +30,8 @@ from tests._published import ROOT, ROWS, dry_run_kwargs, outcome
 # fuse, and a step compiled per block fuses only its blocks' ops (the loss, head and embedding eager), while the
 # dry run traces torchao's float8 blocks as torch.compile does (8df4dd1, the fp8 rows' move) (1.20 / 1.28 / 1.30,
 # 1.15 / 1.21 / 1.20, 1.29 / 1.06); then causal attention runs at FlashAttention-2's measured causal speed
-# (1.18 / 1.25 / 1.26, 1.13 / 1.18 / 1.18, 1.25 / 1.04) and a step compiled as one graph (the 0.9B's) runs
-# transformers' causal mask as a full attention (0.9B compiled 1.12), and a compiled run with a reduction moves its
-# bytes at torch.compile's measured bandwidth (1.18 / 1.23 / 1.24, 1.13 / 1.17 / 1.16, 1.10 / 1.04)
+# (1.18 / 1.25 / 1.26, 1.13 / 1.18 / 1.18, 1.25 / 1.04), and a compiled run with a reduction moves its bytes at
+# torch.compile's measured bandwidth (1.18 / 1.23 / 1.24, 1.13 / 1.17 / 1.16, 1.21 / 1.04)
 # (docs/dry_run.md says what each did)
 RATIO = {
     "torchtitan-t1-8b-8-eager": 1.175,
@@ -41,11 +40,11 @@ RATIO = {
     "torchtitan-t3-8b-128-eager": 1.134,
     "torchtitan-t3-8b-128-compile": 1.167,
     "torchtitan-t3-8b-128-fp8": 1.160,
-    "accelfn-h100-0.9b-compile": 1.096,
+    "accelfn-h100-0.9b-compile": 1.214,
     "accelfn-h100-0.9b-eager": 1.042,
 }
 # rows the model predicts within 15%
-WITHIN = {"torchtitan-t3-8b-128-eager", "accelfn-h100-0.9b-compile", "accelfn-h100-0.9b-eager"}
+WITHIN = {"torchtitan-t3-8b-128-eager", "accelfn-h100-0.9b-eager"}
 CI_ROWS = [
     "torchtitan-t1-8b-8-eager",
     "torchtitan-t1-8b-8-compile",

@@ -21,14 +21,9 @@ stream per link (within a node, across nodes: collectives on one link share its 
   checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md), at the bandwidth
   torch.compile's reduction kernels were measured to reach where the run reduces (`timing.fused_time`); the rest (the optimizer's update, the
   clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
-  compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it;
-- a step compiled as one graph traces the model's mask: `transformers` passes SDPA `is_causal` in place of its
-  causal mask only outside torch.compile before torch 2.14 (`masking_utils._ignore_causal_mask_sdpa`: "older
-  versions keep the previous behavior of never skipping while compiling"), so there the attention kernels get
-  the explicit mask, compute every block and skip none: an attention call the dry run saw with a causal mask
-  (`OpCost.mask`) runs as a full, non-causal one (`traced_mask`). Compiled per block, the mask is made outside the
-  blocks and skipped. (The cause taken for a measured 3.3x slower attention under `torch.compile(model)` on an
-  H100; not confirmed yet: docs/dry_run.md, "Predicted time against published runs", item 9.)
+  compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it.
+  (Not modelled: attention under `torch.compile(model)` measured 3.3x slower than eager on an H100, cause
+  unknown: docs/dry_run.md, "Predicted time against published runs", item 9.)
 
 Example:
     >>> from accelfn.platforms.specs import spec
@@ -48,7 +43,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from ..mesh import GRAD_AXES
 from ..platforms.specs import DeviceSpec
@@ -57,28 +51,7 @@ from .layout import _intra_node
 from .timing import OpCost, TimingAssumptions, cost_time, fused_time
 from .tracker import Collective
 
-__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions", "traced_mask"]
-
-# torch.compile keeps transformers' causal mask before torch 2.14 (pytorch#176499: dynamo made
-# `torch.compiler.is_exporting()` a constant True, so `_ignore_causal_mask_sdpa` never skips while compiling)
-_COMPILE_KEEPS_MASK = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
-
-
-def traced_mask(cost: OpCost) -> OpCost:
-    """The attention kernel a step compiled as one graph runs for `cost`: with the causal mask `transformers`
-    built while torch.compile traced it (`cost.mask`, before torch 2.14), a full non-causal attention over
-    every block (twice the computed half's FLOPs); any other cost as it is.
-
-    Example:
-        >>> from accelfn.dryrun.timing import OpCost
-        >>> masked = OpCost("attention", flops=10**12, seq=2048, causal=True, mask=True)
-        >>> full = traced_mask(masked)
-        >>> (full.flops, full.causal) if _COMPILE_KEEPS_MASK else (2 * 10**12, False)
-        (2000000000000, False)
-    """
-    if cost.kind == "attention" and cost.mask and cost.causal and _COMPILE_KEEPS_MASK:
-        return attrs.evolve(cost, flops=2 * cost.flops, causal=False)
-    return cost
+__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions"]
 
 
 @attrs.frozen
@@ -311,8 +284,6 @@ def predict_step(
     for ev in timeline:
         if isinstance(ev, OpCost):
             inside = compiled and ev.graph and (ev.region or not per_block)
-            if inside and not per_block:
-                ev = traced_mask(ev)
             if ev.kind == "memory" and inside:
                 fused = max(fused, ev.nbytes)
                 if ev.reduce and (
@@ -375,9 +346,6 @@ def predict_step(
         "largest op's bytes; the update" + (", the loss and FSDP's hooks eager" if per_block else " eager")
         if compiled
         else "eager: one kernel per op",
-        "traced_mask": "compiled as one graph: transformers' causal mask kept, attention over every block"
-        if compiled and not per_block and _COMPILE_KEEPS_MASK
-        else None,
         "overlap": "data-parallel all-gathers prefetched one ahead, reductions async until the update; "
         "other collectives on the critical path",
         "pipeline": attrs.asdict(pipeline) if pipeline is not None else None,

@@ -695,3 +695,14 @@ def test_offloaded_state_is_host_memory_not_the_devices() -> None:
     assert off.init["host_peak"] >= 2 * n  # the moments, moved to the host by step.init
     on_cpu = af.dry_run(_offload_script(True), nproc_per_node=8, device="cpu", search=False)
     assert on_cpu.per_rank["host"] == 0 and on_cpu.per_rank["optimizer"] == moments  # the host is the device
+
+
+def test_the_micro_batch_search_of_a_pipeline_tries_only_batches_its_micro_batches_split() -> None:
+    """A pipeline splits the batch itself (its step's plan then says 1 micro-batch): the largest-batch search
+    scaled the batch to rows its micro-batches do not split (Table 5's dry run: 66 rows for 8 micro-batches, a
+    ValueError from af.pipeline). Now it scales in whole micro-batches, accumulation's included."""
+    for extra in (("--microbatches", "4"), ("--microbatches", "2", "--accumulate", "2")):
+        args = ("--model", "tiny", "--strategy", "fsdp", "--batch-size", "8", "--seq-len", "64", *extra)
+        report = af.dry_run(LLAMA, args, nproc_per_node=4, gpu="h100-sxm", mesh="pp=2,dp=2")
+        assert not report.errors, (extra, report.errors)
+        assert report.micro_batch == 2 and report.max_micro_batch is not None and report.max_micro_batch > 2

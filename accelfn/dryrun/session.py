@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,7 @@ from .records import (
     _weak,
 )
 from .search import largest_micro_batch
+from .step_time import pipeline_of
 from .tracker import InitTracker, StepTracker
 
 __all__ = ["Session", "StopDryRun"]
@@ -224,6 +226,14 @@ class Session(dry_mode.Watcher):
         plan = step.plan
         rec.name = str(step).splitlines()[0]
         rec.microbatches = max(1, int(getattr(plan, "microbatches", 1) or 1))
+        # a pipeline splits the batch itself (its plan then says 1): its lowering's note counts the micro-batches
+        # (accumulation's included), else its description does
+        split = re.search(r"(\d+) micro-batches, bubble", str(step))
+        pipe = pipeline_of(str(step))
+        if split is not None:
+            rec.microbatches *= int(split[1])
+        elif pipe is not None:
+            rec.microbatches *= pipe.microbatches
         dtype = torch.float32
         if plan.autocast_dtype is not None:
             dtype = plan.autocast_dtype

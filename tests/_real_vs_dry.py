@@ -18,13 +18,21 @@ from typing import Any, NamedTuple
 class RealRank(NamedTuple):
     report: dict[str, Any]  # the dry run's report, measured on the real run's tensors
     gloo: dict[tuple[int, ...], int]  # collectives per process group (its global ranks), counted by gloo
+    # the storages the tracker saw freed on another thread than the main one ({"frees", "bytes"}): gloo's worker
+    # dropping a collective's tensors at a point of the step that varies from run to run; none is expected
+    off_thread: dict[str, int]
 
 
 def read_rank(out: Path, rank: int) -> RealRank:
-    """What the worker wrote for `rank`."""
+    """What the worker wrote for `rank`; fails if the tracker saw a storage freed on another thread (its free
+    landed at a point of the step that varies from run to run, so its figures may not repeat)."""
     report = json.loads((out / f"rank{rank}.json").read_text())
     gloo = {tuple(g["ranks"]): g["count"] for g in json.loads((out / f"rank{rank}.gloo.json").read_text())}
-    return RealRank(report, gloo)
+    off_thread = json.loads((out / f"rank{rank}.threads.json").read_text())
+    assert off_thread == {"frees": 0, "bytes": 0}, (
+        f"rank {rank}: the tracker saw frees on another thread: {off_thread}"
+    )
+    return RealRank(report, gloo, off_thread)
 
 
 def mesh_shape(mesh: str) -> dict[str, int]:

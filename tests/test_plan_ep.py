@@ -119,3 +119,17 @@ def test_a_cross_node_ep_is_planned_and_its_all_to_all_priced_inter_node() -> No
     assert [r["intra_node"] for r in across["comm"]["all_to_all"].values()] == [False]
     assert [r["intra_node"] for r in inside["comm"]["all_to_all"].values()] == [True]
     assert across["predicted"]["comm_s"] > 1.3 * inside["predicted"]["comm_s"]
+
+
+def test_a_plan_given_to_af_shard_before_the_probe_is_not_read_by_it() -> None:
+    """`expert_parallel.GIVEN` is process-wide: an ep plan an earlier script (or test) gave `af.shard` must not
+    count the experts of the model a later probe sees (the full suite's random order hit it in a doctest)."""
+    from torch import nn
+
+    from accelfn.planner.experts import recording_experts
+    from accelfn.transforms.shard.expert_parallel import GIVEN
+
+    GIVEN[:] = [{"model.layers.*.mlp.experts": "ep_dispatch_experts"}]  # left by an earlier af.shard
+    seen: dict = {}
+    recording_experts(None, seen)(nn.Linear(2, 2))
+    assert seen == {"experts": 0, "expert_bytes": 0}

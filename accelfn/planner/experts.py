@@ -63,8 +63,9 @@ def recording_experts(
     hook: Callable[[nn.Module], None] | None, seen: dict[str, Any]
 ) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]` and
-    `expert_bytes(model)` in `seen["expert_bytes"]`, under the last plan the script gave `af.shard` (if any),
-    then runs `hook`.
+    `expert_bytes(model)` in `seen["expert_bytes"]`, under the last plan the script gave `af.shard` since the hook
+    was made (if any: a plan given before, by another script or test in this process, is forgotten), then runs
+    `hook`.
 
     Example:
         >>> seen = {}
@@ -72,6 +73,8 @@ def recording_experts(
         {'experts': 0, 'expert_bytes': 0}
     """
     from ..transforms.shard.expert_parallel import GIVEN
+
+    GIVEN.clear()  # only what the script run with this hook gives af.shard
 
     def record(model: nn.Module) -> None:
         plan = GIVEN[-1] if GIVEN else None

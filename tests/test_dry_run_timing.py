@@ -144,22 +144,27 @@ def test_the_causal_speed_is_interpolated_in_log2_of_the_length_and_held_at_the_
     assert tflops(128) == pytest.approx(191) and tflops(65536) == pytest.approx(335)
 
 
+class _RecordAttention(torch.utils._python_dispatch.TorchDispatchMode):
+    """The attention kernels' `OpCost`s run inside it, in `costs`, as the dry run's tracker records them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cost = op_cost(func, args, kwargs or {}, out)
+        if cost is not None and cost.kind == "attention":
+            self.costs.append(cost)
+        return out
+
+
 def _attention_costs(*args, **kwargs) -> list:
-    """The `OpCost`s of an SDPA call's forward and backward kernels, as the dry run's tracker records them."""
-    costs = []
-
-    class Record(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            cost = op_cost(func, args, kwargs or {}, out)
-            if cost is not None and cost.kind == "attention":
-                costs.append(cost)
-            return out
-
-    with Record():
+    """The `OpCost`s of an SDPA call's forward and backward kernels."""
+    with _RecordAttention() as record:
         out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
         out.sum().backward()
-    return costs
+    return record.costs
 
 
 def _qkv(seq: int = 16) -> list[torch.Tensor]:
@@ -211,21 +216,10 @@ def test_a_transformers_llama_reaches_the_attention_cost_as_causal() -> None:
     )
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (2, 16))
-    costs = []
-
-    class Record(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            cost = op_cost(func, args, kwargs or {}, out)
-            if cost is not None and cost.kind == "attention":
-                costs.append(cost)
-            return out
-
     for mask, causal in [(None, True), (torch.tensor([[1] * 16, [1] * 12 + [0] * 4]), False)]:
-        costs.clear()
-        with Record():
+        with _RecordAttention() as record:
             model(input_ids=ids, attention_mask=mask).logits.sum().backward()
-        assert [c.causal for c in costs] == [causal, causal], mask
+        assert [c.causal for c in record.costs] == [causal, causal], mask
 
 
 def test_a_flat_attention_efficiency_scales_every_attention_kernel_alike() -> None:

@@ -295,23 +295,70 @@ def test_router_logits_under_a_pipeline_are_refused():
             af.shard(af.pipeline(base, mesh, microbatches=2), mesh).init(model)
 
 
-def test_ep_plan_without_an_ep_axis_is_kept_for_the_planner_and_leaves_the_experts_whole():
-    """A script passing ep_plan= runs on any mesh (accelfn plan reads the plan to search ep: GIVEN); without ep the
-    experts stay whole, the step the plain one: the same params after a step as without the plan."""
+@pytest.fixture
+def given() -> Iterator[list[dict[str, str]]]:
+    """expert_parallel.GIVEN (process-wide: what af.shard last recorded for the planner), as it was after the test."""
     from accelfn.transforms.shard.expert_parallel import GIVEN
 
-    plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts"}
-    ids = torch.randint(0, 32, (2, 5))
+    before = list(GIVEN)
+    yield GIVEN
+    GIVEN[:] = before
+
+
+def test_ep_plan_without_an_ep_axis_is_kept_for_the_planner_and_leaves_the_experts_whole(given):
+    """A script passing ep_plan= runs on any mesh (accelfn plan reads the plan to search ep: GIVEN); without ep the
+    plan is checked and the experts stay whole: two SGD steps give plain PyTorch's losses and params."""
+    plan = {
+        "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+    batches = [torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     loss = lambda m, b: m(input_ids=b).logits.float().pow(2).mean()  # noqa: E731
     with af.Mesh({"dp": -1}, device="cpu") as mesh:
-        states = []
-        for kw in ({"ep_plan": plan}, {}):
-            step = af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, **kw)
-            states.append(step(step.init(qwen()), ids)[0])
-            assert not kw or GIVEN[-1] == plan
-    a, b = states
-    assert a.params.keys() == b.params.keys()
-    assert all(torch.allclose(a.params[k], b.params[k], atol=1e-6) for k in a.params)
+        step = af.shard(af.train_step(loss, af.optim.sgd(0.1)), mesh, ep_plan=plan)
+        state = step.init(qwen())
+        losses = []
+        for ids in batches:
+            state, metrics = step(state, ids)
+            losses.append(metrics["loss"].item())
+    assert given[-1] == plan
+    assert "ep=1: the ep plan's 1 experts module(s) stay whole on each rank" in repr(step), repr(step)
+    model = qwen()  # the reference: plain PyTorch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_losses = []
+    for ids in batches:
+        out = loss(model, ids)
+        opt.zero_grad()
+        out.backward()
+        opt.step()
+        ref_losses.append(out.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    ref = dict(model.named_parameters())
+    assert state.params.keys() == ref.keys()
+    for k, v in state.params.items():
+        torch.testing.assert_close(v, ref[k].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"model.layers.*.mlp.experts": "ep_dispatch_experts"},  # no param marked grouped_gemm
+        {"model.layers.*.mlp.expert.gate_up_proj": "grouped_gemm", "model.layers.*.mlp.experts": "ep_dispatch_experts"},
+        {"model.layers.*.mlp.experts": "colwise"},
+    ],
+)  # fmt: skip
+def test_a_bad_ep_plan_gets_the_same_error_at_ep1_as_at_ep2(plan, given):
+    """af.shard(ep_plan=) checks the plan against the model on every mesh: at ep=1 (one process, and a fake dp=2
+    rank) the error of ep=2, naming the entry."""
+    errors = []
+    for shape in ({"ep": 2}, {"dp": 2}, {"dp": 1}):
+        for mesh in _fake(shape):
+            with pytest.raises(ValueError) as caught:
+                _step(mesh, ep_plan=plan).init(qwen())
+            errors.append(str(caught.value))
+    assert errors[0].startswith(("ep_plan entry", "ep_plan: the experts module", "ep_plan[")), errors[0]
+    assert errors == [errors[0]] * 3, errors
 
 
 def test_ep_dispatcher_is_swapped_named_and_checked(ep2):

@@ -169,7 +169,8 @@ class Shard(TransformBase):
             sync = TensorParallelSync(sync if sync is not None else LOCAL)
         ep = next((t for t in plan.transforms if t.kind == "expert_parallel"), None)
         pipeline = next((t for t in plan.transforms if t.kind == "pipeline"), None)
-        if ep is not None:  # under a pipeline: each stage's experts, all-to-alls over that stage's ep group
+        # under a pipeline: each stage's experts, all-to-alls over its ep group (ep=1: a user plan checked only)
+        if ep is not None and ep.size > 1:
             from .expert_parallel import ExpertParallelSync
 
             inner = sync if sync is not None else LOCAL
@@ -242,7 +243,8 @@ def shard(
     (data-parallel for the dense layers) and each holds `E / ep` experts of every MoE layer, tokens moving to their
     experts by all-to-all. A `transformers` MoE model uses its own plan (`config.base_model_ep_plan`); `ep_plan`
     (name patterns -> "grouped_gemm" / "ep_dispatch_experts") overrides it (on a mesh without ep it is kept for
-    `accelfn plan`, which reads it to search ep, and the experts stay whole); see
+    `accelfn plan`, which reads it to search ep, and checked against the model at `init` as with ep, the same
+    error naming an entry that matches nothing; the experts stay whole); see
     `accelfn.transforms.shard.expert_parallel`. With a `tp` or `cp` axis, or under `af.pipeline`, the dense layers
     see `ep` as a data axis beside them (each of its ranks a tp group, cp group or stage rank as without ep), and
     the experts are split over `ep` and the `tp` and `cp` axes it borrows; the tp plan's entries for the experts
@@ -373,7 +375,7 @@ def shard(
 
         plan_items = tuple(tp_plan.items()) if tp_plan is not None else None
         step = step.with_transform(TensorParallel(mesh, plan_items, loss_parallel, sequence_parallel))
-    if ep > 1:
+    if ep > 1 or ep_plan is not None:  # at ep=1 it checks the plan against the model, as at ep > 1
         from .expert_parallel import ExpertParallel
 
         plan_items = tuple(ep_plan.items()) if ep_plan is not None else None

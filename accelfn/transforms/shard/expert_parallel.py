@@ -220,7 +220,8 @@ class ExpertParallel(TransformBase):
 
     @property
     def size(self) -> int:
-        return self.mesh.axis_size("ep")
+        """The ep axis' size; 1 on a mesh without one (a user plan then is checked, and the experts stay whole)."""
+        return self.mesh.axis_size("ep") if "ep" in self.mesh.axis_names else 1
 
     def describe(self) -> str:
         given = f", dispatcher={dispatcher_name(self.dispatcher)}" if self.dispatcher is not None else ""
@@ -231,7 +232,10 @@ class ExpertParallel(TransformBase):
     ) -> dict[str, Any]:
         """`tp_plan` without its entries for the experts (an `ep_dispatch_experts` module of the ep plan, or what is
         in it), said in `notes`: with an `ep` axis the experts are split over `ep`, not `tp` (transformers' MoE tp
-        plans split them too). Called by tensor parallel's lowering, which runs first."""
+        plans split them too). Called by tensor parallel's lowering, which runs first. At ep=1 the experts are not
+        split over ep: the tp plan stays whole."""
+        if self.size == 1:
+            return dict(tp_plan)
         raw = dict(self.plan) if self.plan is not None else model_ep_plan(module)
         if raw is None:
             return dict(tp_plan)  # (this lowering names the missing plan)
@@ -261,7 +265,12 @@ class ExpertParallel(TransformBase):
                 "parallel plan (transformers MoE models do: config.base_model_ep_plan); pass ep_plan={'layers.*."
                 "experts.w': 'grouped_gemm', 'layers.*.experts': 'ep_dispatch_experts'}"
             )
-        stacked = expert_params(module, raw)
+        stacked = expert_params(module, raw)  # the plan checked against the model, on every mesh
+        if self.size == 1:  # no ep axis (af.shard keeps a user's plan there): checked, the experts stay whole
+            plan.notes.append(
+                f"ep=1: the ep plan's {len(set(stacked.values()))} experts module(s) stay whole on each rank"
+            )
+            return
         if any(getattr(module.get_parameter(n), "placements", None) is not None for n in stacked):
             plan.notes.append(f"ep={self.size} (already sharded)")
             return  # initialised again, or an eval step on the training step's module

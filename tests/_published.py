@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 
 import accelfn as af
+from accelfn.dryrun import Assumptions
+from accelfn.dryrun.timing import TimingAssumptions
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS: dict[str, dict[str, Any]] = {
@@ -35,6 +37,9 @@ def dry_run_kwargs(command: str) -> tuple[str, list[str], dict[str, Any]]:
     opts = words[2:at]
     kwargs: dict[str, Any] = {}
     for key, value in zip(opts[::2], opts[1::2], strict=True):
+        if key == "--torch-version":  # the torch the run declares: what the CLI makes of it
+            kwargs["assumptions"] = Assumptions(timing=TimingAssumptions(torch_version=value))
+            continue
         kwargs[key.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
     return words[at], words[at + 1 :], kwargs
 

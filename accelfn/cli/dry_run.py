@@ -85,6 +85,13 @@ def add_parser(sub: Any) -> None:
         "k experts at random; the rank is given the busiest ep rank's rows), even (every expert rows / E), or "
         "a measured max/mean rows per expert (a number, a real run's metrics['moe_imbalance'])",
     )
+    p.add_argument(
+        "--torch-version",
+        default=None,
+        metavar="VERSION",
+        help="the torch the job runs (default: the installed one), e.g. 2.11.0 or 2.6.0.dev20241223: it decides "
+        "which SDPA kernel attention is timed as (cuDNN's or FlashAttention-2's, accelfn/dryrun/attention_speeds.py)",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_run)
@@ -150,6 +157,18 @@ def _dry_run(args: argparse.Namespace, dry_run: Any, Assumptions: Any) -> int:  
     except ValueError as e:
         print(f"accelfn dry-run: --moe-routing: {e}", file=sys.stderr)
         return 2
+    if args.torch_version is not None:
+        import attrs
+
+        from ..dryrun.attention_speeds import sdpa_backend
+
+        try:
+            sdpa_backend(args.torch_version, "")
+        except ValueError as e:
+            print(f"accelfn dry-run: --torch-version: {e}", file=sys.stderr)
+            return 2
+        timing = attrs.evolve(assumptions.timing, torch_version=args.torch_version)
+        assumptions = attrs.evolve(assumptions, timing=timing)
     if not Path(args.script).is_file():
         print(f"accelfn dry-run: no such script: {args.script}", file=sys.stderr)
         return 2

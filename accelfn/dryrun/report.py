@@ -108,8 +108,10 @@ def _assumes(a: Mapping[str, Any]) -> str:
     kinds = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in by.items())
     return (
         f"{a['peak_tflops']} TFLOP/s ({a['compute_dtype']}): GEMMs at {a['gemm_efficiency']:.0%} of their dtype's "
-        f"peak (quantized over {a['sm_count']} SMs), attention at {a['attention_efficiency']:.0%}, memory-bound "
-        f"ops at {a['memory_efficiency']:.0%} of {a['memory_gbs']:,.0f} GB/s ({kinds}); "
+        f"peak (quantized over {a['sm_count']} SMs), attention at {a['attention_efficiency']:.0%} "
+        f"({a.get('attention_backend', 'flash2')}'s SDPA, torch {a.get('torch_version', '?')}), memory-bound ops at "
+        f"{a.get('eager_memory_efficiency', a['memory_efficiency']):.0%} eager / {a['memory_efficiency']:.0%} fused "
+        f"of {a['memory_gbs']:,.0f} GB/s ({kinds}); "
         + (
             (
                 "compiled per block (the blocks' forward and backward fused, no launch floor; the loss, head, "

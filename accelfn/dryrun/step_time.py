@@ -334,6 +334,7 @@ def predict_step(
     assumes: dict[str, Any] = {
         **{k: v for k, v in attrs.asdict(ta).items() if k != "gemm_efficiency"},
         "gemm_efficiency": ta.gemm(device),
+        "attention_backend": ta.backend(device),
         "sm_count": ta.sms(device),
         "memory_gbs": device.memory_gbs,
         **attrs.asdict(ca),

@@ -10,12 +10,15 @@ device's row, instead of one flat efficiency over all FLOPs.
   https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/): small and skinny
   GEMMs fill fewer SMs and reach less of the peak.
 - attention (torch's SDPA kernels, forward and backward): the FLOPs of its matmuls (the backward's five, the
-  recomputation included; half of them when causal) at the fraction of the bf16 peak FlashAttention-2 was
-  measured to reach on an H100 for that direction, sequence length and mask (`FA2_H100_TFLOPS` without a causal
-  mask, `FA2_H100_CAUSAL_TFLOPS` with one: the backward slower, a causal kernel slower on the half it computes).
-- everything else is memory-bound: the bytes it reads and writes over `memory_efficiency` of the memory
-  bandwidth; views move nothing and launch nothing, nor does FSDP2's `all_gather_copy_in` (a wrapper: the copy it
-  runs is recorded on its own). FSDP2's copies in and out of its collectives are never part of a compiled region.
+  recomputation included; half of them when causal) at the fraction of the bf16 peak the SDPA backend the run's
+  torch picks (FlashAttention-2 or cuDNN's: `attention_speeds.sdpa_backend`, from `torch_version` and the device)
+  was measured to reach on an H100 for that direction, sequence length and mask (`attention_speeds`' tables: the
+  backward slower, a causal kernel slower on the half it computes).
+- everything else is memory-bound: the bytes it reads and writes over a fraction of the memory bandwidth, eager
+  ATen kernels (one op each) at `eager_memory_efficiency`, the fused kernels of a compiled region at
+  `memory_efficiency` (`fused_time`); views move nothing and launch nothing, nor does FSDP2's `all_gather_copy_in`
+  (a wrapper: the copy it runs is recorded on its own). FSDP2's copies in and out of its collectives are never
+  part of a compiled region.
 - kernels the dry run does not run (torch's fused optimizer kernels, `torch._fused_adamw_`, have no fake version):
   `in_place_kernel` stands in for each launch, memory-bound, moving what it reads and writes.
 - eager mode: no kernel takes less than `launch_s` (the host issues one op at a time; a kernel shorter than
@@ -47,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from ..platforms.specs import DeviceSpec, peak_tflops
+from .attention_speeds import BACKENDS, FA2_H100_CAUSAL_TFLOPS, FA2_H100_TFLOPS, sdpa_backend, speeds
 
 __all__ = [
     "TimingAssumptions",
@@ -58,8 +62,11 @@ __all__ = [
     "matmul_time",
     "attention_time",
     "attention_fraction",
+    "FA2_H100_TFLOPS",
+    "FA2_H100_CAUSAL_TFLOPS",
     "compiled_region",
     "memory_time",
+    "eager_memory_time",
     "fused_time",
     "reduction_fraction",
     "in_place_kernel",
@@ -88,40 +95,6 @@ SM_COUNT: Mapping[str, int] = {
     "gh200": 132,
     "a100-80gb": 108,
     "a100-40gb": 108,
-}
-# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608): FlashAttention-2, the kernel behind torch's SDPA on H100
-# in 2024, "achieving only 35% utilization on the H100" (abstract). Its measured speed on an H100 80GB SXM5
-# (TFLOP/s, head dim 128, no causal mask) by sequence length, forward and backward (the paper's figures "Attention
-# forward speed, head dim 128" and "Attention backward speed, head dim 128";
-# the backward counted as 2.5 forwards, as the model counts it): the backward is slower (318 against 370 at 8k)
-# and short sequences slower than long. As fractions of the H100 SXM's bf16 peak (989), for every device.
-FA2_H100_TFLOPS: Mapping[int, tuple[float, float]] = {
-    512: (309.0, 214.0),
-    1024: (350.0, 260.0),
-    2048: (362.0, 291.0),
-    4096: (368.0, 310.0),
-    8192: (370.0, 318.0),
-    16384: (370.0, 322.0),
-}
-# The same paper's figure "Attention forward speed, head dim 128" with a causal mask (figure 5d; the FLOPs of the
-# computed half, as its benchmark counts them): FlashAttention-2 at 191 / 260 / 298 / 319 / 333 / 335 TFLOP/s, slower
-# than without the mask, most at short lengths (the diagonal blocks' masking and the uneven work per query block).
-# The paper has no causal backward figure: the backward is *assumed* to slow as the forward does at the same length
-# (the causal / non-causal forward ratio times the non-causal backward above). FlashAttention-2's own H100 figure
-# (Dao-AILab/flash-attention assets/flash2_h100_fwd_bwd_benchmark.png, 2023: forward + backward, head dim 128)
-# bounds the assumption: its causal / non-causal ratio for the pair is 0.66 / 0.75 / 0.83 / 0.90 / 0.92 / 0.97,
-# the assumption's 0.62 / 0.74 / 0.82 / 0.87 / 0.90 / 0.91 (the causal backward a little slower than measured).
-_FA2_H100_CAUSAL_FORWARD: Mapping[int, float] = {
-    512: 191.0,
-    1024: 260.0,
-    2048: 298.0,
-    4096: 319.0,
-    8192: 333.0,
-    16384: 335.0,
-}
-FA2_H100_CAUSAL_TFLOPS: Mapping[int, tuple[float, float]] = {
-    n: (fwd, FA2_H100_TFLOPS[n][1] * fwd / FA2_H100_TFLOPS[n][0])
-    for n, fwd in _FA2_H100_CAUSAL_FORWARD.items()
 }
 _H100_BF16 = 989.0
 # torch.compile's kernels for a reduction over rows of N elements, on an H100 80GB HBM3 (3.35 TB/s): Dao-AILab/quack,
@@ -178,14 +151,18 @@ class TimingAssumptions:
     `MAMF`, else `default_gemm_efficiency`); `tiles`: the output tile sizes one SM may compute (the
     guide: cuBLAS picks among several, 256x128 the largest; the model takes the one that wastes least, at the
     same efficiency: an assumption); `sm_count` (None: `SM_COUNT`, no wave quantization where unknown); `attention_efficiency`:
-    the fraction of the bf16 peak SDPA's forward kernel reaches on a long sequence (FlashAttention-2's on H100:
-    370 of 989 TFLOP/s), scaled for each kernel's direction and key length as FlashAttention-2 was measured
-    (`attention_fraction`: the backward and short sequences slower); `memory_efficiency`: the fraction of the memory bandwidth
-    memory-bound kernels reach (an assumption: no published figure is held here); `reduction_efficiency`: the
-    fraction a compiled kernel with a reduction reaches (None: torch.compile's measured RMSNorm for the reduced
-    length, `reduction_fraction`); `launch_s`: the least time
-    one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether that
-    floor applies (False under `af.compile`, whose kernels are issued together).
+    the fraction of the bf16 peak FlashAttention-2's forward kernel reaches on a long sequence without a mask (on
+    H100: 370 of 989 TFLOP/s); each attention kernel runs at it times its backend's measured speed for the
+    kernel's direction, key length and mask over that figure (`attention_fraction`: the backward and short
+    sequences slower, cuDNN's kernels faster); `attention_backend`: the SDPA backend, "flash2" or "cudnn" (None:
+    the one torch `torch_version` picks on the device, `attention_speeds.sdpa_backend`); `torch_version`: the
+    torch the job runs (default: the installed one); `memory_efficiency`: the fraction of the memory bandwidth a
+    compiled (fused, Triton) memory-bound kernel reaches (hand-written Triton kernels' 91-92%: Liger-Kernel's H100
+    data); `eager_memory_efficiency`: an eager ATen kernel's (Liger-Kernel's H100 data: transformers' add +
+    RMSNorm, seven ATen kernels, 84%); `reduction_efficiency`: the fraction a compiled kernel with a reduction
+    reaches (None: torch.compile's measured RMSNorm for the reduced length, `reduction_fraction`); `launch_s`: the
+    least time one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether
+    that floor applies (False under `af.compile`, whose kernels are issued together).
     """
 
     gemm_efficiency: float | None = None
@@ -193,7 +170,12 @@ class TimingAssumptions:
     tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
     sm_count: int | None = None
     attention_efficiency: float = FA2_H100_TFLOPS[16384][0] / _H100_BF16
+    attention_backend: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(BACKENDS))
+    )
+    torch_version: str = attrs.Factory(lambda: torch.__version__)
     memory_efficiency: float = 0.9
+    eager_memory_efficiency: float = 0.84
     reduction_efficiency: float | None = None
     launch_s: float = 5e-6
     eager: bool = True
@@ -214,10 +196,27 @@ class TimingAssumptions:
     def sms(self, device: DeviceSpec) -> int | None:
         return self.sm_count if self.sm_count is not None else SM_COUNT.get(device.key)
 
-    def attention(self, backward: bool = False, seq: int = 0, causal: bool = False) -> float:
-        """The fraction of the bf16 peak an attention kernel reaches: `attention_efficiency` (a long non-causal
-        forward's) times FlashAttention-2's measured speed for the kernel's direction, key length and mask over a
-        long non-causal forward's (`attention_fraction`).
+    def backend(self, device: DeviceSpec) -> str:
+        """The SDPA backend attention is charged as on `device`: `attention_backend`, else the one torch
+        `torch_version` picks there.
+
+        Example:
+            >>> from accelfn.platforms.specs import spec
+            >>> TimingAssumptions(torch_version="2.6.0.dev20241223").backend(spec("h100-96gb"))
+            'flash2'
+            >>> TimingAssumptions(torch_version="2.11.0+cu130").backend(spec("h100-sxm"))
+            'cudnn'
+        """
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return sdpa_backend(self.torch_version, device.key)
+
+    def attention(
+        self, backward: bool = False, seq: int = 0, causal: bool = False, backend: str = "flash2"
+    ) -> float:
+        """The fraction of the bf16 peak an attention kernel of `backend` reaches: `attention_efficiency` (a
+        long non-causal FlashAttention-2 forward's) times the backend's measured speed for the kernel's direction,
+        key length and mask over that forward's (`attention_fraction`).
 
         Example:
             >>> a = TimingAssumptions()
@@ -225,14 +224,23 @@ class TimingAssumptions:
             (0.374, 0.322)
             >>> round(a.attention(seq=8192, causal=True), 3)  # 333 TFLOP/s
             0.337
+            >>> round(a.attention(seq=2048, causal=True, backend="cudnn") * 989)  # cuDNN: 484 TFLOP/s
+            484
         """
-        return self.attention_efficiency * attention_fraction(backward, seq, causal) / attention_fraction()
+        return (
+            self.attention_efficiency
+            * attention_fraction(backward, seq, causal, backend)
+            / attention_fraction()
+        )
 
 
-def attention_fraction(backward: bool = False, seq: int = 0, causal: bool = False) -> float:
-    """FlashAttention-2's measured fraction of the H100's bf16 peak for a forward or backward kernel over `seq`
-    keys, without a causal mask (`FA2_H100_TFLOPS`) or with one (`FA2_H100_CAUSAL_TFLOPS`, its backward an
-    assumption), interpolated in log2 of the length and held at the table's ends (0: the longest).
+def attention_fraction(
+    backward: bool = False, seq: int = 0, causal: bool = False, backend: str = "flash2"
+) -> float:
+    """The measured fraction of the H100's bf16 peak of `backend`'s SDPA kernel ("flash2": FlashAttention-2,
+    "cudnn": cuDNN's; `attention_speeds.speeds`), forward or backward over `seq` keys, without a causal mask or
+    with one (its backward an assumption), interpolated in log2 of the length and held at the table's ends (0:
+    the longest).
 
     Example:
         >>> round(attention_fraction(False, 8192), 3), round(attention_fraction(True, 8192), 3)
@@ -241,8 +249,10 @@ def attention_fraction(backward: bool = False, seq: int = 0, causal: bool = Fals
         0.305
         >>> round(attention_fraction(False, 2048, causal=True) * 989)  # causal: 298 TFLOP/s where 362 without
         298
+        >>> round(attention_fraction(True, 2048, backend="cudnn") * 989)  # cuDNN's backward: 465
+        465
     """
-    table = FA2_H100_CAUSAL_TFLOPS if causal else FA2_H100_TFLOPS
+    table = speeds(backend, causal)
     lengths = sorted(table)
     pick = 1 if backward else 0
     seq = lengths[-1] if seq <= 0 else min(max(seq, lengths[0]), lengths[-1])
@@ -323,6 +333,19 @@ def memory_time(nbytes: int, device: DeviceSpec, assumptions: TimingAssumptions)
     return nbytes / (device.memory_gbs * 1e9 * assumptions.memory_efficiency)
 
 
+def eager_memory_time(nbytes: int, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
+    """Seconds of one eager (ATen, not fused) memory-bound kernel moving `nbytes`, at `eager_memory_efficiency`
+    of the bandwidth (no launch floor).
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> h100, a = spec("h100-sxm"), TimingAssumptions()
+        >>> round(eager_memory_time(10**9, h100, a) / memory_time(10**9, h100, a), 3)  # 0.90 / 0.84
+        1.071
+    """
+    return nbytes / (device.memory_gbs * 1e9 * assumptions.eager_memory_efficiency)
+
+
 def matmul_time(
     m: int,
     n: int,
@@ -364,19 +387,25 @@ def attention_time(
     causal: bool = False,
 ) -> float:
     """Seconds of an attention kernel doing `flops` (its matmuls', the computed half's when causal) at
-    `assumptions.attention(backward, seq, causal)` of the peak (`backward`: SDPA's backward kernel; `seq`: its
-    key length; `causal`: with a causal mask).
+    `assumptions.attention(backward, seq, causal, backend)` of the peak (`backward`: SDPA's backward kernel; `seq`:
+    its key length; `causal`: with a causal mask; the backend `assumptions.backend(device)`).
 
     Example:
         >>> from accelfn.platforms.specs import spec
-        >>> attention_time(989 * 10**12, spec("h100-sxm"), TimingAssumptions(attention_efficiency=0.5))
+        >>> fa2 = TimingAssumptions(attention_backend="flash2")
+        >>> attention_time(989 * 10**12, spec("h100-sxm"), attrs.evolve(fa2, attention_efficiency=0.5))
         2.0
-        >>> fwd = attention_time(10**12, spec("h100-sxm"), TimingAssumptions(), seq=8192)
-        >>> bwd = attention_time(10**12, spec("h100-sxm"), TimingAssumptions(), backward=True, seq=8192)
+        >>> fwd = attention_time(10**12, spec("h100-sxm"), fa2, seq=8192)
+        >>> bwd = attention_time(10**12, spec("h100-sxm"), fa2, backward=True, seq=8192)
         >>> round(bwd / fwd, 3)  # FlashAttention-2 on H100: 370 TFLOP/s forward, 318 backward
         1.164
+        >>> cudnn = TimingAssumptions(torch_version="2.11.0")  # cuDNN's kernels on an H100
+        >>> round(attention_time(10**12, spec("h100-sxm"), cudnn, seq=8192) / fwd, 3)  # 370 / 600 TFLOP/s
+        0.617
     """
-    return flops / (_peak(device, dtype) * assumptions.attention(backward, seq, causal))
+    return flops / (
+        _peak(device, dtype) * assumptions.attention(backward, seq, causal, assumptions.backend(device))
+    )
 
 
 @attrs.define
@@ -465,7 +494,7 @@ class OpCost:
     Example:
         >>> from accelfn.platforms.specs import spec
         >>> c = OpCost("memory", nbytes=3_350_000_000)
-        >>> cost_time(c, spec("h100-sxm"), TimingAssumptions(memory_efficiency=1.0))
+        >>> cost_time(c, spec("h100-sxm"), TimingAssumptions(eager_memory_efficiency=1.0))
         0.001
     """
 
@@ -584,7 +613,7 @@ def in_place_kernel(read: Sequence[torch.Tensor], written: Sequence[torch.Tensor
         >>> p, g, m, v = (torch.zeros(1000) for _ in range(4))
         >>> with OpTimer(spec("h100-sxm"), TimingAssumptions(launch_s=0.0)) as t:
         ...     in_place_kernel([g], [p, m, v])  # AdamW: 4 x 4 bytes read, 3 x 4 written per parameter
-        >>> t.times.seconds["memory"] == memory_time(28 * 1000, spec("h100-sxm"), TimingAssumptions())
+        >>> t.times.seconds["memory"] == eager_memory_time(28 * 1000, spec("h100-sxm"), TimingAssumptions())
         True
     """
 
@@ -782,7 +811,8 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 
 def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
     """Seconds of one kernel (no launch floor) on `device`: `matmul_time`, `attention_time` (fp32 attention at
-    the bf16 peak: SDPA's flash kernels take only 2-byte inputs) or `memory_time`."""
+    the bf16 peak: SDPA's flash kernels take only 2-byte inputs) or `eager_memory_time` (one op, one ATen kernel:
+    a compiled region's fused kernels are `fused_time`'s)."""
     if cost.kind == "matmul":
         dtype = cost.dtype
         if peak_tflops(device, dtype) is None:
@@ -812,7 +842,7 @@ def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) 
             seq=cost.seq,
             causal=cost.causal,
         )
-    return memory_time(cost.nbytes, device, assumptions)
+    return eager_memory_time(cost.nbytes, device, assumptions)
 
 
 class OpTimer(TorchDispatchMode):
@@ -837,8 +867,12 @@ class OpTimer(TorchDispatchMode):
                 "tiles": a.tiles,
                 "sm_count": a.sms(device),
                 "attention_efficiency": a.attention_efficiency,
-                "attention_by": "FlashAttention-2's measured speed on H100 by direction, key length and causal mask",
+                "attention_backend": a.backend(device),
+                "torch_version": a.torch_version,
+                "attention_by": f"{a.backend(device)}'s measured SDPA speed on H100 by direction, key length and "
+                "causal mask",
                 "memory_efficiency": a.memory_efficiency,
+                "eager_memory_efficiency": a.eager_memory_efficiency,
                 "reduction_efficiency": a.reduction_efficiency
                 if a.reduction_efficiency is not None
                 else "torch.compile's measured RMSNorm by reduced length (quack, H100)",

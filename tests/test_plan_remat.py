@@ -88,12 +88,14 @@ def _kept(value: str, blocks: int) -> list[int]:
 
 
 def test_per_block_remat_needs_memory_between_none_and_every_block() -> None:
-    """`remat_needs_more` against a block-by-block reference over 12 blocks (every interval up to 4 divides
-    12): a needs at least b's memory exactly where each block of a keeps at least what that block of b keeps;
-    and the frugal order never puts a value needing more memory ahead of one needing less."""
-    values = ["none", *[f"{p}{s}" for p in ("selective", "full") for s in ("", ":2", ":3", ":4")]]
+    """`remat_needs_more` against a block-by-block reference over 60 blocks (every interval up to 6 divides
+    60: every value `--remats` may mix, full:3 with selective:4 and none): a needs at least b's memory exactly
+    where each block of a keeps at least what that block of b keeps; and the frugal order never puts a value
+    needing more memory ahead of one needing less."""
+    intervals = ("", ":2", ":3", ":4", ":5", ":6")
+    values = ["none", *[f"{p}{s}" for p in ("selective", "full") for s in intervals]]
     for a, b in itertools.product(values, repeat=2):
-        want = all(x >= y for x, y in zip(_kept(a, 12), _kept(b, 12), strict=True))
+        want = all(x >= y for x, y in zip(_kept(a, 60), _kept(b, 60), strict=True))
         assert remat_needs_more(a, b) == want, (a, b)
         ca, cb = Candidate({"dp": 2}, "ddp", a, 1), Candidate({"dp": 2}, "ddp", b, 1)
         assert needs_more_memory(ca, cb) == want, (a, b)
@@ -162,6 +164,114 @@ def test_the_written_per_block_config_is_what_launch_and_dry_run_apply(plans, tm
     assert report["per_rank"]["peak"] == best.peak
     assert math.isclose(report["predicted"]["step_time_s"], best.step_time_s, rel_tol=1e-9)
     assert code == 0
+
+
+# ---- the remat values the user asks for: --remats, af.plan(remats=...) ------------------------------------------
+
+# full:4 is measured before none and selective:4, which need at least its memory: its not fitting prunes both
+USER_REMATS = "full:4,none,full:3,selective:4,full:2,FULL:4"  # (a duplicate, not canonical: dropped)
+USER = ("full:4", "none", "full:3", "selective:4", "full:2")
+# at 12.5 MiB usable: full:2 (10.6 MiB) and full:3 (11.8) fit, full:4 (13.0), selective:4 (13.1) and none (14.1)
+# do not; full:3 recomputes one block, full:2 two: full:3 is the fastest that fits
+
+
+def test_the_remats_searched_are_checked_by_the_knobs_parser_and_name_the_option(capsys) -> None:
+    from accelfn.cli.main import main
+    from accelfn.planner.candidates import parse_remats
+
+    assert parse_remats(USER_REMATS.split(","), source="--remats") == USER
+    assert parse_remats(["full:1", "selective:01", "full"], source="r") == ("full", "selective")
+    space = Space(world=1, nproc_per_node=1, open=frozenset({"mesh", "remat"}), axes=("dp",), remats=USER)
+    assert [c.remat for c in enumerate_candidates(space)] == list(USER)
+    for bad, why in (("full:0", "the block interval '0' must be an integer >= 1"),
+                     ("partial", "is not one of none, selective, full, or POLICY:N"),
+                     ("none:2", "'none' checkpoints no block")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(f"af.plan: remats={bad!r}") + ".*" + re.escape(why)):
+            af.plan(SCRIPT, ARGS, remats=("none", bad))
+        assert main(["plan", "--remats", f"none,{bad}", "--no-progress", SCRIPT, *ARGS]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"accelfn plan: --remats={bad!r}") and why in err, err
+    with pytest.raises(ValueError, match=re.escape("af.plan: remats must be a list of remat values")):
+        af.plan(SCRIPT, ARGS, remats="full:2")
+    with pytest.raises(ValueError, match=re.escape("af.plan: remats is empty")):
+        af.plan(SCRIPT, ARGS, remats=())
+    assert main(["plan", "--remats", ",", SCRIPT]) == 2
+    assert "accelfn plan: --remats is empty" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def user_plans(tmp_path_factory) -> tuple[Path, dict, af.planner.Plan]:
+    """`accelfn plan --remats USER_REMATS` (pruned; its JSON and its written config), and the exhaustive
+    `af.plan(remats=USER, prune=False)`: one process, everything but remat fixed."""
+    from accelfn.cli.main import main
+
+    folder = tmp_path_factory.mktemp("remats")
+    path, js = folder / "plan.yaml", folder / "plan.json"
+    opts = ["--nproc-per-node", "1", "--axes", "dp", "--workers", "1", "--memory-gib", str(MEMORY_GIB),
+            "--calibration", "none", "--no-progress", "--json", str(js), "--write", str(path)]  # fmt: skip
+    assert main(["plan", "--remats", USER_REMATS, *opts, SCRIPT, *ARGS]) == 0
+    kw = dict(nproc_per_node=1, axes=("dp",), workers=1, memory_gib=MEMORY_GIB)
+    exhaustive = af.plan(SCRIPT, ARGS, remats=USER, prune=False, **kw)  # type: ignore[arg-type]
+    return path, json.loads(js.read_text()), exhaustive
+
+
+def test_the_pruned_plan_over_the_users_remats_is_the_exhaustive_one(user_plans) -> None:
+    _, pruned, exhaustive = user_plans
+    assert pruned["open_knobs"] == ["mesh", "remat"] and pruned["candidates"] == len(USER)
+    assert exhaustive.dry_runs == exhaustive.candidates == len(USER)
+    measured = {r.candidate.remat: r for r in [*exhaustive.rows, *exhaustive.unfit]}
+    assert set(measured) == set(USER)
+    assert {r.candidate.remat for r in exhaustive.unfit} == {"none", "selective:4", "full:4"}
+    best = max(exhaustive.rows, key=lambda r: r.tokens_per_s_per_gpu or 0.0)
+    assert best.candidate.remat == "full:3"
+    chosen = pruned["chosen"]
+    assert chosen["candidate"]["remat"] == "full:3" and chosen["candidate"]["label"] == best.candidate.label
+    assert chosen["peak"] == best.peak and chosen["step_time_s"] == best.step_time_s
+    # the pruning did prune: none and selective:4 need at least full:4's memory, measured not to fit
+    dominated = {f["label"] for f in pruned["fallen"] if f["tier"] == "dominated"}
+    assert dominated == {"dp=1 remat=none", "dp=1 remat=selective:4"}, pruned["fallen"]
+    assert pruned["dry_runs"] == len(USER) - 2
+
+
+def test_the_written_config_of_a_users_remat_is_what_dry_run_applies(user_plans, tmp_path: Path) -> None:
+    from accelfn.cli.main import main
+
+    path, pruned, _ = user_plans
+    assert load(path).plan.remat == "full:3"
+    out = tmp_path / "report.json"
+    code = main(["dry-run", "--config", str(path), "--no-search", "--json", str(out), SCRIPT, *ARGS])
+    report = json.loads(out.read_text())
+    assert report["per_rank"]["peak"] == pruned["chosen"]["peak"]
+    assert math.isclose(report["predicted"]["step_time_s"], pruned["chosen"]["step_time_s"], rel_tol=1e-9)
+    assert code == 0
+
+
+def test_remats_and_strategies_are_not_searched_where_the_script_fixes_them_and_the_plan_says_so(
+    capsys, tmp_path: Path
+) -> None:
+    from accelfn.cli.main import main
+
+    fixed = [*ARGS, "--remat", "full"]  # the script fixes strategy (ddp) and remat
+    opts = [
+        "--nproc-per-node",
+        "1",
+        "--axes",
+        "dp",
+        "--workers",
+        "1",
+        "--calibration",
+        "none",
+        "--no-progress",
+    ]
+    js = tmp_path / "plan.json"
+    args = ["--remats", "none,full:2", "--strategies", "fsdp", "--json", str(js)]
+    assert main(["plan", *opts, *args, SCRIPT, *fixed]) == 0
+    out = capsys.readouterr().out
+    assert "note: remats=none,full:2 not searched: the script fixes its remat (kept as it is)" in out, out
+    assert "note: strategies=fsdp not searched: the script fixes its strategy (kept as it is)" in out, out
+    plan = json.loads(js.read_text())
+    assert plan["candidates"] == 1 and plan["open_knobs"] == ["mesh"] and "remat" in plan["fixed_knobs"]
+    assert "remat" not in plan["chosen"]["candidate"]  # the script's own: full
 
 
 # ---- the step the knob builds ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Exit codes: 0 a configuration fits, 3 none fits, 1 the script fails as one proce
 
 Example:
     $ accelfn plan --nproc-per-node 8 --nnodes 8 --global-batch-size 256 --write plan.yaml train.py
+    $ accelfn plan --remats none,full,full:2,selective:3 --write plan.yaml train.py   # these remat values
     $ accelfn launch --config plan.yaml train.py
 """
 
@@ -62,6 +63,13 @@ def add_parser(sub: Any) -> None:
         "(default: all, the ZeRO stages where DeepSpeed is installed)",
     )
     p.add_argument(
+        "--remats",
+        default=None,
+        help="remat values to search where the script leaves its own 'auto': none, selective, full, or POLICY:N "
+        "(that policy on every n-th block), e.g. none,full,full:2,selective:3 (default: none,selective:2,selective,"
+        "full); ignored, with a note, where the script fixes remat",
+    )
+    p.add_argument(
         "--memory-gib",
         type=float,
         default=None,
@@ -88,6 +96,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_run)
+
+
+def _remats(text: str | None) -> tuple[str, ...] | None:
+    """`--remats a,b,...` as `af.plan(remats=...)` takes it: each value checked by the remat knob's parser, the
+    error naming the option and the value (None: the default search)."""
+    from ..planner.candidates import parse_remats
+
+    if text is None:
+        return None
+    return parse_remats([v.strip() for v in text.split(",") if v.strip()], source="--remats")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -135,6 +153,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     gpu = args.gpu or ("cpu" if args.device == "cpu" else "h100-sxm")
     try:
+        remats = _remats(args.remats)
+    except ValueError as e:
+        print(f"accelfn plan: {e}", file=sys.stderr)
+        return 2
+    try:
         result = plan(
             args.script,
             args.script_args,
@@ -148,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
             strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip())
             if args.strategies
             else None,
+            remats=remats,
             workers=args.workers,
             progress=not args.no_progress,
             memory_gib=args.memory_gib,

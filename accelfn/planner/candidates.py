@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -32,6 +32,7 @@ __all__ = [
     "data_size",
     "ZERO",
     "REMATS",
+    "parse_remats",
 ]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -42,8 +43,36 @@ MAX_ACCUMULATE = 16
 # none and selective in memory and in recomputation. Not searched, to keep a mesh's candidates at 4/3 of the three
 # policies' rather than 5/3 or more: full:2 (torchtitan's layer-selective AC, `selective_ac_option="2"`) and every
 # 3rd block or more; at Llama 3 8B's shapes the dry run's time model puts full:2 at selective's step time with 22%
-# more memory, and full:4 at selective:2's with 8% more (docs/plan.md, "Per-block remat"). The knob takes them all.
+# more memory, and full:4 at selective:2's with 8% more (docs/plan.md, "Per-block remat"). The knob takes them all,
+# and `af.plan(remats=...)` / `accelfn plan --remats` searches those the user names (`parse_remats`).
 REMATS = ("none", "selective:2", "selective", "full")
+
+
+def parse_remats(values: Sequence[object], *, source: str) -> tuple[str, ...]:
+    """The remat values to search, each checked and made canonical by the knob's own parser
+    (`launch_env.parse_remat`: ``FULL:1`` is ``full``), duplicates removed, the order kept; a ValueError naming
+    `source` and the bad value (or an empty list).
+
+    Example:
+        >>> parse_remats(["none", "FULL:1", "full:3", "full", "selective:4"], source="--remats")
+        ('none', 'full', 'full:3', 'selective:4')
+        >>> parse_remats(["none", "full:0"], source="--remats")
+        Traceback (most recent call last):
+        ...
+        ValueError: --remats='full:0': the block interval '0' must be an integer >= 1 (e.g. full:2 checkpoints blocks 2, 4, 6, ...)
+    """
+    from ..launch_env import parse_remat
+
+    if isinstance(values, str):
+        raise ValueError(
+            f"{source} must be a list of remat values, e.g. ['none', 'full:2'], not the text {values!r}"
+        )
+    out = tuple(dict.fromkeys(parse_remat(str(v), source=source, raw=v) for v in values))
+    if not out:
+        raise ValueError(
+            f"{source} is empty: name at least one remat value (searched by default: {', '.join(REMATS)})"
+        )
+    return out
 
 
 def deepspeed_installed() -> bool:

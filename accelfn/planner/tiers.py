@@ -27,7 +27,7 @@ import attrs
 
 from .. import launch_env
 from .calibrate import Calibration
-from .candidates import Candidate, Space, enumerate_candidates
+from .candidates import Candidate, Space, enumerate_candidates, parse_remats
 from .extrapolate import BLOCKS, extrapolate
 from .memory import BINDS, activation_share, frugal_candidates, needs_more_memory
 from .memory import group as memory_group
@@ -86,6 +86,7 @@ def plan(
     budget_minutes: float = 15.0,
     axes: Sequence[str] = AXES,
     strategies: Sequence[str] | None = None,
+    remats: Sequence[str] | None = None,
     workers: int = 2,
     progress: bool = False,
     prune: bool = True,
@@ -109,7 +110,11 @@ def plan(
     `calibration` (`accelfn.planner.calibrate.load(gpu)`, from `accelfn plan --calibrate RUN_DIR`) scales the
     compute model to the measured runs on that device and gives each row its error band.
     `strategies` are the strategies searched where the script leaves its own open (default: ddp, fsdp, hsdp, and
-    zero1-3, DeepSpeed's ZeRO stages, where DeepSpeed is installed).
+    zero1-3, DeepSpeed's ZeRO stages, where DeepSpeed is installed); `remats` the remat values searched where it
+    leaves remat open, any the knob takes (a policy, or ``POLICY:N``: that policy on every n-th block, e.g.
+    ``("none", "full", "full:2", "selective:3")``; default: none, selective:2, selective, full), each checked by the
+    knob's parser, duplicates dropped. Where the script fixes the knob, `strategies` and `remats` are not searched,
+    and the plan's notes say so.
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
     A candidate without a pipeline of a model with at least `extrapolate_min_blocks` blocks (None: never) is
     measured by dry runs of its model cut to 2 and 3 blocks, extrapolated to all of them (rows marked `~`);
@@ -154,6 +159,7 @@ def plan(
         raise ValueError(
             f"af.plan: strategies {bad_strategies} are not strategies; use some of {launch_env.STRATEGIES}"
         )
+    searched_remats = parse_remats(remats, source="af.plan: remats") if remats is not None else None
     bad = [a for a in axes if a not in AXES]
     if bad:
         raise ValueError(f"af.plan: axes {bad} are not mesh axes the planner searches; use some of {AXES}")
@@ -202,6 +208,14 @@ def plan(
         )
         if strategies:
             space = attrs.evolve(space, strategies=tuple(strategies))
+        if searched_remats is not None:
+            space = attrs.evolve(space, remats=searched_remats)
+        given = {"strategy": ("strategies", strategies or None), "remat": ("remats", searched_remats)}
+        ignored = [
+            f"{name}={','.join(values)} not searched: the script fixes its {knob} (kept as it is)"
+            for knob, (name, values) in given.items()
+            if values is not None and knob not in open_knobs
+        ]
         candidates = enumerate_candidates(space)
         fallen: list[Fallen] = []
         survivors: list[Candidate] = []
@@ -220,7 +234,7 @@ def plan(
 
         rows: list[Row] = []
         unfit: list[Row] = []
-        notes: list[str] = []
+        notes: list[str] = list(ignored)
         deadline = start + budget_minutes * 60
         bar = _bar(len(survivors), progress)
         base = Job(

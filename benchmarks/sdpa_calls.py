@@ -202,9 +202,20 @@ def graph_recording_backend(records: list[dict[str, Any]]) -> Callable[..., Any]
 
 
 def run(
-    mode: str, device: str, recorder: str, layers: int | None, batch: int, seq: int
+    mode: str,
+    device: str,
+    recorder: str,
+    layers: int | None,
+    batch: int,
+    seq: int,
+    backend: str = "inductor",
+    backward: bool = True,
 ) -> list[dict[str, Any]]:
-    """One forward and backward of the Llama in `mode`; the SDPA calls `recorder` sees, one dict each."""
+    """One forward and backward of the Llama in `mode`; the SDPA calls `recorder` sees, one dict each.
+
+    `backend` is the wrapper recorder's torch.compile backend ("eager": dynamo's graphs, no inductor; what
+    transformers passes SDPA is decided while dynamo traces).
+    """
     from transformers import LlamaForCausalLM
 
     torch._dynamo.reset()
@@ -218,8 +229,8 @@ def run(
             device
         )
         if mode.startswith("compile"):
-            backend: Any = graph_recording_backend(records) if recorder == "graph" else "inductor"
-            forward = torch.compile(model, backend=backend)
+            compiler: Any = graph_recording_backend(records) if recorder == "graph" else backend
+            forward = torch.compile(model, backend=compiler)
         else:
             forward = model
         with record_sdpa_calls(records) if recorder == "wrapper" else contextlib.nullcontext():
@@ -227,7 +238,8 @@ def run(
                 device, dtype=torch.bfloat16, enabled=device == "cuda"
             ):  # the CPU's SDPA: fp32
                 logits = forward(input_ids=ids).logits
-            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+            if backward:
+                F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
         patched = dict(state["calls"])
     for r in records:
         r.setdefault("recorder", recorder)

@@ -8,9 +8,21 @@ fused AdamW, clip 1.0, F.cross_entropy on the fp32 logits), eager and with `torc
 warm-up steps, the median of 10 timed steps (CUDA events), then 3 steps under torch.profiler, whose CUDA kernels
 are summed by kind (by name: cuBLAS/CUTLASS GEMMs, flash attention, inductor's Triton kernels split into
 pointwise and reductions, the fused AdamW, ATen's other kernels) per step; `idle` is the step's time less its
-kernels' (the GPU waiting for the host). `--modes compile-skipmask` compiles with transformers' causal mask
-skipped as it is outside torch.compile (`masking_utils._ignore_causal_mask_sdpa` made to answer True): SDPA gets
-`is_causal` in place of the mask (docs/dry_run.md, "Predicted time against published runs", item 9).
+kernels' (the GPU waiting for the host).
+
+What SDPA gets is set by `--modes` (benchmarks/sdpa_calls.py's `MODES`, which records each mode's SDPA calls;
+docs/dry_run.md, "Predicted time against published runs", item 9). Under torch.compile transformers (5.17-5.23)
+always passes an explicit (batch, 1, seq, seq) mask: its packed-sequence detection cannot skip while tracing
+(`masking_utils.find_packed_sequence_indices`), and then never asks `_ignore_causal_mask_sdpa`. So:
+
+    eager                    is_causal=True, enable_gqa (no mask), as published
+    eager-mask               the mask compile passes, eagerly (k/v repeated to 16 heads, no enable_gqa)
+    compile                  as published: the mask
+    compile-skipmask-ignore  the 2026-11-27 experiment: `_ignore_causal_mask_sdpa` answers True; still the mask
+    compile-skipmask         that and no packed-sequence detection: is_causal=True, enable_gqa, as eager
+    compile-causal           attn_implementation "sdpa_causal" (transformers' SDPA function with no mask function)
+
+    python benchmarks/step_kernels.py --modes eager,eager-mask,compile,compile-skipmask --steps 5
 """
 
 from __future__ import annotations
@@ -19,9 +31,14 @@ import argparse
 import collections
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sdpa_calls import MODES, llama_config, transformers_mode  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -48,20 +65,21 @@ def kind(name: str) -> str:
 
 
 def run(mode: str, steps: int) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    torch._dynamo.reset()
+    with transformers_mode(mode) as patched:
+        result = _run(mode, steps, patched["attn_implementation"])
+        result["patched_calls"] = dict(patched["calls"])  # 0 calls: the patch was never reached
+    return result
 
-    cfg = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048, use_cache=False,
-    )  # fmt: skip
+
+def _run(mode: str, steps: int, attn_implementation: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config("cuda", attn_implementation=attn_implementation)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    if mode == "compile-skipmask":
-        import transformers.masking_utils as masking
-
-        masking._ignore_causal_mask_sdpa = lambda *args, **kwargs: True
     forward = torch.compile(model) if mode.startswith("compile") else model
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32000, (8, 2048), generator=g).cuda() for _ in range(4)]
@@ -108,6 +126,7 @@ def run(mode: str, steps: int) -> dict:
     busy = sum(by_kind.values())
     return {
         "mode": mode,
+        "attn_implementation": attn_implementation,
         "step_ms": step_ms,
         "tokens_per_s": 8 * 2048 / step_ms * 1e3,
         "kernels_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
@@ -124,8 +143,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="step_kernels.json")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--modes", default="eager,compile", help=f"comma-separated, of: {', '.join(MODES)}")
     args = p.parse_args()
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            p.error(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
     results = []
     for mode in args.modes.split(","):
         r = run(mode, args.steps)

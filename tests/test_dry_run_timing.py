@@ -202,6 +202,35 @@ def test_the_backend_is_printed_and_an_override_wins_over_the_torch_version() ->
     assert TimingAssumptions().torch_version == torch.__version__
 
 
+def test_the_cli_declares_the_jobs_torch_and_names_a_bad_one(tmp_path, capsys) -> None:
+    import argparse
+
+    from accelfn.cli.dry_run import _dry_run
+    from accelfn.dryrun import Assumptions
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    given = []
+
+    def dry_run(*args, assumptions, **kwargs):  # records what the command hands af.dry_run
+        given.append(assumptions)
+        raise SystemExit(0)
+
+    def args(version):
+        return argparse.Namespace(
+            rank="0", gpu="h100-96gb", moe_routing="uniform", host_memory_gib=2048.0, torch_version=version,
+            script=str(script), script_args=[], nproc_per_node=8, nnodes=1, steps=1, step=None, mesh=None,
+            no_search=True, device="cuda", json_path=None,
+        )  # fmt: skip
+
+    with pytest.raises(SystemExit):
+        _dry_run(args("2.6.0.dev20241223"), dry_run, Assumptions)
+    assert given[0].timing.torch_version == "2.6.0.dev20241223"
+    assert given[0].timing.backend(spec("h100-96gb")) == "flash2"
+    assert _dry_run(args("latest"), dry_run, Assumptions) == 2
+    assert "--torch-version: torch_version 'latest' is not a torch version" in capsys.readouterr().err
+
+
 def test_an_unknown_backend_or_torch_version_is_named() -> None:
     with pytest.raises(ValueError, match="attention_backend"):
         TimingAssumptions(attention_backend="flash3")

@@ -32,6 +32,7 @@ from torch import nn
 __all__ = [
     "BLOCKS",
     "keep_blocks",
+    "lead_blocks",
     "stage_blocks",
     "rank_blocks",
     "extrapolate",
@@ -49,7 +50,9 @@ def keep_blocks(
 ) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that cuts the model's blocks (its largest `nn.ModuleList`, as
     `af.compile(regions="blocks")` finds them) to the first `n` (times `stages[0]`, the pipeline stage
-    count the run is expected to split it into: `n` blocks per stage), and records how many it had in `seen["blocks"]`; a model with
+    count the run is expected to split it into: `n` blocks per stage) after its leading blocks unlike the
+    last (`lead_blocks`, kept whole and recorded in `seen["lead"]` where there are any: DeepSeek-V3's dense
+    layers before its MoE ones), and records how many it had in `seen["blocks"]`; a model with
     that many blocks or fewer (or `n` None) is left whole. For each stage count `s` of `stages`, the blocks of
     each stage of the whole model and of the cut one, as the pipeline's balanced split cuts them, go to
     `seen["full"][s]` and `seen["cut"][s]`.
@@ -70,16 +73,37 @@ def keep_blocks(
             seen.setdefault("blocks", 0)  # no repeated blocks: nothing to extrapolate over
             return
         seen.setdefault("blocks", len(blocks))
+        lead = lead_blocks(blocks)
+        if lead:
+            seen.setdefault("lead", lead)
         counts = [s for s in stages if 1 < s <= len(blocks)]
         if counts:
             seen.setdefault("full", {s: stage_blocks(model, s) for s in counts})
-        keep = None if n is None else n * (stages[0] if stages else 1)
+        keep = None if n is None else lead + n * (stages[0] if stages else 1)
         if keep is not None and len(blocks) > keep:
             del blocks[keep:]
         if counts:
             seen["cut"] = {s: stage_blocks(model, s) for s in counts if s <= len(blocks)}
 
     return hook
+
+
+def lead_blocks(blocks: nn.ModuleList) -> int:
+    """How many leading blocks to keep whole when cutting `blocks`: up to the last one whose parameters (names
+    and shapes) differ from the last block's, so that the blocks cut away, and those a line is drawn through,
+    are all alike. 0 for identical blocks; DeepSeek-V3's 3 dense layers before its MoE ones: 3 (cut to its
+    first 2, a dense model: no experts for `ep`, the line through dense blocks).
+
+    Example:
+        >>> lead_blocks(nn.ModuleList([nn.Linear(4, 8), nn.Linear(4, 4), nn.Linear(4, 4)]))
+        1
+    """
+
+    def shapes(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+    last = shapes(blocks[-1])
+    return max((i + 1 for i, b in enumerate(blocks) if shapes(b) != last), default=0)
 
 
 def stage_blocks(model: nn.Module, n_stages: int) -> list[int]:

@@ -126,7 +126,8 @@ def illegal(c: Candidate) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
     the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
     shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
-    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload.
+    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload, nor
+    does fsdp or hsdp (`af.offload` refuses FSDP-sharded state).
 
     Example:
         >>> illegal(Candidate({"dp": 1, "ep": 8}, "fsdp"))
@@ -138,6 +139,10 @@ def illegal(c: Candidate) -> str | None:
         return f"fsdp with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
     if c.strategy in ZERO and c.offload == "optimizer":
         return f"{c.strategy} (DeepSpeed) offloads through its own config, not af.offload"
+    if c.strategy in ("fsdp", "hsdp") and c.offload == "optimizer":
+        # af.offload refuses it at lowering: checked here, a dry run of the first candidate of a mesh that
+        # failed so would prune the mesh's candidates without offload with it
+        return f"{c.strategy} with af.offload: offloading FSDP-sharded state is not supported yet"
     if gbs is None:
         return None
     if gbs % dp:

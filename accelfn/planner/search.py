@@ -90,8 +90,9 @@ def _run_job(job: Job) -> dict[str, Any]:
                     report = _dry_run(job, rank, keep_blocks(n, seen, stages)).to_dict()
                     on = rank_blocks(report, seen.get("cut", {}))
                     full = rank_blocks(report, seen.get("full", {}))
-                    if on is None:  # no pipeline: the blocks kept are the rank's
-                        on, full = min(n, seen.get("blocks", 0)), seen.get("blocks", 0)
+                    if on is None:  # no pipeline: the rank's blocks are those kept (leading unlike ones too)
+                        whole = seen.get("blocks", 0)
+                        on, full = min(seen.get("lead", 0) + n, whole), whole
                     cut[n].append({**report, "at": on, "full": full})
             if all(len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))):
                 return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}

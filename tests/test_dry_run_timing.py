@@ -868,6 +868,33 @@ def test_a_dry_runs_predicted_step_holds_the_fused_adamw_update_of_every_paramet
     assert report.predicted.compute_s > update + 3 * weight  # without the update: 0.19 ms against 0.16 + 0.07
 
 
+@pytest.mark.parametrize("backend", ["flash2", "cudnn"])
+def test_a_step_compiled_as_one_graph_runs_transformers_causal_mask_as_a_full_attention(backend) -> None:
+    from accelfn.dryrun.step_time import predict_step
+    from accelfn.dryrun.timing import OpCost
+
+    ta = TimingAssumptions(attention_backend=backend)
+    flops = 10**12  # the computed half's
+
+    def costs(causal: bool, mask: bool, scale: int = 1) -> list[OpCost]:
+        return [
+            OpCost("attention", flops=scale * flops, seq=2048, causal=causal, mask=mask, backward_kernel=b)
+            for b in (False, True)
+        ]
+
+    def seconds(ops: list[OpCost], compiled: str | None) -> float:
+        return predict_step(ops, H100, timing=ta, compiled=compiled).compute_s
+
+    masked = costs(causal=True, mask=True)
+    full = seconds(costs(causal=False, mask=False, scale=2), "step")  # every block computed, none skipped
+    causal = seconds(costs(causal=True, mask=False), "step")  # is_causal: the masked half skipped
+    assert full > 1.5 * causal
+    assert seconds(masked, "step") == pytest.approx(full)  # the mask traced with the model
+    assert seconds(masked, "blocks") == pytest.approx(causal)  # the mask made outside the blocks, skipped
+    assert seconds(masked, None) == pytest.approx(causal)  # eager: transformers passes is_causal
+    assert seconds(costs(causal=True, mask=False), "step") == pytest.approx(causal)  # torchtitan's is_causal
+
+
 @pytest.mark.parametrize("n, gbs", [(1024, 1950), (2048, 2180), (4096, 2300), (16384, 1810)])
 def test_a_compiled_reduction_runs_at_torch_compiles_measured_bandwidth(n, gbs) -> None:
     # Dao-AILab/quack's figure: torch.compile's RMSNorm (bf16) on an H100 80GB HBM3, GB/s by the rows' length

@@ -21,9 +21,14 @@ stream per link (within a node, across nodes: collectives on one link share its 
   checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md), at the bandwidth
   torch.compile's reduction kernels were measured to reach where the run reduces (`timing.fused_time`); the rest (the optimizer's update, the
   clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
-  compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it.
-  (Not modelled: attention under `torch.compile(model)` measured 3.3x slower than eager on an H100, cause
-  unknown: docs/dry_run.md, "Predicted time against published runs", item 9.)
+  compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it;
+- a step compiled as one graph traces the model's mask: `transformers` (5.17 to 5.23 at least) builds its causal
+  mask whenever it is traced (`masking_utils.find_packed_sequence_indices` answers "packed" under torch.compile,
+  which turns off the `is_causal` skip), so SDPA gets the explicit mask, computes every block and skips none:
+  an attention call the dry run saw with a causal mask (`OpCost.mask`) runs as a full, non-causal one
+  (`traced_mask`). Compiled per block, the mask is made outside the blocks, eagerly, and skipped. (What SDPA
+  receives is recorded by `benchmarks/sdpa_calls.py`; the GPU time of the masked kernel is not yet measured
+  apart: docs/dry_run.md, "Predicted time against published runs", item 9.)
 
 Example:
     >>> from accelfn.platforms.specs import spec
@@ -51,7 +56,25 @@ from .layout import _intra_node
 from .timing import OpCost, TimingAssumptions, cost_time, fused_time
 from .tracker import Collective
 
-__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions"]
+__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions", "traced_mask"]
+
+
+def traced_mask(cost: OpCost) -> OpCost:
+    """The attention kernel a step compiled as one graph runs for `cost`: with the causal mask `transformers`
+    builds while torch.compile traces it (`cost.mask`), a full non-causal attention over every block (twice the
+    computed half's FLOPs); any other cost as it is.
+
+    Example:
+        >>> from accelfn.dryrun.timing import OpCost
+        >>> full = traced_mask(OpCost("attention", flops=10**12, seq=2048, causal=True, mask=True))
+        >>> full.flops, full.causal
+        (2000000000000, False)
+        >>> traced_mask(OpCost("attention", flops=10**12, seq=2048, causal=True)).flops  # is_causal: kept
+        1000000000000
+    """
+    if cost.kind == "attention" and cost.mask and cost.causal:
+        return attrs.evolve(cost, flops=2 * cost.flops, causal=False)
+    return cost
 
 
 @attrs.frozen
@@ -284,6 +307,8 @@ def predict_step(
     for ev in timeline:
         if isinstance(ev, OpCost):
             inside = compiled and ev.graph and (ev.region or not per_block)
+            if inside and not per_block:
+                ev = traced_mask(ev)
             if ev.kind == "memory" and inside:
                 fused = max(fused, ev.nbytes)
                 if ev.reduce and (
@@ -347,6 +372,9 @@ def predict_step(
         "largest op's bytes; the update" + (", the loss and FSDP's hooks eager" if per_block else " eager")
         if compiled
         else "eager: one kernel per op",
+        "traced_mask": "compiled as one graph: transformers' causal mask kept, attention over every block"
+        if compiled and not per_block
+        else None,
         "overlap": "data-parallel all-gathers prefetched one ahead, reductions async until the update; "
         "other collectives on the critical path",
         "pipeline": attrs.asdict(pipeline) if pipeline is not None else None,

@@ -22,7 +22,7 @@ def test_tp2_alone_equals_one_process():
                "llama:remat:compile", "llama:bf16", "llama:compile", "llama:compile:blocks", "llama:compile:blocks:noseqparallel:nolossparallel",
                "llama:noseqparallel:nolossparallel",
                "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
-               "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8"]  # fmt: skip
+               "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8", "qwen3moe"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=600)
     expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
@@ -35,24 +35,28 @@ def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
                "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel",
                "llama:fsdp:seqparallel:compile", "llama:fsdp:noseqparallel:nolossparallel:sgd",
-               "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}"]  # fmt: skip
+               "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}", "qwen3moe:fsdp:accumulate",
+               f"qwen3moe:save={tmp_path / 'moe'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
     expect_ok(proc, configs, 4)
     assert proc.stdout.count("OK cp refused") == 4, output_of(proc)
-    # the dp2 x tp2 state loads on one process, in the Hugging Face layout transformers reads
+    # the dp2 x tp2 states load on one process, in the Hugging Face layout transformers reads (Qwen3-MoE: its
+    # experts whole, under their own names)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-hf")
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-ref")
-    for (n, p), (_, q) in zip(hf.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=n)
-    step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
-    like = step.init(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-ref"))
-    state = af.checkpoint.load(tmp_path / "ckpt", like=like)
-    assert int(state.step) == 4
-    for n, p in hf.named_parameters():
-        assert torch.equal(state.params[n], p), n
+    for name in ("ckpt", "moe"):
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf")
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-ref")
+        assert [n for n, _ in hf.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        for (n, p), (_, q) in zip(hf.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=n)
+        step = af.train_step(lambda m, b: m(b).logits.sum(), af.optim.adamw(1e-3))
+        like = step.init(AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-ref"))
+        state = af.checkpoint.load(tmp_path / name, like=like)
+        assert int(state.step) == 4
+        for n, p in hf.named_parameters():
+            assert torch.equal(state.params[n], p), n
 
 
 @pytest.mark.slow
@@ -113,6 +117,47 @@ def test_plan_errors_name_the_entry_the_size_and_the_module():
 
     with pytest.raises(ValueError, match=r"module 'transformer\.h\.0\.mlp\.c_fc' is a Conv1D"):
         expand_plan(tiny_gpt2(), {"transformer.h.*.mlp.c_fc": "colwise"}, 2)
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def test_a_moe_models_plan_keeps_its_experts_whole_without_ep():
+    from accelfn.transforms.shard.tensor_parallel import whole_experts
+
+    model = qwen3_moe()
+    own = model_tp_plan(model)  # transformers splits the experts: packed gate_up halves, down_proj rowwise
+    assert own["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert own["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    notes: list[str] = []
+    plan = whole_experts(model, own, notes)
+    experts = ["model.layers.*.mlp.experts", "model.layers.*.mlp.experts.down_proj",
+               "model.layers.*.mlp.experts.gate_up_proj"]  # fmt: skip
+    assert sorted(set(own) - set(plan)) == experts
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"  # a dense MLP's rowwise stays (mlp_only_layers)
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert len(notes) == 1 and "the experts stay whole on every tp rank" in notes[0], notes
+    assert experts[2] in notes[0], notes
+    # what is left splits the attention only; the experts' params are untouched
+    styles = expand_plan(model, {k: v for k, v in plan.items() if ".mlp." not in k}, 2)
+    assert "model.layers.1.self_attn.q_proj" in styles and not any(".experts" in n for n in styles)
+    dense = model_tp_plan(llama())
+    assert whole_experts(qwen3_moe(), dense, notes) == dense  # no experts: nothing left out, nothing said
+    assert len(notes) == 1
+
+
+def test_a_user_plan_naming_transformers_moe_styles_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.mlp\.experts\.gate_up_proj'\] = "
+                       r"'packed_colwise' is not a style accelfn knows \(transformers' style for MoE experts"):  # fmt: skip
+        expand_plan(qwen3_moe(), {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}, 2)
+    with pytest.raises(ValueError, match=r"\['model\.layers\.\*\.mlp\.experts'\] = 'moe_tp_experts' is not"):
+        expand_plan(qwen3_moe(), {"model.layers.*.mlp.experts": "moe_tp_experts"}, 2)
 
 
 class _Net(nn.Module):

@@ -3,7 +3,9 @@
     accelfn launch --nproc-per-node 4 --cpu tests/workers/tp_worker.py dp=2,tp=2 llama llama:accumulate llama:fsdp
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
-biases, GELU MLP, tied embeddings; its own plan), mistral, qwen2, mlp (a user plan); options: accumulate, fsdp, hsdp,
+biases, GELU MLP, tied embeddings; its own plan), mistral, qwen2, qwen3moe (Qwen3-MoE: its plan's experts entries,
+packed_colwise / moe_tp_experts, left out: the experts stay whole on each tp rank; no sequence or loss parallel by
+default), mlp (a user plan); options: accumulate, fsdp, hsdp,
 lossparallel / seqparallel (passed True), nolossparallel / noseqparallel (passed False; neither: the default,
 on for the transformers decoders), fp8, loader (inputs from af.data.DataLoader), compile (aot_eager; per block
 under fsdp), blocks (with compile: regions="blocks"), sgd (SGD with momentum instead of AdamW),
@@ -58,6 +60,13 @@ def make_model(kind):
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
         )  # fmt: skip
         return getattr(transformers, f"{name}ForCausalLM")(cfg)
+    if kind == "qwen3moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                             num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+        return Qwen3MoeForCausalLM(cfg)
     return MLP()
 
 
@@ -141,10 +150,9 @@ def check(mesh, kind, options):
     # lp: logits split over the vocabulary, the loss on the shards; sp: the residual stream split over the
     # sequence between the TP regions. Both on by default for the transformers decoders, off for the mlp
     given_lp, given_sp = flag("lossparallel"), flag("seqparallel")
-    lp = given_lp if given_lp is not None else kind != "mlp"
-    sp = (
-        given_sp if given_sp is not None else kind != "mlp" and not fp8
-    )  # fp8: torchao's float8 styles instead
+    known = kind not in ("mlp", "qwen3moe")  # the decoders the defaults are tested on (DEFAULTS_KNOWN)
+    lp = given_lp if given_lp is not None else known
+    sp = given_sp if given_sp is not None else known and not fp8  # fp8: torchao's float8 styles instead
     step = af.shard(
         step, mesh, strategy=strategy, inputs=inputs, tp_plan=plan, loss_parallel=given_lp,
         sequence_parallel=given_sp,
@@ -162,6 +170,11 @@ def check(mesh, kind, options):
         step
     )
     assert ("sequence parallel between" in repr(step)) == sp, repr(step)
+    whole = "the experts stay whole on every tp rank (replicated over tp"
+    assert (whole in repr(step)) == (kind == "qwen3moe"), repr(step)
+    for n, p in state.params.items():  # (a DTensor over the data axes only: ddp's / fsdp's, not tp's)
+        names = p.device_mesh.mesh_dim_names if hasattr(p, "device_mesh") else ()
+        assert ".experts." not in n or "tp" not in names, f"{n} is split over tp: {p.placements}"
     assert ("(the default: loss_parallel=False turns it off)" in repr(step)) == (lp and given_lp is None)
     split = [n for n, p in state.params.items() if getattr(p, "placements", None) and any(
         q.is_shard() for q in p.placements)]  # fmt: skip

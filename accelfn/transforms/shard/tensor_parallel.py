@@ -21,6 +21,12 @@ Style names (Hugging Face's, and torchtitan's meaning):
                           so any split dim gives the same), so its weight's gradient is summed over `tp`
   replicate, gather, local_colwise, local_rowwise, ...: not supported (a clear error)
 
+transformers' styles for MoE experts (`moe_tp_experts` on an experts module, `packed_colwise` / `packed_rowwise` on
+its packed gate_up, `rowwise` on its down_proj, `moe_identity_expert`): in a model's own plan, without an `ep` axis,
+its entries for the experts are left out and the experts stay whole on every tp rank (`whole_experts`; their input
+is replicated, so each rank computes the same outputs and gradients); an `ep` axis splits them (`expert_parallel`).
+A user plan naming these styles gets a clear error.
+
 Parameters become DTensors in place (their names do not change: checkpoints and the state keep the Hugging
 Face layout); each rank of a `tp` group reads the same batch (the data axes split it). The global gradient
 norm counts every element once (`tensor_parallel_norm`), and an fp16 overflow on any shard skips the step
@@ -60,12 +66,16 @@ __all__ = [
     "parallel_defaults",
     "DEFAULTS_KNOWN",
     "tensor_parallel_norm",
+    "whole_experts",
+    "EXPERT_STYLES",
 ]
 
 SUPPORTED = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
     "embedding_rowwise", "sequence_parallel", "replicated_with_grad_allreduce",
 )  # fmt: skip
+# transformers' tensor-parallel styles for MoE experts, which accelfn does not split over tp (`whole_experts`)
+EXPERT_STYLES = ("moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert")
 # heads are split between the ranks by colwise q/k/v: the config's counts must divide
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
 
@@ -159,9 +169,15 @@ def match_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str,
     out: dict[str, Any] = {}
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle) and style not in SUPPORTED:
+            moe = (
+                " (transformers' style for MoE experts: accelfn keeps the experts whole on every tp rank, or splits "
+                "them over an ep axis; leave the entry out)"
+                if style in EXPERT_STYLES
+                else ""
+            )
             raise ValueError(
-                f"tp_plan[{key!r}] = {style!r} is not a style accelfn knows; use one of {list(SUPPORTED)} or a "
-                "torch.distributed.tensor.parallel.ParallelStyle"
+                f"tp_plan[{key!r}] = {style!r} is not a style accelfn knows{moe}; use one of {list(SUPPORTED)} or "
+                "a torch.distributed.tensor.parallel.ParallelStyle"
             )
         regex = _pattern(key)
         matched = [n for n in names if regex.match(n)]
@@ -290,6 +306,38 @@ def _present(module: nn.Module, raw: Mapping[str, Any], notes: list[str]) -> dic
     if absent:
         notes.append(f"the model's tp plan entries for modules it does not have, left out: {absent}")
     return {k: v for k, v in raw.items() if k not in absent}
+
+
+def whole_experts(module: nn.Module, raw: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A model's own plan without its entries for MoE experts: those with a style of `EXPERT_STYLES`, and those
+    matching only what is inside a `moe_tp_experts` module (its `down_proj`'s `rowwise`); said in `notes`. The
+    experts then stay whole on every tp rank: their input (after the attention's row-wise projection) and the
+    router's choices are replicated, so each rank computes the same outputs and gradients.
+
+    Example:
+        >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        ...                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4)
+        >>> model = Qwen3MoeForCausalLM(cfg)
+        >>> plan = whole_experts(model, model_tp_plan(model), notes := [])
+        >>> sorted(k for k in model_tp_plan(model) if k not in plan)
+        ['model.layers.*.mlp.experts', 'model.layers.*.mlp.experts.down_proj', 'model.layers.*.mlp.experts.gate_up_proj']
+    """
+    modules = [n for n, _ in module.named_modules() if n]
+    names = modules + [n for n, _ in module.named_parameters()]
+    owners = [n for k, v in raw.items() if v == "moe_tp_experts" for n in modules if _pattern(k).match(n)]
+
+    def experts(key: str) -> bool:
+        hits = [n for n in names if _pattern(key).match(n)]
+        return bool(hits) and all(any(n == o or n.startswith(o + ".") for o in owners) for n in hits)
+
+    dropped = [k for k, v in raw.items() if (isinstance(v, str) and v in EXPERT_STYLES) or experts(k)]
+    if dropped:
+        notes.append(
+            f"the experts stay whole on every tp rank (replicated over tp: each computes the same outputs; an ep "
+            f"axis splits them), the model's tp plan entries for them left out: {dropped}"
+        )
+    return {k: v for k, v in raw.items() if k not in dropped}
 
 
 def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
@@ -445,6 +493,8 @@ class TensorParallel(TransformBase):
         ep = next((t for t in plan.transforms if t.kind == "expert_parallel"), None)
         if ep is not None:  # the experts follow the ep plan, whatever the tp plan says of them
             raw = ep.without_experts(module, raw, plan.notes)
+        if self.plan is None:  # (at ep=1: the model's plan's experts stay whole on every tp rank)
+            raw = whole_experts(module, raw, plan.notes)
         why_not = None
         if self.sequence_parallel is None or self.loss_parallel is None:
             why_not = parallel_defaults(module, user_plan=self.plan is not None)

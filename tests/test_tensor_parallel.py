@@ -22,7 +22,8 @@ def test_tp2_alone_equals_one_process():
                "llama:remat:compile", "llama:bf16", "llama:compile", "llama:compile:blocks", "llama:compile:blocks:noseqparallel:nolossparallel",
                "llama:noseqparallel:nolossparallel",
                "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
-               "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8", "qwen3moe"]  # fmt: skip
+               "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8", "qwen3moe",
+               "qwen3moe:seqparallel:lossparallel"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=600)
     expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)
@@ -35,7 +36,7 @@ def test_dp2_x_tp2_on_four_processes_equals_one_process(tmp_path):
     configs = ["llama", "starcoder2", "llama:accumulate", "llama:fsdp", "mlp:fsdp:accumulate", "llama:compile",
                "llama:fsdp:noseqparallel:lossparallel:loader", "llama:loader:nolossparallel",
                "llama:fsdp:seqparallel:compile", "llama:fsdp:noseqparallel:nolossparallel:sgd",
-               "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}", "qwen3moe:fsdp:accumulate",
+               "llama:fsdp:fp8", f"llama:save={tmp_path / 'ckpt'}", "qwen3moe:fsdp:seqparallel:lossparallel:accumulate",
                f"qwen3moe:save={tmp_path / 'moe'}"]  # fmt: skip
     # the mesh from the launcher: accelfn launch --mesh dp=2,tp=2
     proc = run_workers("tp_worker.py", 4, "env", *configs, timeout=600, launch_args=("--mesh", "dp=2,tp=2"))
@@ -145,11 +146,18 @@ def test_a_moe_models_plan_keeps_its_experts_whole_without_ep():
     assert len(notes) == 1 and "the experts stay whole on every tp rank" in notes[0], notes
     assert experts[2] in notes[0], notes
     # what is left splits the attention only; the experts' params are untouched
-    styles = expand_plan(model, {k: v for k, v in plan.items() if ".mlp." not in k}, 2)
+    attention = {k: v for k, v in plan.items() if ".mlp." not in k}  # (the dense MLP's: for mlp_only_layers)
+    styles = expand_plan(model, attention, 2)
     assert "model.layers.1.self_attn.q_proj" in styles and not any(".experts" in n for n in styles)
     dense = model_tp_plan(llama())
     assert whole_experts(qwen3_moe(), dense, notes) == dense  # no experts: nothing left out, nothing said
     assert len(notes) == 1
+    # sequence parallel (asked for): the MoE block, whose experts stay whole, gathers the sequence in, scatters it out
+    from accelfn.transforms.shard.tensor_parallel import match_plan, sequence_parallel_styles
+
+    styles = sequence_parallel_styles(model, match_plan(model, attention, 2), loss_parallel=True)
+    assert type(styles["model.layers.0.mlp"]).__name__ == "PrepareModuleInputOutput"
+    assert type(styles["model.layers.0.self_attn"]).__name__ == "PrepareModuleInput"
 
 
 def test_a_user_plan_naming_transformers_moe_styles_is_refused_by_name():

@@ -4,8 +4,8 @@
 
 Each config is `model[:option...]`: model in llama (Hugging Face plan), starcoder2 (GPT-2-style: LayerNorm,
 biases, GELU MLP, tied embeddings; its own plan), mistral, qwen2, qwen3moe (Qwen3-MoE: its plan's experts entries,
-packed_colwise / moe_tp_experts, left out: the experts stay whole on each tp rank; no sequence or loss parallel by
-default), mlp (a user plan); options: accumulate, fsdp, hsdp,
+packed_colwise / moe_tp_experts, left out: the experts stay whole on each tp rank; sequence and loss parallel off
+by default, on when asked), mlp (a user plan); options: accumulate, fsdp, hsdp,
 lossparallel / seqparallel (passed True), nolossparallel / noseqparallel (passed False; neither: the default,
 on for the transformers decoders), fp8, loader (inputs from af.data.DataLoader), compile (aot_eager; per block
 under fsdp), blocks (with compile: regions="blocks"), sgd (SGD with momentum instead of AdamW),

@@ -214,6 +214,7 @@ def sequence_parallel_styles(
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -280,9 +281,15 @@ def sequence_parallel_styles(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
-        styles[f"{layer}.mlp"] = prepare(
-            f"{layer}.mlp", input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        )
+        if any(n.startswith(f"{layer}.mlp.") for n in named):
+            styles[f"{layer}.mlp"] = prepare(
+                f"{layer}.mlp", input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        else:  # an MoE block whose experts stay whole (`whole_experts`): the sequence gathered in, scattered out
+            styles[f"{layer}.mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+            )  # fmt: skip
         for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
             if n.startswith(f"{layer}.") and st in ("rowwise", "rowwise_rep", "rowwise_split_input"):
                 if fp8(n):

@@ -160,6 +160,23 @@ def test_a_moe_models_plan_keeps_its_experts_whole_without_ep():
     assert type(styles["model.layers.0.self_attn"]).__name__ == "PrepareModuleInput"
 
 
+def test_a_models_own_plan_with_a_style_accelfn_does_not_know_is_refused_by_name():
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from accelfn.transforms.shard.tensor_parallel import _check_model_styles, whole_experts
+
+    cfg = DeepseekV2Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                           v_head_dim=8)  # fmt: skip
+    model = DeepseekV2ForCausalLM(cfg)
+    plan = whole_experts(model, model_tp_plan(model), [])  # its experts' entries go; MLA's projection stays
+    with pytest.raises(ValueError, match=r"DeepseekV2ForCausalLM's own tp plan \(config\.base_model_tp_plan\) maps "
+                       r"'model\.layers\.\*\.self_attn\.kv_a_proj_with_mqa' to 'mla_kv_a_proj'"):  # fmt: skip
+        _check_model_styles(model, plan)
+    _check_model_styles(qwen3_moe(), whole_experts(qwen3_moe(), model_tp_plan(qwen3_moe()), []))  # all known
+
+
 def test_a_user_plan_naming_transformers_moe_styles_is_refused_by_name():
     with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.mlp\.experts\.gate_up_proj'\] = "
                        r"'packed_colwise' is not a style accelfn knows \(transformers' style for MoE experts"):  # fmt: skip

@@ -347,6 +347,19 @@ def whole_experts(module: nn.Module, raw: Mapping[str, Any], notes: list[str]) -
     return {k: v for k, v in raw.items() if k not in dropped}
 
 
+def _check_model_styles(module: nn.Module, raw: Mapping[str, Any]) -> None:
+    """A model's own plan (after `whole_experts`) uses only styles accelfn knows; else a ValueError naming the
+    entry, the style and the way out (a user plan)."""
+    unknown = {k: v for k, v in raw.items() if isinstance(v, str) and v not in SUPPORTED}
+    if unknown:
+        key, style = next(iter(unknown.items()))
+        raise ValueError(
+            f"{type(module).__name__}'s own tp plan (config.base_model_tp_plan) maps {key!r} to {style!r}, a style "
+            f"accelfn does not know (every such entry: {sorted(unknown)}); pass af.shard(..., tp_plan="
+            f"{{...}}) with styles of {list(SUPPORTED)} or torch ParallelStyles, or a mesh without tp"
+        )
+
+
 def _check_divisible(name: str, sub: nn.Module, style: str, tp: int) -> None:
     if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return
@@ -502,6 +515,7 @@ class TensorParallel(TransformBase):
             raw = ep.without_experts(module, raw, plan.notes)
         if self.plan is None:  # (at ep=1: the model's plan's experts stay whole on every tp rank)
             raw = whole_experts(module, raw, plan.notes)
+            _check_model_styles(module, raw)
         why_not = None
         if self.sequence_parallel is None or self.loss_parallel is None:
             why_not = parallel_defaults(module, user_plan=self.plan is not None)

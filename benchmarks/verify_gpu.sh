@@ -14,6 +14,10 @@
 #   placement-tests   python -m pytest tests/test_device_placement.py -x -q   (if that file exists)
 #   demo-launch       the README demo on the GPU: accelfn launch --nproc-per-node 1 examples/train_lm.py --steps 200
 #   demo-plain        python examples/train_lm.py --steps 100
+#   sdpa-mask         benchmarks/step_kernels.py --modes eager,eager-mask,compile-skipmask --steps 5 (about 2 min
+#                     on an H100; VERIFY_MASK_PROFILE=0 skips it): the 0.89B step's kernel time by kind with
+#                     transformers' causal mask run eagerly and removed under compile (docs/dry_run.md item 9);
+#                     its JSON goes to $OUT/step_kernels_mask.json
 #   throughput        benchmarks/gpu_throughput.py on the 0.4b model with the rest of the budget;
 #                     its table goes to $OUT/gpu_throughput.md, each configuration's log to $OUT/gpu_throughput_logs/
 # It ends with one summary line (also in $OUT/summary.txt); the exit status is 1 if any phase failed, timed out
@@ -46,7 +50,7 @@ FAILED=0
 record() {  # record NAME STATUS
     NAMES+=("$1")
     STATUS+=("$2")
-    [[ "$2" == pass* || "$2" == absent* ]] || FAILED=1
+    [[ "$2" == pass* || "$2" == absent* || "$2" == off* ]] || FAILED=1
 }
 
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -141,13 +145,21 @@ fi
 phase demo-launch 120 "$PY" -m accelfn.cli.main launch --nproc-per-node 1 examples/train_lm.py --steps 200
 phase demo-plain 90 "$PY" examples/train_lm.py --steps 100
 
-# (e) throughput, with what is left of the budget (minus a margin for the summary)
+# (e) what SDPA costs with transformers' causal mask (the compiled attention's 3.3x: docs/dry_run.md item 9)
+if [[ ${VERIFY_MASK_PROFILE:-1} != 0 ]]; then
+    phase sdpa-mask 200 "$PY" benchmarks/step_kernels.py --modes eager,eager-mask,compile-skipmask --steps 5 \
+        --out "$OUT/step_kernels_mask.json"
+else
+    record sdpa-mask "off"
+fi
+
+# (f) throughput, with what is left of the budget (minus a margin for the summary)
 T=$(($(left) - 10))
 # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of words
 phase throughput "$T" "$PY" benchmarks/gpu_throughput.py $THROUGHPUT_ARGS --budget $((T - 20)) \
     --markdown "$OUT/gpu_throughput.md" --logs "$OUT/gpu_throughput_logs"
 
-# (f) summary
+# (g) summary
 LINE="verify_gpu: $( [[ $FAILED == 0 ]] && echo PASS || echo FAIL ) in $((SECONDS - START)) s:"
 for i in "${!NAMES[@]}"; do LINE+=" ${NAMES[$i]}=${STATUS[$i]}"; done
 echo

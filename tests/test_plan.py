@@ -299,6 +299,34 @@ def test_calibration_fits_a_runs_step_time_and_later_plans_predict_it(tmp_path: 
     assert row.error_band == cal.residual and "calibrated on h100-sxm from 1 run(s)" in calibrated.table()
 
 
+def test_a_calibrations_scale_divides_every_kernels_time() -> None:
+    import attrs
+
+    from accelfn.dryrun.timing import OpCost, TimingAssumptions, cost_time
+    from accelfn.planner.calibrate import scaled_assumptions
+    from accelfn.platforms.specs import spec
+
+    h100, scale = spec("h100-sxm"), 0.5
+    base = scaled_assumptions(1.0, "h100-sxm").timing
+    scaled = scaled_assumptions(scale, "h100-sxm").timing
+    for field in attrs.fields(TimingAssumptions):  # every efficiency the model has, one added later too
+        if field.name.endswith("efficiency") and isinstance(getattr(base, field.name), float):
+            assert getattr(scaled, field.name) == pytest.approx(getattr(base, field.name) * scale), field.name
+    kernels = [
+        OpCost("matmul", 8192, 8192, 8192),
+        OpCost("memory", nbytes=10**9),  # an eager ATen kernel (eager_memory_efficiency)
+        *(
+            OpCost("attention", flops=10**12, seq=2048, causal=c, backward_kernel=b)
+            for c in (False, True)
+            for b in (False, True)
+        ),
+    ]
+    for backend in ("flash2", "cudnn"):
+        b, s = (attrs.evolve(t, attention_backend=backend) for t in (base, scaled))
+        for k in kernels:
+            assert cost_time(k, h100, s) == pytest.approx(cost_time(k, h100, b) / scale), (backend, k)
+
+
 def test_calibration_names_a_run_without_step_times(tmp_path: Path) -> None:
     from accelfn.planner.calibrate import calibrate
 

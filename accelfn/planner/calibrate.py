@@ -38,7 +38,17 @@ __all__ = [
     "save",
 ]
 
-EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "compute_efficiency")
+# every efficiency of the compute model (the flat model's `compute_efficiency` too); not scaled: the measured
+# table torch.compile's reductions run at where `reduction_efficiency` is None (its default)
+EFFICIENCIES = (
+    "gemm_efficiency",
+    "default_gemm_efficiency",
+    "attention_efficiency",
+    "memory_efficiency",
+    "eager_memory_efficiency",
+    "reduction_efficiency",
+    "compute_efficiency",
+)
 
 
 @attrs.frozen

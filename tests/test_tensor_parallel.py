@@ -23,7 +23,7 @@ def test_tp2_alone_equals_one_process():
                "llama:noseqparallel:nolossparallel",
                "starcoder2:noseqparallel:lossparallel:accumulate", "llama:seqparallel:nolossparallel",
                "starcoder2:seqparallel:lossparallel:accumulate", "llama:fp8", "qwen3moe",
-               "qwen3moe:seqparallel:lossparallel"]  # fmt: skip
+               "qwen3moe:seqparallel:lossparallel", "deepseekv3", "deepseekv3:seqparallel:lossparallel"]  # fmt: skip
     proc = run_workers("tp_worker.py", 2, "tp=2", *configs, timeout=600)
     expect_ok(proc, configs, 2)
     assert proc.stdout.count("OK fsdp without a data axis refused") == 2, output_of(proc)

@@ -67,6 +67,15 @@ def make_model(kind):
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                              num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
         return Qwen3MoeForCausalLM(cfg)
+    if kind == "deepseekv3":  # a dense first layer, then an MoE one: routed experts whole, shared ones split
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                               n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None,
+                               kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=1,
+                               topk_group=1, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+        return DeepseekV3ForCausalLM(cfg)
     return MLP()
 
 
@@ -150,7 +159,8 @@ def check(mesh, kind, options):
     # lp: logits split over the vocabulary, the loss on the shards; sp: the residual stream split over the
     # sequence between the TP regions. Both on by default for the transformers decoders, off for the mlp
     given_lp, given_sp = flag("lossparallel"), flag("seqparallel")
-    known = kind not in ("mlp", "qwen3moe")  # the decoders the defaults are tested on (DEFAULTS_KNOWN)
+    # the decoders the defaults are tested on (DEFAULTS_KNOWN)
+    known = kind not in ("mlp", "qwen3moe", "deepseekv3")
     lp = given_lp if given_lp is not None else known
     sp = given_sp if given_sp is not None else known and not fp8  # fp8: torchao's float8 styles instead
     step = af.shard(
@@ -171,7 +181,7 @@ def check(mesh, kind, options):
     )
     assert ("sequence parallel between" in repr(step)) == sp, repr(step)
     whole = "the experts stay whole on every tp rank (replicated over tp"
-    assert (whole in repr(step)) == (kind == "qwen3moe"), repr(step)
+    assert (whole in repr(step)) == (kind in ("qwen3moe", "deepseekv3")), repr(step)
     for n, p in state.params.items():  # (a DTensor over the data axes only: ddp's / fsdp's, not tp's)
         names = p.device_mesh.mesh_dim_names if hasattr(p, "device_mesh") else ()
         assert ".experts." not in n or "tp" not in names, f"{n} is split over tp: {p.placements}"

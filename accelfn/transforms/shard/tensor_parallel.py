@@ -272,25 +272,49 @@ def sequence_parallel_styles(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+
+    def split_whole(part: str) -> bool:  # every module of `part` with parameters of its own is in the plan
+        return all(
+            n in named or any(n.startswith(f"{k}.") for k in named)
+            for n, m in module.get_submodule(part).named_modules(prefix=part)
+            if next(m.parameters(recurse=False), None) is not None
+        )
+
+    whole_parts = []  # parts with compute the plan leaves whole: they see the whole sequence, plain tensors
     for layer in layer_names:
         assert layer is not None
         styles[f"{layer}.input_layernorm"] = SequenceParallel()
         styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-        styles[f"{layer}.self_attn"] = prepare(
-            f"{layer}.self_attn",
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )
-        if any(n.startswith(f"{layer}.mlp.") for n in named):
-            styles[f"{layer}.mlp"] = prepare(
-                f"{layer}.mlp", input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-        else:  # an MoE block whose experts stay whole (`whole_experts`): the sequence gathered in, scattered out
-            styles[f"{layer}.mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
-            )  # fmt: skip
+        for part, kwarg in ((f"{layer}.self_attn", True), (f"{layer}.mlp", False)):
+            if split_whole(part):  # gathered at the input; its row-wise layers scatter the sequence (below)
+                styles[part] = prepare(
+                    part,
+                    **(
+                        {"input_kwarg_layouts": {"hidden_states": Shard(1)}}
+                        | {"desired_input_kwarg_layouts": {"hidden_states": Replicate()}}
+                        if kwarg
+                        else {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+                    ),
+                )
+                continue
+            # compute the plan leaves whole (an MoE block's router and whole experts beside split shared experts,
+            # an attention without entries): the sequence gathered in as a plain tensor, the output scattered
+            whole_parts.append(part)
+            if kwarg:
+                styles[part] = PrepareModuleInputOutput(  # (its output: the attention's and its weights)
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_input=True,
+                    output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
+                    use_local_output=False,
+                )  # fmt: skip
+            else:
+                styles[part] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+                )  # fmt: skip
         for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
+            if any(n.startswith(f"{p}.") for p in whole_parts):
+                continue  # (their output summed and plain: the part's wrapper scatters it)
             if n.startswith(f"{layer}.") and st in ("rowwise", "rowwise_rep", "rowwise_split_input"):
                 if fp8(n):
                     from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel

@@ -304,7 +304,7 @@ def sequence_parallel_styles(
                 styles[part] = PrepareModuleInputOutput(  # (its output: the attention's and its weights)
                     input_kwarg_layouts={"hidden_states": Shard(1)},
                     desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_input=True,
-                    output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
+                    output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), Shard(1)),  # (2nd: unused)
                     use_local_output=False,
                 )  # fmt: skip
             else:

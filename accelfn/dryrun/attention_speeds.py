@@ -172,8 +172,11 @@ def sdpa_backend(torch_version: str, device_key: str) -> str:
         dev is not None and len(dev) == 8 and (2, 6) <= version <= (2, 9)
     ):  # a main-branch nightly: that day's order
         return "flash2" if _MAIN_FLASH2[0] <= int(dev) < _MAIN_FLASH2[1] else "cudnn"
-    if version < (2, 5) or (version == (2, 5) and patch >= 1) or (2, 6) <= version <= (2, 8):
-        return "flash2"
-    if version == (2, 10):
+    if (
+        version < (2, 5)
+        or (version == (2, 5) and patch >= 1)
+        or (2, 6) <= version <= (2, 8)
+        or version == (2, 10)
+    ):
         return "flash2"
     return "cudnn"

@@ -286,32 +286,26 @@ def sequence_parallel_styles(
         styles[f"{layer}.input_layernorm"] = SequenceParallel()
         styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
         for part, kwarg in ((f"{layer}.self_attn", True), (f"{layer}.mlp", False)):
-            if split_whole(part):  # gathered at the input; its row-wise layers scatter the sequence (below)
-                styles[part] = prepare(
-                    part,
-                    **(
-                        {"input_kwarg_layouts": {"hidden_states": Shard(1)}}
-                        | {"desired_input_kwarg_layouts": {"hidden_states": Replicate()}}
-                        if kwarg
-                        else {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-                    ),
-                )
+            gather: dict[str, Any] = (  # the sequence gathered at the part's input
+                {"input_kwarg_layouts": {"hidden_states": Shard(1)},
+                 "desired_input_kwarg_layouts": {"hidden_states": Replicate()}}
+                if kwarg  # (the attention takes it by keyword)
+                else {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+            )  # fmt: skip
+            if split_whole(part):  # its row-wise layers scatter the sequence (below)
+                styles[part] = prepare(part, **gather)
                 continue
             # compute the plan leaves whole (an MoE block's router and whole experts beside split shared experts,
-            # an attention without entries): the sequence gathered in as a plain tensor, the output scattered
+            # an attention without entries): the sequence gathered in as a plain tensor, the output scattered (the
+            # attention's output: its own and its weights; the 2nd desired layout unused where its layout is None)
             whole_parts.append(part)
-            if kwarg:
-                styles[part] = PrepareModuleInputOutput(  # (its output: the attention's and its weights)
-                    input_kwarg_layouts={"hidden_states": Shard(1)},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_input=True,
-                    output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), Shard(1)),  # (2nd: unused)
-                    use_local_output=False,
-                )  # fmt: skip
-            else:
-                styles[part] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
-                )  # fmt: skip
+            out, scattered = (
+                ((Replicate(), None), (Shard(1), Shard(1))) if kwarg else ((Replicate(),), (Shard(1),))
+            )
+            styles[part] = PrepareModuleInputOutput(
+                **gather, use_local_input=True, output_layouts=out, desired_output_layouts=scattered,
+                use_local_output=False,
+            )  # fmt: skip
         for n, st in named.items():  # the row-wise layers of the attention and the MLP scatter the sequence
             if any(n.startswith(f"{p}.") for p in whole_parts):
                 continue  # (their output summed and plain: the part's wrapper scatters it)

@@ -7,6 +7,7 @@ Exit codes: 0 a configuration fits, 3 none fits, 1 the script fails as one proce
 Example:
     $ accelfn plan --nproc-per-node 8 --nnodes 8 --global-batch-size 256 --write plan.yaml train.py
     $ accelfn plan --remats none,full,full:2,selective:3 --write plan.yaml train.py   # these remat values
+    $ accelfn plan --torch-version 2.6.0 train.py   # timed as torch 2.6 runs it (FlashAttention-2's SDPA)
     $ accelfn launch --config plan.yaml train.py
 """
 
@@ -77,6 +78,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--workers", type=int, default=2, help="dry runs at a time (default 2)")
     p.add_argument(
+        "--torch-version",
+        default=None,
+        metavar="VERSION",
+        help="the torch the job runs (default: the installed one), e.g. 2.11.0 or 2.6.0.dev20241223: every dry run "
+        "times attention as the SDPA kernel it picks (as accelfn dry-run --torch-version)",
+    )
+    p.add_argument(
         "--calibrate",
         default=None,
         metavar="RUN_DIR",
@@ -108,6 +116,18 @@ def _remats(text: str | None) -> tuple[str, ...] | None:
     return parse_remats([v.strip() for v in text.split(",") if v.strip()], source="--remats")
 
 
+def _torch_version(text: str | None) -> str | None:
+    """`--torch-version`, checked as `accelfn dry-run` checks it (ValueError naming the option)."""
+    from ..dryrun.attention_speeds import sdpa_backend
+
+    if text is not None:
+        try:
+            sdpa_backend(text, "")
+        except ValueError as e:
+            raise ValueError(f"--torch-version: {e}") from None
+    return text
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from ..planner.calibrate import calibrate
 
@@ -122,6 +142,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             gpu=args.gpu,
             device=args.device,
             store=args.calibration,
+            torch_version=_torch_version(args.torch_version),
         )
     except ValueError as e:
         print(f"accelfn plan --calibrate: {e}", file=sys.stderr)
@@ -154,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
     gpu = args.gpu or ("cpu" if args.device == "cpu" else "h100-sxm")
     try:
         remats = _remats(args.remats)
+        torch_version = _torch_version(args.torch_version)
     except ValueError as e:
         print(f"accelfn plan: {e}", file=sys.stderr)
         return 2
@@ -176,6 +198,7 @@ def _run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             memory_gib=args.memory_gib,
             calibration=None if args.calibration == "none" else load(gpu, args.calibration),
+            torch_version=torch_version,
         )
     except ValueError as e:
         print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)
@@ -195,4 +218,9 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"\nwrote {path}: accelfn launch --config {path} {args.script} {' '.join(args.script_args)}".rstrip()
         )
+        if torch_version is not None:  # the dry run of the written config times attention as the plan did
+            print(
+                f"  predicted for torch {torch_version}: accelfn dry-run --config {path} --torch-version "
+                f"{torch_version} {args.script} {' '.join(args.script_args)}".rstrip()
+            )
     return 0

@@ -141,19 +141,24 @@ def point(run_dir: str | Path, report: dict[str, Any], label: str, scale: float 
     )
 
 
-def scaled_assumptions(scale: float, gpu: str | None, reserve_bytes: int | None = None) -> Any:
+def scaled_assumptions(
+    scale: float, gpu: str | None, reserve_bytes: int | None = None, torch_version: str | None = None
+) -> Any:
     """The dry run's `Assumptions` with the compute model's efficiencies times `scale` (and the launch floor
-    over it): the predicted compute time over `scale`.
+    over it): the predicted compute time over `scale`; attention timed as the SDPA kernel `torch_version` picks
+    (None: the installed torch's), as `accelfn dry-run --torch-version` times it.
 
     Example:
-        >>> a = scaled_assumptions(1.0, "h100-sxm")
-        >>> type(a).__name__
-        'Assumptions'
+        >>> a = scaled_assumptions(1.0, "h100-sxm", torch_version="2.6.0")
+        >>> type(a).__name__, a.timing.torch_version
+        ('Assumptions', '2.6.0')
     """
     from ..dryrun.report import Assumptions
     from ..platforms import specs
 
     base = Assumptions() if reserve_bytes is None else Assumptions(reserve_bytes=reserve_bytes)
+    if torch_version is not None:
+        base = attrs.evolve(base, timing=attrs.evolve(base.timing, torch_version=torch_version))
     if scale == 1.0:
         return base
     timing = getattr(base, "timing", None)
@@ -214,9 +219,11 @@ def calibrate(
     gpu: str | None = None,
     device: str = "cuda",
     store: str | Path | None = None,
+    torch_version: str | None = None,
 ) -> Calibration:
     """Dry-run the configuration `run_dir` ran (`script` with `args` under the launch `config` it was started
-    with), add the run's point to the device's calibration in `store` and refit it; return the calibration.
+    with, attention timed as the SDPA kernel of `torch_version`, the run's torch: None for the installed one),
+    add the run's point to the device's calibration in `store` and refit it; return the calibration.
 
     Example:
         >>> cal = calibrate("runs/exp1", "train.py", config="plan.yaml", gpu="h100-sxm")  # doctest: +SKIP
@@ -240,7 +247,8 @@ def calibrate(
         env[ACCELFN_MIXED_PRECISION] = cfg.mixed_precision
     pp = launch_config.parse_mesh(cfg.mesh).get("pp", 1) if cfg.mesh else 1
     job = Job(str(script), tuple(args), nproc_per_node, nnodes, mesh=cfg.mesh or None,
-              env=tuple(env.items()), device=device, gpu=gpu, rank="ends" if pp > 1 else 0)  # fmt: skip
+              env=tuple(env.items()), device=device, gpu=gpu, rank="ends" if pp > 1 else 0,
+              torch_version=torch_version)  # fmt: skip
     label = " ".join(
         [
             cfg.mesh or f"world={job.world}",

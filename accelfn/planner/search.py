@@ -49,6 +49,7 @@ class Job:
     blocks: tuple[int, ...] = ()  # the layer-extrapolated tier: the blocks kept per stage (see extrapolate)
     stages: int = 1  # the pipeline stages the mesh and schedule split the model into (pp x v)
     one_chunk: bool = False  # the loss in one chunk (the probe: the same FLOPs, far fewer fake ops)
+    torch_version: str | None = None  # the torch the job runs (None: the installed one): its SDPA kernel
 
     @property
     def world(self) -> int:
@@ -135,7 +136,7 @@ def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any
             mesh=job.mesh,
             rank=rank,
             search=False,
-            assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes),
+            assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes, job.torch_version),
             on_model=on_model,
         )
 

@@ -48,7 +48,13 @@ def _check(name: str, value: Any, minimum: float = 1) -> None:
 
 
 def _probe(
-    pool: Pool, script: str, args: tuple[str, ...], gpu: str | None, device: str, gbs: int | None
+    pool: Pool,
+    script: str,
+    args: tuple[str, ...],
+    gpu: str | None,
+    device: str,
+    gbs: int | None,
+    torch_version: str | None = None,
 ) -> dict[str, Any]:
     """The script as one process: which knobs it asks for, and the whole model's states."""
     env = {
@@ -58,7 +64,8 @@ def _probe(
     }
     if gbs:
         env[launch_env.ACCELFN_GLOBAL_BATCH_SIZE] = str(gbs)
-    job = Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu, one_chunk=True)
+    job = Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu, one_chunk=True,
+              torch_version=torch_version)  # fmt: skip
     result = pool.run(job)
     if "error" in result:
         raise RuntimeError(
@@ -94,6 +101,7 @@ def plan(
     calibration: Calibration | None = None,
     confirm: int = 3,
     extrapolate_min_blocks: int | None = 8,
+    torch_version: str | None = None,
 ) -> Plan:
     """Search the configurations of `script` (run unmodified, with `args`) on `nproc_per_node` x `nnodes`
     devices of row `gpu` (default h100-sxm) and return the `Plan`: candidates ranked by predicted tokens/s per
@@ -119,6 +127,8 @@ def plan(
     A candidate without a pipeline of a model with at least `extrapolate_min_blocks` blocks (None: never) is
     measured by dry runs of its model cut to 2 and 3 blocks, extrapolated to all of them (rows marked `~`);
     the best `confirm` rows are then re-measured by full dry runs (the chosen row's always, the budget or not).
+    `torch_version` is the torch the job will run (default: the installed one, e.g. "2.11.0"): every dry run
+    times attention as the SDPA kernel it picks (`accelfn dry-run --torch-version`), and the plan's notes say so.
 
     Example:
         >>> import pathlib, tempfile, accelfn as af
@@ -139,6 +149,7 @@ def plan(
         >>> p.write_config(script.parent / "plan.yaml").name  # accelfn launch --config plan.yaml train.py
         'plan.yaml'
     """
+    from ..dryrun.attention_speeds import sdpa_backend
     from ..dryrun.report import Assumptions, gib
     from ..platforms import specs
 
@@ -160,6 +171,11 @@ def plan(
             f"af.plan: strategies {bad_strategies} are not strategies; use some of {launch_env.STRATEGIES}"
         )
     searched_remats = parse_remats(remats, source="af.plan: remats") if remats is not None else None
+    if torch_version is not None:
+        try:
+            sdpa_backend(torch_version, "")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"af.plan: torch_version={torch_version!r}: {e}") from None
     bad = [a for a in axes if a not in AXES]
     if bad:
         raise ValueError(f"af.plan: axes {bad} are not mesh axes the planner searches; use some of {AXES}")
@@ -188,7 +204,7 @@ def plan(
     text = str(path)
 
     with Pool(workers) as pool:
-        probe = _probe(pool, text, args, gpu, device, global_batch_size)
+        probe = _probe(pool, text, args, gpu, device, global_batch_size, torch_version)
         asked = set(probe["asked"])
         if "global_batch_size" in asked and global_batch_size is None:
             raise ValueError(
@@ -235,11 +251,14 @@ def plan(
         rows: list[Row] = []
         unfit: list[Row] = []
         notes: list[str] = list(ignored)
+        version = torch_version or str(Assumptions().timing.torch_version)
+        kernel = {"flash2": "FlashAttention-2", "cudnn": "cuDNN"}.get(sdpa_backend(version, spec.key))
+        notes.append(f"times predicted for torch {version}{'' if torch_version else ' (the installed one)'}: "
+                     f"attention as its SDPA kernel on {gpu}, {kernel}'s")  # fmt: skip
         deadline = start + budget_minutes * 60
         bar = _bar(len(survivors), progress)
-        base = Job(
-            text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve, scale=scale
-        )
+        base = Job(text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve,
+                   scale=scale, torch_version=torch_version)  # fmt: skip
         blocks = int(probe.get("blocks", 0))
         # the compute of the whole global batch at the probe's (one process, the largest matmuls) efficiency:
         # a rank's share of it is a lower bound of any candidate's step time (only with the global batch fixed)

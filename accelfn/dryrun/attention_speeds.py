@@ -15,23 +15,41 @@ so the order decides. On sm90 (H100, H200, GH200) and sm100 (B200, GB200) it was
   Attention Opt in", merged 2024-10-22 and cherry-picked onto release/2.5 as critical) put cuDNN last:
   `default_order{flash_attention, efficient_attention, math, cudnn_attention}`; pytorch#142132 (nightly
   2.6.0.dev20241204 on an H100: "SDPA is not automatically choosing CUDNN impl", answered "This is expected");
-- 2.9: cuDNN first again on sm90 / sm100 (pytorch#162073, "Enable cuDNN SDPA by default for SM 9.0, SM 10.0",
-  "for 2.9": `CUDNN_VERSION >= 90900` at build time, `TORCH_CUDNN_SDPA_PREFERRED=0` to opt out);
-- 2.10: cuDNN first only where the runtime cuDNN is newer than 9.15.0 (pytorch#171627 and #169849:
-  `cudnn_version > 91500`, `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` to opt out), which 2.10's wheels do not bundle
-  (huggingface/transformers#48163: "that code is already in 2.10. What changes at 2.11 is the bundled cuDNN
-  crossing the threshold"): FlashAttention-2;
-- 2.11 and later: cuDNN (the same rule; 2.11's wheels bundle cuDNN 9.19, 2.13's 9.20: pytorch#193893; this
-  project's H100 profile of torch 2.11.0+cu130 ran `cudnn_generated_fort_native_sdpa_sm90_flash_{fprop,bprop}`).
+- 2.9: cuDNN first where the build's cuDNN is 9.9 or newer (pytorch#162073, "Enable cuDNN SDPA by default for
+  SM 9.0, SM 10.0", "for 2.9": `CUDNN_VERSION >= 90900` at build time, `TORCH_CUDNN_SDPA_PREFERRED=0` to opt
+  out): the CUDA 12.9 and 13.0 wheels (built with cuDNN 9.10.2 and 9.13: pytorch#154980, #162268); not the CUDA
+  12.8 wheels, PyPI's default, which CI built against cuDNN 9.8.0 (pytorch#165801: "cuDNN wasn't being selected
+  as the default backend for SDPA where expected ... the wheel build checks cuDNN version at compile time (9.8)"):
+  FlashAttention-2;
+- 2.10: cuDNN first only where the runtime cuDNN is newer than 9.15.0 (pytorch#171627 for #169849, cherry-picked
+  onto release/2.10 by #171895: `cudnn_version > 91500`, `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` to opt out): the CUDA
+  13.0 wheels, which bundle cuDNN 9.15.1 (pytorch#171189, the cherry-pick of #169412); the CUDA 12.x wheels
+  bundle 9.10.2 (huggingface/transformers#48163: "that code is already in 2.10. What changes at 2.11 is the
+  bundled cuDNN crossing the threshold"): FlashAttention-2;
+- 2.11 and later: cuDNN (the same rule; 2.11's wheels bundle cuDNN 9.19: pytorch#175672, 2.13's 9.20:
+  pytorch#193893; this project's H100 profile of torch 2.11.0+cu130 ran
+  `cudnn_generated_fort_native_sdpa_sm90_flash_{fprop,bprop}`).
+
+A nightly (`2.10.0.dev20251015+cu128`) follows the main branch on its date (`MAIN_BRANCH`): cuDNN first before
+pytorch#138522 (merged 2024-10-22), FlashAttention-2 from it, from pytorch#162073 (merged 2025-09-04) the build's
+cuDNN as for 2.9, from pytorch#171627 (opened 2026-01-02, on main by 2026-01-07, when its cherry-pick #171895 was
+opened) the bundled cuDNN as for 2.10, which reached 9.15.1 on CUDA 13.0 before 2025-12-23 (pytorch#169412, whose
+cherry-pick #171189 is of that date) and on CUDA 12.8 on 2026-01-17 (pytorch#172680). A nightly's own date
+counts as after a change merged that day (the build of that day may predate it). A version without a CUDA tag
+(`+cu128`, `+cu130`) is taken as the CUDA 12.8 build (PyPI's wheel of 2.9 and 2.10); other CUDA 12 builds as
+12.8, except 12.9 before pytorch#171627.
 
 Other GPUs (sm80 and the rest) run FlashAttention-2 in every version. Not modelled: a cuDNN installed apart from
-the wheel (it moves 2.10's answer), the opt-out variables, and calls cuDNN refuses (it then falls to the next).
+the wheel (it moves 2.10's answer), builds other than pytorch.org's wheels (NGC's containers, source builds), the
+opt-out variables, and calls cuDNN refuses (it then falls to the next).
 
 Example:
     >>> sdpa_backend("2.6.0.dev20241223", "h100-96gb"), sdpa_backend("2.11.0+cu130", "h100-sxm")
     ('flash2', 'cudnn')
     >>> sdpa_backend("2.11.0", "a100-80gb")
     'flash2'
+    >>> [sdpa_backend(v, "h100-sxm") for v in ("2.9.0.dev20250801", "2.10.0.dev20251015+cu130", "2.10.0+cu130")]
+    ['flash2', 'cudnn', 'cudnn']
 """
 
 from __future__ import annotations
@@ -41,6 +59,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "BACKENDS",
+    "MAIN_BRANCH",
     "FA2_H100_TFLOPS",
     "FA2_H100_CAUSAL_TFLOPS",
     "CUDNN_H100_TFLOPS",
@@ -131,9 +150,16 @@ _CUDNN_PREFERRED_ROWS = {
     "b200",
     "gb200",
 }
-# the main branch's order by date, for nightlies (YYYYMMDD): FlashAttention-2 from pytorch#138522 to pytorch#162073
-_MAIN_FLASH2 = (20241022, 20250904)
-_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(?:dev|a0|a|b|rc)(\d+)?)?")
+# The main branch's changes to the order on sm90 / sm100, by merge date (YYYYMMDD), for nightlies: see the module docs.
+MAIN_BRANCH: Mapping[str, int] = {
+    "pytorch#138522 cuDNN opt in": 20241022,
+    "pytorch#162073 cuDNN first where built with cuDNN >= 9.9": 20250904,
+    "pytorch#171627 cuDNN first where the runtime cuDNN > 9.15.0": 20260107,
+    "pytorch#172680 CUDA 12.8 builds bundle cuDNN 9.15.1": 20260117,
+}
+_OPT_IN, _BUILT_WITH, _RUNTIME, _CU128_CUDNN_9_15 = MAIN_BRANCH.values()
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(?:dev|a0|a|b|rc)(\d+)?)?(?:\+([\w.]+))?")
+_CUDA_TAG = re.compile(r"^cu(\d+?)(\d)$")  # "cu128" -> CUDA 12.8, "cu130" -> 13.0
 
 
 def speeds(backend: str, causal: bool = False) -> Mapping[int, tuple[float, float]]:
@@ -155,8 +181,8 @@ def sdpa_backend(torch_version: str, device_key: str) -> str:
     (see the module docs for the sources).
 
     Example:
-        >>> [sdpa_backend(v, "h100-sxm") for v in ("2.4.1", "2.5.0", "2.5.1", "2.9.0", "2.10.0", "2.12.0")]
-        ['flash2', 'cudnn', 'flash2', 'cudnn', 'flash2', 'cudnn']
+        >>> [sdpa_backend(v, "h100-sxm") for v in ("2.4.1", "2.5.0", "2.5.1", "2.9.0", "2.9.0+cu130", "2.12.0")]
+        ['flash2', 'cudnn', 'flash2', 'flash2', 'cudnn', 'cudnn']
     """
     m = _VERSION.match(torch_version.strip())
     if m is None:
@@ -166,17 +192,30 @@ def sdpa_backend(torch_version: str, device_key: str) -> str:
     if device_key not in _CUDNN_PREFERRED_ROWS:
         return "flash2"
     major, minor, patch = int(m[1]), int(m[2]), int(m[3] or 0)
-    dev = m[4]
-    version = (major, minor)
-    if (
-        dev is not None and len(dev) == 8 and (2, 6) <= version <= (2, 9)
-    ):  # a main-branch nightly: that day's order
-        return "flash2" if _MAIN_FLASH2[0] <= int(dev) < _MAIN_FLASH2[1] else "cudnn"
-    if (
-        version < (2, 5)
-        or (version == (2, 5) and patch >= 1)
-        or (2, 6) <= version <= (2, 8)
-        or version == (2, 10)
-    ):
+    dev, version = m[4], (major, minor)
+    tag = _CUDA_TAG.match(m[5] or "")
+    cuda = (int(tag[1]), int(tag[2])) if tag else (12, 8)  # no tag: the CUDA 12.8 wheel
+    if dev is not None and len(dev) == 8 and version >= (2, 6):  # a main-branch nightly: that day's order
+        return _main_branch(int(dev), cuda)
+    if version < (2, 5) or (version == (2, 5) and patch >= 1) or (2, 6) <= version <= (2, 8):
         return "flash2"
+    if version == (
+        2,
+        9,
+    ):  # built with cuDNN >= 9.9: CUDA 12.9 (9.10.2) and 13.x (9.13); 12.8 built with 9.8.0
+        return "cudnn" if cuda >= (12, 9) else "flash2"
+    if version == (2, 10):  # runtime cuDNN > 9.15.0: CUDA 13.0 wheels (9.15.1); 12.x bundle 9.10.2
+        return "cudnn" if cuda >= (13, 0) else "flash2"
     return "cudnn"
+
+
+def _main_branch(date: int, cuda: tuple[int, int]) -> str:
+    """The backend of the main branch's nightly of `date` (YYYYMMDD) built for CUDA `cuda` (see MAIN_BRANCH)."""
+    if date < _OPT_IN:
+        return "cudnn"
+    if date < _BUILT_WITH:
+        return "flash2"
+    if date < _RUNTIME:  # the build's cuDNN >= 9.9: CUDA 12.9 (9.10.2), 13.x (9.13); 12.8 built with 9.8.0
+        return "cudnn" if cuda >= (12, 9) else "flash2"
+    # the bundled cuDNN > 9.15.0: CUDA 13.x from before pytorch#171627, other CUDA 12 builds from pytorch#172680
+    return "cudnn" if cuda >= (13, 0) or date >= _CU128_CUDNN_9_15 else "flash2"

@@ -1,14 +1,16 @@
 """The planner's layer-extrapolated tier: a candidate dry-run with a few of its blocks per pipeline stage.
 
-A transformer's blocks are identical, so what a rank holds and spends grows by the same amount with each block
-it runs: the dry run of the candidate's model cut to `k1` and to `k2` blocks per stage (the same shapes, the
-same mesh, stage count and knobs; `keep_blocks`) gives two points, and the figures at the blocks the rank's
-stages hold in the whole model lie on their line (`extrapolate`). With a pipeline the cut model is split by the
-lowering's own balanced split, so a rank's blocks in each run are read from that split (`rank_blocks`), not
-assumed. Peak memory, states, compute, exposed communication, the bubble and the step time are extrapolated;
-tokens/s and MFU follow from the step time (the tokens per step do not change, the FLOPs are extrapolated);
-so is the dry run's own wall time (`full_run_s`: what confirming the row by a full dry run will cost). The
-planner ranks on these figures and confirms the best with full dry runs.
+A transformer's blocks repeat, so what a rank holds and spends grows by the same amount with each period of
+blocks it runs (one block where they are alike; two where sliding and full attention, or dense and MoE layers,
+alternate: `layout`): the dry run of the candidate's model cut to `k1` and to `k2` periods per stage (the same
+shapes, the same mesh, stage count and knobs; `keep_blocks`) gives two points, and the figures at the periods
+the rank's stages hold in the whole model lie on their line (`extrapolate`). Blocks with no period, or a
+period of several blocks under a pipeline (whose balanced split does not follow periods), are not cut. With a
+pipeline the cut model is split by the lowering's own balanced split, so a rank's blocks in each run are read
+from that split (`rank_blocks`), not assumed. Peak memory, states, compute, exposed communication, the bubble
+and the step time are extrapolated; tokens/s and MFU follow from the step time (the tokens per step do not
+change, the FLOPs are extrapolated); so is the dry run's own wall time (`full_run_s`: what confirming the row
+by a full dry run will cost). The planner ranks on these figures and confirms the best with full dry runs.
 
 Example:
     >>> r1 = {"per_rank": {"peak": 30, "params": 10}, "predicted": {"step_time_s": 3.0, "tokens_per_s": 8.0},
@@ -24,15 +26,19 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import attrs
 from torch import nn
 
 __all__ = [
     "BLOCKS",
     "keep_blocks",
-    "lead_blocks",
+    "Layout",
+    "signatures",
+    "period",
+    "layout",
     "stage_blocks",
     "rank_blocks",
     "extrapolate",
@@ -49,61 +55,185 @@ def keep_blocks(
     n: int | None, seen: dict[str, Any], stages: tuple[int, ...] = ()
 ) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that cuts the model's blocks (its largest `nn.ModuleList`, as
-    `af.compile(regions="blocks")` finds them) to the first `n` (times `stages[0]`, the pipeline stage
-    count the run is expected to split it into: `n` blocks per stage) after its leading blocks unlike the
-    last (`lead_blocks`, kept whole and recorded in `seen["lead"]` where there are any: DeepSeek-V3's dense
-    layers before its MoE ones), and records how many it had in `seen["blocks"]`; a model with
-    that many blocks or fewer (or `n` None) is left whole. For each stage count `s` of `stages`, the blocks of
-    each stage of the whole model and of the cut one, as the pipeline's balanced split cuts them, go to
-    `seen["full"][s]` and `seen["cut"][s]`.
+    `af.compile(regions="blocks")` finds them) to its leading unlike blocks, `n` periods of the blocks after
+    them (one block each where they are alike; `stages[0]` times as many with a pipeline of that many stages)
+    and the remainder of a last, partial period: its `Layout`, `Layout.keep`. It records how many blocks
+    the model had in `seen["blocks"]`, the leading ones in `seen["lead"]` where there are any (DeepSeek-V3's
+    dense layers before its MoE ones), the period in `seen["period"]` (None: none), the blocks kept in
+    `seen["kept"]`; a model with that many blocks or fewer (or `n` None) is left whole, and so is one the
+    layout cannot cut (no period, or a period of several blocks under a pipeline), the reason in
+    `seen["whole"]`. For each stage count `s` of `stages`, the blocks of each stage of the whole model and of
+    the cut one, as the pipeline's balanced split cuts them, go to `seen["full"][s]` and `seen["cut"][s]`.
 
     Example:
         >>> seen = {}
         >>> model = nn.ModuleDict({"embed": nn.Embedding(8, 4), "blocks": nn.ModuleList(nn.Linear(4, 4) for _ in range(6))})
         >>> keep_blocks(2, seen)(model)
         >>> len(model["blocks"]), seen
-        (2, {'blocks': 6})
+        (2, {'blocks': 6, 'period': 1, 'kept': 2})
     """
     from ..transforms.compile import find_blocks
 
     def hook(model: nn.Module) -> None:
         try:
-            _, blocks = find_blocks(model)
+            name, blocks = find_blocks(model)
         except ValueError:
             seen.setdefault("blocks", 0)  # no repeated blocks: nothing to extrapolate over
             return
         seen.setdefault("blocks", len(blocks))
-        lead = lead_blocks(blocks)
-        if lead:
-            seen.setdefault("lead", lead)
+        shape = layout(blocks, _config_of(model, name))
+        if shape.lead:
+            seen.setdefault("lead", shape.lead)
+        seen.setdefault("period", shape.period)
         counts = [s for s in stages if 1 < s <= len(blocks)]
         if counts:
             seen.setdefault("full", {s: stage_blocks(model, s) for s in counts})
-        keep = None if n is None else lead + n * (stages[0] if stages else 1)
-        if keep is not None and len(blocks) > keep:
+        if n is None:
+            return
+        why = shape.uncuttable(stages[0] if stages else 1)
+        if why is not None:
+            seen["whole"] = why
+            return
+        keep = shape.keep(n, stages[0] if stages else 1)
+        if len(blocks) > keep:
             del blocks[keep:]
+        seen["kept"] = len(blocks)
         if counts:
             seen["cut"] = {s: stage_blocks(model, s) for s in counts if s <= len(blocks)}
 
     return hook
 
 
-def lead_blocks(blocks: nn.ModuleList) -> int:
-    """How many leading blocks to keep whole when cutting `blocks`: up to the last one whose parameters (names
-    and shapes) differ from the last block's, so that the blocks cut away, and those a line is drawn through,
-    are all alike. 0 for identical blocks; DeepSeek-V3's 3 dense layers before its MoE ones: 3 (cut to its
-    first 2, a dense model: no experts for `ep`, the line through dense blocks).
+@attrs.frozen
+class Layout:
+    """How a model's `blocks` repeat: `lead` leading blocks unlike the rest, then blocks that repeat every
+    `period` blocks (None: no period of at most a quarter of the blocks after the lead), the last period
+    perhaps partial (`remainder` blocks). Alike blocks: period 1; Llama-4 with MoE every 2nd layer, gpt-oss's
+    sliding and full attention: 2; Qwen3-Next's 3 linear-attention layers then a full one: 4.
 
     Example:
-        >>> lead_blocks(nn.ModuleList([nn.Linear(4, 8), nn.Linear(4, 4), nn.Linear(4, 4)]))
-        1
+        >>> shape = Layout(blocks=26, lead=0, period=6)  # Gemma-3 1B: 5 sliding, 1 full, ...; 26 = 4 x 6 + 2
+        >>> shape.remainder, shape.keep(2), shape.keep(3)
+        (2, 14, 20)
     """
 
-    def shapes(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+    blocks: int
+    lead: int = 0
+    period: int | None = 1
 
-    last = shapes(blocks[-1])
-    return max((i + 1 for i, b in enumerate(blocks) if shapes(b) != last), default=0)
+    @property
+    def remainder(self) -> int:
+        """The blocks of the last, partial period (the first blocks of a period: they follow the whole ones)."""
+        return (self.blocks - self.lead) % self.period if self.period else 0
+
+    def keep(self, k: int, stages: int = 1) -> int:
+        """The blocks a cut to `k` periods per stage keeps: the lead, `k` x `stages` periods, the remainder
+        (kept in the cut, so that the cut model ends as the whole one does; the line in periods then gives the
+        whole model's figures exactly where each period adds the same)."""
+        return self.lead + k * stages * (self.period or 1) + self.remainder
+
+    def uncuttable(self, stages: int = 1) -> str | None:
+        """Why the blocks cannot be cut and extrapolated over `stages` pipeline stages (None: they can)."""
+        if self.period is None:
+            return (f"the {self.blocks} blocks have no period of at most a quarter of the {self.blocks - self.lead} "
+                    f"after the {self.lead} leading unlike ones")  # fmt: skip
+        if self.period > 1 and stages > 1:
+            return (f"the blocks alternate with a period of {self.period} and the pipeline's balanced split of "
+                    f"{stages} stages does not follow periods")  # fmt: skip
+        return None
+
+
+INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
+# the attribute types that may change what a block computes (not floats: values, as a scale or a RoPE base)
+PLAIN = (bool, int, str, type(None))
+
+
+def signatures(blocks: nn.ModuleList, config: Any = None) -> list[Hashable]:
+    """What makes each block of `blocks` alike or unlike another: its parameters' names and shapes; the plain
+    attributes (bool, int, str, None, or tuples of them; not its index, `INDEX_NAMES`) of its modules, where
+    `transformers` keeps what a layer computes differently (`sliding_window`, `is_sliding`, `layer_type`,
+    `attention_type`, `use_rope`, `is_moe_layer`); and its entry in each list of `config` with one entry per
+    block (`layer_types`, `layers_block_type`, `no_rope_layers`: the model's forward picks a layer's mask by
+    `config.layer_types[i]`), except a list of floats (values, not compute) or of the block indices.
+
+    Example:
+        >>> a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        >>> b.sliding_window = 128
+        >>> s = signatures(nn.ModuleList([a, b, nn.Linear(4, 4)]))
+        >>> s[0] == s[2], s[0] == s[1]
+        (True, False)
+    """
+    n = len(blocks)
+    rows: list[tuple[tuple[str, Hashable], ...]] = [() for _ in range(n)]
+    if config is not None:
+        lists = sorted(
+            (k, v) for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == n
+        )
+        for k, v in lists:
+            if any(isinstance(x, float) for x in v) or list(v) == list(range(n)):
+                continue
+            for i, x in enumerate(v):
+                rows[i] = (*rows[i], (k, repr(x)))
+
+    def plain(v: Any) -> bool:
+        return isinstance(v, PLAIN) or (isinstance(v, tuple) and all(isinstance(x, PLAIN) for x in v))
+
+    def own(block: nn.Module) -> tuple[Hashable, ...]:
+        params = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+        values = tuple(
+            (f"{name}.{k}", v)
+            for name, m in block.named_modules()
+            for k, v in sorted(vars(m).items())
+            if not k.startswith("_") and k not in INDEX_NAMES and plain(v)
+        )
+        return params, values
+
+    return [(own(b), row) for b, row in zip(blocks, rows, strict=True)]
+
+
+def period(sigs: Sequence[Hashable]) -> tuple[int, int | None]:
+    """`(lead, p)`: the blocks with signatures `sigs` repeat every `p` blocks after the first `lead`, with at
+    least 4 periods after the lead (a cut to 3 leaves one out); of the pairs that do, the cheapest to
+    extrapolate from (the fewest blocks in its cuts to 2 and 3 periods: alike blocks after DeepSeek-V3's 3
+    dense ones are `(3, 1)`, not a period of 2), the smaller period of equals. `(0, None)`: no such period.
+
+    Example:
+        >>> period("aaaaaaaa"), period("dddmmmmmmm"), period("sfsfsfsfs"), period("lllflllflllflllf"), period("abcab")
+        ((0, 1), (3, 1), (0, 2), (0, 4), (0, None))
+    """
+    n = len(sigs)
+    best: tuple[int, int, int | None] = (0, 0, None)  # (cost, lead, p)
+    for p in range(1, n // 4 + 1):
+        lead = max((j + 1 for j in range(n - p) if sigs[j] != sigs[j + p]), default=0)
+        if n - lead < 4 * p:
+            continue
+        cost = 2 * (lead + (n - lead) % p) + 5 * p
+        if best[2] is None or cost < best[0]:
+            best = (cost, lead, p)
+    return best[1], best[2]
+
+
+def layout(blocks: nn.ModuleList, config: Any = None) -> Layout:
+    """The `Layout` of `blocks` (with `config`, the model's: its per-layer lists), by `period` of their
+    `signatures`.
+
+    Example:
+        >>> layout(nn.ModuleList([nn.Linear(4, 8), *(nn.Linear(4, 4) for _ in range(5))]))
+        Layout(blocks=6, lead=1, period=1)
+    """
+    lead, p = period(signatures(blocks, config))
+    return Layout(len(blocks), lead, p)
+
+
+def _config_of(model: nn.Module, name: str) -> Any:
+    """The config of the module holding the blocks `name` of `model`, or of a module above it (a
+    `transformers` model's text config, whose per-layer lists index its blocks); None without one."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        config = getattr(model.get_submodule(".".join(parts[:i])), "config", None)
+        if config is not None:
+            return config
+    return None
 
 
 def stage_blocks(model: nn.Module, n_stages: int) -> list[int]:

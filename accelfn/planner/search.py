@@ -57,13 +57,14 @@ class Job:
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    """Run `job` in this process: `{"report": dict, "blocks": the model's blocks, "asked": [...]}`, or `{"error": str, "lowering": bool,
+    """Run `job` in this process: `{"report": dict, "asked": [...]}`, or `{"error": str, "lowering": bool,
     "asked": [...]}` where the script (its lowering, when `lowering`) raised. With `job.blocks`, one dry run
-    per (rank, blocks) with the model cut to that many blocks per stage: `{"reports": {blocks: [one per
-    rank]}, "blocks": the model's own count, "asked": [...]}`, each report with `"at"`, the blocks its rank
+    per (rank, periods) with the model cut to that many periods of blocks per stage (`extrapolate.keep_blocks`):
+    `{"reports": {periods: [one per rank]}, "asked": [...]}`, each report with `"at"`, the blocks its rank
     ran, and `"full"`, those it runs in the whole model (a pipeline's split read from the balanced split); a
-    full dry run instead where the cut runs do not give two points of each rank's line. `"wall_s"`: the job's
-    wall time."""
+    full dry run instead where the model cannot be cut (`"whole"`: why) or the cut runs do not give two
+    points of each rank's line. Each result but an error also has the model's `"blocks"`, its leading unlike
+    blocks `"lead"` and their `"period"` (None: none; `extrapolate.Layout`); `"wall_s"`: the job's wall time."""
     start = time.monotonic()
     out = _run_job(job)
     return {**out, "wall_s": time.monotonic() - start}
@@ -84,32 +85,52 @@ def _run_job(job: Job) -> dict[str, Any]:
         tuple(s for s in (job.stages, 2 * job.stages, job.stages // 2) if s > 1) if job.stages > 1 else ()
     )
     try:
+        done: list[Any] = []  # full dry runs made already: the cut hook left a model whole that it cannot cut
         if job.blocks:
             cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
             for n in job.blocks:
                 for rank in ranks:
-                    report = _dry_run(job, rank, keep_blocks(n, seen, stages)).to_dict()
+                    hook = recording_experts(keep_blocks(n, seen, stages), seen)
+                    run = _dry_run(job, rank, hook)
+                    if "whole" in seen:
+                        done.append(run)
+                        break
+                    report = run.to_dict()
                     on = rank_blocks(report, seen.get("cut", {}))
                     full = rank_blocks(report, seen.get("full", {}))
                     if on is None:  # no pipeline: the rank's blocks are those kept (leading unlike ones too)
-                        whole = seen.get("blocks", 0)
-                        on, full = min(seen.get("lead", 0) + n, whole), whole
+                        on, full = seen.get("kept", 0), seen.get("blocks", 0)
                     cut[n].append({**report, "at": on, "full": full})
-            if all(len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))):
-                return {"reports": cut, "blocks": seen.get("blocks", 0), "asked": sorted(launch_env.ASKED)}
+                if "whole" in seen:
+                    break
+            else:
+                if all(
+                    len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))
+                ):
+                    return {"reports": cut, "asked": sorted(launch_env.ASKED), **_layout(seen)}
             # a rank's blocks did not change between the cuts (no line through them): measured in full
-        reports = [_dry_run(job, rank, recording_experts(keep_blocks(None, seen), seen)) for rank in ranks]
+        reports = done + [
+            _dry_run(job, rank, recording_experts(keep_blocks(None, seen), seen))
+            for rank in ranks[len(done) :]
+        ]
         report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
         return {
             "report": report.to_dict(),
-            "blocks": seen.get("blocks", 0),
             "experts": seen.get("experts", 0),
             "expert_bytes": seen.get("expert_bytes", 0),
             "asked": sorted(launch_env.ASKED),
+            **_layout(seen),
         }
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
         lowering = isinstance(e, (ValueError, NotImplementedError))
         return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+
+
+def _layout(seen: dict[str, Any]) -> dict[str, Any]:
+    """What the hooks saw of the model's blocks (`extrapolate.keep_blocks`): how many, the leading unlike ones,
+    their period (None: none), and why they were not cut where they were not."""
+    out = {"blocks": seen.get("blocks", 0), "lead": seen.get("lead", 0), "period": seen.get("period")}
+    return {**out, "whole": seen["whole"]} if "whole" in seen else out
 
 
 def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any:

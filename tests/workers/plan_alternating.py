@@ -1,0 +1,96 @@
+"""tests/workers/plan_worker.py's script with a model whose blocks alternate (the planner's layer extrapolation in
+periods, tests/test_plan_extrapolate.py): `--model sliding`, a tiny Qwen3 whose layers follow `--pattern` (s:
+sliding-window attention over 8 tokens, f: full; "sf": gpt-oss / Gemma-2's alternation, "sssf": Qwen3-Next's
+3-then-1), or `--model moe`, a tiny Qwen3-MoE with an MoE MLP every `--sparse-step`-th layer (Llama-4's
+`interleave_moe_layer_step`) and dense ones at `--mlp-only` (comma-separated indices).
+
+    python tests/workers/plan_alternating.py --model sliding --pattern sssf --layers 18
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import accelfn as af
+from accelfn.launch_env import knob, remat_args
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    """The model the flags ask for (4 heads of 8, hidden 32; `--layers` blocks)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=args.layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=args.seq_len,
+                 use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)  # fmt: skip
+    if args.model == "sliding":
+        types = {"s": "sliding_attention", "f": "full_attention"}
+        layer_types = [types[args.pattern[i % len(args.pattern)]] for i in range(args.layers)]
+        cfg = Qwen3Config(**shape, use_sliding_window=True, sliding_window=8, layer_types=layer_types)
+        return Qwen3ForCausalLM(cfg)
+    only = [int(i) for i in args.mlp_only.split(",") if i]
+    cfg_moe = Qwen3MoeConfig(**shape, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                             decoder_sparse_step=args.sparse_step, mlp_only_layers=only)  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg_moe)
+    model.set_experts_implementation("batched_mm")  # fp32 experts (a modelled GPU's grouped GEMM takes bf16)
+    with torch.no_grad():  # transformers zero-initialises the routers
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.02)
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=("sliding", "moe"), default="sliding")
+    p.add_argument("--pattern", default="sf", help="sliding: each layer's attention, repeated (s or f)")
+    p.add_argument("--sparse-step", type=int, default=2, help="moe: an MoE MLP every n-th layer")
+    p.add_argument("--mlp-only", default="", help="moe: the layers kept dense, comma-separated")
+    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--remat", default="auto")
+    p.add_argument("--accumulate", default="auto")
+    p.add_argument("--global-batch-size", default="auto")
+    p.add_argument("--offload", default="auto")
+    p.add_argument("--compile", default="auto")
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+
+    mesh = af.Mesh.from_env()
+    strategy = knob("strategy", args.strategy, "ddp")
+    remat = knob("remat", args.remat, "none")
+    accumulate = int(knob("accumulate", args.accumulate, 1))
+    global_batch = int(knob("global_batch_size", args.global_batch_size, 8))
+    offload = knob("offload", args.offload, "none")
+    compiled = knob("compile", args.compile, "none")
+    batch = global_batch // mesh.data_size
+
+    torch.manual_seed(0)
+    model = build(args)
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> af.Loss:
+        return af.losses.cross_entropy(m(input_ids=ids).logits[:, :-1], ids[:, 1:])
+
+    step = af.train_step(loss_fn, af.optim.adamw(1e-3, weight_decay=0.0))
+    if remat != "none":
+        step = af.remat(step, **remat_args(remat))
+    if accumulate > 1:
+        step = af.accumulate(step, accumulate)
+    if offload == "optimizer":
+        step = af.offload(step)
+    step = af.shard(step, mesh, strategy=strategy)
+    if compiled != "none":
+        step = af.compile(step, regions="blocks" if compiled == "blocks" else None)
+    state = step.init(model)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(args.steps):
+        ids = torch.randint(0, 256, (global_batch, args.seq_len + 1), generator=gen)
+        mine = ids[mesh.data_rank * batch : (mesh.data_rank + 1) * batch]
+        state, metrics = step(state, mine)
+        af.dist.print(f"step {i + 1} loss {metrics['loss'].item():.8f}")
+
+
+if __name__ == "__main__":
+    main()

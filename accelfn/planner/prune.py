@@ -23,11 +23,22 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from .candidates import ZERO, Candidate, data_size
 
-__all__ = ["States", "states_bound", "illegal", "shards", "expert_shards", "zero_shards", "time_bound"]
+__all__ = [
+    "States",
+    "states_bound",
+    "illegal",
+    "shards",
+    "expert_shards",
+    "zero_shards",
+    "time_bound",
+    "lowered_strategy",
+]
 
 
 @attrs.frozen
@@ -61,8 +72,9 @@ class States:
 
 def shards(strategy: str | None, mesh: dict[str, int]) -> int:
     """Over how many ranks a data-parallel `strategy` splits the states: fsdp over the data axes and cp, hsdp
-    over its `fsdp` axis (and `ep`, which it shards over too), ddp none; a strategy the script fixes (None:
-    unknown here) as fsdp, so that the bound stays a lower bound."""
+    over its `fsdp` axis (and `ep`, which it shards over too), ddp none; an unknown strategy (None: one the
+    script fixes that the probe could not name, `lowered_strategy`) as fsdp, so that the bound stays a lower
+    bound."""
     if strategy in ("fsdp", None):
         return data_size(mesh) * mesh.get("cp", 1)
     if strategy == "hsdp":
@@ -85,8 +97,8 @@ def zero_shards(strategy: str, mesh: dict[str, int]) -> tuple[int, int, int]:
 def expert_shards(strategy: str | None, mesh: dict[str, int]) -> int:
     """Over how many ranks beside tp x pp the experts are split under `strategy` with an `ep` axis, as the
     lowering splits them: over ep and the cp ranks it borrows (the tp ranks it borrows are tp's own split), then
-    fsdp (efsdp) over the data axes other than ep, hsdp over its `fsdp` axis, ddp over none; a strategy the
-    script fixes (None) as fsdp.
+    fsdp (efsdp) over the data axes other than ep, hsdp over its `fsdp` axis, ddp over none; an unknown
+    strategy (None) as fsdp.
 
     Example:
         >>> expert_shards("ddp", {"dp": 2, "ep": 4}), expert_shards("fsdp", {"dp": 2, "ep": 4})
@@ -105,7 +117,8 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
     tp x pp (a stage holds at least the average) and the strategy's shards (ZeRO: each state by its stage,
     `zero_shards`); with an `ep` axis, the experts' part (`totals.experts`) over their own split
     (`expert_shards`), or without that part known, the whole over the larger of the two splits; offloaded
-    optimizer state is on the host."""
+    optimizer state is on the host. `script_strategy`: the strategy the script fixes (`lowered_strategy` of its
+    probe), for a candidate that sets none; None where unknown (then as fsdp, the finest split)."""
     strategy = c.strategy or script_strategy
     model = c.mesh.get("tp", 1) * c.mesh.get("pp", 1)
     optimizer = 0 if c.offload == "optimizer" else totals.optimizer
@@ -122,27 +135,32 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
     return dense // (model * ways) + expert // (model * experts)
 
 
-def illegal(c: Candidate) -> str | None:
+def illegal(c: Candidate, script_strategy: str | None = None) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
     the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
     shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
     the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload, nor
-    does fsdp or hsdp (`af.offload` refuses FSDP-sharded state).
+    does fsdp or hsdp (`af.offload` refuses FSDP-sharded state). The strategy is `c`'s, else
+    `script_strategy`, the one the script fixes (`lowered_strategy`; None: unknown).
 
     Example:
         >>> illegal(Candidate({"dp": 1, "ep": 8}, "fsdp"))
         'fsdp with ep=8 shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none'
+        >>> illegal(Candidate({"dp": 8}, offload="optimizer"), script_strategy="fsdp")
+        'fsdp (the script fixes it) with af.offload: offloading FSDP-sharded state is not supported yet'
     """
     gbs, dp = c.global_batch_size, data_size(c.mesh) if c.mesh else 1
     ep = c.mesh.get("ep", 1)
-    if ep > 1 and c.strategy == "fsdp" and dp == ep:
-        return f"fsdp with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
-    if c.strategy in ZERO and c.offload == "optimizer":
-        return f"{c.strategy} (DeepSpeed) offloads through its own config, not af.offload"
-    if c.strategy in ("fsdp", "hsdp") and c.offload == "optimizer":
+    strategy = c.strategy or script_strategy
+    named = c.strategy or f"{script_strategy} (the script fixes it)"
+    if ep > 1 and strategy == "fsdp" and dp == ep:
+        return f"{named} with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
+    if strategy in ZERO and c.offload == "optimizer":
+        return f"{named} (DeepSpeed) offloads through its own config, not af.offload"
+    if strategy in ("fsdp", "hsdp") and c.offload == "optimizer":
         # af.offload refuses it at lowering: checked here, a dry run of the first candidate of a mesh that
         # failed so would prune the mesh's candidates without offload with it
-        return f"{c.strategy} with af.offload: offloading FSDP-sharded state is not supported yet"
+        return f"{named} with af.offload: offloading FSDP-sharded state is not supported yet"
     if gbs is None:
         return None
     if gbs % dp:
@@ -165,3 +183,30 @@ def time_bound(c: Candidate, compute_s: float, world: int) -> float:
     pp, micro = c.mesh.get("pp", 1), c.pipeline_microbatches
     bubble = (pp - 1) / micro if pp > 1 and micro else 0.0
     return compute_s / world * (1 + bubble)
+
+
+_SHARD = re.compile(r"\bshard\((\w+), ([^)]*)\)")
+
+
+def lowered_strategy(description: str) -> str | None:
+    """The strategy knob's value (ddp, fsdp, hsdp, zero1-3) of the `af.shard` a dry run lowered, read from its
+    step's description (a report's `strategy`: `Shard.describe`, e.g. `shard(fsdp, dp=1)`,
+    `shard(ddp, dp=1, backend='deepspeed', zero_stage=2)`); None without one, or for one the knob does not name
+    (local SGD, a DeepSpeed config without a stage).
+
+    Example:
+        >>> lowered_strategy("Step(train_step(loss) -> shard(fsdp, dp=1)  [fsdp over 1 ranks])")
+        'fsdp'
+        >>> lowered_strategy("Step(... -> shard(ddp, dp=1, backend='deepspeed', zero_stage=2)  [...])")
+        'zero2'
+    """
+    m = _SHARD.search(description or "")
+    if m is None:
+        return None
+    name, options = m[1], m[2]
+    if "backend='deepspeed'" in options:
+        stage = re.search(r"zero_stage=(\d)", options)
+        return f"zero{stage[1]}" if stage is not None and stage[1] in "123" else None
+    if "backend=" in options:
+        return None
+    return name if name in ("ddp", "fsdp", "hsdp") else None

@@ -31,7 +31,7 @@ from .candidates import Candidate, Space, enumerate_candidates, parse_remats
 from .extrapolate import BLOCKS, extrapolate
 from .memory import BINDS, activation_share, frugal_candidates, needs_more_memory
 from .memory import group as memory_group
-from .prune import States, illegal, states_bound, time_bound
+from .prune import States, illegal, lowered_strategy, states_bound, time_bound
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
 
@@ -214,6 +214,11 @@ def plan(
         open_knobs = ["mesh", *[k for k in launch_env.KNOBS if k in asked]]
         fixed = [k for k in launch_env.KNOBS if k not in asked and k != "global_batch_size"]
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
+        # the strategy the script fixes, as its probe lowered it (it ignores the probe's ACCELFN_STRATEGY=ddp):
+        # its legality (no af.offload with fsdp) and its states bound; None where it leaves it open
+        fixed_strategy = (
+            None if "strategy" in asked else lowered_strategy(probe["report"].get("strategy", ""))
+        )
         space = Space(
             world=nproc_per_node * nnodes,
             nproc_per_node=nproc_per_node,
@@ -236,9 +241,9 @@ def plan(
         fallen: list[Fallen] = []
         survivors: list[Candidate] = []
         for c in candidates:
-            why = illegal(c)
+            why = illegal(c, fixed_strategy)
             if why is None and prune:
-                bound = states_bound(c, totals, script_strategy=None)
+                bound = states_bound(c, totals, script_strategy=fixed_strategy)
                 if bound > capacity:
                     fallen.append(Fallen(c, "states bound", f"{c.label}: params + grads + optimizer >= "
                                          f"{gib(bound)} per rank > {gib(capacity)} usable"))  # fmt: skip
@@ -267,6 +272,8 @@ def plan(
         world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
         bad_mesh: dict[str, str] = {}
+        # the meshes the script lowered another strategy on than as one process (its probe)
+        other_strategy: dict[str, str | None] = {}
         first: dict[
             str, Candidate
         ] = {}  # each mesh's first candidate in the order run (its error prunes the mesh)
@@ -368,6 +375,11 @@ def plan(
                     Fallen(c, "script fixes the mesh", f"{c.label}: the script ran on {report['mesh']}")
                 )
                 return
+            ran = lowered_strategy(report.get("strategy", ""))
+            if fixed_strategy is not None and ran != fixed_strategy and c.mesh_spec not in other_strategy:
+                other_strategy[c.mesh_spec] = ran
+                notes.append(f"the script lowered {ran or 'another strategy'} on {c.mesh_spec}, {fixed_strategy} as "
+                             f"one process: its legality and states bound assumed {fixed_strategy}")  # fmt: skip
             row = Row.of(c, report)
             if band is not None and row.error_band is None:
                 row = attrs.evolve(row, error_band=band)
@@ -396,7 +408,7 @@ def plan(
             activations = int(probe["report"]["per_rank"].get("activations", 0))
 
             def estimate(c: Candidate) -> float:
-                bound = states_bound(c, totals, script_strategy=None)
+                bound = states_bound(c, totals, script_strategy=fixed_strategy)
                 return bound + activations * activation_share(c)
 
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)

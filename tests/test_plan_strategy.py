@@ -1,0 +1,70 @@
+"""The planner knows the strategy a script fixes: read from what its probe lowered (`prune.lowered_strategy` of
+the probe's report; the probe's ACCELFN_STRATEGY=ddp does not reach a script that fixes its own), it decides
+the legality of the candidates (no af.offload with fsdp) and their states bound (ddp: unsplit).
+
+The planned script is tests/workers/plan_worker.py with 8 heads (tp=4 divides its 4 kv heads): its strategy
+fixed by a flag, its mesh and offload (and accumulation) left to the plan, on 4 fake ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import accelfn as af
+from accelfn.planner.prune import lowered_strategy
+from tests._launch import WORKERS
+
+SCRIPT = str(WORKERS / "plan_worker.py")
+
+
+def _plans(
+    args: list[str], axes: tuple[str, ...], memory_mib: float
+) -> tuple[af.planner.Plan, af.planner.Plan]:
+    """The pruned plan and the exhaustive one (`prune=False`) of plan_worker.py with `args`."""
+    args = [*args, "--remat", "none", "--compile", "none", "--heads", "8"]
+    kw = dict(nproc_per_node=4, global_batch_size=8, axes=axes, workers=1, memory_gib=memory_mib / 1024)
+    return af.plan(SCRIPT, args, **kw), af.plan(SCRIPT, args, prune=False, **kw)  # type: ignore[arg-type]
+
+
+def test_the_strategy_is_read_from_what_the_shard_lowered() -> None:
+    step = af.train_step(lambda m, b: m(b).sum(), af.optim.sgd(0.1))
+    try:
+        mesh = af.Mesh({"dp": 1})
+        for strategy in ("ddp", "fsdp", "zero1", "zero2", "zero3"):
+            assert lowered_strategy(str(af.shard(step, mesh, strategy=strategy))) == strategy
+        hsdp = af.shard(step, af.Mesh({"dp": 1, "fsdp": 1}), strategy="hsdp")
+        assert lowered_strategy(str(hsdp)) == "hsdp"
+        assert lowered_strategy(str(af.shard(step, mesh, strategy="local_sgd"))) is None  # not a knob's value
+        assert lowered_strategy(str(step)) is None  # no shard
+    finally:
+        af.mesh.destroy_process_group()  # the planner's dry runs start their own
+
+
+def test_a_script_fixing_fsdp_gets_no_offload_candidate_and_loses_no_mesh() -> None:
+    """1.6 MiB usable: memory binds, so each mesh's most frugal candidate (offloaded) would run first; its
+    lowering error ('offloading FSDP-sharded state is not supported') pruned the whole mesh, every mesh."""
+    pruned, exhaustive = _plans(["--strategy", "fsdp", "--accumulate", "1"], ("dp", "tp"), 1.6)
+    offloaded = [c for c in (f.candidate for f in pruned.fallen) if c.offload == "optimizer"]
+    assert len(offloaded) == 3  # one a mesh
+    for f in pruned.fallen:
+        if f.candidate.offload == "optimizer":
+            assert f.tier == "legality"
+            assert "fsdp (the script fixes it) with af.offload: offloading FSDP-sharded state" in f.reason
+        else:
+            assert f.tier != "lowering", f.reason
+    assert {r.candidate.mesh_spec for r in pruned.rows} == {"dp=4", "dp=2,tp=2", "dp=1,tp=4"}
+    assert pruned.best is not None and exhaustive.best is not None
+    assert pruned.best.candidate == exhaustive.best.candidate
+    assert pruned.best.step_time_s == pytest.approx(exhaustive.best.step_time_s, rel=1e-9)
+
+
+def test_a_script_fixing_ddp_is_bounded_by_its_unsplit_states() -> None:
+    """1.3 MiB usable, below the model's 1.63 MiB of params, grads and Adam state: ddp without offload cannot
+    hold them on any rank (taken as fsdp, the bound was a quarter of that: both were dry-run)."""
+    pruned, exhaustive = _plans(["--strategy", "ddp"], ("dp",), 1.3)
+    bounded = {f.candidate.label for f in pruned.fallen if f.tier == "states bound"}
+    assert bounded == {"dp=4 acc=1 offload=none", "dp=4 acc=2 offload=none"}  # states > 1.3 MiB
+    assert all(f.tier == "does not fit" for f in exhaustive.fallen if f.candidate.label in bounded)
+    assert pruned.best is not None and exhaustive.best is not None
+    assert pruned.best.candidate == exhaustive.best.candidate == exhaustive.rows[0].candidate
+    assert pruned.best.candidate.offload == "optimizer"

@@ -87,10 +87,10 @@ def test_no_period_of_at_most_a_quarter_of_the_blocks_leaves_the_model_whole() -
 
 
 def test_the_cheapest_cut_is_chosen_not_a_period_of_one_after_nearly_all_blocks() -> None:
-    """Gemma-3's 5 sliding then 1 full over 62 layers: alike after its last full layer (a period of 1 after 60
-    blocks, cuts of 62 and 63 blocks) or a period of 6 from the start (cuts of 14 and 20): the second."""
-    sigs = ("sssssf" * 11)[:62]
-    assert period(sigs) == (0, 6)
+    """65 blocks of 5 sliding then 1 full end in 5 sliding ones: alike after a lead of 60 (cuts of 62 and 63
+    blocks), or a period of 6 from the first with a remainder of 5 (cuts of 17 and 23): the second."""
+    assert period(("sssssf" * 11)[:65]) == (0, 6)
+    assert Layout(65, 0, 6).keep(2) == 17
 
 
 # ---- the cut ---------------------------------------------------------------------------------------------------

@@ -308,12 +308,19 @@ def plan(
             return time_bound(c, (probe_compute or 0.0) * min(mine, default=0.0) * BOUND_SLACK, world)
 
         def extrapolating(c: Candidate) -> bool:
-            """At least `extrapolate_min_blocks` blocks per pipeline stage (the whole model without one)."""
-            return extrapolate_min_blocks is not None and blocks >= extrapolate_min_blocks * _stages(c)
+            """At least `extrapolate_min_blocks` periods of blocks per pipeline stage (the whole model without one;
+            a period is a block where the blocks are alike: `extrapolate.Layout`); never for blocks without a
+            period, nor for a pipeline of blocks whose period is several blocks (the split ignores periods)."""
+            period = probe.get("period")
+            if extrapolate_min_blocks is None or period is None or (period > 1 and _stages(c) > 1):
+                return False
+            return blocks // period >= extrapolate_min_blocks * _stages(c)
 
         def job_of(c: Candidate) -> Job:
             job = _job(c, base)
             return attrs.evolve(job, blocks=BLOCKS, stages=_stages(c)) if extrapolating(c) else job
+
+        notes.extend(_layout_notes(probe, extrapolate_min_blocks))
 
         def skip(job: Job) -> dict[str, Any] | None:
             c = by_job[job]
@@ -533,6 +540,24 @@ def _stages(c: Candidate) -> int:
     pp = c.mesh.get("pp", 1)
     info = SCHEDULES.get(c.pipeline_schedule or "1f1b")
     return pp * (info.stages_per_rank if pp > 1 and info is not None else 1)
+
+
+def _layout_notes(probe: dict[str, Any], min_blocks: int | None) -> list[str]:
+    """What the layer-extrapolated tier does not do for the probed model's blocks (`extrapolate.Layout`)."""
+    blocks, lead, period = int(probe.get("blocks", 0)), int(probe.get("lead", 0)), probe.get("period")
+    if min_blocks is None or blocks < min_blocks:
+        return []
+    if period is None:
+        return [f"the model's {blocks} blocks have no period of at most a quarter of the {blocks - lead} after its "
+                f"{lead} leading unlike ones (blocks compared by parameters and per-layer compute: layer types, "
+                "sliding windows): every candidate is a full dry run, none extrapolated"]  # fmt: skip
+    if period > 1:
+        many = blocks // period >= min_blocks
+        return [f"the model's blocks alternate every {period} blocks (after {lead} leading unlike ones): "
+                + (f"candidates without a pipeline are extrapolated over periods of {period} blocks; " if many else
+                   f"{blocks // period} periods, fewer than {min_blocks}: full dry runs; ")
+                + "candidates with a pipeline are full dry runs (its balanced split does not follow periods)"]  # fmt: skip
+    return []
 
 
 def _extrapolated(result: dict[str, Any]) -> dict[str, Any]:

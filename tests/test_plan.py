@@ -302,7 +302,7 @@ def test_calibration_fits_a_runs_step_time_and_later_plans_predict_it(tmp_path: 
 def test_a_calibrations_scale_divides_every_kernels_time() -> None:
     import attrs
 
-    from accelfn.dryrun.timing import OpCost, TimingAssumptions, cost_time
+    from accelfn.dryrun.timing import OpCost, TimingAssumptions, cost_time, fused_time
     from accelfn.planner.calibrate import scaled_assumptions
     from accelfn.platforms.specs import spec
 
@@ -310,7 +310,7 @@ def test_a_calibrations_scale_divides_every_kernels_time() -> None:
     base = scaled_assumptions(1.0, "h100-sxm").timing
     scaled = scaled_assumptions(scale, "h100-sxm").timing
     for field in attrs.fields(TimingAssumptions):  # every efficiency the model has, one added later too
-        if field.name.endswith("efficiency") and isinstance(getattr(base, field.name), float):
+        if field.name.endswith(("efficiency", "_scale")) and isinstance(getattr(base, field.name), float):
             assert getattr(scaled, field.name) == pytest.approx(getattr(base, field.name) * scale), field.name
     kernels = [
         OpCost("matmul", 8192, 8192, 8192),
@@ -325,6 +325,45 @@ def test_a_calibrations_scale_divides_every_kernels_time() -> None:
         b, s = (attrs.evolve(t, attention_backend=backend) for t in (base, scaled))
         for k in kernels:
             assert cost_time(k, h100, s) == pytest.approx(cost_time(k, h100, b) / scale), (backend, k)
+    # a compiled kernel with a reduction, at torch.compile's measured table (reduction_efficiency None) or not
+    assert base.reduction_efficiency is None and scaled.reduction_scale == pytest.approx(scale)
+    for reduce in (0, 256, 2048, 1 << 20):
+        assert fused_time(10**9, reduce, h100, scaled) == pytest.approx(
+            fused_time(10**9, reduce, h100, base) / scale
+        )
+
+
+def test_a_calibrated_compiled_prediction_is_the_models_compute_over_the_scale() -> None:
+    """Under af.compile(regions="blocks") the blocks' fused kernels with a reduction (RMSNorm over 256 elements)
+    run at torch.compile's measured bandwidth table (`reduction_fraction`): the calibration scales it too, so the
+    dry run's compute is exactly the model's over `scale`, the eager launch floor (the embedding, head, loss and
+    update outside the blocks) over it too."""
+    import attrs
+
+    from accelfn.dryrun import Assumptions
+    from accelfn.dryrun.report import Prediction
+    from accelfn.planner.calibrate import scaled_assumptions
+
+    args = ["--strategy", "ddp", "--remat", "none", "--accumulate", "1", "--offload", "none",
+            "--compile", "blocks", "--global-batch-size", "4", "--hidden", "256", "--layers", "2"]  # fmt: skip
+
+    def predicted(assumptions: Assumptions) -> Prediction:
+        report = af.dry_run(
+            SCRIPT, args, nproc_per_node=2, mesh="dp=2", search=False, assumptions=assumptions
+        )
+        assert report.predicted is not None and "2/2 blocks as partitioned graphs" in report.strategy
+        return report.predicted
+
+    base = predicted(scaled_assumptions(1.0, "h100-sxm"))
+    assert base.assumes["compiled"] == "blocks" and base.assumes["launch_bound_kernels"] > 0
+    plain = Assumptions()  # the table is used: a factor on it alone changes the compute
+    table = predicted(attrs.evolve(plain, timing=attrs.evolve(plain.timing, reduction_scale=0.5)))
+    assert table.compute_s > base.compute_s * 1.001
+    for scale in (0.5, 1.7):
+        scaled = predicted(scaled_assumptions(scale, "h100-sxm"))
+        assert scaled.compute_s == pytest.approx(base.compute_s / scale, rel=1e-12), scale
+        assert scaled.assumes["launch_s"] == pytest.approx(base.assumes["launch_s"] / scale)
+        assert scaled.assumes["launch_bound_kernels"] == base.assumes["launch_bound_kernels"]
 
 
 def test_calibration_names_a_run_without_step_times(tmp_path: Path) -> None:

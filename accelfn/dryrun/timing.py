@@ -160,7 +160,8 @@ class TimingAssumptions:
     compiled (fused, Triton) memory-bound kernel reaches (hand-written Triton kernels' 91-92%: Liger-Kernel's H100
     data); `eager_memory_efficiency`: an eager ATen kernel's (Liger-Kernel's H100 data: transformers' add +
     RMSNorm, seven ATen kernels, 84%); `reduction_efficiency`: the fraction a compiled kernel with a reduction
-    reaches (None: torch.compile's measured RMSNorm for the reduced length, `reduction_fraction`); `launch_s`: the
+    reaches (None: torch.compile's measured RMSNorm for the reduced length, `reduction_fraction`, times
+    `reduction_scale`: 1.0, or a calibration's scale of the compute model, `accelfn.planner.calibrate`); `launch_s`: the
     least time one kernel takes in eager mode (an assumption: the host's cost of issuing one op); `eager`: whether
     that floor applies (False under `af.compile`, whose kernels are issued together).
     """
@@ -177,6 +178,7 @@ class TimingAssumptions:
     memory_efficiency: float = 0.9
     eager_memory_efficiency: float = 0.84
     reduction_efficiency: float | None = None
+    reduction_scale: float = 1.0
     launch_s: float = 5e-6
     eager: bool = True
 
@@ -306,7 +308,7 @@ def reduction_fraction(n: int) -> float:
 def fused_time(nbytes: int, reduce: int, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
     """Seconds of one compiled (fused) memory-bound kernel moving `nbytes`: with a reduction over rows of `reduce`
     elements (256 or more: shorter ones inductor runs like pointwise kernels) at `reduction_efficiency` (None:
-    `reduction_fraction(reduce)`) of the bandwidth, else at `memory_efficiency`.
+    `reduction_fraction(reduce)` times `reduction_scale`) of the bandwidth, else at `memory_efficiency`.
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -318,7 +320,7 @@ def fused_time(nbytes: int, reduce: int, device: DeviceSpec, assumptions: Timing
         return memory_time(nbytes, device, assumptions)
     fraction = assumptions.reduction_efficiency
     if fraction is None:
-        fraction = reduction_fraction(reduce)
+        fraction = reduction_fraction(reduce) * assumptions.reduction_scale
     return nbytes / (device.memory_gbs * 1e9 * fraction)
 
 
@@ -875,7 +877,9 @@ class OpTimer(TorchDispatchMode):
                 "eager_memory_efficiency": a.eager_memory_efficiency,
                 "reduction_efficiency": a.reduction_efficiency
                 if a.reduction_efficiency is not None
-                else "torch.compile's measured RMSNorm by reduced length (quack, H100)",
+                else "torch.compile's measured RMSNorm by reduced length (quack, H100)"
+                + (f" x {a.reduction_scale:g}" if a.reduction_scale != 1.0 else ""),
+                "reduction_scale": a.reduction_scale,
                 "memory_gbs": device.memory_gbs,
                 "launch_s": a.launch_s if a.eager else 0.0,
                 "peaks": "fp8 matmuls (_scaled_mm) at the fp8 peak; other ops at their operands' dtype's",

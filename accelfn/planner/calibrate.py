@@ -3,9 +3,9 @@ as a tracker wrote them to `RUN_DIR/metrics.jsonl`) against the dry run of the c
 the device's compute efficiency; the plan's later predictions on that device use it and carry the fit's error.
 
 The fit has one term per device, `scale`: every efficiency of the compute model (GEMMs, attention, memory-bound
-ops, the flat `compute_efficiency` of the older model) times `scale` and the eager launch floor over it, so that
-the predicted compute time is exactly the model's over `scale`; communication and the bubble are left as the
-model has them. Each calibrated run adds a point (its predicted compute `c`, the rest of its step `n`, its
+ops, torch.compile's measured reductions, the flat `compute_efficiency` of the older model) times `scale` and the
+eager launch floor over it, so that the predicted compute time is exactly the model's over `scale`, eager or
+compiled; communication and the bubble are left as the model has them. Each calibrated run adds a point (its predicted compute `c`, the rest of its step `n`, its
 measured step `m`) to the store, and `scale` is the least-squares fit of `c / scale + n = m` over the points;
 the residual (root mean square of the relative misses) is the error band the plan prints. With one point the
 fit is exact and the band is the spread of the measured step times.
@@ -38,8 +38,8 @@ __all__ = [
     "save",
 ]
 
-# every efficiency of the compute model (the flat model's `compute_efficiency` too); not scaled: the measured
-# table torch.compile's reductions run at where `reduction_efficiency` is None (its default)
+# every efficiency of the compute model (the flat model's `compute_efficiency` too), and the factor on the measured
+# table torch.compile's reductions run at where `reduction_efficiency` is None (its default): `reduction_scale`
 EFFICIENCIES = (
     "gemm_efficiency",
     "default_gemm_efficiency",
@@ -47,6 +47,7 @@ EFFICIENCIES = (
     "memory_efficiency",
     "eager_memory_efficiency",
     "reduction_efficiency",
+    "reduction_scale",
     "compute_efficiency",
 )
 
@@ -144,8 +145,9 @@ def point(run_dir: str | Path, report: dict[str, Any], label: str, scale: float 
 def scaled_assumptions(
     scale: float, gpu: str | None, reserve_bytes: int | None = None, torch_version: str | None = None
 ) -> Any:
-    """The dry run's `Assumptions` with the compute model's efficiencies times `scale` (and the launch floor
-    over it): the predicted compute time over `scale`; attention timed as the SDPA kernel `torch_version` picks
+    """The dry run's `Assumptions` with the compute model's efficiencies (`EFFICIENCIES`: the factor on
+    torch.compile's measured reduction table too) times `scale` and the launch floor over it: the predicted
+    compute time over `scale`; attention timed as the SDPA kernel `torch_version` picks
     (None: the installed torch's), as `accelfn dry-run --torch-version` times it.
 
     Example:

@@ -5,11 +5,14 @@ sliding-window attention over 8 tokens, f: full; "sf": gpt-oss / Gemma-2's alter
 `interleave_moe_layer_step`) and dense ones at `--mlp-only` (comma-separated indices).
 
     python tests/workers/plan_alternating.py --model sliding --pattern sssf --layers 18
+    accelfn dry-run --nproc-per-node 8 --nnodes 8 --mesh dp=64 tests/workers/plan_alternating.py --size 8b \\
+        --layers 36 --seq-len 8192 --strategy fsdp --global-batch-size 128 --remat full
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -24,10 +27,14 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=args.layers,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=args.seq_len,
                  use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)  # fmt: skip
+    if args.size == "8b":  # Qwen3-8B's widths (config.json on the hub), for measuring the tier at scale
+        shape.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128)  # fmt: skip
     if args.model == "sliding":
         types = {"s": "sliding_attention", "f": "full_attention"}
         layer_types = [types[args.pattern[i % len(args.pattern)]] for i in range(args.layers)]
-        cfg = Qwen3Config(**shape, use_sliding_window=True, sliding_window=8, layer_types=layer_types)
+        window = 8 if args.size == "tiny" else 4096
+        cfg = Qwen3Config(**shape, use_sliding_window=True, sliding_window=window, layer_types=layer_types)
         return Qwen3ForCausalLM(cfg)
     only = [int(i) for i in args.mlp_only.split(",") if i]
     cfg_moe = Qwen3MoeConfig(**shape, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
@@ -36,7 +43,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     model.set_experts_implementation("batched_mm")  # fp32 experts (a modelled GPU's grouped GEMM takes bf16)
     with torch.no_grad():  # transformers zero-initialises the routers
         for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
+            if hasattr(layer.mlp, "gate") and not layer.mlp.gate.weight.is_meta:
                 layer.mlp.gate.weight.normal_(0, 0.02)
     return model
 
@@ -48,6 +55,9 @@ def main() -> None:
     p.add_argument("--sparse-step", type=int, default=2, help="moe: an MoE MLP every n-th layer")
     p.add_argument("--mlp-only", default="", help="moe: the layers kept dense, comma-separated")
     p.add_argument("--layers", type=int, default=10)
+    p.add_argument(
+        "--size", choices=("tiny", "8b"), default="tiny", help="8b: Qwen3-8B's widths, on the meta device"
+    )
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--remat", default="auto")
@@ -68,7 +78,8 @@ def main() -> None:
     batch = global_batch // mesh.data_size
 
     torch.manual_seed(0)
-    model = build(args)
+    with af.init_empty() if args.size != "tiny" else contextlib.nullcontext():
+        model = build(args)
 
     def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> af.Loss:
         return af.losses.cross_entropy(m(input_ids=ids).logits[:, :-1], ids[:, 1:])

@@ -124,8 +124,10 @@ def plan(
     knob's parser, duplicates dropped. Where the script fixes the knob, `strategies` and `remats` are not searched,
     and the plan's notes say so.
     `prune=False` dry-runs every candidate (the exhaustive search the pruned one is checked against).
-    A candidate without a pipeline of a model with at least `extrapolate_min_blocks` blocks (None: never) is
-    measured by dry runs of its model cut to 2 and 3 blocks, extrapolated to all of them (rows marked `~`);
+    A candidate of a model with at least `extrapolate_min_blocks` periods of blocks per pipeline stage (None:
+    never; a period is one block where they are alike: `extrapolate.Layout`) is measured by dry runs of its
+    model cut to 2 and 3 periods per stage, extrapolated to all of them (rows marked `~`); blocks without a
+    period, and a pipeline of blocks whose period is several, are full dry runs (the plan's notes say so);
     the best `confirm` rows are then re-measured by full dry runs (the chosen row's always, the budget or not).
     `torch_version` is the torch the job will run (default: the installed one, e.g. "2.11.0"): every dry run
     times attention as the SDPA kernel it picks (`accelfn dry-run --torch-version`), and the plan's notes say so.

@@ -199,10 +199,8 @@ def sdpa_backend(torch_version: str, device_key: str) -> str:
         return _main_branch(int(dev), cuda)
     if version < (2, 5) or (version == (2, 5) and patch >= 1) or (2, 6) <= version <= (2, 8):
         return "flash2"
-    if version == (
-        2,
-        9,
-    ):  # built with cuDNN >= 9.9: CUDA 12.9 (9.10.2) and 13.x (9.13); 12.8 built with 9.8.0
+    # 2.9: built with cuDNN >= 9.9: CUDA 12.9 (9.10.2) and 13.x (9.13); 12.8 built with 9.8.0
+    if version == (2, 9):
         return "cudnn" if cuda >= (12, 9) else "flash2"
     if version == (2, 10):  # runtime cuDNN > 9.15.0: CUDA 13.0 wheels (9.15.1); 12.x bundle 9.10.2
         return "cudnn" if cuda >= (13, 0) else "flash2"

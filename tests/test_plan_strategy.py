@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import accelfn as af
+from accelfn.planner import Space, enumerate_candidates
 from accelfn.planner.prune import lowered_strategy
 from tests._launch import WORKERS
 
@@ -68,3 +69,34 @@ def test_a_script_fixing_ddp_is_bounded_by_its_unsplit_states() -> None:
     assert pruned.best is not None and exhaustive.best is not None
     assert pruned.best.candidate == exhaustive.best.candidate == exhaustive.rows[0].candidate
     assert pruned.best.candidate.offload == "optimizer"
+
+
+def test_a_fixed_hsdp_is_enumerated_over_every_split_of_its_data_ranks() -> None:
+    space = Space(
+        world=16, nproc_per_node=8, open=frozenset({"mesh"}), axes=("dp", "tp"), fixed_strategy="hsdp"
+    )
+    meshes = [c.mesh_spec for c in enumerate_candidates(space)]
+    # fsdp inside a node (8 / tp), every split of dp (1 and dp too: hsdp as ddp and as fsdp)
+    assert meshes[:5] == ["dp=16,fsdp=1", "dp=8,fsdp=2", "dp=4,fsdp=4", "dp=2,fsdp=8"] + ["dp=8,fsdp=1,tp=2"]
+    assert "dp=2,fsdp=1,tp=8" in meshes  # tp fills the node: fsdp 1 only
+    assert "dp=1,fsdp=16" not in meshes and "dp=1,fsdp=2,tp=8" not in meshes  # fsdp across nodes
+    assert all(c.strategy is None for c in enumerate_candidates(space))  # the script's own, not the plan's
+
+
+def test_a_script_fixing_hsdp_is_probed_on_two_data_axes_and_planned_over_their_splits() -> None:
+    """hsdp refuses a mesh of dp alone, the probe's: the probe runs it again on dp=1,fsdp=1. Each split of the
+    4 ranks is a mesh; offload falls at legality, hsdp over fsdp=1 (unsplit, 1.63 MiB) at the states bound."""
+    pruned, exhaustive = _plans(["--strategy", "hsdp", "--accumulate", "1"], ("dp",), 1.6)
+    splits = {"dp=4,fsdp=1", "dp=2,fsdp=2", "dp=1,fsdp=4"}
+    legality = [f for f in pruned.fallen if f.tier == "legality"]
+    assert {f.candidate.mesh_spec for f in legality} == splits
+    assert all("hsdp (the script fixes it) with af.offload" in f.reason for f in legality)
+    assert {f.candidate.label for f in pruned.fallen if f.tier == "states bound"} == {
+        "dp=4,fsdp=1 offload=none"
+    }
+    assert {
+        *(r.candidate.mesh_spec for r in exhaustive.rows),
+        *(r.candidate.mesh_spec for r in exhaustive.unfit),
+    } == splits
+    assert pruned.best is not None and exhaustive.best is not None
+    assert pruned.best.candidate == exhaustive.best.candidate

@@ -149,7 +149,9 @@ class Candidate:
 class Space:
     """What to enumerate: the world, which knobs are open ("mesh" among them), the global batch, the mesh
     axes the script supports (`axes`: of dp, tp, pp, cp, ep; pp only where the script reads the pipeline
-    knobs), and the experts of each MoE layer of its model (`experts`: 0 for a dense model, which gets no ep)."""
+    knobs), the experts of each MoE layer of its model (`experts`: 0 for a dense model, which gets no ep), and
+    the strategy the script fixes where it does (`fixed_strategy`, `prune.lowered_strategy`: hsdp's meshes split
+    the data ranks into dp x fsdp)."""
 
     world: int
     nproc_per_node: int
@@ -163,6 +165,7 @@ class Space:
     schedules: tuple[str, ...] = SCHEDULES
     max_accumulate: int = MAX_ACCUMULATE
     experts: int = 0
+    fixed_strategy: str | None = None
 
 
 def ep_sizes(data: int, inner: int, node: int, experts: int) -> list[int]:
@@ -210,22 +213,31 @@ def _strategies(space: Space, mesh: dict[str, int]) -> Iterator[tuple[dict[str, 
     """(mesh, strategy): ddp and fsdp over dp; hsdp as dp (replicas) x fsdp (shards inside a node); ZeRO 1-3
     on a mesh of dp alone (DeepSpeed runs data-parallel over all the processes: af.shard refuses it with tp, cp,
     pp or ep)."""
-    if "strategy" not in space.open:
-        yield mesh, None
+    if "strategy" not in space.open:  # the script's own: hsdp's on dp x fsdp, each split (1 and dp too)
+        if space.fixed_strategy == "hsdp" and mesh:
+            yield from ((m, None) for m in _hsdp(space, mesh, ends=True))
+        else:
+            yield mesh, None
         return
     for s in space.strategies:
         if s != "hsdp":
             if s not in ZERO or set(mesh) <= {"dp"}:
                 yield mesh, s
             continue
-        inner = space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("ep", 1))
-        if inner < 1:  # ep spans nodes: no fsdp axis inside a node beside it
-            continue
-        dp = mesh.get("dp", 1)
-        for shard in divisors(dp):
-            if 1 < shard < dp and inner % shard == 0:
-                rest = {k: v for k, v in mesh.items() if k != "dp"}
-                yield {"dp": dp // shard, "fsdp": shard, **rest}, "hsdp"
+        yield from ((m, "hsdp") for m in _hsdp(space, mesh, ends=False))
+
+
+def _hsdp(space: Space, mesh: dict[str, int], ends: bool) -> Iterator[dict[str, int]]:
+    """`mesh` with its dp ranks split into dp (replicas) x fsdp (shards inside a node); `ends`: with fsdp 1 and
+    dp too (hsdp as ddp and as fsdp: where the script fixes hsdp, the plan's only way to those)."""
+    inner = space.nproc_per_node // (mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("ep", 1))
+    if inner < 1:  # ep spans nodes: no fsdp axis inside a node beside it
+        return
+    dp = mesh.get("dp", 1)
+    rest = {k: v for k, v in mesh.items() if k != "dp"}
+    for shard in divisors(dp):
+        if (ends or 1 < shard < dp) and inner % shard == 0:
+            yield {"dp": dp // shard, "fsdp": shard, **rest}
 
 
 def _batches(space: Space, mesh: dict[str, int]) -> Iterator[tuple[int | None, int | None]]:

@@ -40,6 +40,7 @@ __all__ = ["plan"]
 AXES = ("dp", "tp", "pp", "cp", "ep")  # ep: only for a model with experts (the probe counts them)
 BOUND_SLACK = 0.98  # the time bound's margin below the least measured ratio
 CONFIRM_SLACK = 1.2  # the margin on a confirmation's estimated wall time (the machine's load varies)
+HSDP_PROBE_MESH = "dp=1,fsdp=1"  # the probe's mesh for a script whose strategy needs dp and fsdp axes (hsdp)
 
 
 def _check(name: str, value: Any, minimum: float = 1) -> None:
@@ -56,7 +57,8 @@ def _probe(
     gbs: int | None,
     torch_version: str | None = None,
 ) -> dict[str, Any]:
-    """The script as one process: which knobs it asks for, and the whole model's states."""
+    """The script as one process: which knobs it asks for, and the whole model's states; where its lowering
+    refuses the mesh of dp alone, on `HSDP_PROBE_MESH` (a script that fixes hsdp)."""
     env = {
         launch_env.ACCELFN_STRATEGY: "ddp",
         launch_env.ACCELFN_OFFLOAD: "none",
@@ -67,6 +69,10 @@ def _probe(
     job = Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu, one_chunk=True,
               torch_version=torch_version)  # fmt: skip
     result = pool.run(job)
+    # a strategy the script fixes that needs a dp and an fsdp axis (hsdp): the probe again on both
+    if "error" in result and result["lowering"] and "'fsdp'" in result["error"]:
+        again = pool.run(attrs.evolve(job, mesh=HSDP_PROBE_MESH))
+        result = again if "error" not in again else result
     if "error" in result:
         raise RuntimeError(
             f"af.plan: the script fails as one process (the planner's probe): {result['error']}"
@@ -228,6 +234,7 @@ def plan(
             axes=tuple(axes),
             global_batch_size=global_batch_size,
             experts=int(probe.get("experts", 0)),
+            fixed_strategy=fixed_strategy,
         )
         if strategies:
             space = attrs.evolve(space, strategies=tuple(strategies))

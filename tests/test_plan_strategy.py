@@ -100,3 +100,22 @@ def test_a_script_fixing_hsdp_is_probed_on_two_data_axes_and_planned_over_their_
     } == splits
     assert pruned.best is not None and exhaustive.best is not None
     assert pruned.best.candidate == exhaustive.best.candidate
+
+
+def test_a_strategy_that_changes_with_the_mesh_is_noted(tmp_path) -> None:
+    """The probe (one process) lowers ddp, the candidates fsdp: the plan says its bound and legality were ddp's."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, accelfn as af\n"
+        "mesh = af.Mesh.from_env()\n"
+        "step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))\n"
+        "step = af.shard(step, mesh, strategy='fsdp' if mesh.world_size > 1 else 'ddp')\n"
+        "state = step.init(torch.nn.Linear(64, 64))\n"
+        "state, _ = step(state, torch.randn(4, 64))\n"
+    )
+    p = af.plan(script, nproc_per_node=2, axes=("dp",), workers=1)
+    assert [r.candidate.mesh_spec for r in p.rows] == ["dp=2"]
+    assert (
+        "the script lowered fsdp on dp=2, ddp as one process: its legality and states bound assumed ddp"
+        in p.notes
+    )

@@ -39,6 +39,7 @@ __all__ = [
     "signatures",
     "period",
     "layout",
+    "remat_every",
     "stage_blocks",
     "rank_blocks",
     "extrapolate",
@@ -52,7 +53,7 @@ LINEAR_PREDICTED = ("step_time_s", "compute_s", "comm_s", "exposed_comm_s", "bub
 
 
 def keep_blocks(
-    n: int | None, seen: dict[str, Any], stages: tuple[int, ...] = ()
+    n: int | None, seen: dict[str, Any], stages: tuple[int, ...] = (), every: int = 1
 ) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that cuts the model's blocks (its largest `nn.ModuleList`, as
     `af.compile(regions="blocks")` finds them) to its leading unlike blocks, `n` periods of the blocks after
@@ -62,7 +63,8 @@ def keep_blocks(
     dense layers before its MoE ones), the period in `seen["period"]` (None: none), the blocks kept in
     `seen["kept"]`; a model with that many blocks or fewer (or `n` None) is left whole, and so is one the
     layout cannot cut (no period, or a period of several blocks under a pipeline), the reason in
-    `seen["whole"]`. For each stage count `s` of `stages`, the blocks of each stage of the whole model and of
+    `seen["whole"]`. `every`: the blocks `af.remat(every=n)` checkpoints (the n-th, 2n-th, ...: a period of its
+    own, `layout`). For each stage count `s` of `stages`, the blocks of each stage of the whole model and of
     the cut one, as the pipeline's balanced split cuts them, go to `seen["full"][s]` and `seen["cut"][s]`.
 
     Example:
@@ -81,7 +83,7 @@ def keep_blocks(
             seen.setdefault("blocks", 0)  # no repeated blocks: nothing to extrapolate over
             return
         seen.setdefault("blocks", len(blocks))
-        shape = layout(blocks, _config_of(model, name))
+        shape = layout(blocks, _config_of(model, name), every)
         if shape.lead:
             seen.setdefault("lead", shape.lead)
         seen.setdefault("period", shape.period)
@@ -213,16 +215,36 @@ def period(sigs: Sequence[Hashable]) -> tuple[int, int | None]:
     return best[1], best[2]
 
 
-def layout(blocks: nn.ModuleList, config: Any = None) -> Layout:
+def layout(blocks: nn.ModuleList, config: Any = None, every: int = 1) -> Layout:
     """The `Layout` of `blocks` (with `config`, the model's: its per-layer lists), by `period` of their
-    `signatures`.
+    `signatures`; with `every` > 1, of the signatures and whether `af.remat(every=every)` checkpoints the block
+    (the `every`-th, 2 x `every`-th, ... counted from 1): alike blocks of which every 2nd recomputes its
+    activations repeat every 2 blocks, not every one.
 
     Example:
         >>> layout(nn.ModuleList([nn.Linear(4, 8), *(nn.Linear(4, 4) for _ in range(5))]))
         Layout(blocks=6, lead=1, period=1)
+        >>> layout(nn.ModuleList(nn.Linear(4, 4) for _ in range(8)), every=2)
+        Layout(blocks=8, lead=0, period=2)
     """
-    lead, p = period(signatures(blocks, config))
+    sigs = signatures(blocks, config)
+    if every > 1:
+        sigs = [(sig, (i + 1) % every == 0) for i, sig in enumerate(sigs)]
+    lead, p = period(sigs)
     return Layout(len(blocks), lead, p)
+
+
+def remat_every(strategy: str) -> int:
+    """The `every` of the `af.remat` in a dry run's report's `strategy` (its step's repr): 1 without one.
+
+    Example:
+        >>> remat_every("Step(train_step(f) -> remat('selective', every=3) -> shard(fsdp, dp=8))")
+        3
+        >>> remat_every("Step(train_step(f) -> remat('full') -> shard(ddp, dp=8))")
+        1
+    """
+    m = re.search(r"-> remat\([^>]*?every=(\d+)", strategy)
+    return int(m[1]) if m else 1
 
 
 def _config_of(model: nn.Module, name: str) -> Any:

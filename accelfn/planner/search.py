@@ -73,41 +73,29 @@ def run_job(job: Job) -> dict[str, Any]:
 def _run_job(job: Job) -> dict[str, Any]:
     from ..transforms.shard.expert_parallel import GIVEN
     from .experts import recording_experts
-    from .extrapolate import keep_blocks, rank_blocks
+    from .extrapolate import keep_blocks
 
     launch_env.ASKED.clear()
     GIVEN.clear()  # the ep plan this job's script gives af.shard (read by recording_experts)
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
-    seen: dict[str, Any] = {}
     # the stage counts to read each rank's blocks for: the expected one, and those of a schedule the script
     # fixes with another number of stages per rank
     stages = (
         tuple(s for s in (job.stages, 2 * job.stages, job.stages // 2) if s > 1) if job.stages > 1 else ()
     )
     try:
+        seen: dict[str, Any] = {}
         done: list[Any] = []  # full dry runs made already: the cut hook left a model whole that it cannot cut
         if job.blocks:
-            cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
-            for n in job.blocks:
-                for rank in ranks:
-                    hook = recording_experts(keep_blocks(n, seen, stages), seen)
-                    run = _dry_run(job, rank, hook)
-                    if "whole" in seen:
-                        done.append(run)
-                        break
-                    report = run.to_dict()
-                    on = rank_blocks(report, seen.get("cut", {}))
-                    full = rank_blocks(report, seen.get("full", {}))
-                    if on is None:  # no pipeline: the rank's blocks are those kept (leading unlike ones too)
-                        on, full = seen.get("kept", 0), seen.get("blocks", 0)
-                    cut[n].append({**report, "at": on, "full": full})
-                if "whole" in seen:
-                    break
-            else:
-                if all(
-                    len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))
-                ):
-                    return {"reports": cut, "asked": sorted(launch_env.ASKED), **_layout(seen)}
+            every = _remat_every(job)
+            seen, cut, done, ran = _cut_runs(job, ranks, stages, every)
+            if ran != every:  # the script fixes its own af.remat(every=n): cut again, to whole periods of it
+                seen, cut, done, ran = _cut_runs(job, ranks, stages, ran)
+            complete = not done and all(len(cut[n]) == len(ranks) for n in job.blocks)
+            if complete and all(
+                len({cut[n][i]["at"] for n in job.blocks}) == len(job.blocks) for i in range(len(ranks))
+            ):
+                return {"reports": cut, "asked": sorted(launch_env.ASKED), **_layout(seen)}
             # a rank's blocks did not change between the cuts (no line through them): measured in full
         reports = done + [
             _dry_run(job, rank, recording_experts(keep_blocks(None, seen), seen))
@@ -124,6 +112,45 @@ def _run_job(job: Job) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
         lowering = isinstance(e, (ValueError, NotImplementedError))
         return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+
+
+def _cut_runs(
+    job: Job, ranks: list[int], stages: tuple[int, ...], every: int
+) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]], list[Any], int]:
+    """The dry runs of `job` as each of `ranks` with the model cut to each of `job.blocks` periods per stage
+    (`keep_blocks`, the script's `af.remat` taken to checkpoint every `every`-th block): `(seen, reports by
+    periods, each with "at" and "full", full runs, every)`. Stopped at the first run where the hook left the
+    model whole (that run, a full dry run, in the third), or where the step's remat checkpoints every n-th
+    block for another n (returned last: the cut is run again with it)."""
+    from .experts import recording_experts
+    from .extrapolate import keep_blocks, rank_blocks, remat_every
+
+    seen: dict[str, Any] = {}
+    cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
+    for n in job.blocks:
+        for rank in ranks:
+            run = _dry_run(job, rank, recording_experts(keep_blocks(n, seen, stages, every), seen))
+            if "whole" in seen:
+                return seen, cut, [run], every
+            report = run.to_dict()
+            ran = remat_every(report.get("strategy") or "")
+            if ran != every:
+                return seen, cut, [], ran
+            on = rank_blocks(report, seen.get("cut", {}))
+            full = rank_blocks(report, seen.get("full", {}))
+            if on is None:  # no pipeline: the rank's blocks are those kept (leading unlike ones too)
+                on, full = seen.get("kept", 0), seen.get("blocks", 0)
+            cut[n].append({**report, "at": on, "full": full})
+    return seen, cut, [], every
+
+
+def _remat_every(job: Job) -> int:
+    """The `every` of the remat knob `job` gives the script (1 without one: the script may fix its own)."""
+    value = dict(job.env).get(launch_env.KNOBS["remat"][0], "none")
+    try:
+        return int(launch_env.remat_args(value)["every"]) if value not in ("none", "auto") else 1
+    except ValueError:
+        return 1
 
 
 def _layout(seen: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ chosen row's confirmation its estimated time. The measured ones are ranked by pr
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -318,10 +319,14 @@ def plan(
 
         def extrapolating(c: Candidate) -> bool:
             """At least `extrapolate_min_blocks` periods of blocks per pipeline stage (the whole model without one;
-            a period is a block where the blocks are alike: `extrapolate.Layout`); never for blocks without a
-            period, nor for a pipeline of blocks whose period is several blocks (the split ignores periods)."""
+            a period is a block where the blocks are alike: `extrapolate.Layout`, and `n` of them for remat every
+            n-th block); never for blocks without a period, nor for a pipeline of blocks whose period is several
+            blocks (the split ignores periods)."""
             period = probe.get("period")
-            if extrapolate_min_blocks is None or period is None or (period > 1 and _stages(c) > 1):
+            if extrapolate_min_blocks is None or period is None:
+                return False
+            period = math.lcm(period, _remat_every(c))  # blocks n, 2n, ... checkpointed: a period of its own
+            if period > 1 and _stages(c) > 1:
                 return False
             return blocks // period >= extrapolate_min_blocks * _stages(c)
 
@@ -549,6 +554,16 @@ def _stages(c: Candidate) -> int:
     pp = c.mesh.get("pp", 1)
     info = SCHEDULES.get(c.pipeline_schedule or "1f1b")
     return pp * (info.stages_per_rank if pp > 1 and info is not None else 1)
+
+
+def _remat_every(c: Candidate) -> int:
+    """The `every` of `c`'s remat (`POLICY:N`: every N-th block), 1 without one.
+
+    Example:
+        >>> _remat_every(Candidate({"dp": 8}, "fsdp", "selective:2")), _remat_every(Candidate({"dp": 8}, "fsdp"))
+        (2, 1)
+    """
+    return int(launch_env.remat_args(c.remat)["every"]) if c.remat not in (None, "none") else 1
 
 
 def _layout_notes(probe: dict[str, Any], min_blocks: int | None) -> list[str]:

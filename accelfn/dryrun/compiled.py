@@ -45,7 +45,8 @@ from .timing import compiled_region
 __all__ = ["partition_block", "saved_bytes"]
 
 _Key = tuple[Any, ...]
-_GRAPHS: dict[_Key, Callable[..., Any]] = {}
+# each graph with the world whose process groups its collectives name (None: it holds none, any world runs it)
+_GRAPHS: dict[_Key, tuple[Callable[..., Any], Any]] = {}
 _ORDERS: dict[_Key, list[str]] = {}  # the state's names in the order the block's forward first uses them
 
 
@@ -169,9 +170,10 @@ def _trace(
     n_tensors: int,
     spec: Any,
     consts: list[Any],
-) -> Any:
+) -> tuple[Any, list[Any]]:
     """`forward` as AOTAutograd's partitioned graphs over (the call's `n_tensors` tensors, then the state in
-    `names`' order): the order of Dynamo's graph's inputs."""
+    `names`' order): the order of Dynamo's graph's inputs; and, once it is traced, the world its collectives
+    belong to (in a list: empty where it holds none)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.nn.utils.stateless import _reparametrize_module
@@ -182,9 +184,32 @@ def _trace(
         with _reparametrize_module(block, dict(zip(names, flat[n_tensors:], strict=True))):
             return forward(*args, **kwargs)
 
-    return aot_function(
-        fn, fw_compiler=_eager, bw_compiler=_eager, partition_fn=min_cut_rematerialization_partition
+    worlds: list[Any] = []  # the world whose groups the forward's collectives name (cp's all-gathers), if any
+
+    def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        if _holds_collectives(gm):
+            worlds.append(_world())
+        return _eager(gm, example_inputs)
+
+    graph = aot_function(
+        fn, fw_compiler=fw_compiler, bw_compiler=_eager, partition_fn=min_cut_rematerialization_partition
     )
+    return graph, worlds
+
+
+def _holds_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph calls functional collectives, which name their process group (by a name of its world)."""
+    return any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+        for n in gm.graph.nodes
+    )
+
+
+def _world() -> Any:
+    """The default process group (a dry run's fake world; None without one)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 class _Tensor:
@@ -214,11 +239,13 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _unwatched() -> Iterator[None]:
-    """No dispatch modes (the tracker, FLOP counting) and no global module hooks (FLOP counting's module tracker
-    puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the joint graph refuses), and
-    no saved-tensor hooks (an enclosing checkpoint's)."""
+    """No dispatch modes (the tracker, FLOP counting) but the run's fake mode, no global module hooks (FLOP
+    counting's module tracker puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the
+    joint graph refuses), and no saved-tensor hooks (an enclosing checkpoint's). The fake mode stays: without it
+    a factory call (`torch.arange`, context parallel's causal mask) made a real tensor of the job's size."""
     from torch.nn.modules import module as m
 
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     saved = [(d, dict(d)) for d in (m._global_forward_pre_hooks, m._global_forward_hooks)]
     for d, _ in saved:
         d.clear()
@@ -226,6 +253,7 @@ def _unwatched() -> Iterator[None]:
         # identity hooks: an enclosing checkpoint's must not see the trace's saved tensors
         with (
             _python_dispatch._disable_current_modes(),
+            fake if fake is not None else contextlib.nullcontext(),
             torch.autograd.graph.saved_tensors_hooks(_same, _same),
         ):
             yield
@@ -271,12 +299,14 @@ def partition_block(block: nn.Module) -> bool:
         if names is None:
             names = _ORDERS[key] = _use_order(eager, state, args, kwargs)
         flat = [*tensors, *(state[n] for n in names)]  # as Dynamo orders its graph's inputs
-        graph = _GRAPHS.get(key)
-        if graph is None:
-            graph = _trace(block, forward, names, len(tensors), spec, consts)
+        graph, world = _GRAPHS.get(key, (None, None))
+        if graph is None or (
+            world is not None and world is not _world()
+        ):  # a graph of another dry run's groups
+            graph, worlds = _trace(block, forward, names, len(tensors), spec, consts)
             with _unwatched():  # tracing is not this step's memory or FLOPs
                 graph(*[t.detach().requires_grad_(t.requires_grad) for t in flat])
-            _GRAPHS[key] = graph
+            _GRAPHS[key] = graph, (worlds[0] if worlds else None)
         with compiled_region():
             return graph(*flat)
 

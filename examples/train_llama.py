@@ -17,7 +17,9 @@ sequence parallel and the loss on vocabulary shards (the default; `--no-sequence
 `--no-loss-parallel` turn them off); a `cp` axis splits each sequence (labels aligned with the inputs); a `pp`
 axis cuts the model into stages, fed one sequence per micro-batch (torchtitan's default; `--microbatches`).
 The sizes of `--model` are Llama 3's (8b, 70b, 405b), the 0.89B model of docs/benchmarks.md (`0.9b`) and a
-tiny one for CPU runs; `--layers N` keeps a size's layer shapes with N layers (cheap dry runs).
+tiny one for CPU runs; `--layers N` keeps a size's layer shapes with N layers (cheap dry runs). `--fp8` trains the
+decoder's Linears in fp8 with torchao's tensorwise scaling (fp8 all-gathers under fsdp), `--fp8 --fp8-recipe
+rowwise` with its rowwise scaling.
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ def main() -> None:
         help="fp8 matmuls in the decoder layers (af.autocast_fp8; emulated on CPU)",
     )
     p.add_argument(
+        "--fp8-recipe",
+        choices=("tensorwise", "rowwise"),
+        default="tensorwise",
+        help="with --fp8: torchao's scaling recipe, one scale per tensor (the default; fp8 all-gathers under "
+        "fsdp) or per row (torchao's rowwise: finer scales, costlier casts, weights all-gathered in their dtype)",
+    )
+    p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -156,6 +165,8 @@ def main() -> None:
         "device (no memory: step.init shards it, then allocates and initialises this rank's shards only)",
     )
     args = p.parse_args()
+    if args.fp8_recipe != "tensorwise" and not args.fp8:
+        p.error(f"--fp8-recipe {args.fp8_recipe} needs --fp8")
     global LOSS_IMPL
     LOSS_IMPL = args.loss
 
@@ -183,8 +194,11 @@ def main() -> None:
         model = build(args.model, args.seq_len, args.layers)
     step = af.train_step(loss_fn, af.optim.adamw(args.lr, weight_decay=0.1), clip_grad_norm=1.0)
     if args.fp8:  # the embeddings and the head stay in bf16/fp32, as torchtitan keeps its output layer
+        rowwise = args.fp8_recipe == "rowwise"  # torchao's recipe (Transformer Engine has no rowwise)
         step = af.autocast_fp8(
             step,
+            backend="torchao" if rowwise else "auto",
+            recipe="rowwise" if rowwise else None,
             module_filter=lambda m, fqn: ".layers." in fqn,
             # emulated on a CPU run; a dry run of a GPU job lowers the fp8 matmuls as on the GPU
             emulate=mesh.device.type == "cpu" and not af.dry_mode.models_a_device(),

@@ -82,3 +82,36 @@ def test_the_loss_knob_reaches_the_cross_entropy(loss: str, monkeypatch: pytest.
     monkeypatch.setattr(af.losses, "cross_entropy", spy)
     af.dry_run(LLAMA, ["--loss", loss, "--steps", "1"], nproc_per_node=2, device="cpu", search=False)
     assert seen and set(seen) == {loss}, seen
+
+
+def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --fp8-recipe rowwise converts the decoder's Linears with torchao's rowwise config (per-row scales), whose
+    # weights FSDP all-gathers in their own dtype (tensorwise, the default, all-gathers them in fp8); on the
+    # modelled H100, as the published rowwise runs
+    import torchao.float8
+    from torchao.float8.config import ScalingGranularity
+
+    seen: list[ScalingGranularity] = []
+    real = torchao.float8.convert_to_float8_training
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["config"].cast_config_weight.scaling_granularity)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torchao.float8, "convert_to_float8_training", spy)
+
+    def run(*extra: str) -> af.dryrun.Report:
+        args = ["--model", "tiny", "--steps", "1", "--strategy", "fsdp", "--bf16", "--fp8", *extra]
+        return af.dry_run(LLAMA, args, nproc_per_node=2, search=False)
+
+    tensorwise, rowwise = run(), run("--fp8-recipe", "rowwise")
+    assert seen == [ScalingGranularity.TENSORWISE, ScalingGranularity.AXISWISE], seen
+    assert "recipe='rowwise'" in rowwise.strategy and "14 Linear layers in fp8" in rowwise.strategy, (
+        rowwise.strategy
+    )
+    assert "fp8 all-gather under fsdp" in tensorwise.strategy and "fp8 all-gather" not in rowwise.strategy
+    tw, rw = (r.comm["all_gather"]["dp"]["bytes"] for r in (tensorwise, rowwise))
+    assert rw == rowwise.comm["reduce_scatter"]["dp"]["bytes"]  # every weight in fp32, as its gradient
+    assert tw < 0.8 * rw, (tw, rw)  # the decoder's weights in fp8
+    with pytest.raises(RuntimeError, match=r"exited \(2\)"):  # the recipe without --fp8: a usage error
+        af.dry_run(LLAMA, ["--model", "tiny", "--fp8-recipe", "rowwise"], nproc_per_node=2, search=False)

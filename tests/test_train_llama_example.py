@@ -86,8 +86,8 @@ def test_the_loss_knob_reaches_the_cross_entropy(loss: str, monkeypatch: pytest.
 
 def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
     # --fp8-recipe rowwise converts the decoder's Linears with torchao's rowwise config (per-row scales), whose
-    # weights FSDP all-gathers in their own dtype (tensorwise, the default, all-gathers them in fp8); on the
-    # modelled H100, as the published rowwise runs
+    # weights FSDP all-gathers in their own dtype (tensorwise, the default, all-gathers them in fp8), and tensor
+    # parallel splits them with torch's styles; on the modelled H100, as the published rowwise runs
     import torchao.float8
     from torchao.float8.config import ScalingGranularity
 
@@ -102,7 +102,7 @@ def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatc
 
     def run(*extra: str) -> af.dryrun.Report:
         args = ["--model", "tiny", "--steps", "1", "--strategy", "fsdp", "--bf16", "--fp8", *extra]
-        return af.dry_run(LLAMA, args, nproc_per_node=2, search=False)
+        return af.dry_run(LLAMA, args, nproc_per_node=4, mesh="dp=2,tp=2", search=False)
 
     tensorwise, rowwise = run(), run("--fp8-recipe", "rowwise")
     assert seen == [ScalingGranularity.TENSORWISE, ScalingGranularity.AXISWISE], seen
@@ -110,6 +110,9 @@ def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatc
         rowwise.strategy
     )
     assert "fp8 all-gather under fsdp" in tensorwise.strategy and "fp8 all-gather" not in rowwise.strategy
+    # torchao's float8 tensor-parallel styles assume tensorwise scales: rowwise layers take torch's (torchtitan's)
+    assert "float8 tensor-parallel styles" in tensorwise.strategy, tensorwise.strategy
+    assert "float8 tensor-parallel styles" not in rowwise.strategy, rowwise.strategy
     tw, rw = (r.comm["all_gather"]["dp"]["bytes"] for r in (tensorwise, rowwise))
     assert rw == rowwise.comm["reduce_scatter"]["dp"]["bytes"]  # every weight in fp32, as its gradient
     assert tw < 0.8 * rw, (tw, rw)  # the decoder's weights in fp8

@@ -81,8 +81,14 @@ _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_hea
 
 
 def _is_float8(module: nn.Module) -> bool:
-    """A torchao Float8Linear (what `af.autocast_fp8(backend="torchao")` swapped in, lowered before TP)."""
-    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao")
+    """A torchao Float8Linear (what `af.autocast_fp8(backend="torchao")` swapped in, lowered before TP) of the
+    tensorwise recipe: torchao's float8 tensor-parallel styles cast with one scale per tensor ("currently assumes
+    tensorwise scaling"); a rowwise one takes torch's styles, its collectives in its dtype (as torchtitan)."""
+    if type(module).__name__ != "Float8Linear" or not type(module).__module__.startswith("torchao"):
+        return False
+    from torchao.float8.config import ScalingGranularity
+
+    return bool(module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
 
 
 def _style(name: str, fp8: bool = False) -> Any:

@@ -128,7 +128,7 @@ def main() -> None:
         choices=("tensorwise", "rowwise"),
         default="tensorwise",
         help="with --fp8: torchao's scaling recipe, one scale per tensor (the default; fp8 all-gathers under "
-        "fsdp) or per row (torchao's rowwise: finer scales, costlier casts, weights all-gathered in their dtype)",
+        "fsdp) or per row (torchao's rowwise: finer scales, costlier casts, weights all-gathered in bf16 under --bf16)",
     )
     p.add_argument(
         "--sequence-parallel",

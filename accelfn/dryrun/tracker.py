@@ -37,7 +37,7 @@ import attrs
 import torch
 from torch.storage import _StorageBase
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
@@ -78,6 +78,15 @@ def bus_bytes(kind: str, size: int, n: int) -> int:
 
 
 def _nbytes(x: Any) -> int:
+    """Bytes a collective moves for `x`: a tensor subclass that wraps others (torchao's float8 tensors, whose dtype
+    is the high-precision one they stand for, over 1-byte data) by the tensors it holds, as it communicates them.
+
+    Example:
+        >>> _nbytes(torch.ones(4, dtype=torch.bfloat16)), _nbytes([torch.ones(2), torch.ones(2)])
+        (8, 16)
+    """
+    if is_traceable_wrapper_subclass(x):
+        return sum(_nbytes(getattr(x, name)) for name in x.__tensor_flatten__()[0])
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):

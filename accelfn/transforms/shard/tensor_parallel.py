@@ -88,7 +88,8 @@ def _is_float8(module: nn.Module) -> bool:
         return False
     from torchao.float8.config import ScalingGranularity
 
-    return bool(module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+    config: Any = module.config  # torchao's Float8LinearConfig
+    return bool(config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
 
 
 def _style(name: str, fp8: bool = False) -> Any:

@@ -445,13 +445,41 @@ def test_a_collective_costs_ncclS_ring_latency_and_bus_bytes_over_its_link(kind,
 def test_a_small_all_reduce_over_many_nodes_takes_the_tree_and_a_large_one_the_ring() -> None:
     from accelfn.dryrun.comm_time import CommAssumptions, collective_time
 
-    a, n, nodes = CommAssumptions(), 1024, 128
+    a, n, nodes = CommAssumptions(protocols=False), 1024, 128  # the Simple protocol alone
     small = collective_time("all_reduce", 4096, n, nodes, H100, a)
     tree = (8.4 + 2 * (7 * 3.4 + math.log2(nodes) * 14.0)) * 1e-6 + 2 * 4096 / 40e9
     assert small == pytest.approx(tree) and small < _nccl_ring("all_reduce", 4096, n, nodes, 450, 50)
     large = collective_time("all_reduce", 2**32, 16, 2, H100, a)  # few hops: the ring's 2 (n - 1) / n wins
     assert large == pytest.approx(_nccl_ring("all_reduce", 2**32, 16, 2, 450, 50))
-    assert collective_time("all_reduce", 4096, n, nodes, H100, CommAssumptions(tree=False)) > small
+    assert collective_time("all_reduce", 2**32, 16, 2, H100, CommAssumptions()) == pytest.approx(large)
+    no_tree = CommAssumptions(tree=False, protocols=False)
+    assert collective_time("all_reduce", 4096, n, nodes, H100, no_tree) > small
+
+
+def test_a_small_collective_takes_nccl_s_low_latency_protocol_and_a_large_one_simple() -> None:
+    """NCCL 2.27.3's tuning table (src/graph/tuning.cc), written out: LL's ring is 6.6 us + 0.6 us a hop on NVLink
+    (2.7 over the network) at half Simple's bandwidth, LL128's 14.0 + 1.9 (4.0) at 0.92 of it, the tree's LL
+    6.8 + 0.6 / 5.0 at 1 / 3.8; NCCL runs the fastest (`ncclTopoGetAlgoTime`)."""
+    from accelfn.dryrun.comm_time import CommAssumptions, collective_time
+
+    a = CommAssumptions()
+    # a tensorwise fp8 scale's amax, all-reduced over tp = 8 in a node: 2 (n - 1) = 14 hops
+    amax = collective_time("all_reduce", 4, 8, 1, H100, a)
+    assert amax == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 2 * 7 / 8 * 4 / (360e9 * 0.5), rel=1e-12)
+    assert collective_time("all_reduce", 4, 8, 1, H100, CommAssumptions(protocols=False)) == pytest.approx(
+        _nccl_ring("all_reduce", 4, 8, 1, 450, 50), rel=1e-12
+    )  # 56 us
+    # a medium message: LL128 (its bandwidth 0.92 of Simple's, its hops 1.9 us)
+    mid = 2**24
+    ll128 = (14.0 + 7 * 1.9) * 1e-6 + 7 / 8 * mid / (360e9 * 0.92)
+    assert collective_time("all_gather", mid, 8, 1, H100, a) == pytest.approx(ll128, rel=1e-12)
+    # a large one: Simple, as before
+    assert collective_time("all_gather", 2**30, 8, 1, H100, a) == pytest.approx(
+        _nccl_ring("all_gather", 2**30, 8, 1, 450, 50), rel=1e-12
+    )
+    # a tiny all-reduce over 128 nodes: the tree's LL, 2 (7 NVLink + log2(128) network hops)
+    tiny = collective_time("all_reduce", 4096, 1024, 128, H100, a)
+    assert tiny == pytest.approx((6.8 + 2 * (7 * 0.6 + 7 * 5.0)) * 1e-6 + 2 * 4096 / (40e9 / 3.8), rel=1e-12)
 
 
 def test_an_all_to_all_over_nodes_sends_only_the_other_nodes_parts_over_the_network() -> None:

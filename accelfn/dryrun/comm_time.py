@@ -17,6 +17,12 @@ term per algorithm step plus the bus bytes over the bandwidth of the slowest lin
 
 The latencies are NCCL's tuning table's (Simple protocol, which large messages use: base 8.4 us; per hop 3.4 us
 over NVLink, 14 us over the network), in `CommAssumptions` with the link efficiencies: printed, overridable.
+NCCL times every (algorithm, protocol) pair and runs the fastest (`ncclTopoGetAlgoTime`), so a small message
+takes a low-latency protocol: LL (8-byte lines of 4 data bytes and a flag: half the bandwidth, 0.6 us a hop on
+NVLink) or LL128 (120 of 128 bytes: 0.92 of it, 1.9 us a hop), `NCCL_PROTOCOLS` (NCCL 2.27.3's figures; on every
+GPU kind, without NCCL's per-architecture caps on their bandwidth). A ring all-reduce of a few bytes over 8 GPUs
+of a node, as tensorwise fp8 under tensor parallel runs for each scale (the amax), costs 15 us, not Simple's
+56 us. `CommAssumptions(protocols=False)` keeps Simple for every size.
 Not modelled: NVLink SHARP (NVLS) and CollNet, NCCL's channel count for small messages, contention between
 concurrent collectives, and the SMs NCCL's kernels take from the compute they overlap.
 
@@ -25,6 +31,8 @@ Example:
     >>> a = CommAssumptions(intra_efficiency=1.0, ring_base_us=0.0, nvlink_hop_us=0.0)
     >>> collective_time("all_gather", 8 * 450_000_000, 8, 1, spec("h100-sxm"), a)  # 7/8 of it over 450 GB/s
     0.007
+    >>> round(collective_time("all_reduce", 4, 8, 1, spec("h100-sxm"), CommAssumptions()) * 1e6, 1)  # LL
+    15.0
 """
 
 from __future__ import annotations
@@ -37,7 +45,18 @@ import attrs
 from ..platforms.specs import DeviceSpec
 from .tracker import bus_bytes
 
-__all__ = ["CommAssumptions", "collective_time", "group_nodes", "ranks_in_node"]
+__all__ = ["CommAssumptions", "NCCL_PROTOCOLS", "collective_time", "group_nodes", "ranks_in_node"]
+
+# NCCL 2.27.3 (the release of torch 2.8's nightlies), src/graph/tuning.cc: for each low-latency protocol and
+# algorithm, the base latency `baseLat`, the latency per hop over NVLink and over the network `hwLat` (us), and the
+# fraction of the Simple protocol's bus bandwidth it reaches (ring LL `busBw * .5`, ring LL128 `busBw * 0.92`, tree LL
+# `busBw * 1.0/3.8`, tree LL128 over nodes `busBw * 120.0/128.0`)
+NCCL_PROTOCOLS: dict[tuple[str, str], tuple[float, float, float, float]] = {
+    ("ring", "LL"): (6.6, 0.6, 2.7, 0.5),
+    ("ring", "LL128"): (14.0, 1.9, 4.0, 0.92),
+    ("tree", "LL"): (6.8, 0.6, 5.0, 1 / 3.8),
+    ("tree", "LL128"): (14.0, 1.25, 8.5, 120 / 128),
+}
 
 
 @attrs.frozen
@@ -47,7 +66,8 @@ class CommAssumptions:
     `intra_efficiency` / `inter_efficiency`: the fraction of the link bandwidth a large collective's bus
     bandwidth reaches (nccl-tests on NVLink 4 and 400 Gb/s InfiniBand reach about 80%); the latencies are
     NCCL's tuning table's (Simple protocol): `ring_base_us` (baseLat, ring), `tree_base_us`, per-hop
-    `nvlink_hop_us` and `net_hop_us` (hwLat: NVLink, network).
+    `nvlink_hop_us` and `net_hop_us` (hwLat: NVLink, network); `protocols`: let a collective take NCCL's LL or
+    LL128 protocol (`NCCL_PROTOCOLS`) where it is faster than Simple, as NCCL does (small messages).
     """
 
     intra_efficiency: float = 0.8
@@ -57,6 +77,7 @@ class CommAssumptions:
     nvlink_hop_us: float = 3.4
     net_hop_us: float = 14.0
     tree: bool = True  # let all-reduce over several nodes take NCCL's tree when it is faster
+    protocols: bool = True  # let small messages take NCCL's LL / LL128 protocols when they are faster
 
 
 def group_nodes(group_size: int, intra_node: bool, nproc_per_node: int) -> int:
@@ -112,15 +133,32 @@ def collective_time(
         return hop * 1e-6 + nbytes / bw
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     inter_steps = (2 if kind == "all_reduce" else 1) * (nodes - 1)
-    latency = a.ring_base_us + (steps - inter_steps) * a.nvlink_hop_us + inter_steps * a.net_hop_us
+
+    def ring_latency(base: float, nvlink: float, net: float) -> float:
+        return base + (steps - inter_steps) * nvlink + inter_steps * net
+
+    latency = ring_latency(a.ring_base_us, a.nvlink_hop_us, a.net_hop_us)
     if kind == "all_to_all" and nodes > 1:
         local = max(1, min(n, local if local is not None else math.ceil(n / nodes)))
         over = max(nbytes * (n - local) / n / inter_bw, nbytes * (local - 1) / n / intra_bw)
         return latency * 1e-6 + over
-    ring = latency * 1e-6 + bus_bytes(kind, nbytes, n) / bw
+    bus = bus_bytes(kind, nbytes, n)
+    low_latency = a.protocols and kind != "all_to_all"  # (NCCL's all-to-all is point-to-point sends)
+    ring = latency * 1e-6 + bus / bw
+    if low_latency:
+        for proto in ("LL", "LL128"):
+            base, nvlink, net, share = NCCL_PROTOCOLS["ring", proto]
+            ring = min(ring, ring_latency(base, nvlink, net) * 1e-6 + bus / (bw * share))
     if kind != "all_reduce" or nodes <= 1 or not a.tree:
         return ring
     per_node = max(1, n // nodes)
-    tree_latency = a.tree_base_us + 2 * ((per_node - 1) * a.nvlink_hop_us + math.log2(nodes) * a.net_hop_us)
-    tree = tree_latency * 1e-6 + 2 * nbytes / bw
+
+    def tree_latency(base: float, nvlink: float, net: float) -> float:
+        return base + 2 * ((per_node - 1) * nvlink + math.log2(nodes) * net)
+
+    tree = tree_latency(a.tree_base_us, a.nvlink_hop_us, a.net_hop_us) * 1e-6 + 2 * nbytes / bw
+    if low_latency:
+        for proto in ("LL", "LL128"):
+            base, nvlink, net, share = NCCL_PROTOCOLS["tree", proto]
+            tree = min(tree, tree_latency(base, nvlink, net) * 1e-6 + 2 * nbytes / (bw * share))
     return min(ring, tree)

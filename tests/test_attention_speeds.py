@@ -74,6 +74,19 @@ def test_a_release_follows_its_version_and_cuda_build(version: str, backend: str
     assert sdpa_backend(version, "h100-96gb") == backend
 
 
-def test_a_bad_version_is_named() -> None:
-    with pytest.raises(ValueError, match="'nightly' is not a torch version"):
-        sdpa_backend("nightly", "h100-sxm")
+@pytest.mark.parametrize(
+    "version",
+    ["nightly", "2.10.0.dev20251015cu130", "2.1O.0", "2.11.0.dev2026011", "2.11.0 beta", "2.11.0+"],
+)
+def test_a_bad_version_is_named(version: str) -> None:
+    """Refused whole, not read by its prefix (a missing "+" before the CUDA tag would take the 12.8 build)."""
+    with pytest.raises(ValueError, match="is not a torch version"):
+        sdpa_backend(version, "h100-sxm")
+
+
+@pytest.mark.parametrize(
+    "version",
+    ["2.6.0.dev20241223+cu124", "2.8.0a0+5228986c39", "2.10.0a0+git123abc", "2.11.0+cpu", "2.6.0rc1"],
+)
+def test_builds_with_local_tags_are_versions(version: str) -> None:
+    assert sdpa_backend(version, "h100-sxm") in ("flash2", "cudnn")

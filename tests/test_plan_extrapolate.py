@@ -77,6 +77,28 @@ def test_per_layer_lists_of_the_config_make_blocks_unlike() -> None:
     assert len(set(signatures(blocks, ignored))) == 1
 
 
+def test_configs_that_are_mappings_or_have_no_dict_are_read_or_skipped() -> None:
+    """A model's `config` may be a dict (read as the namespace is) or a slotted object (no per-layer lists)."""
+    blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+    assert layout(blocks, {"layer_types": ["sliding_attention", "full_attention"] * 4}) == Layout(8, 0, 2)
+
+    class Slotted:
+        __slots__ = ("n_layer",)
+
+        def __init__(self) -> None:
+            self.n_layer = 8
+
+    assert layout(blocks, Slotted()) == Layout(8, 0, 1)
+
+
+def test_remat_every_is_read_past_a_policy_with_angle_brackets_or_parentheses() -> None:
+    from accelfn.planner.extrapolate import remat_every
+
+    assert remat_every("Step(train_step(f) -> remat(<lambda>, every=2) -> shard(fsdp, dp=8))") == 2
+    assert remat_every("Step(train_step(f) -> remat(partial(g, a=1), every=3))") == 3
+    assert remat_every("Step(train_step(f) -> remat('full') -> shard(fsdp, dp=8))") == 1
+
+
 def test_no_period_of_at_most_a_quarter_of_the_blocks_leaves_the_model_whole() -> None:
     assert period("abcab") == (0, None)
     assert period("sfsfsfs") == (0, None)  # period 2, but fewer than 4 periods

@@ -47,7 +47,7 @@ def test_a_plan_for_another_torch_times_attention_as_its_sdpa_kernel(
         "note: times predicted for torch 2.6.0: attention as its SDPA kernel on h100-sxm, FlashAttention-2's"
         in printed
     )
-    assert "accelfn dry-run --config" in printed and "--torch-version 2.6.0" in printed
+    assert "accelfn dry-run --config" in printed and "--gpu h100-sxm --torch-version 2.6.0" in printed
     flash2 = json.loads(out.read_text())["chosen"]
     cudnn_plan = af.plan(SCRIPT, ARGS, nproc_per_node=2, axes=("dp",), workers=1, torch_version="2.11.0")
     cudnn = cudnn_plan.rows[0]

@@ -218,9 +218,11 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"\nwrote {path}: accelfn launch --config {path} {args.script} {' '.join(args.script_args)}".rstrip()
         )
-        if torch_version is not None:  # the dry run of the written config times attention as the plan did
-            print(
-                f"  predicted for torch {torch_version}: accelfn dry-run --config {path} --torch-version "
-                f"{torch_version} {args.script} {' '.join(args.script_args)}".rstrip()
-            )
+        # the dry run of the written config on the plan's device (and torch: attention's kernel) gives its figures
+        flags = f"--gpu {gpu}" + ("" if args.device == "cuda" else f" --device {args.device}")
+        if torch_version is not None:
+            flags += f" --torch-version {torch_version}"
+        print(
+            f"  its figures: accelfn dry-run --config {path} {flags} {args.script} {' '.join(args.script_args)}".rstrip()
+        )
     return 0

@@ -158,7 +158,8 @@ MAIN_BRANCH: Mapping[str, int] = {
     "pytorch#172680 CUDA 12.8 builds bundle cuDNN 9.15.1": 20260117,
 }
 _OPT_IN, _BUILT_WITH, _RUNTIME, _CU128_CUDNN_9_15 = MAIN_BRANCH.values()
-_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(?:dev|a0|a|b|rc)(\d+)?)?(?:\+([\w.]+))?")
+# release[.devYYYYMMDD | aN | bN | rcN][+local], whole: a nightly's date has 8 digits, its CUDA tag follows a "+"
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.?dev(\d{8})|(?:a|b|rc)\d+)?(?:\+([\w.]+))?$")
 _CUDA_TAG = re.compile(r"^cu(\d+?)(\d)$")  # "cu128" -> CUDA 12.8, "cu130" -> 13.0
 
 

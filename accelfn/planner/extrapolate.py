@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -168,9 +168,8 @@ def signatures(blocks: nn.ModuleList, config: Any = None) -> list[Hashable]:
     n = len(blocks)
     rows: list[tuple[tuple[str, Hashable], ...]] = [() for _ in range(n)]
     if config is not None:
-        lists = sorted(
-            (k, v) for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == n
-        )
+        fields = config.items() if isinstance(config, Mapping) else getattr(config, "__dict__", {}).items()
+        lists = sorted((k, v) for k, v in fields if isinstance(v, (list, tuple)) and len(v) == n)
         for k, v in lists:
             if any(isinstance(x, float) for x in v) or list(v) == list(range(n)):
                 continue
@@ -243,7 +242,7 @@ def remat_every(strategy: str) -> int:
         >>> remat_every("Step(train_step(f) -> remat('full') -> shard(ddp, dp=8))")
         1
     """
-    m = re.search(r"-> remat\([^>]*?every=(\d+)", strategy)
+    m = re.search(r"-> remat\((?:[^()]|\([^()]*\))*?\bevery=(\d+)", strategy)
     return int(m[1]) if m else 1
 
 

@@ -253,7 +253,7 @@ def plan(
         for c in candidates:
             why = illegal(c, fixed_strategy)
             if why is None and prune:
-                bound = states_bound(c, totals, script_strategy=fixed_strategy)
+                bound = states_bound(c, totals, script_strategy=None)
                 if bound > capacity:
                     fallen.append(Fallen(c, "states bound", f"{c.label}: params + grads + optimizer >= "
                                          f"{gib(bound)} per rank > {gib(capacity)} usable"))  # fmt: skip
@@ -397,10 +397,11 @@ def plan(
                 )
                 return
             ran = lowered_strategy(report.get("strategy", ""))
-            if fixed_strategy is not None and ran != fixed_strategy and c.mesh_spec not in other_strategy:
+            # one note per plan: the first mesh that lowered another strategy
+            if fixed_strategy is not None and ran != fixed_strategy and not other_strategy:
                 other_strategy[c.mesh_spec] = ran
                 notes.append(f"the script lowered {ran or 'another strategy'} on {c.mesh_spec}, {fixed_strategy} as "
-                             f"one process: its legality and states bound assumed {fixed_strategy}")  # fmt: skip
+                             f"one process: its legality assumed {fixed_strategy}")  # fmt: skip
             row = Row.of(c, report)
             if band is not None and row.error_band is None:
                 row = attrs.evolve(row, error_band=band)
@@ -429,7 +430,7 @@ def plan(
             activations = int(probe["report"]["per_rank"].get("activations", 0))
 
             def estimate(c: Candidate) -> float:
-                bound = states_bound(c, totals, script_strategy=fixed_strategy)
+                bound = states_bound(c, totals, script_strategy=None)
                 return bound + activations * activation_share(c)
 
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)

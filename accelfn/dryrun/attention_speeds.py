@@ -22,7 +22,8 @@ so the order decides. On sm90 (H100, H200, GH200) and sm100 (B200, GB200) it was
   as the default backend for SDPA where expected ... the wheel build checks cuDNN version at compile time (9.8)"):
   FlashAttention-2;
 - 2.10: cuDNN first only where the runtime cuDNN is newer than 9.15.0 (pytorch#171627 for #169849, cherry-picked
-  onto release/2.10 by #171895: `cudnn_version > 91500`, `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` to opt out): the CUDA
+  onto release/2.10 by #171895; titled "off-by-default for cuda versions < 12.9", its code gates on the runtime
+  cuDNN: `cudnn_version > 91500`, `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` to opt out): the CUDA
   13.0 wheels, which bundle cuDNN 9.15.1 (pytorch#171189, the cherry-pick of #169412); the CUDA 12.x wheels
   bundle 9.10.2 (huggingface/transformers#48163: "that code is already in 2.10. What changes at 2.11 is the
   bundled cuDNN crossing the threshold"): FlashAttention-2;

@@ -299,7 +299,8 @@ def test_dry_run_of_compiled_blocks_with_context_parallel_allocates_nothing_real
     before = _rss_mib("VmRSS")
     report = run(16384)
     mask_mib = 8192 * 16384 // 2**20  # the bool mask's size: 128 MiB (the report's device holds it)
-    assert _rss_mib("VmHWM") - before < mask_mib // 4, (_rss_mib("VmHWM"), before)  # 4 MiB measured
+    grown = _rss_mib("VmHWM") - before  # 4 MiB measured; 773 before the fix
+    assert grown < mask_mib // 2, grown
     assert report.per_rank["peak"] > mask_mib * 2**20, report.per_rank
 
 

@@ -9,8 +9,8 @@ period of several blocks under a pipeline (whose balanced split does not follow 
 pipeline the cut model is split by the lowering's own balanced split, so a rank's blocks in each run are read
 from that split (`rank_blocks`), not assumed. Peak memory, states, compute, exposed communication, the bubble
 and the step time are extrapolated; tokens/s and MFU follow from the step time (the tokens per step do not
-change, the FLOPs are extrapolated); so is the dry run's own wall time (`full_run_s`: what confirming the row
-by a full dry run will cost). The planner ranks on these figures and confirms the best with full dry runs.
+change, the FLOPs are extrapolated); the dry run's own wall time is estimated from the cut runs' (an upper-ish
+bound, not their line: `dry_run_seconds`), what confirming the row by a full dry run will cost. The planner ranks on these figures and confirms the best with full dry runs.
 
 Example:
     >>> r1 = {"per_rank": {"peak": 30, "params": 10}, "predicted": {"step_time_s": 3.0, "tokens_per_s": 8.0},
@@ -43,6 +43,7 @@ __all__ = [
     "stage_blocks",
     "rank_blocks",
     "extrapolate",
+    "dry_run_seconds",
     "LINEAR_PER_RANK",
     "LINEAR_PREDICTED",
 ]
@@ -295,6 +296,37 @@ def _line(v1: float, v2: float, k1: int, k2: int, k: float) -> float:
     return v1 + (v2 - v1) * (k - k1) / (k2 - k1)
 
 
+def _kernels(report: dict[str, Any]) -> int | None:
+    return ((report.get("predicted") or {}).get("assumes") or {}).get("kernels")
+
+
+def dry_run_seconds(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: float) -> float | None:
+    """The wall time of the dry run at `k` blocks, from the cut runs' at `k1` and `k2` (their `elapsed_s`,
+    warm: `search.run_job` runs a cold one again): an upper-ish estimate, halfway between their time per block
+    (the runs' time spread over their blocks, an upper bound: it charges each block with a share of the
+    fixed work too; measured 1.0-2.3x the full dry run's) and per kernel (spread over the step's kernels,
+    `predicted.assumes.kernels`, a line in the blocks: 0.75-1.4x, low where a block's lowering and collectives
+    cost more than its kernels' share, as at 8B), never below the larger run's. Not the line through the two
+    times: they differ by one block's worth, less than a loaded machine's noise (the line at 32 blocks was
+    -0.6x to 2.3x the full dry run's). None without both times.
+
+    Example:
+        >>> r1 = {"elapsed_s": 1.0, "predicted": {"assumes": {"kernels": 300}}}
+        >>> r2 = {"elapsed_s": 1.2, "predicted": {"assumes": {"kernels": 400}}}
+        >>> round(dry_run_seconds(r1, r2, 2, 3, 10), 2)  # per block 4.4 s, per kernel 3.46 s (1,100 kernels)
+        3.93
+    """
+    e1, e2 = r1.get("elapsed_s"), r2.get("elapsed_s")
+    if e1 is None or e2 is None:
+        return None
+    per_block = (e1 + e2) * k / (k1 + k2)
+    n1, n2 = _kernels(r1), _kernels(r2)
+    if not n1 or not n2:
+        return max(per_block, e2)
+    per_kernel = (e1 + e2) * _line(n1, n2, k1, k2, k) / (n1 + n2)
+    return max((per_block + per_kernel) / 2, e2)
+
+
 def extrapolate(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: float) -> dict[str, Any]:
     """The report (as `Report.to_dict()`) at `k` blocks per stage from those at `k1` and `k2`: the figures
     linear in the blocks on the line through the two; headroom and the verdict from the extrapolated peak;
@@ -323,8 +355,8 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: flo
                 p["tokens_per_s"] = p2["tokens_per_s"] * t2 / t
             if p2.get("mfu") is not None and f2:
                 p["mfu"] = p2["mfu"] * (out["flops_per_step"] / f2) * (t2 / t)
-    e1, e2 = r1.get("elapsed_s"), r2.get("elapsed_s")
-    if e1 is not None and e2 is not None:
-        out["elapsed_s"] = max(_line(e1, e2, k1, k2, k), e2)  # the dry run's own wall time
+    wall = dry_run_seconds(r1, r2, k1, k2, k)
+    if wall is not None:
+        out["elapsed_s"] = wall
     out["extrapolated"] = {"blocks_per_stage": k, "from": [k1, k2]}
     return out

@@ -297,12 +297,21 @@ def plan(
         ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
         walls: list[float] = []  # each finished job's wall time
+        # each confirmed row's full dry run's wall time over the estimate its cut runs gave
+        measured: list[float] = []
+
+        def confirm_cost(r: Row) -> float:
+            """What confirming `r` will take: its full dry run's wall time, estimated from its cut runs
+            (`extrapolate.dry_run_seconds`, upper-ish) and scaled by the largest ratio of a full dry run's to its
+            estimate that the plan measured (its confirmations), x CONFIRM_SLACK; none for a full dry run."""
+            if not r.extrapolated:
+                return 0.0
+            return CONFIRM_SLACK * max(measured, default=1.0) * (r.dry_run_s or 0.0)
 
         def confirm_reserve() -> float:
-            """What confirming the best row so far will take: its full dry run's wall time, estimated from its
-            cut runs (none when it is a full dry run already)."""
+            """What confirming the best row so far will take (`confirm_cost`)."""
             top = min(rows, key=_rank, default=None)
-            return CONFIRM_SLACK * (top.dry_run_s or 0.0) if top is not None and top.extrapolated else 0.0
+            return confirm_cost(top) if top is not None else 0.0
 
         def cutoff() -> float:
             """The last moment to start a dry run: the budget less the confirmation's reserve and the longest
@@ -488,7 +497,7 @@ def plan(
             left = deadline - time.monotonic()
             todo = []
             for r in rows[:confirm]:  # counted as if one after another (two at once share this machine)
-                cost = CONFIRM_SLACK * (r.dry_run_s or 0.0)
+                cost = confirm_cost(r)
                 if r.extrapolated and (r is rows[0] or cost <= left):
                     todo.append(r)
                     left -= cost
@@ -499,6 +508,8 @@ def plan(
                 r = full[job]
                 rows.remove(r)
                 counts["confirmed"] += 1
+                if r.dry_run_s and ((result or {}).get("report") or {}).get("elapsed_s"):
+                    measured.append((result or {})["report"]["elapsed_s"] / r.dry_run_s)
                 record(r.candidate, result)
     rows.sort(key=_rank)
     if any(r.extrapolated for r in rows[:confirm]):

@@ -46,7 +46,11 @@ from typing import Any
 import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_flatten
 
 from ..platforms.specs import DeviceSpec, peak_tflops
@@ -629,11 +633,23 @@ _IN_PLACE = torch.ops.accelfn.in_place_kernel.default
 
 
 def _bytes_of(x: Any) -> int:
-    """Bytes of the tensors in an op's argument or output (a tensor, or a list / tuple of them, one level)."""
+    """Bytes of the tensors in an op's argument or output (a tensor, or a list / tuple of them, one level); a
+    tensor subclass that wraps others (torchao's float8 tensors: the dtype they stand for over 1-byte data, the
+    op on them seen once, at their level) by the tensors it holds, which its kernels read and write.
+
+    Example:
+        >>> from torchao.float8.float8_training_tensor import Float8TrainingTensor, LinearMMConfig
+        >>> t = Float8TrainingTensor(torch.ones(1024, dtype=torch.float8_e4m3fn), torch.tensor(1.0), torch.bfloat16,
+        ...                          LinearMMConfig())
+        >>> _bytes_of(t), _bytes_of(torch.ones(1024, dtype=torch.bfloat16))  # data and scale, not 2 bytes each
+        (1028, 2048)
+    """
+    if is_traceable_wrapper_subclass(x):
+        return sum(_bytes_of(getattr(x, name)) for name in x.__tensor_flatten__()[0])
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
-        return sum(t.numel() * t.element_size() for t in x if isinstance(t, torch.Tensor))
+        return sum(_bytes_of(t) for t in x if isinstance(t, torch.Tensor))
     return 0
 
 

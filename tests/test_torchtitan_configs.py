@@ -150,7 +150,8 @@ def _doc_commands() -> set[str]:
 
 def test_every_torchtitan_configuration_is_a_command_in_the_docs() -> None:
     # the rows' own commands (the ones the tests above dry-run), so the docs' commands are the tested ones
-    rows = [r for r in ROWS.values() if r["id"].startswith("torchtitan-")]
+    # (the held-out rows, encoded for the time model, are in the published-runs table, not this memory section)
+    rows = [r for r in ROWS.values() if r["id"].startswith("torchtitan-") and not r.get("held_out")]
     assert len(rows) == 8  # Tables 1 and 3 (eager, compile, compile + Float8), Table 5 (1F1B, interleaved)
     missing = [r["id"] for r in rows if r["command"] not in _doc_commands()]
     assert not missing, missing
@@ -173,7 +174,9 @@ def test_the_docs_memory_table_is_the_measured_figures() -> None:
     # every torchtitan row once, found by its published figure; reserved / published as measured above (the 8B
     # rows to the test's ratios, Table 5 to its full-size figures) and the printed ratios their quotients
     by_published = {
-        r["published"]["memory_gib"]: r["id"] for r in ROWS.values() if r["id"].startswith("torchtitan-")
+        r["published"]["memory_gib"]: r["id"]
+        for r in ROWS.values()
+        if r["id"].startswith("torchtitan-") and not r.get("held_out")
     }
     assert len(by_published) == 8
     seen = []

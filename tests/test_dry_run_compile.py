@@ -237,26 +237,31 @@ def test_dry_run_of_compiled_blocks_with_context_parallel() -> None:
     assert abs(compiled.flops_per_step - eager.flops_per_step) < 0.02 * eager.flops_per_step
 
 
+def _cp_dry_run(mesh: str, n: int, seq: int) -> af.dryrun.Report:
+    """The tiny Llama's dry run with fsdp and its blocks compiled, on `n` CPU ranks of `mesh` (a cp axis)."""
+    args = [
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--strategy",
+        "fsdp",
+        "--compile",
+        "blocks",
+        "--seq-len",
+        str(seq),
+    ]
+    return af.dry_run(LLAMA, args, nproc_per_node=n, device="cpu", mesh=mesh, search=False)
+
+
 def test_compiled_cp_block_is_traced_again_in_another_world() -> None:
     # a traced block holding cp's all-gathers names its process group; a later dry run in the same process (the
     # planner's, `--rank worst`'s) has other groups: its graph is traced again ('Could not resolve the process
     # group registered under the name 3' before), while graphs without collectives stay shared
-    def run(mesh: str, n: int) -> af.dryrun.Report:
-        args = [
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--strategy",
-            "fsdp",
-            "--compile",
-            "blocks",
-            "--seq-len",
-            "96",
-        ]
-        return af.dry_run(LLAMA, args, nproc_per_node=n, device="cpu", mesh=mesh, search=False)
-
-    first, second = run("dp=2,cp=2", 4), run("cp=2", 2)  # the same shapes on each rank
+    first, second = (
+        _cp_dry_run("dp=2,cp=2", 4, 96),
+        _cp_dry_run("cp=2", 2, 96),
+    )  # the same shapes on each rank
     assert not first.errors and not second.errors, (first.errors, second.errors)
     assert "2/2 blocks as partitioned graphs" in second.strategy, second.strategy
     assert second.flops_per_step == first.flops_per_step
@@ -279,19 +284,7 @@ def test_dry_run_of_compiled_blocks_with_context_parallel_allocates_nothing_real
         pytest.skip("needs Linux's /proc/self/clear_refs to measure the peak RSS")
 
     def run(seq: int) -> af.dryrun.Report:
-        args = [
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--strategy",
-            "fsdp",
-            "--compile",
-            "blocks",
-            "--seq-len",
-            str(seq),
-        ]
-        return af.dry_run(LLAMA, args, nproc_per_node=2, device="cpu", mesh="cp=2", search=False)
+        return _cp_dry_run("cp=2", 2, seq)
 
     run(128)  # imports and caches
     with open("/proc/self/clear_refs", "w") as f:

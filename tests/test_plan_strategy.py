@@ -106,17 +106,23 @@ def test_a_script_fixing_hsdp_is_probed_on_two_data_axes_and_planned_over_their_
     assert pruned.best.candidate == exhaustive.best.candidate
 
 
-def test_a_strategy_that_changes_with_the_mesh_is_noted(tmp_path) -> None:
-    """The probe (one process) lowers ddp, the candidates fsdp: the plan says its legality was ddp's."""
+def _mesh_dependent_script(tmp_path, width: int):
+    """A script whose strategy changes with the mesh: fsdp on many ranks, ddp as one process (the probe)."""
     script = tmp_path / "train.py"
     script.write_text(
         "import torch, accelfn as af\n"
         "mesh = af.Mesh.from_env()\n"
         "step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))\n"
         "step = af.shard(step, mesh, strategy='fsdp' if mesh.world_size > 1 else 'ddp')\n"
-        "state = step.init(torch.nn.Linear(64, 64))\n"
-        "state, _ = step(state, torch.randn(4, 64))\n"
+        f"state = step.init(torch.nn.Linear({width}, {width}))\n"
+        f"state, _ = step(state, torch.randn(4, {width}))\n"
     )
+    return script
+
+
+def test_a_strategy_that_changes_with_the_mesh_is_noted(tmp_path) -> None:
+    """The probe (one process) lowers ddp, the candidates fsdp: the plan says its legality was ddp's."""
+    script = _mesh_dependent_script(tmp_path, 64)
     p = af.plan(script, nproc_per_node=2, axes=("dp",), workers=1)
     assert [r.candidate.mesh_spec for r in p.rows] == ["dp=2"]
     assert "the script lowered fsdp on dp=2, ddp as one process: its legality assumed ddp" in p.notes
@@ -125,15 +131,7 @@ def test_a_strategy_that_changes_with_the_mesh_is_noted(tmp_path) -> None:
 def test_a_strategy_that_changes_with_the_mesh_loses_no_fitting_candidate_to_the_bound(tmp_path) -> None:
     """ddp as one process, fsdp on 4 ranks, with memory for a quarter of the states: bounded as the probe's ddp,
     dp=4 fell at the states bound and the plan found nothing; the exhaustive plan runs it and it fits."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import torch, accelfn as af\n"
-        "mesh = af.Mesh.from_env()\n"
-        "step = af.train_step(lambda m, b: af.losses.mse(m(b), b), af.optim.adamw(1e-3))\n"
-        "step = af.shard(step, mesh, strategy='fsdp' if mesh.world_size > 1 else 'ddp')\n"
-        "state = step.init(torch.nn.Linear(256, 256))\n"
-        "state, _ = step(state, torch.randn(4, 256))\n"
-    )
+    script = _mesh_dependent_script(tmp_path, 256)
     kw = dict(nproc_per_node=4, axes=("dp",), workers=1, memory_gib=0.0009)
     pruned, exhaustive = af.plan(script, **kw), af.plan(script, prune=False, **kw)  # type: ignore[arg-type]
     assert exhaustive.best is not None and exhaustive.best.candidate.mesh_spec == "dp=4"

@@ -24,10 +24,20 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
+from ..dryrun.comm_time import CommAssumptions
+from ..platforms.specs import DeviceSpec
 from .candidates import ZERO, Candidate, data_size
+
+# how many times the rows' bytes may shrink from one strategy to another: the all-to-alls move hidden states, fp32
+# under a strategy that keeps fp32 params (ddp under af.autocast: the residual stream and the norms' outputs stay
+# fp32) and 16-bit under one that casts them (FSDP's MixedPrecisionPolicy(param_dtype=bf16)); never below 16 bits
+# (accelfn's dispatcher sends the rows as they are, no fp8 dispatch)
+DTYPE_RATIO = 2
 
 __all__ = [
     "States",
@@ -38,6 +48,9 @@ __all__ = [
     "zero_shards",
     "time_bound",
     "lowered_strategy",
+    "Exchanges",
+    "all_to_all_time",
+    "comm_bound",
 ]
 
 
@@ -174,7 +187,7 @@ def time_bound(c: Candidate, compute_s: float, world: int) -> float:
     """A lower bound of `c`'s step time: `compute_s` (the compute of the whole global batch at the probe's
     efficiency: one process, the largest matmuls, no recomputation beyond the script's own) shared by the
     `world` ranks, plus a pipeline's bubble, at least (pp - 1) micro-batch slots of its `pipeline_microbatches`
-    per stage (1F1B and GPipe alike); no communication.
+    per stage (1F1B and GPipe alike); no communication (`comm_bound` adds the all-to-alls).
 
     Example:
         >>> time_bound(Candidate({"pp": 4, "dp": 2}, pipeline_microbatches=8), 8.0, 8)
@@ -210,3 +223,108 @@ def lowered_strategy(description: str) -> str | None:
     if "backend=" in options:
         return None
     return name if name in ("ddp", "fsdp", "hsdp") else None
+
+
+@attrs.frozen
+class Exchanges:
+    """The all-to-alls a measured `candidate` ran in a step, as the dry run times them (`all_to_all_time`):
+    `latency_s` (each one's latency, summed) and `bytes_s` (their bytes over the link)."""
+
+    candidate: Candidate
+    latency_s: float
+    bytes_s: float
+
+
+def all_to_all_time(report: dict[str, Any], device: DeviceSpec, nproc_per_node: int) -> tuple[float, float]:
+    """(latency, bytes) seconds of the all-to-alls of a dry run's `report` (`Report.to_dict()`: its `comm`, one
+    row per process group, summed over the step; the link figures its prediction assumed), with the functions
+    the dry run times each one with (`comm_time.collective_time`, `step_time._where`): an all-to-all's time is
+    its latency plus a term linear in its bytes within a node (and, across nodes, the larger of two linear
+    terms: at least that of the sum), so the row's sum is at least its count x the latency plus the time of its
+    summed bytes less one latency. (0, 0) without all-to-alls (a dense model).
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> row = {"count": 8, "bytes": 4 * 450_000_000, "group_size": 4, "intra_node": True}
+        >>> lat, by = all_to_all_time({"mesh": {"dp": 2, "ep": 4}, "comm": {"all_to_all": {"ep": row}}},
+        ...                           spec("h100-sxm"), 8)
+        >>> round(lat * 1e6, 1), round(by * 1e3, 2)  # 8 x (8.4 + 3 x 3.4) us; ms: 3/4 of 1.8 GB at 0.8 x 450 GB/s
+        (148.8, 3.75)
+    """
+    from ..dryrun.comm_time import collective_time, group_nodes, ranks_in_node
+
+    assumes = (report.get("predicted") or {}).get("assumes") or {}
+    comm = CommAssumptions(
+        **{f.name: assumes[f.name] for f in attrs.fields(CommAssumptions) if f.name in assumes}
+    )
+    links = {k: assumes[k] for k in ("intra_node_gbs", "inter_node_gbs") if assumes.get(k)}
+    device = attrs.evolve(device, **links)
+    mesh = report.get("mesh") or {}
+    latency = seconds = 0.0
+    for axis, row in ((report.get("comm") or {}).get("all_to_all") or {}).items():
+        axes, n, count = tuple(axis.split("x")), int(row["group_size"]), int(row["count"])
+        known = all(a in mesh for a in axes)  # as `step_time._where`: a group of unknown axes by its size
+        intra = row["intra_node"] if known else n <= nproc_per_node
+        nodes = group_nodes(n, intra, nproc_per_node)
+        local = ranks_in_node(axes, mesh, nproc_per_node) if known else None
+        one = collective_time("all_to_all", 0, n, nodes, device, comm, local)
+        latency += count * one
+        seconds += collective_time("all_to_all", int(row["bytes"]), n, nodes, device, comm, local) - one
+    return latency, seconds
+
+
+def comm_bound(c: Candidate, measured: Sequence[Exchanges]) -> tuple[float, Candidate | None]:
+    """A lower bound of the time `c`'s step waits for its all-to-alls (expert parallel's dispatch and combine,
+    context parallel's), learned from the candidates of its mesh already dry-run (`measured`), and the one it
+    came from (None: none applies, 0 s).
+
+    Why it is one: the dry run puts every all-to-all on the critical path (`step_time.predict_step`: the
+    compute stream waits for each one's whole time), so a step lasts at least its compute plus its all-to-alls'
+    time. Those depend on the mesh (the ep group, its placement, the tokens per rank) and on what the step runs
+    per micro-batch, not on where the states live: a candidate `m` of the same mesh and the same knobs but
+    strategy, offload and remat runs the same all-to-alls, except that remat recomputes the forward's (more,
+    never fewer: `m` counts only with `c`'s remat or none), a strategy may change the rows' dtype (at most
+    `DTYPE_RATIO` times fewer bytes: `m`'s bytes count / 2 under another strategy), and accumulation splits each
+    micro-batch's rows (each layer's all-to-alls run once per micro-batch: `m`'s latency counts x at most
+    acc_c / acc_m, its bytes, which the modelled routing's imbalance changes with the micro-batch, not at all).
+    No bound under a pipeline (its reported rank, the larger peak of its first and last stage, may hold fewer
+    MoE layers than `m`'s).
+
+    Example:
+        >>> c = Candidate({"dp": 2, "ep": 4}, "ddp", "none", accumulate=2)
+        >>> m = Exchanges(c, latency_s=0.2, bytes_s=1.0)
+        >>> comm_bound(attrs.evolve(c, offload="optimizer"), [m])[0]  # the same all-to-alls
+        1.2
+        >>> comm_bound(attrs.evolve(c, remat="full"), [m])[0]  # and the forward's again
+        1.2
+        >>> comm_bound(attrs.evolve(c, strategy="fsdp"), [m])[0]  # its rows bf16, maybe
+        0.7
+        >>> comm_bound(attrs.evolve(c, accumulate=1), [m])[0]  # half the micro-batches
+        0.1
+        >>> comm_bound(attrs.evolve(c, mesh={"dp": 4, "ep": 2}), [m])  # another mesh
+        (0.0, None)
+    """
+    if c.mesh.get("pp", 1) > 1:
+        return 0.0, None
+    fixed = {k: v for k, v in c.knobs().items() if k not in ("strategy", "offload", "remat", "accumulate")}
+    best, source = 0.0, None
+    for e in measured:
+        m = e.candidate
+        if m.mesh_spec != c.mesh_spec or m.mesh.get("pp", 1) > 1:
+            continue
+        if {
+            k: v for k, v in m.knobs().items() if k not in ("strategy", "offload", "remat", "accumulate")
+        } != fixed:
+            continue
+        if m.remat != c.remat and m.remat != "none":
+            continue
+        acc_m, acc_c = m.accumulate or 1, c.accumulate or 1
+        if m.accumulate != c.accumulate:
+            if m.accumulate is None or c.accumulate is None:
+                continue  # the script's own accumulation: unknown
+            seconds = e.latency_s * min(1.0, acc_c / acc_m)
+        else:
+            seconds = e.latency_s + e.bytes_s / (1 if m.strategy == c.strategy else DTYPE_RATIO)
+        if seconds > best:
+            best, source = seconds, m
+    return best, source

@@ -8,7 +8,8 @@ promising first (where memory binds, each memory group's most frugal candidate f
 where an earlier one shows it cannot win: a lowering error of its mesh (a tp that does not divide the heads), a
 smaller accumulation of the same configuration that fits or one of its group needing no more memory that does
 not fit (dominated), or a lower bound of its step time (the probe's compute shared by the ranks, plus the
-pipeline's bubble) above the best step time found (time bound). A model of many identical blocks per pipeline
+pipeline's bubble, plus the all-to-alls a candidate of its mesh was measured to wait for: `prune.comm_bound`)
+above the best step time found (time bound). A model of many identical blocks per pipeline
 stage is dry-run with 2 and 3 of its blocks per stage and extrapolated (`extrapolate`); the best rows so
 measured are confirmed by full dry runs, within the budget: the search stops early enough to leave the
 chosen row's confirmation its estimated time. The measured ones are ranked by predicted tokens/s per GPU
@@ -32,7 +33,16 @@ from .candidates import Candidate, Space, enumerate_candidates, parse_remats
 from .extrapolate import BLOCKS, extrapolate
 from .memory import BINDS, activation_share, frugal_candidates, needs_more_memory
 from .memory import group as memory_group
-from .prune import States, illegal, lowered_strategy, states_bound, time_bound
+from .prune import (
+    Exchanges,
+    States,
+    all_to_all_time,
+    comm_bound,
+    illegal,
+    lowered_strategy,
+    states_bound,
+    time_bound,
+)
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
 
@@ -295,6 +305,8 @@ def plan(
         frugal: dict[tuple[object, ...], Candidate] = {}
         best: list[float] = []  # the best fitting step time so far
         ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
+        # by mesh: each dry-run candidate's all-to-alls (`prune.comm_bound` bounds its mesh's others' by them)
+        exchanges: dict[str, list[Exchanges]] = {}
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
         walls: list[float] = []  # each finished job's wall time
         # each confirmed row's full dry run's wall time over the estimate its cut runs gave
@@ -325,6 +337,20 @@ def plan(
             ratios of the candidate's own compile choice where one was measured (compiled: fewer kernels)."""
             mine = ratios.get(c.compile) or [r for rs in ratios.values() for r in rs]
             return time_bound(c, (probe_compute or 0.0) * min(mine, default=0.0) * BOUND_SLACK, world)
+
+        def least_time(c: Candidate) -> tuple[float, str]:
+            """`lower(c)` (where a compute was measured) plus the all-to-alls `c` waits for at least
+            (`prune.comm_bound`, x BOUND_SLACK), and what the bound counts, in words."""
+            compute = lower(c) if ratios else 0.0
+            comm, source = comm_bound(c, exchanges.get(c.mesh_spec, ()))
+            what = f"its compute and bubble alone take >= {compute * 1e3:,.1f} ms"
+            if source is None:
+                return compute, what
+            comm *= BOUND_SLACK
+            return compute + comm, (
+                f"its compute and bubble take >= {compute * 1e3:,.1f} ms and its all-to-alls >= "
+                f"{comm * 1e3:,.1f} ms (as {source.label} measured them)"
+            )
 
         def extrapolating(c: Candidate) -> bool:
             """At least `extrapolate_min_blocks` periods of blocks per pipeline stage (the whole model without one;
@@ -366,12 +392,10 @@ def plan(
             smaller = fitting.get(_group(c))
             if smaller is not None and c.accumulate is not None and smaller < c.accumulate:
                 return {"fell": "dominated", "why": f"acc={smaller} fits (larger micro-batches, fewer steps)"}
-            if bounded and best and ratios and lower(c) > best[0]:
-                return {
-                    "fell": "time bound",
-                    "why": f"its compute and bubble alone take >= {lower(c) * 1e3:,.1f} ms, the best so far "
-                    f"{best[0] * 1e3:,.1f} ms",
-                }
+            if bounded and best:
+                least, what = least_time(c)
+                if least > best[0]:
+                    return {"fell": "time bound", "why": f"{what}, the best so far {best[0] * 1e3:,.1f} ms"}
             return None
 
         def waits(job: Job) -> bool:
@@ -405,6 +429,9 @@ def plan(
                     Fallen(c, "script fixes the mesh", f"{c.label}: the script ran on {report['mesh']}")
                 )
                 return
+            latency, seconds = all_to_all_time(report, spec, nproc_per_node)
+            if latency:
+                exchanges.setdefault(c.mesh_spec, []).append(Exchanges(c, latency, seconds))
             ran = lowered_strategy(report.get("strategy", ""))
             # one note per plan: the first mesh that lowered another strategy
             if fixed_strategy is not None and ran != fixed_strategy and not other_strategy:

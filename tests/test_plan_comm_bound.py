@@ -1,0 +1,136 @@
+"""`af.plan`'s time bound with the all-to-alls (`prune.comm_bound`): below the dry run's predicted step of every
+candidate it bounds, pruning MoE candidates at `time bound` without changing the choice, and nothing for a dense
+model.
+
+A tiny Qwen3-MoE (examples/train_moe.py, 4 experts) at 8 fake ranks on an H100 row: a pruned plan and the
+exhaustive one (seconds each), and a few single dry runs of one ep mesh under other knobs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import attrs
+import pytest
+
+import accelfn as af
+from accelfn import launch_env
+from accelfn.planner import tiers
+from accelfn.planner.candidates import Candidate
+from accelfn.planner.prune import Exchanges, all_to_all_time, comm_bound
+from accelfn.platforms.specs import spec
+from tests._launch import ROOT, WORKERS
+
+MOE = str(ROOT / "examples" / "train_moe.py")
+MOE_ARGS = ["--steps", "2", "--experts", "4", "--remat", "none", "--offload", "none", "--accumulate", "1"]
+H100 = spec("h100-sxm")
+
+
+def _env(**knobs: object) -> tuple[tuple[str, str], ...]:
+    return tuple((launch_env.KNOBS[k][0], str(v)) for k, v in knobs.items())
+
+
+@pytest.fixture(scope="module")
+def plans() -> tuple[af.planner.Plan, af.planner.Plan, list[dict[str, Any]]]:
+    """The pruned and the exhaustive plan of the MoE script (no memory limit: every mesh fits, dp=8 ddp is the
+    fastest), and every report the exhaustive plan's search measured."""
+    reports: list[dict[str, Any]] = []
+    real = tiers.all_to_all_time
+
+    def keep(report: dict[str, Any], *args: Any) -> tuple[float, float]:
+        reports.append(report)
+        return real(report, *args)
+
+    kw: dict[str, Any] = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "ep"), workers=1)
+    kw["strategies"] = ("ddp", "fsdp")
+    pruned = af.plan(MOE, MOE_ARGS, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiers, "all_to_all_time", keep)
+        exhaustive = af.plan(MOE, MOE_ARGS, prune=False, **kw)
+    return pruned, exhaustive, reports
+
+
+def test_the_all_to_all_bound_is_below_every_measured_candidates_exposed_communication(plans) -> None:
+    """Each ep candidate's all-to-alls, timed from its report's bytes and counts, and the bound every other
+    candidate of its mesh gives it, are at most the communication its predicted step waits for (step less
+    compute and bubble): what the time bound adds to the compute is below the dry run's own step."""
+    _, exhaustive, reports = plans
+    rows = {
+        (tuple(sorted(r.candidate.mesh.items())), r.step_time_s): r
+        for r in exhaustive.rows + exhaustive.unfit
+    }
+    measured = []
+    for report in reports:
+        row = rows[(tuple(sorted(report["mesh"].items())), report["predicted"]["step_time_s"])]
+        latency, seconds = all_to_all_time(report, H100, 8)
+        assert (latency > 0) == (report["mesh"].get("ep", 1) > 1), row.candidate.label
+        assert latency + seconds <= row.exposed_comm_s + 1e-12, row.candidate.label
+        if latency:
+            measured.append((row, Exchanges(row.candidate, latency, seconds)))
+    assert len(measured) == 4  # dp=4,ep=2 and dp=2,ep=4, each ddp and fsdp
+    transferred = 0
+    for (row, own), (_, other) in itertools.product(measured, measured):
+        bound, source = comm_bound(row.candidate, [other])
+        assert bound <= row.exposed_comm_s + 1e-12, (row.candidate.label, other.candidate.label)
+        if source is not None and source is not row.candidate:
+            transferred += 1
+            assert bound >= 0.5 * (
+                own.latency_s + own.bytes_s
+            )  # the latencies are the same, the bytes halved
+    assert transferred == 4  # ddp <-> fsdp on each of the two meshes
+
+
+def test_moe_candidates_fall_at_the_time_bound_and_the_choice_is_the_exhaustive_ones(plans) -> None:
+    pruned, exhaustive, _ = plans
+    assert pruned.best is not None and exhaustive.best is not None
+    assert pruned.best.candidate == exhaustive.best.candidate
+    bounded = [f for f in pruned.fallen if f.tier == "time bound"]
+    assert bounded and all(f.candidate.mesh.get("ep", 1) > 1 for f in bounded)
+    assert all("all-to-alls >=" in f.reason for f in bounded), [f.reason for f in bounded]
+    slower = {r.candidate: r.step_time_s for r in exhaustive.rows}
+    assert all(slower[f.candidate] > exhaustive.best.step_time_s for f in bounded)  # truly slower
+    assert pruned.dry_runs == exhaustive.dry_runs - len(bounded)
+
+
+def test_the_bound_carries_over_remat_strategy_and_accumulation_below_each_dry_run() -> None:
+    """One ep mesh dry-run under other remat, strategy and accumulation: each candidate's bound from every other
+    (the same all-to-alls; remat full's recomputed ones; at least half the bytes under another strategy; the
+    latencies of fewer micro-batches) is below its own exposed communication, and the same knobs but offload
+    give exactly its own all-to-alls."""
+    from accelfn.planner.search import Job, run_job
+
+    args = ["--steps", "2", "--experts", "4", "--offload", "none", "--bf16"]
+    runs = []
+    for strategy, remat, acc in (
+        ("ddp", "none", 1),
+        ("fsdp", "full", 2),
+        ("ddp", "full", 1),
+        ("fsdp", "none", 2),
+    ):
+        job = Job(MOE, (*args, "--remat", remat, "--accumulate", str(acc)), 8, 1, mesh="dp=2,ep=4",
+                  env=_env(strategy=strategy, global_batch_size=16), gpu="h100-sxm")  # fmt: skip
+        report = run_job(job)["report"]
+        c = Candidate({"dp": 2, "ep": 4}, strategy, remat, acc, global_batch_size=16)
+        p = report["predicted"]
+        runs.append((c, Exchanges(c, *all_to_all_time(report, H100, 8)), p["exposed_comm_s"]))
+    full = {c.remat: e.latency_s for c, e, _ in runs if c.accumulate == 1}
+    assert full["full"] > 1.4 * full["none"]  # remat full dispatches and combines the forward's rows again
+    for (c, own, exposed), (_, other, _) in itertools.product(runs, runs):
+        assert comm_bound(c, [other])[0] <= exposed + 1e-12, (c.label, other.candidate.label)
+        same = comm_bound(attrs.evolve(c, offload="optimizer"), [own])[0]
+        assert same == pytest.approx(own.latency_s + own.bytes_s)
+    assert comm_bound(runs[0][0], [runs[2][1]])[1] is None  # full -> none is not a bound (fewer all-to-alls)
+
+
+def test_a_dense_model_has_no_all_to_all_bound() -> None:
+    """A dense Llama (tests/workers/plan_worker.py) under tensor parallel: no all-to-alls, so the time bound is
+    the compute's alone, as before."""
+    from accelfn.planner.search import Job, run_job
+
+    job = Job(str(WORKERS / "plan_worker.py"), ("--remat", "none", "--compile", "none"), 8, 1, mesh="dp=4,tp=2",
+              env=_env(strategy="fsdp", accumulate=1, global_batch_size=8, offload="none"), gpu="h100-sxm")  # fmt: skip
+    report = run_job(job)["report"]
+    assert report["comm"] and all_to_all_time(report, H100, 8) == (0.0, 0.0)
+    c = Candidate({"dp": 4, "tp": 2}, "fsdp")
+    assert comm_bound(c, [Exchanges(attrs.evolve(c, strategy="ddp"), 0.0, 0.0)]) == (0.0, None)

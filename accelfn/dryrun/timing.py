@@ -5,7 +5,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   kernel over all groups, its tiles quantized per group of the mean size): the larger of their math time and the time to move
   their operands. The math runs at the peak of the operands' dtype (1-byte floats at the fp8 peak, bf16 and
   fp16 at theirs, fp32 at tf32's or fp32's as `specs.peak_tflops` reads it) times the fraction of the peak that
-  large GEMMs reach (`gemm_efficiency`, from measurements: `MAMF`), times the tile and wave
+  large GEMMs of that dtype reach (`TimingAssumptions.gemm`, from measurements: `MAMF`, and `MAMF_FP8` for fp8,
+  whose GEMMs reach less of their peak on a 700 W H100 or H200), times the tile and wave
   quantization of the output over the device's SMs (NVIDIA's *Matrix Multiplication Background User's Guide*,
   https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/): small and skinny
   GEMMs fill fewer SMs and reach less of the peak.
@@ -90,6 +91,18 @@ MAMF: Mapping[str, tuple[float, tuple[int, int, int]]] = {
     "a100-40gb": (267.9, (6912, 16384, 2048)),
     "mi300x": (781.9, (4096, 10240, 4864)),
 }
+# The same for fp8 (e4m3 operands, `torch._scaled_mm` with one scale per tensor, cuBLASLt; TFLOP/s of the fp8 peak)
+# from the same table's FP8 rows (stas00/ml-engineering, compute/accelerator/README.md; mamf-finder.py, mean of 100
+# iterations after 50 warmup ones, L2 cleared between them). H100 SXM: 1402.6 at torch 2.7.0+cu126 (commit 37acbf2,
+# where the same run's bf16 row is 794.5: fp8 1.77x bf16, not the peaks' 2x; before it, at torch 2.5.1+cu121, 1344.9
+# against 785.5, 1.71x); H200 SXM: 1453.4 at torch 2.7.1+cu128 (commit da5eec5). These 700 W parts reach a smaller
+# fraction of their fp8 peak than of their bf16 one (71-73% against 80%). Rows without an fp8 measurement price fp8 at
+# the bf16 fraction: on a 500 W H100 fp8 GEMMs were measured at 1.88-2.09x bf16 ones (pytorch/FBGEMM#2546, rowwise),
+# on a 600 W H200 NVL at 1.90x (TransformerEngine's GEMM profiling tutorial, tensorwise): docs/dry_run.md item 14.
+MAMF_FP8: Mapping[str, tuple[float, tuple[int, int, int]]] = {
+    "h100-sxm": (1402.6, (1024, 9216, 14336)),
+    "h200-sxm": (1453.4, (1280, 4096, 12032)),
+}
 # Streaming multiprocessors per device (NVIDIA's data sheets and whitepapers: A100 108, H100 SXM 132; the H200
 # and GH200 carry the H100 SXM's die).
 SM_COUNT: Mapping[str, int] = {
@@ -152,9 +165,9 @@ class TimingAssumptions:
     """The figures the compute time model assumes; each is in `OpTimes.assumes`.
 
     `gemm_efficiency`: the fraction of the dense peak large GEMMs reach (None: the device's measured figure in
-    `MAMF`, else `default_gemm_efficiency`); `tiles`: the output tile sizes one SM may compute (the
-    guide: cuBLAS picks among several, 256x128 the largest; the model takes the one that wastes least, at the
-    same efficiency: an assumption); `sm_count` (None: `SM_COUNT`, no wave quantization where unknown); `attention_efficiency`:
+    `MAMF`, else `default_gemm_efficiency`; fp8 GEMMs reach it times their measured share, `MAMF_FP8`: `gemm`);
+    `tiles`: the output tile sizes one SM may compute (the guide: cuBLAS picks among several, 256x128 the largest;
+    the model takes the one that wastes least, at the same efficiency: an assumption); `sm_count` (None: `SM_COUNT`, no wave quantization where unknown); `attention_efficiency`:
     the fraction of the bf16 peak FlashAttention-2's forward kernel reaches on a long sequence without a mask (on
     H100: 370 of 989 TFLOP/s); each attention kernel runs at it times its backend's measured speed for the
     kernel's direction, key length and mask over that figure (`attention_fraction`: the backward and short
@@ -186,18 +199,38 @@ class TimingAssumptions:
     launch_s: float = 5e-6
     eager: bool = True
 
-    def gemm(self, device: DeviceSpec) -> float:
-        if self.gemm_efficiency is not None:
-            return self.gemm_efficiency
-        if device.key not in MAMF:
+    def gemm(self, device: DeviceSpec, dtype: torch.dtype = torch.bfloat16) -> float:
+        """The fraction of `dtype`'s peak large GEMMs reach on `device`: `gemm_efficiency`, else the device's
+        measured bf16 figure (`MAMF`, over the quantization the model gives the measured shape, so that the model
+        reproduces the measurement there; `default_gemm_efficiency` where it has no row); for fp8 (1-byte operands)
+        times the fraction of it that the device's fp8 GEMMs were measured to reach (`MAMF_FP8` over `MAMF`; 1
+        where it has no fp8 row), so that a calibration's scale of `gemm_efficiency` carries to fp8.
+
+        Example:
+            >>> from accelfn.platforms.specs import spec
+            >>> a = TimingAssumptions()
+            >>> round(a.gemm(spec("h100-sxm")), 3), round(a.gemm(spec("h100-sxm"), torch.float8_e4m3fn), 3)
+            (0.802, 0.731)
+            >>> a.gemm(spec("h100-96gb"), torch.float8_e4m3fn)  # no fp8 measurement: the bf16 figure
+            0.8
+        """
+        bf16 = self.gemm_efficiency if self.gemm_efficiency is not None else self._measured(device, MAMF)
+        if dtype.itemsize != 1 or device.key not in MAMF_FP8:
+            return bf16
+        return bf16 * self._measured(device, MAMF_FP8, dtype) / self._measured(device, MAMF)
+
+    def _measured(
+        self,
+        device: DeviceSpec,
+        table: Mapping[str, tuple[float, tuple[int, int, int]]],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> float:
+        """`table`'s measured large-GEMM TFLOP/s of `device` over `dtype`'s peak and the model's quantization of
+        the measured shape (`default_gemm_efficiency` where `table` has no row)."""
+        if device.key not in table:
             return self.default_gemm_efficiency
-        tflops, (m, n, _) = MAMF[device.key]
-        return (
-            tflops
-            / _peak(device, torch.bfloat16)
-            * 1e12
-            / _quantization(m, n, 1, self.tiles, self.sms(device))
-        )
+        tflops, (m, n, _) = table[device.key]
+        return tflops * 1e12 / _peak(device, dtype) / _quantization(m, n, 1, self.tiles, self.sms(device))
 
     def sms(self, device: DeviceSpec) -> int | None:
         return self.sm_count if self.sm_count is not None else SM_COUNT.get(device.key)
@@ -376,7 +409,7 @@ def matmul_time(
     """
     flops = 2 * m * n * k * batch
     q = _quantization(m, n, batch, assumptions.tiles, assumptions.sms(device))
-    math_s = flops / (_peak(device, dtype) * assumptions.gemm(device) * q)
+    math_s = flops / (_peak(device, dtype) * assumptions.gemm(device, dtype) * q)
     size = torch.empty((), dtype=dtype).element_size()
     moved = (m * k + k * n) * batch * size + m * n * batch * out_bytes
     return max(math_s, memory_time(moved, device, assumptions))
@@ -882,6 +915,7 @@ class OpTimer(TorchDispatchMode):
         self.times = OpTimes(
             assumes={
                 "gemm_efficiency": a.gemm(device),
+                "fp8_gemm_efficiency": a.gemm(device, torch.float8_e4m3fn),
                 "tiles": a.tiles,
                 "sm_count": a.sms(device),
                 "attention_efficiency": a.attention_efficiency,
@@ -898,7 +932,8 @@ class OpTimer(TorchDispatchMode):
                 "reduction_scale": a.reduction_scale,
                 "memory_gbs": device.memory_gbs,
                 "launch_s": a.launch_s if a.eager else 0.0,
-                "peaks": "fp8 matmuls (_scaled_mm) at the fp8 peak; other ops at their operands' dtype's",
+                "peaks": "fp8 matmuls (_scaled_mm) at the fp8 peak times fp8_gemm_efficiency; other ops at "
+                "their operands' dtype's",
             }
         )
 

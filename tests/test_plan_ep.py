@@ -132,4 +132,4 @@ def test_a_plan_given_to_af_shard_before_the_probe_is_not_read_by_it() -> None:
     GIVEN[:] = [{"model.layers.*.mlp.experts": "ep_dispatch_experts"}]  # left by an earlier af.shard
     seen: dict = {}
     recording_experts(None, seen)(nn.Linear(2, 2))
-    assert seen == {"experts": 0, "expert_bytes": 0}
+    assert seen == {"experts": 0, "expert_bytes": 0, "moe": {}}

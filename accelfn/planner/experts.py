@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["count_experts", "expert_bytes", "recording_experts"]
+__all__ = ["count_experts", "expert_bytes", "moe_shape", "recording_experts"]
 
 
 def _stacked(model: nn.Module, plan: Mapping[str, str] | None) -> list[nn.Parameter]:
@@ -59,18 +59,46 @@ def expert_bytes(model: nn.Module, plan: Mapping[str, str] | None = None) -> int
     return sum(p.numel() * p.element_size() for p in _stacked(model, plan))
 
 
+def moe_shape(model: nn.Module, plan: Mapping[str, str] | None = None) -> dict[str, int]:
+    """What the all-to-alls of expert parallel move, as far as the model says: its MoE `layers` (the experts
+    modules of `plan`, default its own), the width of a routed row (`hidden`: `config.hidden_size`, what each
+    token's row is, `accelfn.moe.experts.ep_forward`) and the experts each token goes to (`top_k`:
+    `config.num_experts_per_tok`); an empty dict without a plan, or a config that gives neither.
+
+    Example:
+        >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        ...                      num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        ...                      num_experts_per_tok=2)
+        >>> moe_shape(Qwen3MoeForCausalLM(cfg)), moe_shape(nn.Linear(2, 2))
+        ({'layers': 3, 'hidden': 16, 'top_k': 2}, {})
+    """
+    from ..transforms.shard.expert_parallel import expert_params, model_ep_plan
+
+    plan = plan if plan is not None else model_ep_plan(model)
+    config = getattr(model, "config", None)
+    hidden, top_k = getattr(config, "hidden_size", None), getattr(config, "num_experts_per_tok", None)
+    if not plan or not isinstance(hidden, int) or not isinstance(top_k, int):
+        return {}
+    try:
+        owners = set(expert_params(model, plan).values())
+    except ValueError:
+        return {}
+    return {"layers": len(owners), "hidden": hidden, "top_k": top_k} if owners else {}
+
+
 def recording_experts(
     hook: Callable[[nn.Module], None] | None, seen: dict[str, Any]
 ) -> Callable[[nn.Module], None]:
-    """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]` and
-    `expert_bytes(model)` in `seen["expert_bytes"]`, under the last plan the script gave `af.shard` since the hook
+    """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]`,
+    `expert_bytes(model)` in `seen["expert_bytes"]` and `moe_shape(model)` in `seen["moe"]`, under the last plan the script gave `af.shard` since the hook
     was made (if any: a plan given before, by another script or test in this process, is forgotten), then runs
     `hook`.
 
     Example:
         >>> seen = {}
         >>> recording_experts(None, seen)(nn.Linear(2, 2)); seen
-        {'experts': 0, 'expert_bytes': 0}
+        {'experts': 0, 'expert_bytes': 0, 'moe': {}}
     """
     from ..transforms.shard.expert_parallel import GIVEN
 
@@ -80,6 +108,7 @@ def recording_experts(
         plan = GIVEN[-1] if GIVEN else None
         seen["experts"] = count_experts(model, plan)
         seen["expert_bytes"] = expert_bytes(model, plan)
+        seen["moe"] = moe_shape(model, plan)
         if hook is not None:
             hook(model)
 

@@ -51,6 +51,7 @@ __all__ = [
     "Exchanges",
     "all_to_all_time",
     "comm_bound",
+    "routed_bound",
 ]
 
 
@@ -328,3 +329,60 @@ def comm_bound(c: Candidate, measured: Sequence[Exchanges]) -> tuple[float, Cand
         if seconds > best:
             best, source = seconds, m
     return best, source
+
+
+def routed_bound(
+    c: Candidate, moe: dict[str, int], tokens: int, device: DeviceSpec, nproc_per_node: int
+) -> float:
+    """A lower bound of the time `c`'s step waits for expert parallel's all-to-alls, from the model alone (the
+    probe's `moe`: MoE `layers`, a routed row's `hidden` width and the `top_k` experts per token,
+    `experts.moe_shape`; `tokens`: the global batch's tokens per step), before any candidate of its mesh runs.
+
+    Why it is one: the dry run puts every all-to-all on the critical path (`step_time.predict_step`), and each
+    MoE layer runs four per micro-batch on each rank of the ep group (ep and the tp and cp ranks it borrows,
+    `expert_parallel.expert_axes`): the dispatch of its rows (its tokens x top_k, `moe.experts.ep_forward`),
+    the combine of the rows it received, and their two reverses in the backward (remat's recomputation adds
+    more). A rank's tokens per micro-batch are the global batch's over the data axes, cp and the
+    accumulation, of which each tp rank dispatches its share (the least: the floor); the rank the dry run
+    reports (the busiest, under the modelled routing) receives at least the mean, which is at least that
+    share. A row is at least 16-bit (hidden states or their autocast copy). Each all-to-all is timed as the
+    dry run does (`comm_time.collective_time`, its group placed as the mesh places it, or by its size alone where
+    that is less, as the dry run places a group whose axes it cannot name). 0 without an ep axis, under a
+    pipeline (a rank holds a stage's MoE layers), where the model's shape is unknown, or where the script fixes
+    its accumulation under tp.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> moe = {"layers": 48, "hidden": 2048, "top_k": 8}  # Qwen3-30B-A3B
+        >>> c = Candidate({"dp": 4, "ep": 16}, "ddp", accumulate=4)
+        >>> round(routed_bound(c, moe, 256 * 4096, spec("h100-sxm"), 8), 2)  # 2 nodes: half the rows cross
+        1.34
+    """
+    from ..dryrun.comm_time import collective_time, group_nodes, ranks_in_node
+    from ..dryrun.layout import _intra_node
+
+    mesh, ep, tp = c.mesh, c.mesh.get("ep", 1), c.mesh.get("tp", 1)
+    # the script's own accumulation (None): as 1 without tp (each all-to-all's time is its latency plus a term
+    # linear in its bytes, so more micro-batches of fewer rows take at least as long); unknown with tp (each
+    # micro-batch's tp share is a floor)
+    acc = c.accumulate if c.accumulate is not None else 1 if tp == 1 else None
+    layers, hidden, top_k = moe.get("layers", 0), moe.get("hidden", 0), moe.get("top_k", 0)
+    if ep == 1 or mesh.get("pp", 1) > 1 or acc is None or not (layers and hidden and top_k and tokens):
+        return 0.0
+    axes = tuple(a for a in mesh if a == "ep" or (a in ("tp", "cp") and mesh[a] > 1))
+    n = 1
+    for a in axes:
+        n *= mesh[a]
+    per_rank = tokens // (data_size(mesh) * mesh.get("cp", 1)) // acc  # a micro-batch's tokens
+    rows = per_rank // tp * top_k
+    nbytes, comm = rows * hidden * 2, CommAssumptions()
+    intra = _intra_node(axes, dict(mesh), nproc_per_node)
+    nodes = group_nodes(n, intra, nproc_per_node)
+    placed = collective_time(
+        "all_to_all", nbytes, n, nodes, device, comm, ranks_in_node(axes, mesh, nproc_per_node)
+    )
+    # a group whose axes the dry run could not name is placed by its size alone (`step_time._where`)
+    unnamed = collective_time(
+        "all_to_all", nbytes, n, group_nodes(n, n <= nproc_per_node, nproc_per_node), device, comm
+    )
+    return 4 * layers * acc * min(placed, unnamed)

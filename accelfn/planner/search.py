@@ -111,6 +111,7 @@ def _run_job(job: Job) -> dict[str, Any]:
             "report": report.to_dict(),
             "experts": seen.get("experts", 0),
             "expert_bytes": seen.get("expert_bytes", 0),
+            "moe": seen.get("moe") or {},
             "asked": sorted(launch_env.ASKED),
             **_layout(seen),
         }

@@ -40,6 +40,7 @@ from .prune import (
     comm_bound,
     illegal,
     lowered_strategy,
+    routed_bound,
     states_bound,
     time_bound,
 )
@@ -288,6 +289,9 @@ def plan(
         # the compute of the whole global batch at the probe's (one process, the largest matmuls) efficiency:
         # a rank's share of it is a lower bound of any candidate's step time (only with the global batch fixed)
         probe_compute = (probe["report"].get("predicted") or {}).get("compute_s")
+        # what expert parallel's all-to-alls move (`prune.routed_bound`): the model's MoE layers, row width and
+        # top-k, and the global batch's tokens per step
+        moe, tokens = probe.get("moe") or {}, int(probe["report"].get("tokens_per_step") or 0)
         bounded = prune and bool(probe_compute) and "global_batch_size" in asked and bool(global_batch_size)
         world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
@@ -339,17 +343,22 @@ def plan(
             return time_bound(c, (probe_compute or 0.0) * min(mine, default=0.0) * BOUND_SLACK, world)
 
         def least_time(c: Candidate) -> tuple[float, str]:
-            """`lower(c)` (where a compute was measured) plus the all-to-alls `c` waits for at least
-            (`prune.comm_bound`, x BOUND_SLACK), and what the bound counts, in words."""
+            """`lower(c)` (where a compute was measured) plus the all-to-alls `c` waits for at least, x BOUND_SLACK:
+            the larger of those a candidate of its mesh was measured to run (`prune.comm_bound`) and those the
+            model's routed rows take (`prune.routed_bound`); and what the bound counts, in words."""
             compute = lower(c) if ratios else 0.0
-            comm, source = comm_bound(c, exchanges.get(c.mesh_spec, ()))
-            what = f"its compute and bubble alone take >= {compute * 1e3:,.1f} ms"
-            if source is None:
-                return compute, what
-            comm *= BOUND_SLACK
+            learned, source = comm_bound(c, exchanges.get(c.mesh_spec, ()))
+            routed = routed_bound(c, moe, tokens, spec, nproc_per_node)
+            comm = max(learned, routed) * BOUND_SLACK
+            if not comm:
+                return compute, f"its compute and bubble alone take >= {_ms(compute)} ms"
+            how = (
+                f"as {source.label} measured them"
+                if source is not None and learned >= routed
+                else f"its {moe['layers']} MoE layers' routed rows"
+            )
             return compute + comm, (
-                f"its compute and bubble take >= {compute * 1e3:,.1f} ms and its all-to-alls >= "
-                f"{comm * 1e3:,.1f} ms (as {source.label} measured them)"
+                f"its compute and bubble take >= {_ms(compute)} ms and its all-to-alls >= {_ms(comm)} ms ({how})"
             )
 
         def extrapolating(c: Candidate) -> bool:
@@ -395,7 +404,7 @@ def plan(
             if bounded and best:
                 least, what = least_time(c)
                 if least > best[0]:
-                    return {"fell": "time bound", "why": f"{what}, the best so far {best[0] * 1e3:,.1f} ms"}
+                    return {"fell": "time bound", "why": f"{what}, the best so far {_ms(best[0])} ms"}
             return None
 
         def waits(job: Job) -> bool:
@@ -572,6 +581,18 @@ def plan(
         extrapolated=counts["extrapolated"],
         confirmed=counts["confirmed"],
     )
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as milliseconds, 3 significant digits below 100 ms (a tiny model's bound and best step differ in
+    the second decimal).
+
+    Example:
+        >>> _ms(0.00236), _ms(12.9)
+        ('2.36', '12,900.0')
+    """
+    ms = seconds * 1e3
+    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def _rank(r: Row) -> tuple[float, float, int]:

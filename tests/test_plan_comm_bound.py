@@ -159,6 +159,9 @@ def test_the_bound_carries_over_remat_strategy_and_accumulation_below_each_dry_r
         same = comm_bound(attrs.evolve(c, offload="optimizer"), [own])[0]
         assert same == pytest.approx(own.latency_s + own.bytes_s)
     assert comm_bound(runs[0][0], [runs[2][1]])[1] is None  # full -> none is not a bound (fewer all-to-alls)
+    moe, tokens = {"layers": 2, "hidden": 32, "top_k": 2}, 16 * 16  # the probe's (checked above)
+    for c, own, _ in runs:  # the bound from the model: full remat's 6 all-to-alls per layer, not 4
+        assert 0.99 * own.latency_s <= routed_bound(c, moe, tokens, H100, 8) <= own.latency_s + own.bytes_s
 
 
 def test_the_routed_rows_bound_with_tp_and_cp_borrowed_by_ep_is_below_each_dry_run() -> None:

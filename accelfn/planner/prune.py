@@ -341,8 +341,8 @@ def routed_bound(
     Why it is one: the dry run puts every all-to-all on the critical path (`step_time.predict_step`), and each
     MoE layer runs four per micro-batch on each rank of the ep group (ep and the tp and cp ranks it borrows,
     `expert_parallel.expert_axes`): the dispatch of its rows (its tokens x top_k, `moe.experts.ep_forward`),
-    the combine of the rows it received, and their two reverses in the backward (remat's recomputation adds
-    more). A rank's tokens per micro-batch are the global batch's over the data axes, cp and the
+    the combine of the rows it received, and their two reverses in the backward; full remat (`c.remat`
+    "full") runs the forward's two again in the backward (other remat values are counted as none). A rank's tokens per micro-batch are the global batch's over the data axes, cp and the
     accumulation, of which each tp rank dispatches its share (the least: the floor); the rank the dry run
     reports (the busiest, under the modelled routing) receives at least the mean, which is at least that
     share. A row is at least 16-bit (hidden states or their autocast copy). Each all-to-all is timed as the
@@ -385,4 +385,5 @@ def routed_bound(
     unnamed = collective_time(
         "all_to_all", nbytes, n, group_nodes(n, n <= nproc_per_node, nproc_per_node), device, comm
     )
-    return 4 * layers * acc * min(placed, unnamed)
+    per_layer = 6 if c.remat == "full" else 4  # full remat dispatches and combines the forward's rows again
+    return per_layer * layers * acc * min(placed, unnamed)

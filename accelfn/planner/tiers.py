@@ -8,8 +8,8 @@ promising first (where memory binds, each memory group's most frugal candidate f
 where an earlier one shows it cannot win: a lowering error of its mesh (a tp that does not divide the heads), a
 smaller accumulation of the same configuration that fits or one of its group needing no more memory that does
 not fit (dominated), or a lower bound of its step time (the probe's compute shared by the ranks, plus the
-pipeline's bubble, plus the all-to-alls a candidate of its mesh was measured to wait for: `prune.comm_bound`)
-above the best step time found (time bound). A model of many identical blocks per pipeline
+pipeline's bubble, plus the all-to-alls it waits for: those of the model's routed rows, `prune.routed_bound`, or
+those a candidate of its mesh was measured to run, `prune.comm_bound`) above the best step time found (time bound). A model of many identical blocks per pipeline
 stage is dry-run with 2 and 3 of its blocks per stage and extrapolated (`extrapolate`); the best rows so
 measured are confirmed by full dry runs, within the budget: the search stops early enough to leave the
 chosen row's confirmation its estimated time. The measured ones are ranked by predicted tokens/s per GPU

@@ -53,11 +53,22 @@ def _untraceable(module: nn.Module) -> list[str]:
 
 
 def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The `nn.ModuleList` holding the most parameters (the transformer blocks), and its name."""
+    """The `nn.ModuleList` holding the most parameters (the transformer blocks), and its name: one of several
+    modules, or a `nn.ModuleList` below the root holding one (a model built with one layer, as `transformers`
+    builds `num_hidden_layers=1`; an `nn.Sequential` of one module is a wrapper, not blocks).
+
+    Example:
+        >>> one = nn.ModuleDict({"embed": nn.Embedding(8, 4), "layers": nn.ModuleList([nn.Linear(4, 4)])})
+        >>> name, blocks = find_blocks(one)
+        >>> name, len(blocks)
+        ('layers', 1)
+    """
     best: tuple[str, nn.ModuleList] | None = None
     best_size = 0
     for name, m in module.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
+        if (isinstance(m, nn.ModuleList) and name and len(m) == 1) or (
+            isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+        ):
             size = sum(p.numel() for p in m.parameters())
             if size > best_size:
                 best, best_size = (name, m), size  # type: ignore[assignment]

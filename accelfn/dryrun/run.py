@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from .. import dry_mode
+from .fused_attention import fused_dropout_attention
 from .report import Assumptions, Report
 from .search import rank_candidates
 from .session import Session, StopDryRun
@@ -204,7 +205,9 @@ def _run_once(
     session.spec = spec
     session.routing = assumptions.moe_routing
     start = time.perf_counter()
-    with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads:
+    # a GPU runs attention with dropout as one fused kernel, the CPU as its math path (fused_attention)
+    fused = fused_dropout_attention() if device != "cpu" else contextlib.nullcontext()
+    with dry_mode.watching(session), fake_world(world, rank, nproc_per_node, mesh) as reads, fused:
         session.init = InitTracker(fake_mode=detect_fake_mode())
         try:
             with session.init:

@@ -65,8 +65,10 @@ def mean_metrics(values: dict[str, torch.Tensor], group: dist.ProcessGroup | Non
 @torch.no_grad()
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Give every rank of `group` its first rank's buffers (BatchNorm statistics), as torch DDP does before
-    each forward (`broadcast_buffers=True`): one broadcast of all of them."""
-    buffers = list(module.buffers())
+    each forward (`broadcast_buffers=True`): one broadcast of all of them. A buffer tensor parallel made a DTensor
+    (Gemma's `embed_scale` in its parallel embedding, beside the plain rotary `inv_freq`) is broadcast as its
+    local tensor: the group's first rank holds the same part of it."""
+    buffers = [local_tensor(b) for b in module.buffers()]
     if not buffers or dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0

@@ -101,3 +101,13 @@ def test_ddp_over_tensor_parallel_broadcasts_a_gemmas_buffers_dtensor_or_not() -
     broadcast = report.comm["broadcast"]["dp"]
     assert broadcast["group_size"] == 4
     assert broadcast["bytes"] == 8 * sum(b.numel() for b in model.buffers())  # embed_scale replicated over tp
+
+
+def test_context_parallel_on_a_model_without_sdpa_names_the_model() -> None:
+    """A cp axis switches a `transformers` model to SDPA attention; Gemma-2 has none (its soft-capping), and
+    transformers' refusal named whisper-tiny and a GitHub issue. The error names the model and the cp axis."""
+    args = ["--model", "gemma2", "--seq-len", str(SEQ), "--steps", "1", *FIXED]
+    with pytest.raises(
+        ValueError, match=r"context parallel: Gemma2ForCausalLM has no SDPA attention .*'eager'"
+    ):
+        af.dry_run(SCRIPT, args, nproc_per_node=8, gpu="h100-sxm", mesh="dp=4,cp=2", search=False)

@@ -351,7 +351,18 @@ class ContextParallel(TransformBase):
             if impl != "sdpa":
                 switch = getattr(model, "set_attn_implementation", None)
                 if switch is not None:
-                    switch("sdpa")
+                    try:
+                        switch("sdpa")
+                    except ValueError as e:  # no SDPA path in transformers (Gemma-2: its soft-capping)
+                        # the model's own class (FSDP2 makes a subclass FSDP<name> of it)
+                        name = next(
+                            c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")
+                        )
+                        raise ValueError(
+                            f"context parallel: {name} has no SDPA attention in transformers (it runs {impl!r}), "
+                            "and a cp axis splits sequences through torch's scaled_dot_product_attention: train "
+                            "this model without a cp axis"
+                        ) from e
                 else:  # pragma: no cover - older transformers
                     config._attn_implementation = "sdpa"
                 plan.notes.append(f"context parallel: attention switched from {impl!r} to 'sdpa'")

@@ -4,9 +4,9 @@ tokens/s per GPU compared with the published figure; the order between rows (com
 faster than bf16) is checked against the published order.
 
 The goal is within 15% of every row. Rows the model does not reach yet are strict xfails (an improvement that
-brings one within 15% fails them: move it to `WITHIN`), and every row is held to the ratio measured when this
-file was written (`RATIO`, within 5%), so that the model cannot drift unnoticed. docs/dry_run.md ("Predicted
-time against published runs") has the table and says what carries the result.
+brings one within 15% fails them: record its new ratio in `RATIO`, which `WITHIN` reads), and every row is held
+to the ratio measured when this file was written (`RATIO`, within 5%), so that the model cannot drift unnoticed.
+docs/dry_run.md ("Predicted time against published runs") has the table and says what carries the result.
 
 Dry-run time of each row on this project's 2-core machine (shared with other sessions): Table 1 at 8 ranks 8-14 s, Table 3 at 128
 ranks 9-22 s, the 0.9B rows 2 s, the held-out rows in CI 11-16 s (the file: about 125 s). Table 5 (405B, 512 ranks,
@@ -43,45 +43,43 @@ from tests._published import ROOT, ROWS, dry_run_kwargs, outcome
 # Table 5 added here at 1.21 / 1.21; the rest within 1%); then memory-bound ops on float8 tensors move their 1-byte
 # data too (`timing._bytes_of`: the fp8 TP rows 1.11-1.14 to 1.14-1.18, Table 5 1.23 / 1.24; the rest unchanged);
 # then fp8 GEMMs on a 700 W H100 SXM or H200 reach their measured fp8 ceiling (`timing.MAMF_FP8`: Trainy's H200 rows
-# 1.026 to 1.019; the 500 W `h100-96gb` rows unchanged) (docs/dry_run.md says what each did)
+# 1.026 to 1.019; the 500 W `h100-96gb` rows unchanged); then the 500 W `h100-96gb`'s GEMMs run at their measured
+# ceiling (`timing.MAMF`: 585 TFLOP/s bf16, pytorch/FBGEMM#2546, where 0.8 of the interpolated peak gave 709): every
+# torchtitan row 2-11% slower (1.05 / 1.10 / 1.14, 1.02 / 1.05 / 1.08, Table 5 1.12 / 1.13; the rowwise rows 0.95 /
+# 0.94 to 0.91 / 0.92), the 700 W rows unchanged (docs/dry_run.md says what each did)
 RATIO = {
-    "torchtitan-t1-8b-8-eager": 1.149,
-    "torchtitan-t1-8b-8-compile": 1.225,
-    "torchtitan-t1-8b-8-fp8": 1.232,
-    "torchtitan-t3-8b-128-eager": 1.112,
-    "torchtitan-t3-8b-128-compile": 1.164,
-    "torchtitan-t3-8b-128-fp8": 1.156,
+    "torchtitan-t1-8b-8-eager": 1.049,
+    "torchtitan-t1-8b-8-compile": 1.096,
+    "torchtitan-t1-8b-8-fp8": 1.140,
+    "torchtitan-t3-8b-128-eager": 1.020,
+    "torchtitan-t3-8b-128-compile": 1.049,
+    "torchtitan-t3-8b-128-fp8": 1.076,
     "accelfn-h100-0.9b-compile": 1.206,
     "accelfn-h100-0.9b-eager": 1.042,
     # Table 5 (50-75 s dry runs, not in CI: benchmarks/published_runs.py holds them)
-    "torchtitan-t5-405b-512-1f1b": 1.233,
-    "torchtitan-t5-405b-512-interleaved": 1.239,
+    "torchtitan-t5-405b-512-1f1b": 1.120,
+    "torchtitan-t5-405b-512-interleaved": 1.127,
     # held out (`"held_out": true`): encoded on 2026-11-28, after the model was built, and measured once with it
     # unchanged (nothing was changed after seeing them; the fp8 TP rows moved with item 13, a fix of the tracker's
     # bytes). Those not in CI_ROWS (dry runs over 20 s here, or 15-17 s for little more coverage) are held to these
     # ratios by benchmarks/published_runs.py, which reads this table.
-    "torchtitan-t2-8b-8-cp1-32k": 1.231,
-    "torchtitan-t4-70b-256-2d": 1.144,
-    "torchtitan-t6-405b-512-cp1-32k": 1.196,
-    "torchtitan-asynctp-70b-256-bf16": 1.161,
-    "torchtitan-asynctp-70b-256-fp8": 1.172,
-    "torchtitan-asynctp-8b-64-bf16": 1.098,
-    "torchtitan-asynctp-8b-64-fp8": 1.184,
+    "torchtitan-t2-8b-8-cp1-32k": 1.183,
+    "torchtitan-t4-70b-256-2d": 1.065,
+    "torchtitan-t6-405b-512-cp1-32k": 1.113,
+    "torchtitan-asynctp-70b-256-bf16": 1.054,
+    "torchtitan-asynctp-70b-256-fp8": 1.090,
+    "torchtitan-asynctp-8b-64-bf16": 1.029,
+    "torchtitan-asynctp-8b-64-fp8": 1.136,
     "trainy-h200-8b-32-fp8": 1.019,
     "trainy-h200-8b-64-fp8": 1.019,
     # held out too, encoded once train_llama.py had --fp8-recipe (2026-11-28): the async TP benchmark's float8
     # rowwise rows, vanilla TP (the first rows predicted too slow; 19 and 42 s dry runs, not in CI)
-    "torchtitan-asynctp-70b-256-fp8-rowwise": 0.949,
-    "torchtitan-asynctp-8b-64-fp8-rowwise": 0.939,
+    "torchtitan-asynctp-70b-256-fp8-rowwise": 0.908,
+    "torchtitan-asynctp-8b-64-fp8-rowwise": 0.917,
 }
-# rows the model predicts within 15% (Table 1's eager row at 1.149, at the band's edge)
-WITHIN = {
-    "torchtitan-t1-8b-8-eager",
-    "torchtitan-t3-8b-128-eager",
-    "accelfn-h100-0.9b-eager",
-    "torchtitan-asynctp-8b-64-bf16",
-    "trainy-h200-8b-32-fp8",
-}
+# rows the model predicts within 15% (all but the 0.9B compiled row, 1.206, and Table 2's 32k row, 1.183; since the
+# 500 W part's measured GEMM ceiling, the rowwise rows on the slow side at 0.908 / 0.917)
+WITHIN = {rid for rid in RATIO if abs(RATIO[rid] - 1) <= 0.15}
 CI_ROWS = [
     "torchtitan-t1-8b-8-eager",
     "torchtitan-t1-8b-8-compile",
@@ -190,7 +188,7 @@ def test_the_rows_come_in_the_published_order(slower: str, faster: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    strict=True, reason="the goal: predicted 1.25x (the 70B's 1.37x against 1.36x is within 1%)"
+    strict=True, reason="the goal: predicted 1.28x (the 70B's 1.40x against 1.36x is within 3%)"
 )
 def test_fp8_s_gain_over_bf16_under_tensor_parallel_is_the_published_one_within_5_percent() -> None:
     """torchtitan's async TP benchmark, vanilla TP over a node (8B, FSDP 8 x TP 8): fp8 tensorwise over bf16 is

@@ -90,6 +90,19 @@ MAMF: Mapping[str, tuple[float, tuple[int, int, int]]] = {
     "a100-80gb": (267.9, (6912, 16384, 2048)),
     "a100-40gb": (267.9, (6912, 16384, 2048)),
     "mi300x": (781.9, (4096, 10240, 4864)),
+    # The 500 W H100 (Meta's, torchtitan's part) from another source: pytorch/FBGEMM#2546 ("Add fp8 row/block-wise
+    # scaled GEMMs", choutim, Meta, 2024-04-29), its description's "H100 500W" benchmark, bf16 (torch's GEMM,
+    # presumably cuBLAS): 585.23 TFLOP/s at (8192, 8192, 8192), 575.12 at (65536, 8192, 7168), 546.31 at (65536,
+    # 3584, 8192); the largest taken, as MAMF takes the maximum achievable (three shapes, not a search: the part may
+    # reach more). The same run's rowwise fp8 GEMMs (CUTLASS, without quantizing): 1125.51, 1082.75, 1141.38. Not
+    # published: the torch, CUDA and cuBLAS versions, the timing method (iterations, warmup, whether L2 was cleared),
+    # and the part's memory (HBM2e or HBM3; a GEMM this large is not bound by it). 66% of the 886 that the device
+    # table interpolates for 500 W (a 700 W H100 SXM: 792 of 989, 80%). Attention (SDPA) keeps the interpolated peak
+    # times the measured FlashAttention fraction: no 500 W attention measurement was found, and a power cap slows a
+    # kernel only as far as its draw exceeds the cap (one drawing less keeps its clock), while attention runs its
+    # tensor cores at under half a GEMM's rate, so it is assumed to slow less than GEMMs do (an assumption, not a
+    # measurement). Memory-bound kernels keep the HBM2e bandwidth.
+    "h100-96gb": (585.23, (8192, 8192, 8192)),
 }
 # The same for fp8 (e4m3 operands, `torch._scaled_mm` with one scale per tensor, cuBLASLt; TFLOP/s of the fp8 peak)
 # from the same table's FP8 rows (stas00/ml-engineering, compute/accelerator/README.md; mamf-finder.py, mean of 100
@@ -211,8 +224,10 @@ class TimingAssumptions:
             >>> a = TimingAssumptions()
             >>> round(a.gemm(spec("h100-sxm")), 3), round(a.gemm(spec("h100-sxm"), torch.float8_e4m3fn), 3)
             (0.802, 0.731)
-            >>> a.gemm(spec("h100-96gb"), torch.float8_e4m3fn)  # no fp8 measurement: the bf16 figure
-            0.8
+            >>> round(a.gemm(spec("h100-96gb")), 3)  # the 500 W H100's measured 585 of its 886 (MAMF)
+            0.665
+            >>> a.gemm(spec("h100-96gb"), torch.float8_e4m3fn) == a.gemm(spec("h100-96gb"))  # no fp8 row: bf16's
+            True
         """
         bf16 = self.gemm_efficiency if self.gemm_efficiency is not None else self._measured(device, MAMF)
         if dtype.itemsize != 1 or device.key not in MAMF_FP8:

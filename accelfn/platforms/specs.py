@@ -196,7 +196,8 @@ DEVICES: tuple[DeviceSpec, ...] = (
     # SXM) and 835 at 350-400 W (H100 NVL), both on NVIDIA's H100 data sheet: the tensor cores' clock falls with
     # the power limit. Its peaks here are those two ratings interpolated linearly in the power limit at 500 W
     # (400 W -> 835, 700 W -> 989: 886 bf16; fp8 1,773, tf32 and fp32 alike): an assumption between two published
-    # figures, not a measurement of this part. Memory bandwidth is its HBM2e's, which the power limit leaves.
+    # figures, not a measurement of this part. Memory bandwidth is its HBM2e's, which the power limit leaves. Its
+    # large GEMMs were measured at 585 bf16 TFLOP/s at 500 W (pytorch/FBGEMM#2546): accelfn.dryrun.timing.MAMF.
     DeviceSpec(
         key="h100-96gb",
         name="NVIDIA H100 96GB HBM2e (SXM, 500 W)",

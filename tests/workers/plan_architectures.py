@@ -1,7 +1,8 @@
 """A user's training script for `transformers` models of several architectures (randomly initialised from a
 config, no weights downloaded), leaving its configuration to the launch config (what `accelfn plan` chooses):
-the mesh from `af.Mesh.from_env()`, strategy / remat / accumulate / global batch / offload / compile as "auto"
-knobs unless a flag fixes them (tests/test_plan_architectures.py).
+the mesh from `af.Mesh.from_env()` (a `pp` axis: `af.pipeline`), strategy / remat / accumulate / global batch /
+offload / compile and the pipeline's schedule and micro-batches as "auto" knobs unless a flag fixes them
+(tests/test_plan_architectures.py).
 
 `--model`: qwen2, qwen3, mistral (sliding window), gemma2 / gemma3 (sliding and full attention alternating), phi3
 (fused qkv and gate-up projections), gpt2 (Conv1D layers, tied embeddings), opt, neox (GPT-NeoX: parallel
@@ -112,6 +113,9 @@ def main() -> None:
     global_batch = int(knob("global_batch_size", args.global_batch_size, 2 * mesh.data_size))
     offload = knob("offload", args.offload, "none")
     compiled = knob("compile", args.compile, "none")
+    schedule = knob("pipeline_schedule", "auto", "1f1b")
+    microbatches = knob("pipeline_microbatches", "auto", None)
+    pp = mesh.axis_size("pp") if "pp" in mesh.axis_names else 1
     if global_batch % mesh.data_size:
         raise SystemExit(
             f"global batch {global_batch} does not split over {mesh.data_size} data-parallel ranks"
@@ -132,6 +136,10 @@ def main() -> None:
         step = af.accumulate(step, accumulate)
     if offload == "optimizer":
         step = af.offload(step)
+    if pp > 1:  # every rank of a pipeline reads the same batch, one sequence per micro-batch by default
+        step = af.pipeline(
+            step, mesh, microbatches=int(microbatches or batch // accumulate), schedule=schedule
+        )
     step = af.shard(step, mesh, strategy=strategy)
     if compiled != "none":
         step = af.compile(step, regions="blocks" if compiled == "blocks" else None)

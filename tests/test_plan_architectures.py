@@ -66,11 +66,17 @@ def _reference_flops(name: str) -> tuple[int, int]:
     return counter.get_total_flops(), recompute
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "gemma2", "llama1"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2:compiled", "bert", "gemma2", "llama1"])
 def test_a_users_transformers_script_dry_runs_with_its_blocks_and_flops(name: str) -> None:
+    """`gpt2:compiled`: with `--compile blocks`, each block's forward and backward traced and partitioned
+    (accelfn/dryrun/compiled.py): the attention with dropout in the trace is SDPA's kernel too."""
+    name, _, compiled = name.partition(":")
+    args = ["--model", name, "--seq-len", str(SEQ), "--steps", "1", *FIXED]
+    if compiled:
+        args[args.index("--compile") + 1] = "blocks"
     seen: dict[str, Any] = {}
-    report = af.dry_run(SCRIPT, ["--model", name, "--seq-len", str(SEQ), "--steps", "1", *FIXED],
-                        nproc_per_node=8, gpu="h100-sxm", search=False, on_model=keep_blocks(None, seen))  # fmt: skip
+    report = af.dry_run(SCRIPT, args, nproc_per_node=8, gpu="h100-sxm", search=False,
+                        on_model=keep_blocks(None, seen))  # fmt: skip
     layers = 1 if name == "llama1" else LAYERS
     assert report.fits and report.world_size == 8
     # the blocks found are the model's layers: one for the 1-layer Llama (found none: "0/0 blocks" before), and

@@ -117,3 +117,18 @@ def test_context_parallel_on_a_model_without_sdpa_names_the_model() -> None:
         ValueError, match=r"context parallel: Gemma2ForCausalLM has no SDPA attention .*'eager'"
     ):
         af.dry_run(SCRIPT, args, nproc_per_node=8, gpu="h100-sxm", mesh="dp=4,cp=2", search=False)
+
+
+def test_the_plan_of_a_one_block_model_does_not_search_remat_every_2nd_block() -> None:
+    """`selective:2` checkpoints blocks 2, 4, ...: on a model of one block, none, the step of `remat=none`
+    (searched before, and ranked first on a 0.01 MiB lower peak). It falls at legality, naming why; the
+    policies on every block are still searched."""
+    fixed = ["--model", "llama1", "--seq-len", str(SEQ), "--steps", "1", "--strategy", "ddp",
+             "--accumulate", "1", "--offload", "none", "--compile", "none"]  # fmt: skip
+    p = af.plan(SCRIPT, fixed, nproc_per_node=2, global_batch_size=4, axes=("dp",), workers=1)
+    assert "remat" in p.open_knobs
+    searched = {r.candidate.remat for r in p.rows}
+    assert searched == {"none", "selective", "full"}, searched
+    why = [f.reason for f in p.fallen if f.candidate.remat == "selective:2"]
+    assert why and all(f.tier == "legality" for f in p.fallen if f.candidate.remat == "selective:2")
+    assert "checkpoints blocks 2, 4, ... and the model has 1: the same step as remat=none" in why[0]

@@ -261,8 +261,13 @@ def plan(
         candidates = enumerate_candidates(space)
         fallen: list[Fallen] = []
         survivors: list[Candidate] = []
+        probed_blocks = int(probe.get("blocks", 0))
         for c in candidates:
             why = illegal(c, fixed_strategy)
+            if why is None and "none" in space.remats and 0 < probed_blocks < _remat_every(c):
+                # blocks n, 2n, ... checkpointed: none of a model of fewer blocks, the step of remat=none
+                why = (f"remat={c.remat} checkpoints blocks {_remat_every(c)}, {2 * _remat_every(c)}, ... "
+                       f"and the model has {probed_blocks}: the same step as remat=none")  # fmt: skip
             if why is None and prune:
                 bound = states_bound(c, totals, script_strategy=None)
                 if bound > capacity:

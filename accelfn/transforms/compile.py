@@ -54,24 +54,33 @@ def _untraceable(module: nn.Module) -> list[str]:
 
 def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
     """The `nn.ModuleList` holding the most parameters (the transformer blocks), and its name: one of several
-    modules, or a `nn.ModuleList` below the root holding one (a model built with one layer, as `transformers`
-    builds `num_hidden_layers=1`; an `nn.Sequential` of one module is a wrapper, not blocks).
+    modules, or, where no list holds several, a `nn.ModuleList` below the root holding one (a model built with one
+    layer, as `transformers` builds `num_hidden_layers=1`; an `nn.Sequential` of one module is a wrapper, not blocks).
 
     Example:
         >>> one = nn.ModuleDict({"embed": nn.Embedding(8, 4), "layers": nn.ModuleList([nn.Linear(4, 4)])})
         >>> name, blocks = find_blocks(one)
         >>> name, len(blocks)
         ('layers', 1)
+        >>> two = nn.ModuleDict({"heads": nn.ModuleList([nn.Linear(4, 64)]), "layers": nn.ModuleList([nn.Linear(4, 4)] * 2)})
+        >>> find_blocks(two)[0]  # the layers, though the one-item list of heads holds more
+        'layers'
     """
     best: tuple[str, nn.ModuleList] | None = None
     best_size = 0
     for name, m in module.named_modules():
-        if (isinstance(m, nn.ModuleList) and name and len(m) == 1) or (
-            isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
-        ):
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
             size = sum(p.numel() for p in m.parameters())
             if size > best_size:
                 best, best_size = (name, m), size  # type: ignore[assignment]
+    if best is None:
+        # only where no list holds several: a one-item list beside the layers (an embedding or head kept in a
+        # list, MusicGen's one codebook) is not the blocks, however many parameters it holds
+        for name, m in module.named_modules():
+            if isinstance(m, nn.ModuleList) and name and len(m) == 1:
+                size = sum(p.numel() for p in m.parameters())
+                if size > best_size:
+                    best, best_size = (name, m), size  # type: ignore[assignment]
     if best is None:
         raise ValueError(
             "compile(regions='blocks'): the model has no nn.ModuleList/nn.Sequential of repeated blocks; "

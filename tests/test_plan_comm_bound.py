@@ -90,22 +90,24 @@ def test_the_all_to_all_bound_is_below_every_measured_candidates_exposed_communi
 
 
 def test_moe_candidates_fall_at_the_time_bound_and_the_choice_is_the_exhaustive_ones(plans) -> None:
-    """With the routed rows' bound every ep candidate falls at `time bound` before it runs (the tiny model's
-    all-to-alls are their latencies: 0.1-0.3 ms on a 2.4 ms step); with the learned one alone, each ep mesh's
-    second strategy (its first measured the all-to-alls). Each is slower in the exhaustive search (or fails to
+    """With the routed rows' bound every ep candidate but the first falls at `time bound` before it runs (the
+    tiny model's all-to-alls are their latencies: 0.1-0.3 ms on a 2.4 ms step; the bound is trusted once a
+    measured candidate's all-to-alls take at least it: a dispatcher the script swaps in may send less); with the
+    learned one alone, each ep mesh's second strategy (its first measured the all-to-alls). Each is slower in the exhaustive search (or fails to
     lower there), and the choice is the exhaustive one's."""
     exhaustive = plans["exhaustive"]
     assert exhaustive.best is not None
     slower = {r.candidate: r.step_time_s for r in exhaustive.rows}
     lowering = {f.candidate for f in exhaustive.fallen if f.tier == "lowering"}
-    for name, n, how in (("pruned", 5, "MoE layers' routed rows"), ("learned", 2, "measured them")):
+    for name, n, how in (("pruned", 4, "MoE layers' routed rows"), ("learned", 2, "measured them")):
         plan = plans[name]
         assert plan.best is not None and plan.best.candidate == exhaustive.best.candidate, name
         bounded = [f for f in plan.fallen if f.tier == "time bound"]
         assert len(bounded) == n and all(f.candidate.mesh.get("ep", 1) > 1 for f in bounded), name  # (docs)
-        assert all("all-to-alls >=" in f.reason and how in f.reason for f in bounded), [
-            f.reason for f in bounded
-        ]
+        assert all("all-to-alls >=" in f.reason for f in bounded), [f.reason for f in bounded]
+        # the learned bound alone: each by its mesh's measured one; with the routed one, the meshes not measured
+        named = [f for f in bounded if how in f.reason]
+        assert named if name == "pruned" else len(named) == n, [f.reason for f in bounded]
         for f in bounded:  # truly slower, or not a configuration at all
             assert f.candidate in lowering or slower[f.candidate] > exhaustive.best.step_time_s, (
                 f.candidate.label

@@ -329,8 +329,18 @@ def dry_run_seconds(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k:
 
 def extrapolate(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: float) -> dict[str, Any]:
     """The report (as `Report.to_dict()`) at `k` blocks per stage from those at `k1` and `k2`: the figures
-    linear in the blocks on the line through the two; headroom and the verdict from the extrapolated peak;
-    tokens/s (tokens per step fixed) and MFU (FLOPs extrapolated) from the extrapolated step time."""
+    linear in the blocks on the line through the two (the collectives' calls and bytes per group too); headroom
+    and the verdict from the extrapolated peak; tokens/s (tokens per step fixed) and MFU (FLOPs extrapolated)
+    from the extrapolated step time.
+
+    Example:
+        >>> def cut(k):
+        ...     return {"per_rank": {"peak": 100 * k}, "predicted": {},
+        ...             "comm": {"all_to_all": {"ep": {"count": 4 * k, "bytes": 1000 * k, "group_size": 8}}}}
+        >>> out = extrapolate(cut(2), cut(3), 2, 3, 48)
+        >>> out["per_rank"]["peak"], out["comm"]["all_to_all"]["ep"]["count"], out["comm"]["all_to_all"]["ep"]["bytes"]
+        (4800, 192, 48000)
+    """
     out = copy.deepcopy(r2)
     pr1, pr2 = r1["per_rank"], r2["per_rank"]
     for name in LINEAR_PER_RANK:
@@ -340,6 +350,16 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], k1: int, k2: int, k: flo
     if r2.get("capacity_bytes") is not None:
         out["headroom_bytes"] = r2["capacity_bytes"] - peak
         out["fits"] = peak <= r2["capacity_bytes"]
+    # each collective's calls and bytes per process group: a block's are the same in every block (the planner's
+    # all-to-all bounds read them, `prune.all_to_all_time`); a group only the larger run has keeps its figures
+    c1 = r1.get("comm") or {}
+    for kind, groups in (out.get("comm") or {}).items():
+        for axis, row in groups.items():
+            before = (c1.get(kind) or {}).get(axis)
+            if before is not None:
+                for name in ("count", "bytes", "bus_bytes"):
+                    if name in row and name in before:
+                        row[name] = max(0, round(_line(before[name], row[name], k1, k2, k)))
     f1, f2 = r1.get("flops_per_step"), r2.get("flops_per_step")
     if f1 is not None and f2 is not None:
         out["flops_per_step"] = _line(f1, f2, k1, k2, k)

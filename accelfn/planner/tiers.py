@@ -316,6 +316,8 @@ def plan(
         ratios: dict[str | None, list[float]] = {}  # by compile: each measured rank's compute / its share
         # by mesh: each dry-run candidate's all-to-alls (`prune.comm_bound` bounds its mesh's others' by them)
         exchanges: dict[str, list[Exchanges]] = {}
+        # the routed bound checked against a measured candidate (None: not yet, False: one took less)
+        routed_holds: bool | None = None
         counts = {"runs": 0, "extrapolated": 0, "confirmed": 0}
         walls: list[float] = []  # each finished job's wall time
         # each confirmed row's full dry run's wall time over the estimate its cut runs gave
@@ -353,7 +355,7 @@ def plan(
             model's routed rows take (`prune.routed_bound`); and what the bound counts, in words."""
             compute = lower(c) if ratios else 0.0
             learned, source = comm_bound(c, exchanges.get(c.mesh_spec, ()))
-            routed = routed_bound(c, moe, tokens, spec, nproc_per_node)
+            routed = routed_bound(c, moe, tokens, spec, nproc_per_node) if routed_holds else 0.0
             comm = max(learned, routed) * BOUND_SLACK
             if not comm:
                 return compute, f"its compute and bubble alone take >= {_ms(compute)} ms"
@@ -417,6 +419,7 @@ def plan(
             return frugal.get(memory_group(c), c) is not c
 
         def record(c: Candidate, result: dict[str, Any] | None) -> None:
+            nonlocal routed_holds
             if frugal.get(memory_group(c)) is c:
                 del frugal[memory_group(c)]
             if result is not None and "wall_s" in result:
@@ -446,6 +449,14 @@ def plan(
             latency, seconds = all_to_all_time(report, spec, nproc_per_node)
             if latency:
                 exchanges.setdefault(c.mesh_spec, []).append(Exchanges(c, latency, seconds))
+            if routed_holds is not False:
+                # the routed bound assumes the default dispatcher's traffic (every token's top_k rows, 16-bit or
+                # wider); one the script swaps in (`af.shard(ep_dispatcher=)`: fp8 rows, one row per destination
+                # rank) may send less, and the one-process probe cannot see it (ep=1): trusted only once a measured
+                # candidate's all-to-alls take at least their bound, never again once one takes less
+                routed = routed_bound(c, moe, tokens, spec, nproc_per_node)
+                if routed:
+                    routed_holds = routed <= (latency + seconds) * (1 + 1e-6)
             ran = lowered_strategy(report.get("strategy", ""))
             # one note per plan: the first mesh that lowered another strategy
             if fixed_strategy is not None and ran != fixed_strategy and not other_strategy:

@@ -33,10 +33,11 @@ from ..dryrun.comm_time import CommAssumptions
 from ..platforms.specs import DeviceSpec
 from .candidates import ZERO, Candidate, data_size
 
-# how many times the rows' bytes may shrink from one strategy to another: the all-to-alls move hidden states, fp32
-# under a strategy that keeps fp32 params (ddp under af.autocast: the residual stream and the norms' outputs stay
-# fp32) and 16-bit under one that casts them (FSDP's MixedPrecisionPolicy(param_dtype=bf16)); never below 16 bits
-# (accelfn's dispatcher sends the rows as they are, no fp8 dispatch)
+# how many times the rows' bytes may shrink from one strategy to another: the all-to-alls move hidden states in
+# autocast's dtype where it is on (`moe.experts.ep_forward`: ddp and fsdp under af.autocast send the same 16-bit
+# rows), else as the residual stream holds them: fp32 where the strategy keeps fp32 params (ddp without autocast),
+# 16-bit where it casts them (FSDP's MixedPrecisionPolicy(param_dtype=bf16)); never below 16 bits (the default
+# dispatcher sends the rows as they are, no fp8 dispatch). A margin that is tight only in that last case.
 DTYPE_RATIO = 2
 
 __all__ = [

@@ -31,6 +31,8 @@ import attrs
 import torch
 from torch import nn
 
+from .blocks import no_split_blocks
+
 __all__ = [
     "holds_stage_params",
     "Split",
@@ -115,20 +117,12 @@ def split_at(model: nn.Module, points: Sequence[str], *, who: str = "af.pipeline
 
 
 def decoder_layers(model: nn.Module) -> list[str]:
-    """The names of the model's repeated blocks, in order: a Hugging Face model's `_no_split_modules`
-    classes (its decoder layers), else the children of the `nn.ModuleList` holding the most parameters."""
-    wanted = set(getattr(model, "_no_split_modules", None) or [])
-    found: list[str] = []
-    if wanted:
-        stack: list[tuple[str, nn.Module]] = [("", model)]
-        while stack:
-            name, m = stack.pop()
-            if name and type(m).__name__ in wanted:
-                found.append(name)
-                continue
-            stack.extend(reversed([(f"{name}.{c}" if name else c, sub) for c, sub in m.named_children()]))
-        if found:
-            return found
+    """The names of the model's repeated blocks, in order: a Hugging Face model's `_no_split_modules` blocks
+    (`accelfn.blocks.no_split_blocks`: those in a layer stack, so not BERT's `BertEmbeddings`), else the children
+    of the `nn.ModuleList` holding the most parameters."""
+    found = [name for name, _ in no_split_blocks(model)]
+    if found:
+        return found
     best, size = None, 0
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
@@ -226,7 +220,9 @@ def holds_stage_params(params: dict[str, Any]) -> bool:
 def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     """A forward that costs nothing and returns what the model's next module expects in shape: zeros of the
     output shape for an embedding or a Linear (an embedding's output feeds the residual stream), the hidden
-    state (first argument) unchanged for anything else (a decoder layer, a norm)."""
+    state (first argument, or `hidden_states=` / `inputs_embeds=`) unchanged for anything else (a decoder layer, a
+    norm); token ids into a module holding an embedding (BERT's `BertEmbeddings(input_ids=...)`) give zeros of its
+    width."""
     if isinstance(module, nn.Embedding):
         dim, dtype = module.embedding_dim, module.weight.dtype
 
@@ -242,15 +238,21 @@ def bypass_forward(module: nn.Module) -> Callable[..., Any]:
 
         return linear
 
+    inner = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+
     def passthrough(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            return args[0]
-        if "hidden_states" in kwargs:
-            return kwargs["hidden_states"]
-        raise TypeError(
-            f"af.pipeline: a {type(module).__name__} of another stage was called without a positional input: "
-            "split points must be modules that take the hidden state as their first argument"
-        )
+        named = (kwargs.get(k) for k in ("hidden_states", "inputs_embeds", "input_ids"))
+        x = args[0] if args else next((v for v in named if v is not None), None)
+        if x is None:
+            raise TypeError(
+                f"af.pipeline: a {type(module).__name__} of another stage was called without a positional input "
+                "or hidden_states / inputs_embeds / input_ids: split points must be modules that take the hidden "
+                "state as their first argument"
+            )
+        if inner is not None and isinstance(x, torch.Tensor) and not x.is_floating_point():
+            # token ids into a module holding the embeddings (BERT's `bert.embeddings`, called with keywords)
+            return torch.zeros((*x.shape, inner.embedding_dim), dtype=inner.weight.dtype, device=x.device)
+        return x
 
     return passthrough
 
@@ -275,7 +277,8 @@ class Skip(nn.Module):
 
 def carve(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[str, tuple[int, ...]]:
     """Keep on `model` only the modules of `stages` (this rank's): every outermost module whose parameters all
-    belong to other stages becomes a `Skip`. A weight tied between modules of several stages (a head tied to the
+    belong to other stages becomes a `Skip` (one holding, deeper down, a weight tied to this rank's stages stays,
+    its children become `Skip`s). A weight tied between modules of several stages (a head tied to the
     embedding) stays on each stage that uses it, under its first holder's name. Returns `{param name: stages
     holding it}` for the tied weights this rank holds that more than one stage uses (their gradients are summed
     between those stages)."""
@@ -303,12 +306,20 @@ def carve(model: nn.Module, split: Split, stages: Sequence[int]) -> dict[str, tu
             for pname, p in sub.named_parameters():
                 uses = holders_of[id(p)]
                 if any(s in mine for _, _, s in uses) and f"{uses[0][0]}.{uses[0][1]}" == f"{name}.{pname}":
-                    if "." in pname:
-                        raise NotImplementedError(
-                            f"af.pipeline: {name}.{pname} is tied to a module of this stage but sits inside "
-                            f"{name}, which another stage owns: split so that tied weights' holders are leaves"
-                        )
                     keep[pname] = p  # this stage uses the weight, and this module is its first holder
+            deep = [pname for pname in keep if "." in pname]
+            if deep and not any(True for _ in sub.parameters(recurse=False)):
+                # a tied weight inside (BERT's word embeddings inside `bert.embeddings`, tied to the head): the
+                # module stays, its children become stand-ins (the weight's holder keeps it), so its forward runs
+                # on stand-ins and takes its arguments as it always does (BertEmbeddings takes keywords)
+                visit(name, sub)
+                continue
+            if deep:
+                raise NotImplementedError(
+                    f"af.pipeline: {name}.{deep[0]} is tied to a module of this stage but sits inside {name}, which "
+                    "another stage owns and which holds parameters of its own: split so that tied weights' holders "
+                    "are leaves"
+                )
             module.register_module(child, Skip(sub, keep))
 
     visit("", model)

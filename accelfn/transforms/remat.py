@@ -25,8 +25,9 @@ the block's forward again (`torch.utils.checkpoint`, non-reentrant). Policies, a
 
 Blocks are whole decoder layers, never children of a layer (wrapping the children keeps every layer's
 inputs alive *and* the children's, which used more memory than no checkpointing in Accelerate's FSDP2 path):
-for a Hugging Face model, its `_no_split_modules` classes (`LlamaDecoderLayer`); otherwise the modules whose
-class is named in `blocks`, or the items of the largest `nn.ModuleList` / `nn.Sequential`. The block is
+the modules whose class is named in `blocks`; for a Hugging Face model, its `_no_split_modules` classes
+(`LlamaDecoderLayer`) where they are items of a layer stack (`accelfn.blocks`: BERT's `BertEmbeddings` is not a
+block); otherwise the items of the largest `nn.ModuleList` / `nn.Sequential`. The block is
 changed in place (its `forward`), so parameter names, checkpoints and FSDP's per-block units stay as they
 were. Dropout inside a recomputed block draws the same numbers again (the step's RNG state is replayed), so
 remat changes memory and time, never results.
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from .._typecheck import checked
+from ..blocks import no_split_blocks, outermost
 from ..step import Step
 from ._base import TransformBase, conflict, find
 
@@ -164,16 +166,12 @@ def find_remat_blocks(module: nn.Module, classes: Sequence[str] | None = None) -
         >>> what, len(blocks)
         ('Sequential', 3)
     """
-    wanted = list(classes) if classes else list(getattr(module, "_no_split_modules", None) or [])
-    if wanted:
-        found = _outermost(module, lambda m: type(m).__name__ in wanted)
-        if found:
-            return "/".join(sorted({type(b).__name__ for b in found})), found
-        if classes:
-            names = sorted({type(m).__name__ for m in module.modules()})
-            raise ValueError(
-                f"remat: no module of class {list(classes)} in the model; its classes are {names}"
-            )
+    found = [m for _, m in (outermost(module, set(classes)) if classes else no_split_blocks(module))]
+    if found:
+        return "/".join(sorted({type(b).__name__ for b in found})), found
+    if classes:
+        names = sorted({type(m).__name__ for m in module.modules()})
+        raise ValueError(f"remat: no module of class {list(classes)} in the model; its classes are {names}")
     from .compile import find_blocks
 
     try:
@@ -184,18 +182,6 @@ def find_remat_blocks(module: nn.Module, classes: Sequence[str] | None = None) -
             "Hugging Face `_no_split_modules`): name the block class with remat(..., blocks=['MyLayer'])"
         ) from None
     return name if name else type(blocks).__name__, list(blocks)
-
-
-def _outermost(module: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
-    out: list[nn.Module] = []
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if m is not module and match(m):
-            out.append(m)
-            continue
-        stack.extend(reversed(list(m.children())))
-    return out
 
 
 def _policy_fn(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:

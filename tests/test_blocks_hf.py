@@ -1,0 +1,91 @@
+"""A Hugging Face model's blocks (`accelfn/blocks.py`): its `_no_split_modules` that are items of a layer stack,
+the same for af.pipeline's split, af.remat and af.compile / FSDP's per-block units. BERT lists `BertEmbeddings`
+in `_no_split_modules` beside `BertLayer`: its embeddings are not a block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import accelfn as af
+from accelfn.blocks import no_split_blocks, outermost
+from accelfn.stages import balanced_split, decoder_layers
+from accelfn.transforms.compile import find_blocks
+from accelfn.transforms.remat import find_remat_blocks
+from tests._launch import output_of, run_workers
+
+
+def bert(layers: int = 4) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                     num_attention_heads=2, max_position_embeddings=32)  # fmt: skip
+    return BertForMaskedLM(cfg)
+
+
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    return T5ForConditionalGeneration(cfg)
+
+
+ENCODER = [f"bert.encoder.layer.{i}" for i in range(4)]
+
+
+def test_bert_blocks_are_its_encoder_layers_for_the_pipeline_remat_and_compile():
+    model = bert()
+    assert "BertEmbeddings" in model._no_split_modules  # what made the embeddings a block
+    names = {id(m): n for n, m in model.named_modules()}
+    assert decoder_layers(model) == ENCODER
+    what, blocks = find_remat_blocks(model)
+    assert what == "BertLayer" and [names[id(b)] for b in blocks] == ENCODER
+    name, stack = find_blocks(model)  # af.compile(regions='blocks') and FSDP's per-block units
+    assert name == "bert.encoder.layer" and [names[id(b)] for b in stack] == ENCODER
+
+
+def test_a_bert_pipeline_is_no_deeper_than_its_encoder_layers():
+    model = bert()
+    assert balanced_split(model, 4).points == tuple(ENCODER[1:])  # the embeddings go with layer 0
+    with pytest.raises(ValueError, match="only 4 decoder layers"):
+        balanced_split(model, 5)  # the embeddings alone are no stage
+
+
+def test_remat_every_second_block_of_bert_checkpoints_encoder_layers_1_and_3():
+    step = af.remat(
+        af.train_step(lambda m, b: m(input_ids=b).logits.sum(), af.optim.sgd(0.1)), "full", every=2
+    )
+    step.init(bert(), seed=0)
+    model = step.model
+    done = [n for n, m in model.named_modules() if getattr(m, "_accelfn_remat", None) is not None]
+    assert done == ["bert.encoder.layer.1", "bert.encoder.layer.3"]
+    assert "on 2 of 4 blocks (BertLayer)" in str(step)
+
+
+def test_blocks_of_both_t5_stacks_and_the_fallback_when_no_match_is_in_a_stack():
+    model = t5()
+    assert [n for n, _ in no_split_blocks(model)] == [
+        "encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"
+    ]  # fmt: skip
+
+    class Layer(nn.Linear):
+        pass
+
+    class Net(nn.Module):  # blocks that are attributes, not items of a list: every match is kept
+        _no_split_modules = ["Layer"]
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Layer(2, 2), Layer(2, 2)
+
+    assert [n for n, _ in no_split_blocks(Net())] == ["a", "b"]
+    assert [n for n, _ in outermost(Net(), ["Layer"], repeated=True)] == []
+
+
+def test_bert_pp2_on_two_processes_equals_one_process():
+    # stage 1 holds the tied word embeddings inside `bert.embeddings` (called with keywords) for the head
+    proc = run_workers("pp_bert_worker.py", 2, timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("BERT PP OK") == 2, output_of(proc)

@@ -17,8 +17,10 @@ stream per link (within a node, across nodes: collectives on one link share its 
 - under `af.compile` the forward and backward (what torch.compile compiles: the ops `OpCost.graph` marks; compiled
   per block, as under FSDP and torchtitan, only the blocks' own ops, `OpCost.region`: the loss, the head and the
   embedding stay eager) have no launch floor, and each run of their memory-bound kernels between two matmuls,
-  attention kernels or collectives is one fused kernel moving what its largest op moves (inductor's fusion,
-  checked against the kernels inductor makes of a Llama decoder block: docs/dry_run.md), at the bandwidth
+  attention kernels or collectives is one fused kernel moving what it reads from outside and writes for later
+  (`fused_runs`: a run ends after a whole-tensor reduction such as torchao's amax, and fuses past a matmul that
+  does not need it; checked against the kernels inductor makes of a Llama decoder block, bf16 and fp8:
+  benchmarks/fp8_fusion.py, docs/dry_run.md), at the bandwidth
   torch.compile's reduction kernels were measured to reach where the run reduces (`timing.fused_time`); the rest (the optimizer's update, the
   clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
   compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it;
@@ -56,7 +58,17 @@ from .layout import _intra_node
 from .timing import OpCost, TimingAssumptions, cost_time, fused_time
 from .tracker import Collective
 
-__all__ = ["StepTime", "Pipeline", "predict_step", "pipeline_of", "compile_regions", "traced_mask"]
+__all__ = [
+    "StepTime",
+    "Pipeline",
+    "predict_step",
+    "pipeline_of",
+    "compile_regions",
+    "traced_mask",
+    "fused_runs",
+    "run_bytes",
+    "FusedRun",
+]
 
 
 def traced_mask(cost: OpCost) -> OpCost:
@@ -200,6 +212,126 @@ def pipeline_of(strategy: str) -> Pipeline | None:
     return None
 
 
+@attrs.frozen
+class FusedRun:
+    """One kernel a compiled step runs for a run of memory-bound ops (`ops`) that fuse: `nbytes` what it moves
+    (`run_bytes`), `reduce` the rows' length of its reduction that reaches the least bandwidth (0: none)."""
+
+    ops: tuple[OpCost, ...]
+    nbytes: int
+
+
+def run_bytes(ops: Sequence[OpCost], reads: Mapping[int, int]) -> int:
+    """What one fused kernel of `ops` moves, as inductor's fused kernels do: each tensor it reads that the run
+    did not write (once per view), and each tensor it writes that no later op of the run reads or that other ops
+    read too (`reads`: how many ops of the step read each storage). Ops whose tensors were not followed
+    (`OpCost.reads` and `writes` empty: AccumulateGrad's copies of a compiled backward's gradients) move nothing of
+    their own, and a run of only such ops moves what the largest of them moves.
+
+    Example:
+        >>> x, y, z = (1, 0, 100), (2, 0, 200), (3, 0, 100)  # (storage, view, bytes)
+        >>> up = OpCost("memory", nbytes=300, reads=(x,), writes=(y,))  # bf16 -> fp32
+        >>> down = OpCost("memory", nbytes=300, reads=(y,), writes=(z,))  # fp32 -> bf16
+        >>> run_bytes([up, down], {1: 1, 2: 1}), run_bytes([up, down], {1: 1, 2: 2})  # y: in registers or kept
+        (200, 400)
+    """
+    largest = 0
+    read: dict[tuple[int, int], int] = {}
+    written: dict[tuple[int, int], int] = {}
+    inside: dict[int, int] = {}  # storage written in the run -> how many of the run's ops read it
+    for op in ops:
+        if not op.reads and not op.writes:
+            largest = max(largest, op.nbytes)
+            continue
+        for storage, view, n in op.reads:
+            if storage in inside:
+                inside[storage] += 1
+            else:
+                read.setdefault((storage, view), n)
+        for storage, view, n in op.writes:
+            inside.setdefault(storage, 0)
+            written[(storage, view)] = n
+    if not written and not read:
+        return largest
+    kept = (n for (s, _), n in written.items() if not inside[s] or reads.get(s, 0) > inside[s])
+    return sum(read.values()) + sum(kept)
+
+
+def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]:
+    """The kernels a compiled step runs for `timeline`, as `predict_step` prices them: each run of memory-bound
+    ops that fuse, one `FusedRun`, and each other op or collective as it is; `per_block` as `predict_step`'s
+    `compiled="blocks"` (only a compiled block's ops fuse). As inductor's scheduler does, ops between two
+    matmuls or attention kernels fuse with those of the run before them where they read nothing the kernels in
+    between wrote (a SwiGLU's backward beside the products before it), and a run none of whose outputs those
+    kernels read waits to fuse with the run after them (SwiGLU's `silu` between the gate and up projections).
+    A run ends at a collective, an eager op, between the forward and the backward, and after a reduction of a whole tensor to one value (`OpCost.whole`, torchao's
+    tensorwise amax): what reads its value waits for every block of it, so inductor starts a new kernel
+    (benchmarks/fp8_fusion.py measures both against inductor's kernels).
+
+    Example:
+        >>> mm, add = OpCost("matmul", 64, 64, 64), OpCost("memory", nbytes=100)
+        >>> amax = OpCost("memory", nbytes=100, whole=True)
+        >>> [type(r).__name__ for r in fused_runs([add, add, mm, add, amax, add])]  # (tensors not followed)
+        ['FusedRun', 'OpCost', 'FusedRun', 'FusedRun']
+    """
+    reads: dict[int, int] = {}  # storage -> how many ops read it
+    for ev in timeline:
+        for storage, _, _ in getattr(ev, "reads", ()):
+            reads[storage] = reads.get(storage, 0) + 1
+    out: list[Any] = []
+    run: list[OpCost] = []
+    made: set[int] = set()  # the storages the run writes
+    between: list[Any] = []  # the kernels since the run's last op
+    wrote: set[int] = set()  # the storages they write
+    needed = False  # whether they read what the run writes
+
+    def close() -> None:
+        nonlocal needed
+        if run:
+            fused = FusedRun(tuple(run), run_bytes(run, reads))
+            out.extend([fused, *between] if needed else [*between, fused])
+        else:
+            out.extend(between)
+        run.clear()
+        made.clear()
+        between.clear()
+        wrote.clear()
+        needed = False
+
+    for ev in timeline:
+        inside = isinstance(ev, OpCost) and ev.graph and (ev.region or not per_block)
+        if run and isinstance(ev, OpCost) and ev.backward != run[0].backward:
+            close()  # the forward's graph and the backward's are compiled apart
+        if inside and ev.kind == "memory":
+            unknown = not ev.reads and not ev.writes  # (tensors not followed: taken to need them)
+            if between and (
+                unknown or any(s in wrote for s, _, _ in ev.reads)
+            ):  # it needs a kernel in between
+                if needed:  # which needs the run: the run goes before them, the op starts a new one
+                    close()
+                else:  # the run goes after them and takes the op
+                    out.extend(between)
+                    between.clear()
+                    wrote.clear()
+            run.append(ev)  # (or it reads nothing they wrote: it goes where the run goes)
+            made.update(s for s, _, _ in ev.writes)
+            if ev.whole:
+                close()
+            continue
+        if not inside:  # a collective or an eager op: everything before it runs before it
+            close()
+            out.append(ev)
+            continue
+        if not run:
+            out.append(ev)
+            continue
+        between.append(ev)
+        needed = needed or not ev.reads or any(s in made for s, _, _ in ev.reads)
+        wrote.update(s for s, _, _ in ev.writes)
+    close()
+    return out
+
+
 def compile_regions(strategy: str) -> str | None:
     """What a step's description (`repr(step)`'s chain) compiles: None (nothing), `"blocks"` (each block on its
     own: `regions='blocks'`, and always under FSDP, HSDP, ZeRO-3 and a pipeline, as `af.compile` lowers them and
@@ -262,8 +394,6 @@ def predict_step(
     prev_need = 0.0  # when the previous prefetched all-gather was needed
     pending = 0.0  # when the last asynchronous reduction ends
     comm_s = 0.0
-    fused = 0  # bytes of the largest memory-bound op of the current run (compiled)
-    reduce = 0  # the rows' length of the run's reduction that reaches the least bandwidth (0: none)
 
     forward_s = backward_s = 0.0
 
@@ -280,11 +410,14 @@ def predict_step(
         now += seconds
         kernels += 1
 
-    def flush() -> None:
-        nonlocal fused, reduce
-        if fused:
-            compute(fused_time(fused, reduce, device, ta), "memory", floor=0.0)
-            fused = reduce = 0
+    def slowest(run: FusedRun) -> int:  # the rows' length of the run's reduction reaching the least bandwidth
+        reduce = 0
+        for op in run.ops:
+            if op.reduce and (
+                not reduce or fused_time(1, op.reduce, device, ta) > fused_time(1, reduce, device, ta)
+            ):
+                reduce = op.reduce
+        return reduce
 
     # asynchronous reductions not yet on their link: (issued at, seconds, link); each link serves in the order
     # of issue, so a prefetched all-gather issued earlier goes before them
@@ -304,25 +437,20 @@ def predict_step(
             now = until
 
     in_fb = False
-    for ev in timeline:
+    for ev in fused_runs(timeline, per_block=per_block) if compiled else timeline:
+        if isinstance(ev, FusedRun):
+            if ev.nbytes:
+                compute(fused_time(ev.nbytes, slowest(ev), device, ta), "memory", floor=0.0)
+            continue
         if isinstance(ev, OpCost):
             inside = compiled and ev.graph and (ev.region or not per_block)
             if inside and not per_block:
                 ev = traced_mask(ev)
-            if ev.kind == "memory" and inside:
-                fused = max(fused, ev.nbytes)
-                if ev.reduce and (
-                    not reduce or fused_time(1, ev.reduce, device, ta) > fused_time(1, reduce, device, ta)
-                ):
-                    reduce = ev.reduce
-                continue
-            flush()
             eager = not inside
             compute(cost_time(ev, device, ta), ev.kind, ev.backward, ta.launch_s if eager else 0.0)
             continue
         if not isinstance(ev, Collective):
             continue
-        flush()
         if in_fb and ev.phase != "forward_backward":
             place(float("inf"))
             wait(pending)  # the update needs every gradient
@@ -343,7 +471,6 @@ def predict_step(
             place(now)
             link_free[link] = max(link_free[link], now) + seconds
             wait(link_free[link])
-    flush()
     place(float("inf"))
     wait(pending)
     compute_s = sum(by_kind.values())

@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -538,7 +539,11 @@ class OpCost:
     """What one kernel does, independent of the device: a matmul's `(m, n, k, batch)` in `dtype` with an output
     of `out_bytes` per element, an attention kernel's `flops` (`seq` its key length, `backward_kernel` SDPA's
     backward, `causal` with a causal mask, `mask` given it as an explicit mask), or a memory-bound kernel's
-    `nbytes` moved (`reduce`: the length of the rows a reduction reduces, 0 for none); `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
+    `nbytes` moved (`reduce`: the length of the rows a reduction reduces, 0 for none; `whole`: it reduces its whole
+    input to one value, as torchao's tensorwise amax does, so what reads the value waits for every block of it;
+    `reads` and `writes`: the tensors it reads and writes as (storage, view, bytes), the storage a number unique
+    to it in this process and the view one per offset and shape: what `step_time.run_bytes` follows through a
+    fused run); `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
     the backward, what a compiled step compiles (False: the update, and no-grad work outside the backward such
     as FSDP's copies after its all-gathers, which stay eager); `region` whether a compiled block ran it (its
     forward inside `compiled_region`, or in the backward the backward of an autograd node made there: what a step
@@ -569,6 +574,9 @@ class OpCost:
     causal: bool = False
     mask: bool = False
     reduce: int = 0
+    whole: bool = False
+    reads: tuple[tuple[int, int, int], ...] = ()
+    writes: tuple[tuple[int, int, int], ...] = ()
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
@@ -680,6 +688,61 @@ def in_place_kernel(read: Sequence[torch.Tensor], written: Sequence[torch.Tensor
 _IN_PLACE = torch.ops.accelfn.in_place_kernel.default
 
 
+_STORAGES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # storage -> its number
+
+
+def _io(x: Any) -> list[tuple[int, int, int]] | None:
+    """(storage, view, bytes) of each tensor in an op's argument or output (one level of list / tuple; a wrapper
+    subclass by the tensors it holds, as `_bytes_of`); None where a tensor has no storage to name."""
+    if is_traceable_wrapper_subclass(x):
+        out: list[tuple[int, int, int]] = []
+        for name in x.__tensor_flatten__()[0]:
+            inner = _io(getattr(x, name))
+            if inner is None:
+                return None
+            out += inner
+        return out
+    if isinstance(x, torch.Tensor):
+        try:
+            storage = x.untyped_storage()
+            number = _STORAGES.get(storage)
+            if number is None:
+                number = _STORAGES[storage] = next(_SERIAL)
+        except (NotImplementedError, RuntimeError, TypeError):
+            return None
+        view = hash((x.storage_offset(), tuple(x.shape), tuple(x.stride())))
+        return [(number, view, x.numel() * x.element_size())]
+    if isinstance(x, (list, tuple)):
+        out = []
+        for t in x:
+            if isinstance(t, torch.Tensor):
+                inner = _io(t)
+                if inner is None:
+                    return None
+                out += inner
+        return out
+    return []
+
+
+_SERIAL = iter(range(1 << 62))
+
+
+def _op_io(
+    args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]:
+    """An op's `OpCost.reads` and `OpCost.writes` (both empty where a tensor has no storage to name)."""
+    reads: list[tuple[int, int, int]] = []
+    for a in [*args, *(v for k, v in kwargs.items() if k != "out")]:
+        r = _io(a)
+        if r is None:
+            return (), ()
+        reads += r
+    w = _io(out if out is not None else kwargs.get("out"))
+    if w is None:
+        return (), ()
+    return tuple(reads), tuple(w)
+
+
 def _bytes_of(x: Any) -> int:
     """Bytes of the tensors in an op's argument or output (a tensor, or a list / tuple of them, one level); a
     tensor subclass that wraps others (torchao's float8 tensors: the dtype they stand for over 1-byte data, the
@@ -713,6 +776,15 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         func.__name__.split(".")[0],
     ) not in _NEVER_FUSED
     region = graph and (_REGION[0] > 0 or (backward and _in_region_backward()))
+    # AccumulateGrad's copy of a region's gradient: a compiled backward hands its outputs on as they are (see
+    # `_in_region_backward`), so in a fused run it moves nothing of its own
+    node = torch._C._current_autograd_node() if region and backward else None
+    reads: tuple[tuple[int, int, int], ...]
+    writes: tuple[tuple[int, int, int], ...]
+    if node is not None and node.name() == "torch::autograd::AccumulateGrad":
+        reads, writes = (), ()
+    else:
+        reads, writes = _op_io(args, kwargs, out)
     if func is _IN_PLACE:  # what it writes, it read first
         return OpCost(
             "memory",
@@ -720,6 +792,8 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             backward=backward,
             graph=graph,
             region=region,
+            reads=reads,
+            writes=writes,
         )
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
@@ -730,6 +804,9 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             graph=graph,
             region=region,
             reduce=_reduced(func, args, kwargs, out),
+            whole=_whole(func, args, out),
+            reads=reads,
+            writes=writes,
         )
     name = func.__name__.split(".")[0]
     if kind == "matmul":
@@ -743,7 +820,18 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
                 groups = outs[0].shape[0]
                 m, k = x.shape[0], max(1, x.shape[1] // groups)
             return OpCost(
-                "matmul", m, n, k, groups, _math_dtype(x), size, backward=backward, graph=graph, region=region
+                "matmul",
+                m,
+                n,
+                k,
+                groups,
+                _math_dtype(x),
+                size,
+                backward=backward,
+                graph=graph,
+                region=region,
+                reads=reads,
+                writes=writes,
             )
         batch = x.shape[0] if x.ndim == 3 else 1
         return OpCost(
@@ -757,6 +845,8 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             backward=backward,
             graph=graph,
             region=region,
+            reads=reads,
+            writes=writes,
         )
     sdpa = _sdpa_flops(func, name, args, kwargs)
     if sdpa is None:
@@ -774,6 +864,8 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         backward_kernel=name.endswith("_backward"),
         causal=causal,
         mask=masked,
+        reads=reads,
+        writes=writes,
     )
 
 
@@ -812,6 +904,16 @@ def _reduced(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
     if not ins or not outs or outs[0].numel() == 0:
         return 0
     return max(0, ins[0].numel() // max(1, outs[0].numel()))
+
+
+def _whole(func: Any, args: tuple[Any, ...], out: Any) -> bool:
+    """Whether a reduction op reduces its whole input (more than one element) to one value: `torch.max(x)`,
+    `x.sum()`, a norm, torchao's tensorwise amax."""
+    name = func.__name__.split(".")[0]
+    if name not in _REDUCTIONS and name not in ("max", "min"):
+        return False
+    ins, outs = _tensors(args[:1]), _tensors(out)
+    return bool(ins and outs) and outs[0].numel() == 1 and ins[0].numel() > 1
 
 
 def _grouped_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:

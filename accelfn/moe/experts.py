@@ -198,7 +198,9 @@ def local_experts(
     return torch.cat(outs)
 
 
-@torch.compiler.disable  # type: ignore[misc]
+# `torch._disable_dynamo` is `torch.compiler.disable` that imports dynamo on the first call, not at import:
+# importing dynamo costs every process of a launch about a second.
+@torch._disable_dynamo  # type: ignore[misc]
 def ep_forward(
     module: nn.Module,
     dispatcher: Dispatcher,

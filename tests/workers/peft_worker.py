@@ -104,15 +104,16 @@ def check(strategy: str, dtype_name: str, extra: set[str], mesh: af.Mesh) -> Non
         peft = PeftModel.from_pretrained(tiny_llama().to(dtype), f"{OUT}/{tag}")
         merged = AutoModelForCausalLM.from_pretrained(f"{OUT}/{tag}-merged")
         ids = batches[0]["input_ids"]
-        with torch.no_grad():
+        # eager, as PEFT's model runs: `af.compile(regions="blocks")` compiled the reference model's blocks in place,
+        # and compiled bf16 blocks round apart from eager ones (2.9e-3 on these logits); while dynamo's recompile
+        # limit was not yet reached by the configs before, this compared compiled logits with eager ones
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for n in lora:  # the reference model with the sharded run's adapter values
                 ref_state.params[n].copy_(trained[n])
             want = ref_model(input_ids=ids).logits.float()
             got = peft(input_ids=ids).logits.float()
             got_merged = merged(input_ids=ids).logits.float()
-        assert (got - want).abs().max() <= (1e-6 if "compile" in extra else 0), (
-            (got - want).abs().max()
-        )  # compiled blocks round apart
+        assert torch.equal(got, want), (got - want).abs().max()
         assert merged.dtype == dtype and (got_merged - want).abs().max() <= (1e-5 if exact else 0.1), (
             (got_merged - want).abs().max()
         )

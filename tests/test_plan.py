@@ -23,6 +23,7 @@ from accelfn.launch.config import Config, ConfigError, load
 from accelfn.planner import Candidate, Space, States, enumerate_candidates, states_bound
 from accelfn.planner.candidates import REMATS
 from tests._launch import WORKERS, output_of, run_workers
+from tests.plan_memo import shared_dry_runs
 
 SCRIPT = str(WORKERS / "plan_worker.py")
 FIXED = [
@@ -121,7 +122,8 @@ def test_candidates_split_the_global_batch_evenly() -> None:
 @pytest.fixture(scope="module")
 def plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     kw = dict(nproc_per_node=8, global_batch_size=8, axes=("dp", "tp"), memory_gib=MEMORY_GIB)
-    return af.plan(SCRIPT, FIXED, **kw), af.plan(SCRIPT, FIXED, prune=False, **kw)  # type: ignore[arg-type]
+    with shared_dry_runs():
+        return af.plan(SCRIPT, FIXED, **kw), af.plan(SCRIPT, FIXED, prune=False, **kw)  # type: ignore[arg-type]
 
 
 def test_the_plan_says_what_it_chooses_and_what_the_script_fixes(plans) -> None:
@@ -554,7 +556,8 @@ def test_the_first_dry_runs_at_405b_on_512_are_pipelines() -> None:
 @pytest.fixture(scope="module")
 def memory_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     kw = dict(nproc_per_node=2, nnodes=2, global_batch_size=8, axes=("dp", "tp"), memory_gib=MEMORY_BINDS_GIB)
-    return af.plan(SCRIPT, MEMORY_ARGS, **kw), af.plan(SCRIPT, MEMORY_ARGS, prune=False, **kw)  # type: ignore[arg-type]
+    with shared_dry_runs():
+        return af.plan(SCRIPT, MEMORY_ARGS, **kw), af.plan(SCRIPT, MEMORY_ARGS, prune=False, **kw)  # type: ignore[arg-type]
 
 
 def test_where_memory_binds_the_choice_is_the_exhaustive_best(memory_plans) -> None:

@@ -21,6 +21,7 @@ from accelfn.planner.candidates import Candidate
 from accelfn.planner.prune import Exchanges, all_to_all_time, comm_bound, routed_bound
 from accelfn.platforms.specs import spec
 from tests._launch import ROOT, WORKERS
+from tests.plan_memo import shared_dry_runs
 
 MOE = str(ROOT / "examples" / "train_moe.py")
 MOE_ARGS = ["--steps", "2", "--experts", "4", "--remat", "none", "--offload", "none", "--accumulate", "1"]
@@ -49,7 +50,7 @@ def plans() -> dict[str, Any]:
 
     kw: dict[str, Any] = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "ep"), workers=1)
     kw["strategies"] = ("ddp", "fsdp")
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, shared_dry_runs():
         mp.setattr(tiers, "routed_bound", routed)
         out["pruned"] = af.plan(MOE, MOE_ARGS, **kw)
         mp.setattr(tiers, "routed_bound", lambda *a: 0.0)

@@ -20,6 +20,7 @@ import accelfn as af
 from accelfn import launch_env
 from accelfn.planner import Space, States, enumerate_candidates, states_bound
 from tests._launch import ROOT, WORKERS, output_of, run_workers
+from tests.plan_memo import shared_dry_runs
 
 PLAN_WORKER = str(WORKERS / "plan_worker.py")
 MOE = str(ROOT / "examples" / "train_moe.py")
@@ -90,7 +91,8 @@ def test_the_probe_counts_the_experts_of_the_scripts_model() -> None:
 def moe_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     kw = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "ep"), memory_gib=MOE_MEMORY_GIB, workers=1)
     kw["strategies"] = ("ddp", "fsdp", "hsdp")  # (ZeRO: below)
-    return af.plan(MOE, MOE_ARGS, **kw), af.plan(MOE, MOE_ARGS, prune=False, **kw)  # type: ignore[arg-type]
+    with shared_dry_runs():
+        return af.plan(MOE, MOE_ARGS, **kw), af.plan(MOE, MOE_ARGS, prune=False, **kw)  # type: ignore[arg-type]
 
 
 def test_the_moe_plan_chooses_an_ep_mesh_within_3_percent_of_the_exhaustive_best(moe_plans) -> None:
@@ -277,7 +279,7 @@ def zero_plans() -> tuple[af.planner.Plan, af.planner.Plan]:
     from accelfn.planner import candidates
 
     kw = dict(nproc_per_node=8, global_batch_size=8, axes=("dp",), workers=1)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, shared_dry_runs():
         mp.setattr(candidates, "deepspeed_installed", lambda: True)
         return af.plan(PLAN_WORKER, ZERO_ARGS, **kw), af.plan(PLAN_WORKER, ZERO_ARGS, prune=False, **kw)  # type: ignore[arg-type]
 

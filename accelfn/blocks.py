@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 
 from torch import nn
@@ -59,4 +60,27 @@ def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     classes = set(getattr(model, "_no_split_modules", None) or [])
     if not classes:
         return []
-    return outermost(model, classes, repeated=True) or outermost(model, classes)
+    blocks = outermost(model, classes, repeated=True)
+    if not blocks:
+        return outermost(model, classes)
+    names = [n for n, _ in blocks]
+    keyed = [  # matches held in a ModuleDict, outside the blocks found: not a list's items, so not taken
+        f"{p}.{c}" if p else c
+        for p, m in model.named_modules()
+        if isinstance(m, nn.ModuleDict)
+        for c, sub in m.named_children()
+        if type(sub).__name__ in classes
+    ]
+    left = [k for k in keyed if not any(k == n or k.startswith(n + ".") for n in names)]
+    if left:
+        warnings.warn(
+            f"{type(model).__name__}: the {_classes(classes)} modules {', '.join(left[:4])}"
+            f"{' ...' if len(left) > 4 else ''} sit in a ModuleDict, not in a layer list: they are not taken as "
+            f"blocks (pipeline split points, remat, compile regions); the blocks are {names[0]} ... ({len(names)})",
+            stacklevel=2,
+        )
+    return blocks
+
+
+def _classes(classes: Collection[str]) -> str:
+    return " / ".join(sorted(classes))

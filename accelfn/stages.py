@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import attrs
 import torch
 from torch import nn
 
+from . import dry_mode
 from .blocks import no_split_blocks
 
 __all__ = [
@@ -222,36 +224,56 @@ def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     output shape for an embedding or a Linear (an embedding's output feeds the residual stream), the hidden
     state (first argument, or `hidden_states=` / `inputs_embeds=`) unchanged for anything else (a decoder layer, a
     norm); token ids into a module holding an embedding (BERT's `BertEmbeddings(input_ids=...)`) give zeros of its
-    width."""
+    width. A module holding a layer stack (a `ModuleList` of several) called without a positional input is not a
+    split point: a TypeError. The made-up tensors are NaN outside a dry run: the stage's own input replaces them,
+    and a model that reads one by another path (Gemma3n's per-layer inputs, T5's position bias) shows NaN rather
+    than training on zeros; a dry run's are zeros (fake tensors: only their shapes count).
+
+    Example:
+        >>> emb = bypass_forward(nn.Embedding(10, 4))
+        >>> emb(torch.tensor([[1, 2]])).shape, bool(emb(torch.tensor([[1]])).isnan().all())
+        (torch.Size([1, 2, 4]), True)
+    """
+
+    def made_up(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if dry_mode.active() is not None or not dtype.is_floating_point:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+
     if isinstance(module, nn.Embedding):
         dim, dtype = module.embedding_dim, module.weight.dtype
 
         def embedding(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return torch.zeros((*ids.shape, dim), dtype=dtype, device=ids.device)
+            return made_up((*ids.shape, dim), dtype, ids.device)
 
         return embedding
     if isinstance(module, nn.Linear):
         out, dtype = module.out_features, module.weight.dtype
 
         def linear(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return torch.zeros((*x.shape[:-1], out), dtype=dtype, device=x.device)
+            return made_up((*x.shape[:-1], out), dtype, x.device)
 
         return linear
 
     inner = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    stack = any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in module.modules())
 
     def passthrough(*args: Any, **kwargs: Any) -> Any:
         named = (kwargs.get(k) for k in ("hidden_states", "inputs_embeds", "input_ids"))
         x = args[0] if args else next((v for v in named if v is not None), None)
-        if x is None:
+        if x is None or (stack and not args):
+            what = (
+                "with keywords only, and it holds a layer stack (a split point would be inside it)"
+                if x is not None
+                else "without a positional input or hidden_states / inputs_embeds / input_ids"
+            )
             raise TypeError(
-                f"af.pipeline: a {type(module).__name__} of another stage was called without a positional input "
-                "or hidden_states / inputs_embeds / input_ids: split points must be modules that take the hidden "
-                "state as their first argument"
+                f"af.pipeline: a {type(module).__name__} of another stage was called {what}: split points must be "
+                "modules that take the hidden state as their first argument"
             )
         if inner is not None and isinstance(x, torch.Tensor) and not x.is_floating_point():
             # token ids into a module holding the embeddings (BERT's `bert.embeddings`, called with keywords)
-            return torch.zeros((*x.shape, inner.embedding_dim), dtype=inner.weight.dtype, device=x.device)
+            return made_up((*x.shape, inner.embedding_dim), inner.weight.dtype, x.device)
         return x
 
     return passthrough

@@ -89,3 +89,70 @@ def test_bert_pp2_on_two_processes_equals_one_process():
     proc = run_workers("pp_bert_worker.py", 2, timeout=120)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.count("BERT PP OK") == 2, output_of(proc)
+
+
+# ---- stand-ins for other stages' modules, and blocks outside a layer list ---------------------------------------
+def test_stand_ins_make_up_nan_outside_a_dry_run_and_zeros_inside() -> None:
+    """A stage's stand-in output is replaced by the stage's received input; a model that reads it by another
+    path must not train on made-up zeros (the review's Gemma3n / T5 case): NaN shows it. In a dry run, zeros."""
+    from transformers import BertConfig, BertModel
+
+    from accelfn import dry_mode
+    from accelfn.stages import bypass_forward
+
+    bert = BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    )
+    ids = torch.tensor([[1, 2, 3]])
+    stand_ins = [
+        (bypass_forward(nn.Embedding(10, 8)), (ids,), {}, (1, 3, 8)),
+        (bypass_forward(nn.Linear(4, 6)), (torch.ones(2, 4),), {}, (2, 6)),
+        (bypass_forward(bert.embeddings), (), {"input_ids": ids, "token_type_ids": None}, (1, 3, 32)),
+    ]
+    for forward, args, kwargs, shape in stand_ins:
+        out = forward(*args, **kwargs)
+        assert out.shape == shape and out.isnan().all(), out
+        with dry_mode.watching(dry_mode.Watcher()):
+            out = forward(*args, **kwargs)
+        assert out.shape == shape and not out.any(), out
+    # an integer table has no NaN: zeros
+    table = nn.Embedding(10, 8)
+    table.weight = nn.Parameter(torch.zeros(10, 8, dtype=torch.int64), requires_grad=False)
+    out = bypass_forward(table)(ids)
+    assert out.dtype == torch.int64 and not out.any()
+
+
+def test_a_stand_in_for_a_module_holding_a_layer_stack_refuses_keywords_only() -> None:
+    """T5's encoder stack called with `input_ids=` only: not a split point (the stack inside it is), so the
+    stand-in raises rather than making up the stack's output."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from accelfn.stages import bypass_forward
+
+    t5 = T5ForConditionalGeneration(
+        T5Config(
+            d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8, vocab_size=40, decoder_start_token_id=0
+        )
+    )
+    with pytest.raises(
+        TypeError, match="T5Stack of another stage was called with keywords only, and it holds"
+    ):
+        bypass_forward(t5.encoder)(input_ids=torch.tensor([[1, 2]]))
+    hidden = torch.ones(1, 2, 16)
+    assert bypass_forward(t5.encoder.block[0])(hidden) is hidden  # a block: the hidden state goes through
+
+
+def test_blocks_in_a_module_dict_beside_a_layer_list_are_named_in_a_warning() -> None:
+    class Block(nn.Linear):
+        pass
+
+    class Net(nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(2, 2), Block(2, 2)])
+            self.heads = nn.ModuleDict({"a": Block(2, 2), "b": Block(2, 2)})
+
+    with pytest.warns(UserWarning, match=r"Net: the Block modules heads\.a, heads\.b sit in a ModuleDict"):
+        assert [n for n, _ in no_split_blocks(Net())] == ["layers.0", "layers.1"]

@@ -225,8 +225,9 @@ def run_bytes(ops: Sequence[OpCost], reads: Mapping[int, int]) -> int:
     """What one fused kernel of `ops` moves, as inductor's fused kernels do: each tensor it reads that the run
     did not write (once per view), and each tensor it writes that no later op of the run reads or that other ops
     read too (`reads`: how many ops of the step read each storage). Ops whose tensors were not followed
-    (`OpCost.reads` and `writes` empty: AccumulateGrad's copies of a compiled backward's gradients) move nothing of
-    their own, and a run of only such ops moves what the largest of them moves.
+    (`OpCost.reads` and `writes` empty: a tensor without storage to name) are charged what the largest of them
+    moves, on top of the rest. `reads` counts collectives' and eager ops' reads too (a gradient written in the
+    run and read by its reduce-scatter is kept).
 
     Example:
         >>> x, y, z = (1, 0, 100), (2, 0, 200), (3, 0, 100)  # (storage, view, bytes)
@@ -254,7 +255,7 @@ def run_bytes(ops: Sequence[OpCost], reads: Mapping[int, int]) -> int:
     if not written and not read:
         return largest
     kept = (n for (s, _), n in written.items() if not inside[s] or reads.get(s, 0) > inside[s])
-    return sum(read.values()) + sum(kept)
+    return sum(read.values()) + sum(kept) + largest  # (ops not followed beside followed ones: their largest)
 
 
 def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]:
@@ -281,9 +282,13 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
     out: list[Any] = []
     run: list[OpCost] = []
     made: set[int] = set()  # the storages the run writes
+    used: set[int] = set()  # the storages the run reads
     between: list[Any] = []  # the kernels since the run's last op
     wrote: set[int] = set()  # the storages they write
-    needed = False  # whether they read what the run writes
+    read: set[int] = set()  # the storages they read
+    needed = (
+        False  # whether the run must go before them (they read what it writes, or overwrite what it uses)
+    )
 
     def close() -> None:
         nonlocal needed
@@ -294,8 +299,10 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
             out.extend(between)
         run.clear()
         made.clear()
+        used.clear()
         between.clear()
         wrote.clear()
+        read.clear()
         needed = False
 
     for ev in timeline:
@@ -305,16 +312,22 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
         if inside and ev.kind == "memory":
             unknown = not ev.reads and not ev.writes  # (tensors not followed: taken to need them)
             if between and (
-                unknown or any(s in wrote for s, _, _ in ev.reads)
-            ):  # it needs a kernel in between
-                if needed:  # which needs the run: the run goes before them, the op starts a new one
+                unknown
+                or any(s in wrote for s, _, _ in ev.reads)  # it reads what they write
+                or any(
+                    s in wrote or s in read for s, _, _ in ev.writes
+                )  # or overwrites what they write or read
+            ):  # it must run after a kernel in between
+                if needed:  # which must run after the run: the run goes before them, the op starts a new one
                     close()
                 else:  # the run goes after them and takes the op
                     out.extend(between)
                     between.clear()
                     wrote.clear()
-            run.append(ev)  # (or it reads nothing they wrote: it goes where the run goes)
+                    read.clear()
+            run.append(ev)  # (or it does not touch what they do: it goes where the run goes)
             made.update(s for s, _, _ in ev.writes)
+            used.update(s for s, _, _ in ev.reads)
             if ev.whole:
                 close()
             continue
@@ -326,8 +339,16 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
             out.append(ev)
             continue
         between.append(ev)
-        needed = needed or not ev.reads or any(s in made for s, _, _ in ev.reads)
+        needed = (
+            needed
+            or not ev.reads
+            or any(s in made for s, _, _ in ev.reads)  # it reads what the run writes
+            or any(
+                s in made or s in used for s, _, _ in ev.writes
+            )  # or overwrites what the run writes or reads
+        )
         wrote.update(s for s, _, _ in ev.writes)
+        read.update(s for s, _, _ in ev.reads)
     close()
     return out
 
@@ -439,8 +460,10 @@ def predict_step(
     in_fb = False
     for ev in fused_runs(timeline, per_block=per_block) if compiled else timeline:
         if isinstance(ev, FusedRun):
-            if ev.nbytes:
-                compute(fused_time(ev.nbytes, slowest(ev), device, ta), "memory", floor=0.0)
+            if ev.nbytes:  # (a run is of the forward or of the backward, never both: `fused_runs`)
+                compute(
+                    fused_time(ev.nbytes, slowest(ev), device, ta), "memory", ev.ops[0].backward, floor=0.0
+                )
             continue
         if isinstance(ev, OpCost):
             inside = compiled and ev.graph and (ev.region or not per_block)
@@ -495,8 +518,9 @@ def predict_step(
         "compiled": ("blocks" if per_block else "step") if compiled else False,
         "fusion": "compiled: in the forward and backward"
         + (" of each compiled block" if per_block else "")
-        + ", each run of memory-bound kernels between matmuls/attention/collectives is one kernel moving its "
-        "largest op's bytes; the update" + (", the loss and FSDP's hooks eager" if per_block else " eager")
+        + ", each run of memory-bound kernels between matmuls/attention/collectives is one kernel moving what it "
+        "reads from outside and writes for later, ended after a whole-tensor reduction; the update"
+        + (", the loss and FSDP's hooks eager" if per_block else " eager")
         if compiled
         else "eager: one kernel per op",
         "traced_mask": "compiled as one graph: transformers' causal mask kept, attention over every block"

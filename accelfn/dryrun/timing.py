@@ -711,7 +711,9 @@ def _io(x: Any) -> list[tuple[int, int, int]] | None:
         except (NotImplementedError, RuntimeError, TypeError):
             return None
         view = hash((x.storage_offset(), tuple(x.shape), tuple(x.stride())))
-        return [(number, view, x.numel() * x.element_size())]
+        # the elements stored: an expanded dimension (stride 0) reads one element along it
+        stored = math.prod(n for n, st in zip(x.shape, x.stride()) if st != 0)
+        return [(number, view, stored * x.element_size())]
     if isinstance(x, (list, tuple)):
         out = []
         for t in x:
@@ -727,12 +729,23 @@ def _io(x: Any) -> list[tuple[int, int, int]] | None:
 _SERIAL = iter(range(1 << 62))
 
 
+# ops whose first argument gives only a shape / dtype, or is only written: they do not read it
+_WRITES_FIRST = frozenset(
+    {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_", "geometric_", "log_normal_"}
+    | {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
+    | {"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"}
+)
+
+
 def _op_io(
-    args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
 ) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]:
-    """An op's `OpCost.reads` and `OpCost.writes` (both empty where a tensor has no storage to name)."""
+    """An op's `OpCost.reads` and `OpCost.writes` (both empty where a tensor has no storage to name); the first
+    argument of an op that only takes its shape or writes it (`zeros_like`, `copy_`'s destination, `fill_`) is
+    not read."""
     reads: list[tuple[int, int, int]] = []
-    for a in [*args, *(v for k, v in kwargs.items() if k != "out")]:
+    skip_first = args and getattr(func, "__name__", "").split(".")[0] in _WRITES_FIRST
+    for a in [*(args[1:] if skip_first else args), *(v for k, v in kwargs.items() if k != "out")]:
         r = _io(a)
         if r is None:
             return (), ()
@@ -776,15 +789,21 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         func.__name__.split(".")[0],
     ) not in _NEVER_FUSED
     region = graph and (_REGION[0] > 0 or (backward and _in_region_backward()))
-    # AccumulateGrad's copy of a region's gradient: a compiled backward hands its outputs on as they are (see
-    # `_in_region_backward`), so in a fused run it moves nothing of its own
+    # AccumulateGrad's copy of a region's gradient (`detach`, the parameter's first gradient): a compiled backward
+    # hands its outputs on as they are (see `_in_region_backward`), so in a fused run it moves nothing of its own.
+    # Its add into a `.grad` already there (accumulation's micro-batches 2..n, a pipeline's 2..m) is a kernel of
+    # its own after the compiled backward's: priced as an eager op.
     node = torch._C._current_autograd_node() if region and backward else None
     reads: tuple[tuple[int, int, int], ...]
     writes: tuple[tuple[int, int, int], ...]
     if node is not None and node.name() == "torch::autograd::AccumulateGrad":
-        reads, writes = (), ()
+        if func.__name__.split(".")[0] in ("add", "add_"):
+            graph = region = False
+            reads, writes = _op_io(func, args, kwargs, out)
+        else:
+            reads, writes = (), ()
     else:
-        reads, writes = _op_io(args, kwargs, out)
+        reads, writes = _op_io(func, args, kwargs, out)
     if func is _IN_PLACE:  # what it writes, it read first
         return OpCost(
             "memory",

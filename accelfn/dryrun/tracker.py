@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
-from .timing import FLOP_FORMULAS, OpCost, _math_dtype, op_cost
+from .timing import FLOP_FORMULAS, OpCost, _math_dtype, _op_io, op_cost
 
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
@@ -161,6 +161,9 @@ class Collective:
     nbytes: int
     phase: str = ""  # the engine phase it ran in (the tracker's `phase`)
     backward: bool = False  # whether autograd's backward ran it
+    reads: tuple[
+        tuple[int, int, int], ...
+    ] = ()  # its inputs, as `OpCost.reads`: a fused run's write it reads is kept
 
     @property
     def bus_bytes(self) -> int:
@@ -185,7 +188,7 @@ def _collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out
             "second_times_n": second * n,
             "none": 0,
         }[rule]
-        return Collective(kind, group[0], n, size)
+        return Collective(kind, group[0], n, size, reads=_op_io(func, args, kwargs, None)[0])
     if ns == "_c10d_functional" and name in _FUNCTIONAL:
         kind = _FUNCTIONAL[name]
         group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
@@ -195,7 +198,7 @@ def _collective(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out
         size = _nbytes(args[0])  # all-reduce, reduce-scatter, all-to-all: the input
         if kind == "all_gather":  # the output
             size = _nbytes(kwargs["out"]) if "out" in kwargs else _nbytes(out) or _nbytes(args[0]) * n
-        return Collective(kind, resolved, n, size)
+        return Collective(kind, resolved, n, size, reads=_op_io(func, args, kwargs, None)[0])
     return None
 
 

@@ -28,21 +28,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch._guards import detect_fake_mode
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 from .. import dry_mode
+from ..sdpa_mode import SDPA, SDPAMode
 
 __all__ = ["fused_dropout_attention"]
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
 
-
-class fused_dropout_attention(TorchFunctionMode):  # noqa: N801  (a context manager, named as one)
+class fused_dropout_attention(SDPAMode):  # noqa: N801  (a context manager, named as one)
     """Inside it, `scaled_dot_product_attention` with dropout runs as one fused flash kernel (module docs);
     `fused` counts the calls rerouted."""
 
@@ -50,13 +46,7 @@ class fused_dropout_attention(TorchFunctionMode):  # noqa: N801  (a context mana
         super().__init__()
         self.fused = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not _SDPA:
-            return func(*args, **kwargs)
-        return self._attention(*args, **kwargs)
-
-    def _attention(
+    def attention(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -80,7 +70,7 @@ class fused_dropout_attention(TorchFunctionMode):  # noqa: N801  (a context mana
             or query.dtype not in (torch.float32, torch.float16, torch.bfloat16)
         ):
             gqa = {"enable_gqa": True} if enable_gqa else {}
-            return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **gqa)
+            return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **gqa)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA converts it: -inf where masked
             attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
         self.fused += 1

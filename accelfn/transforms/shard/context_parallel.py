@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
 from ...mesh import Mesh
+from ...sdpa_mode import SDPA, SDPAMode
 from .._base import TransformBase
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ContextParallel", "chunk_positions", "split_sequence", "causal_mask", "gathered_attention"]
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
 _gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
@@ -129,18 +128,12 @@ def _aot_tracing() -> bool:
     return any(torch._C._get_dispatch_mode(k) is not None for k in (modes.FUNCTIONAL, modes.PROXY))
 
 
-class _AttentionMode(TorchFunctionMode):
+class _AttentionMode(SDPAMode):
     """Routes `scaled_dot_product_attention` through the all-gather of keys and values over the cp group."""
 
     def __init__(self, runtime: _Runtime) -> None:
         super().__init__()
         self.runtime = runtime
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not _SDPA:
-            return func(*args, **kwargs)
-        return self.attention(*args, **kwargs)
 
     def attention(
         self,
@@ -205,7 +198,7 @@ def gathered_attention(
         torch.Size([1, 2, 8, 4])
     """
     kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
-    return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
+    return SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
 
 
 def _batch_split(runtime: _Runtime, inner: Any) -> Any:

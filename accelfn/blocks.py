@@ -5,7 +5,9 @@ transformers' `_no_split_modules` names the classes a device map keeps whole: th
 are not repeated, such as BERT's `BertEmbeddings`. The blocks are the outermost modules of those classes that are
 items of an `nn.ModuleList` / `nn.Sequential` (the layer stacks: BERT's `encoder.layer`, both of T5's stacks, a
 vision-language model's vision tower and language model); where no match is such an item, every outermost match
-(a model whose blocks sit elsewhere keeps them).
+(a model whose blocks sit elsewhere keeps them). Matches that are items of an `nn.ModuleDict` beside those of a list
+are named in a warning, and taken instead of the list's where they hold more parameters (the larger stack is the
+model's layer stack).
 
 Example:
     >>> from transformers import BertConfig, BertModel
@@ -71,15 +73,32 @@ def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for c, sub in m.named_children()
         if type(sub).__name__ in classes
     ]
-    left = [k for k in keyed if not any(k == n or k.startswith(n + ".") for n in names)]
-    if left:
-        warnings.warn(
-            f"{type(model).__name__}: the {_classes(classes)} modules {', '.join(left[:4])}"
-            f"{' ...' if len(left) > 4 else ''} sit in a ModuleDict, not in a layer list: they are not taken as "
-            f"blocks (pipeline split points, remat, compile regions); the blocks are {names[0]} ... ({len(names)})",
-            stacklevel=2,
-        )
-    return blocks
+    left = [  # outside the blocks found, not holding one (a ModuleDict of whole models), outermost
+        k
+        for k in keyed
+        if not any(k == n or k.startswith(n + ".") or n.startswith(k + ".") for n in names)
+        and not any(k.startswith(o + ".") for o in keyed)
+    ]
+    if not left:
+        return blocks
+    held = [(k, model.get_submodule(k)) for k in left]
+    if _size(held) > _size(blocks):
+        # the ModuleDict holds the larger stack: it is the model's layer stack (as `decoder_layers`' fallback takes
+        # the list holding the most parameters); a pipeline balances stages by blocks, remat saves by them
+        taken, other, where = held, names, "in a layer list"
+    else:
+        taken, other, where = blocks, left, "in a ModuleDict"
+    warnings.warn(
+        f"{type(model).__name__}: {_classes(classes)} modules sit both in a layer list and in a ModuleDict; the "
+        f"blocks (pipeline split points, remat, compile regions) are the larger stack, {taken[0][0]} ... "
+        f"({len(taken)}); not taken, {where}: {', '.join(other[:4])}{' ...' if len(other) > 4 else ''}",
+        stacklevel=2,
+    )
+    return taken
+
+
+def _size(modules: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for _, m in modules for p in m.parameters())
 
 
 def _classes(classes: Collection[str]) -> str:

@@ -4,6 +4,8 @@ in `_no_split_modules` beside `BertLayer`: its embeddings are not a block."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -142,17 +144,29 @@ def test_a_stand_in_for_a_module_holding_a_layer_stack_refuses_keywords_only() -
     assert bypass_forward(t5.encoder.block[0])(hidden) is hidden  # a block: the hidden state goes through
 
 
-def test_blocks_in_a_module_dict_beside_a_layer_list_are_named_in_a_warning() -> None:
+def test_blocks_in_a_module_dict_beside_a_layer_list_warn_and_the_larger_stack_is_taken() -> None:
     class Block(nn.Linear):
         pass
 
     class Net(nn.Module):
         _no_split_modules = ["Block"]
 
-        def __init__(self) -> None:
+        def __init__(self, listed: int, keyed: int) -> None:
             super().__init__()
-            self.layers = nn.ModuleList([Block(2, 2), Block(2, 2)])
-            self.heads = nn.ModuleDict({"a": Block(2, 2), "b": Block(2, 2)})
+            self.layers = nn.ModuleList([Block(2, 2) for _ in range(listed)])
+            self.heads = nn.ModuleDict({str(i): Block(2, 2) for i in range(keyed)})
 
-    with pytest.warns(UserWarning, match=r"Net: the Block modules heads\.a, heads\.b sit in a ModuleDict"):
-        assert [n for n, _ in no_split_blocks(Net())] == ["layers.0", "layers.1"]
+    with pytest.warns(UserWarning, match=r"Net: Block modules sit both .* the larger stack, layers\.0 \.\.\. \(3\); "
+                      r"not taken, in a ModuleDict: heads\.0, heads\.1"):  # fmt: skip
+        assert [n for n, _ in no_split_blocks(Net(3, 2))] == ["layers.0", "layers.1", "layers.2"]
+    with pytest.warns(
+        UserWarning, match=r"the larger stack, heads\.0 \.\.\. \(3\); not taken, in a layer list: layers\.0"
+    ):
+        assert [n for n, _ in no_split_blocks(Net(1, 3))] == ["heads.0", "heads.1", "heads.2"]
+    # a ModuleDict holding a model whose layer list is found: no warning (the dict's match holds the blocks)
+    outer = nn.Module()
+    outer._no_split_modules = ["Block", "Net"]  # type: ignore[assignment]
+    outer.towers = nn.ModuleDict({"text": Net(2, 0)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [n for n, _ in no_split_blocks(outer)] == ["towers.text.layers.0", "towers.text.layers.1"]

@@ -281,7 +281,18 @@ def bypass_forward(module: nn.Module) -> Callable[..., Any]:
 
 class Skip(nn.Module):
     """The stand-in for a module another pipeline stage owns: no parameters of its own (except `keep`, weights
-    tied to a module this stage owns, held under their original names), and a forward that computes nothing."""
+    tied to a module this stage owns, held under their original names), and a forward that computes nothing
+    (`bypass_forward`). What it makes up (an embedding's or a Linear's output) is NaN outside a dry run: the
+    stage's received input replaces it, so a model that reads it by another path (Gemma3n's per-layer inputs,
+    Zamba's shared blocks, T5's position bias) gives a NaN loss (`metrics["loss"]`; af's step does not stop on
+    it, an fp16 step skips every update) rather than training on zeros. A dry run's are zeros (fake tensors: only
+    shapes count). A keywords-only call of a module holding a layer stack raises TypeError (a wrong carve).
+
+    Example:
+        >>> skip = Skip(nn.Embedding(10, 4), {})
+        >>> skip, bool(skip(torch.tensor([[1, 2]])).isnan().all())
+        (Skip(stands for Embedding), True)
+    """
 
     def __init__(self, original: nn.Module, keep: dict[str, nn.Parameter]) -> None:
         super().__init__()

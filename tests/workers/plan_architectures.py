@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
+from pathlib import Path
 
 import torch
 
 import accelfn as af
-from accelfn.launch_env import knob, remat_args
+from accelfn.launch_env import knob
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plan_knobs, beside this script
+import plan_knobs  # noqa: E402
 
 MODELS = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2", "opt", "neox", "bert", "llama1")
 SIZES = {"tiny": (64, 4, 512), "base": (768, 12, 32000)}  # hidden, heads, vocabulary
@@ -97,22 +102,13 @@ def main() -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--layers", type=int, default=None, help="blocks (default 4 tiny, 12 base; llama1: 1)")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--strategy", default="auto")
-    p.add_argument("--remat", default="auto")
-    p.add_argument("--accumulate", default="auto")
-    p.add_argument("--global-batch-size", default="auto")
-    p.add_argument("--offload", default="auto")
-    p.add_argument("--compile", default="auto")
+    plan_knobs.add_flags(p)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
 
     mesh = af.Mesh.from_env()
-    strategy = knob("strategy", args.strategy, "fsdp")
-    remat = knob("remat", args.remat, "none")
-    accumulate = int(knob("accumulate", args.accumulate, 1))
-    global_batch = int(knob("global_batch_size", args.global_batch_size, 2 * mesh.data_size))
-    offload = knob("offload", args.offload, "none")
-    compiled = knob("compile", args.compile, "none")
+    knobs = plan_knobs.read(args, strategy="fsdp", global_batch=2 * mesh.data_size)
+    global_batch = knobs.global_batch
     schedule = knob("pipeline_schedule", "auto", "1f1b")
     microbatches = knob("pipeline_microbatches", "auto", None)
     pp = mesh.axis_size("pp") if "pp" in mesh.axis_names else 1
@@ -130,19 +126,11 @@ def main() -> None:
 
     masked = args.model == "bert"
     step = af.train_step(masked_loss if masked else causal_loss, af.optim.adamw(1e-3, weight_decay=0.0))
-    if remat != "none":
-        step = af.remat(step, **remat_args(remat))
-    if accumulate > 1:
-        step = af.accumulate(step, accumulate)
-    if offload == "optimizer":
-        step = af.offload(step)
+    pipeline = None
     if pp > 1:  # every rank of a pipeline reads the same batch, one sequence per micro-batch by default
-        step = af.pipeline(
-            step, mesh, microbatches=int(microbatches or batch // accumulate), schedule=schedule
-        )
-    step = af.shard(step, mesh, strategy=strategy)
-    if compiled != "none":
-        step = af.compile(step, regions="blocks" if compiled == "blocks" else None)
+        n = int(microbatches or batch // knobs.accumulate)
+        pipeline = lambda step: af.pipeline(step, mesh, microbatches=n, schedule=schedule)  # noqa: E731
+    step = plan_knobs.apply(step, knobs, mesh, pipeline=pipeline)
     state = step.init(model)
     af.dist.print(step)
 

@@ -6,21 +6,20 @@ chooses): the mesh from `af.Mesh.from_env()`, strategy / remat / accumulate / gl
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import accelfn as af
-from accelfn.launch_env import knob, remat_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plan_knobs, beside this script
+import plan_knobs  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", default="auto")
-    p.add_argument("--remat", default="auto")
-    p.add_argument("--accumulate", default="auto")
-    p.add_argument("--global-batch-size", default="auto")
-    p.add_argument("--offload", default="auto")
-    p.add_argument("--compile", default="auto")
+    plan_knobs.add_flags(p)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -32,12 +31,8 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mesh = af.Mesh.from_env()
-    strategy = knob("strategy", args.strategy, "ddp")
-    remat = knob("remat", args.remat, "none")
-    accumulate = int(knob("accumulate", args.accumulate, 1))
-    global_batch = int(knob("global_batch_size", args.global_batch_size, 8))
-    offload = knob("offload", args.offload, "none")
-    compiled = knob("compile", args.compile, "none")
+    knobs = plan_knobs.read(args, strategy="ddp", global_batch=8)
+    global_batch = knobs.global_batch
     batch = global_batch // mesh.data_size
 
     torch.manual_seed(0)
@@ -58,18 +53,11 @@ def main() -> None:
         return af.losses.cross_entropy(m(input_ids=ids).logits[:, :-1], ids[:, 1:])
 
     step = af.train_step(loss_fn, af.optim.adamw(1e-3, weight_decay=0.0))
-    if remat != "none":
-        step = af.remat(step, **remat_args(remat))
-    if accumulate > 1:
-        step = af.accumulate(step, accumulate)
-    if offload == "optimizer":
-        step = af.offload(step)
-    step = af.shard(step, mesh, strategy=strategy)
-    if compiled != "none":
-        step = af.compile(step, regions="blocks" if compiled == "blocks" else None)
+    step = plan_knobs.apply(step, knobs, mesh)
     state = step.init(model)
-    af.dist.print(f"config mesh={dict(mesh.shape)} strategy={strategy} remat={remat} accumulate={accumulate} "
-                  f"global_batch={global_batch} offload={offload} compile={compiled}")  # fmt: skip
+    k = knobs
+    af.dist.print(f"config mesh={dict(mesh.shape)} strategy={k.strategy} remat={k.remat} accumulate={k.accumulate} "
+                  f"global_batch={k.global_batch} offload={k.offload} compile={k.compiled}")  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     for i in range(args.steps):
         ids = torch.randint(0, args.vocab, (global_batch, args.seq_len + 1), generator=gen)

@@ -1,4 +1,4 @@
-"""What a compiled Llama block's memory-bound work is, bf16 and fp8 (torchao tensorwise): inductor's kernels
+"""What a compiled Llama block's memory-bound work is, bf16 and fp8 (torchao tensorwise): inductor's CPU kernels
 against the dry run's fused runs (docs/dry_run.md, "Predicted time against published runs", items 1 and 15).
 
 Inductor (CPU backend, no GPU needed): the block is compiled, forward and backward, and each graph's scheduler

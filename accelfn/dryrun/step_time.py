@@ -19,8 +19,8 @@ stream per link (within a node, across nodes: collectives on one link share its 
   embedding stay eager) have no launch floor, and each run of their memory-bound kernels between two matmuls,
   attention kernels or collectives is one fused kernel moving what it reads from outside and writes for later
   (`fused_runs`: a run ends after a whole-tensor reduction such as torchao's amax, and fuses past a matmul that
-  does not need it; checked against the kernels inductor makes of a Llama decoder block, bf16 and fp8:
-  benchmarks/fp8_fusion.py, docs/dry_run.md), at the bandwidth
+  does not need it; checked against the kernels inductor's CPU backend makes of a Llama decoder block, bf16
+  and fp8, Triton on a GPU may fuse differently: benchmarks/fp8_fusion.py, docs/dry_run.md), at the bandwidth
   torch.compile's reduction kernels were measured to reach where the run reduces (`timing.fused_time`); the rest (the optimizer's update, the
   clip, FSDP2's copies into and out of its collectives, forward and backward, which run in its hooks around the
   compiled blocks) stays eager, one kernel per op, each at least the launch floor, as torch.compile leaves it;
@@ -267,7 +267,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
     kernels read waits to fuse with the run after them (SwiGLU's `silu` between the gate and up projections).
     A run ends at a collective, an eager op, between the forward and the backward, and after a reduction of a whole tensor to one value (`OpCost.whole`, torchao's
     tensorwise amax): what reads its value waits for every block of it, so inductor starts a new kernel
-    (benchmarks/fp8_fusion.py measures both against inductor's kernels).
+    (benchmarks/fp8_fusion.py measures both against inductor's CPU kernels; Triton on a GPU may fuse differently).
 
     Example:
         >>> mm, add = OpCost("matmul", 64, 64, 64), OpCost("memory", nbytes=100)

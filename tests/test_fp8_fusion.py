@@ -175,3 +175,27 @@ def test_an_expanded_input_reads_what_it_stores_and_shape_only_arguments_are_not
     assert [r[2] for r in reads] == [32] and len(writes) == 1  # the source only
     reads, _ = _op_io(torch.ops.aten.fill_.Scalar, (dest, 0.0), {}, dest)
     assert reads == ()
+
+
+def test_a_handed_on_gradient_moves_nothing_and_an_op_after_an_unfollowed_kernel_waits_for_it() -> None:
+    """AccumulateGrad's copy of a compiled backward's gradient (`handed_on`) costs nothing in a run, alone or
+    beside followed ops; a memory op after a kernel whose tensors are not followed may need its output, so it
+    does not join the run before that kernel. An empty expanded tensor reads nothing."""
+    import torch
+
+    from accelfn.dryrun.step_time import FusedRun, fused_runs, run_bytes
+    from accelfn.dryrun.timing import OpCost, _op_io
+
+    x, g, y, d = (1, 0, 100), (2, 0, 100), (3, 0, 100), (4, 0, 100)
+    handed = OpCost("memory", nbytes=500, handed_on=True, graph=True, region=True)
+    assert run_bytes([_mem((x,), (g,)), _mem((g,), (y,)), handed], {1: 1, 2: 1}) == 200
+    assert run_bytes([handed], {}) == 0
+    unfollowed = OpCost("matmul", 16, 16, 16, graph=True, region=True)  # no reads, no writes
+    kinds = [
+        "run" if isinstance(r, FusedRun) else "mm"
+        for r in fused_runs([_mem((x,), (g,)), unfollowed, _mem((d,), (y,))])
+    ]
+    assert kinds == ["run", "mm", "run"]
+    empty = torch.ones(5).expand(0, 5)
+    (read,), _ = _op_io(torch.ops.aten.add.Tensor, (empty, 1.0), {}, torch.ones(0, 5))
+    assert read[2] == 0

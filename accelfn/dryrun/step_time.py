@@ -241,6 +241,8 @@ def run_bytes(ops: Sequence[OpCost], reads: Mapping[int, int]) -> int:
     written: dict[tuple[int, int], int] = {}
     inside: dict[int, int] = {}  # storage written in the run -> how many of the run's ops read it
     for op in ops:
+        if op.handed_on:  # AccumulateGrad's copy of a compiled backward's gradient: nothing of its own
+            continue
         if not op.reads and not op.writes:
             largest = max(largest, op.nbytes)
             continue
@@ -289,9 +291,10 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
     needed = (
         False  # whether the run must go before them (they read what it writes, or overwrite what it uses)
     )
+    opaque = False  # whether one of them has tensors not followed: what comes after may need it
 
     def close() -> None:
-        nonlocal needed
+        nonlocal needed, opaque
         if run:
             fused = FusedRun(tuple(run), run_bytes(run, reads))
             out.extend([fused, *between] if needed else [*between, fused])
@@ -303,7 +306,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
         between.clear()
         wrote.clear()
         read.clear()
-        needed = False
+        needed = opaque = False
 
     for ev in timeline:
         inside = isinstance(ev, OpCost) and ev.graph and (ev.region or not per_block)
@@ -313,6 +316,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
             unknown = not ev.reads and not ev.writes  # (tensors not followed: taken to need them)
             if between and (
                 unknown
+                or opaque
                 or any(s in wrote for s, _, _ in ev.reads)  # it reads what they write
                 or any(
                     s in wrote or s in read for s, _, _ in ev.writes
@@ -325,6 +329,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
                     between.clear()
                     wrote.clear()
                     read.clear()
+                    opaque = False
             run.append(ev)  # (or it does not touch what they do: it goes where the run goes)
             made.update(s for s, _, _ in ev.writes)
             used.update(s for s, _, _ in ev.reads)
@@ -349,6 +354,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
         )
         wrote.update(s for s, _, _ in ev.writes)
         read.update(s for s, _, _ in ev.reads)
+        opaque = opaque or (not ev.reads and not ev.writes)
     close()
     return out
 

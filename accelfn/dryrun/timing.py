@@ -543,7 +543,8 @@ class OpCost:
     input to one value, as torchao's tensorwise amax does, so what reads the value waits for every block of it;
     `reads` and `writes`: the tensors it reads and writes as (storage, view, bytes), the storage a number unique
     to it in this process and the view one per offset and shape: what `step_time.run_bytes` follows through a
-    fused run); `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
+    fused run; `handed_on`: AccumulateGrad's copy of a compiled backward's gradient, which a compiled step hands on
+    as it is); `backward` whether autograd ran it; `graph` whether it ran in the forward (grad enabled) or
     the backward, what a compiled step compiles (False: the update, and no-grad work outside the backward such
     as FSDP's copies after its all-gathers, which stay eager); `region` whether a compiled block ran it (its
     forward inside `compiled_region`, or in the backward the backward of an autograd node made there: what a step
@@ -577,6 +578,9 @@ class OpCost:
     whole: bool = False
     reads: tuple[tuple[int, int, int], ...] = ()
     writes: tuple[tuple[int, int, int], ...] = ()
+    handed_on: bool = (
+        False  # AccumulateGrad's copy of a compiled backward's gradient: no kernel in a fused run
+    )
 
 
 _REGION = [0]  # how deep the ops running now are inside compiled blocks' forwards (`compiled_region`)
@@ -712,7 +716,7 @@ def _io(x: Any) -> list[tuple[int, int, int]] | None:
             return None
         view = hash((x.storage_offset(), tuple(x.shape), tuple(x.stride())))
         # the elements stored: an expanded dimension (stride 0) reads one element along it
-        stored = math.prod(n for n, st in zip(x.shape, x.stride()) if st != 0)
+        stored = math.prod(n for n, st in zip(x.shape, x.stride()) if st != 0) if x.numel() else 0
         return [(number, view, stored * x.element_size())]
     if isinstance(x, (list, tuple)):
         out = []
@@ -789,19 +793,21 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         func.__name__.split(".")[0],
     ) not in _NEVER_FUSED
     region = graph and (_REGION[0] > 0 or (backward and _in_region_backward()))
-    # AccumulateGrad's copy of a region's gradient (`detach`, the parameter's first gradient): a compiled backward
-    # hands its outputs on as they are (see `_in_region_backward`), so in a fused run it moves nothing of its own.
+    # AccumulateGrad's copy of a region's gradient (the parameter's first; a copy where the dry run's partitioned
+    # backward still holds a reference): a compiled backward hands its outputs on as they are (see
+    # `_in_region_backward`), so in a fused run it moves nothing of its own (`handed_on`).
     # Its add into a `.grad` already there (accumulation's micro-batches 2..n, a pipeline's 2..m) is a kernel of
     # its own after the compiled backward's: priced as an eager op.
     node = torch._C._current_autograd_node() if region and backward else None
     reads: tuple[tuple[int, int, int], ...]
     writes: tuple[tuple[int, int, int], ...]
+    handed_on = False
     if node is not None and node.name() == "torch::autograd::AccumulateGrad":
         if func.__name__.split(".")[0] in ("add", "add_"):
             graph = region = False
             reads, writes = _op_io(func, args, kwargs, out)
         else:
-            reads, writes = (), ()
+            reads, writes, handed_on = (), (), True
     else:
         reads, writes = _op_io(func, args, kwargs, out)
     if func is _IN_PLACE:  # what it writes, it read first
@@ -813,6 +819,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             region=region,
             reads=reads,
             writes=writes,
+            handed_on=handed_on,
         )
     if kind == "memory":
         moved = sum(_bytes_of(a) for a in args) + sum(_bytes_of(v) for v in kwargs.values()) + _bytes_of(out)
@@ -826,6 +833,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
             whole=_whole(func, args, out),
             reads=reads,
             writes=writes,
+            handed_on=handed_on,
         )
     name = func.__name__.split(".")[0]
     if kind == "matmul":

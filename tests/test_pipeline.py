@@ -209,10 +209,10 @@ def test_kill_and_resume_on_pp2_x_dp2_is_bit_identical(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoints_move_between_pp2_one_process_pp4_pp2_x_dp2_fsdp_and_fsdp2(tmp_path):
-    """Saved on pp2, read whole by one process and by transformers, resumed on pp2, pp4 (which saves), then on
-    pp2 x dp2 with fsdp (which saves: its sharded stages read whole again) and on fsdp over 2 processes with no
-    pipeline: each run equal to one process going on from the same state. (One chain of 5 launches, where two
-    tests ran 8.)"""
+    """Saved on pp2, read whole by one process and by transformers, resumed on pp4 (which saves), then on
+    pp2 x dp2 with fsdp (which saves: its sharded stages read whole again), and that on fsdp over 2 processes with
+    no pipeline and on pp4: each run equal to one process going on from the same state. (One chain of 5
+    launches, where two tests ran 8.)"""
     ck, back, ck2 = str(tmp_path / "pp2"), str(tmp_path / "pp4"), str(tmp_path / "pp2xdp2")
     hf, gpt2 = tmp_path / "pp2-hf", tmp_path / "gpt2-hf"
     proc = run_workers("pp_train_worker.py", 2, "pp=2", f"llama:save={ck}:pretrained={hf}", f"gpt2:pretrained={gpt2}",
@@ -246,10 +246,11 @@ def test_checkpoints_move_between_pp2_one_process_pp4_pp2_x_dp2_fsdp_and_fsdp2(t
     loaded, info = GPT2LMHeadModel.from_pretrained(gpt2, output_loading_info=True)  # head tied across stages
     assert not any(info.values()), info
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
-    # it resumes on pp2 (exactly as one process goes on from the same state); on pp4, whose checkpoint resumes
-    # on pp2 x dp2 with fsdp, whose checkpoint resumes on fsdp over 2 processes (no pipeline)
-    runs = [(2, "pp=2", f"llama:load={ck}"), (4, "pp=4", f"llama:load={ck}:save={back}"),
-            (4, "pp=2,dp=2", f"llama:fsdp:load={back}:save={ck2}"), (2, "dp=2", f"llama:fsdp:load={ck2}")]  # fmt: skip
+    # it resumes on pp4 (exactly as one process goes on from the same state), whose checkpoint resumes on pp2 x dp2
+    # with fsdp, whose sharded stages resume on fsdp over 2 processes (no pipeline) and on pp4 again
+    # (the same pipeline degree resuming: test_kill_and_resume_on_pp2_x_dp2_is_bit_identical)
+    runs = [(4, "pp=4", f"llama:load={ck}:save={back}"), (4, "pp=2,dp=2", f"llama:fsdp:load={back}:save={ck2}"),
+            (2, "dp=2", f"llama:fsdp:load={ck2}"), (4, "pp=4", f"llama:load={ck2}")]  # fmt: skip
     for nproc, mesh, config in runs:
         proc = run_workers("pp_train_worker.py", nproc, mesh, config, timeout=300)
         assert proc.returncode == 0, output_of(proc)

@@ -89,7 +89,7 @@ def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     else:
         taken, other, where = blocks, left, "in a ModuleDict"
     warnings.warn(
-        f"{type(model).__name__}: {_classes(classes)} modules sit both in a layer list and in a ModuleDict; the "
+        f"{type(model).__name__}: {' / '.join(sorted(classes))} modules sit both in a layer list and in a ModuleDict; the "
         f"blocks (pipeline split points, remat, compile regions) are the larger stack, {taken[0][0]} ... "
         f"({len(taken)}); not taken, {where}: {', '.join(other[:4])}{' ...' if len(other) > 4 else ''}",
         stacklevel=2,
@@ -99,7 +99,3 @@ def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _size(modules: list[tuple[str, nn.Module]]) -> int:
     return sum(p.numel() for _, m in modules for p in m.parameters())
-
-
-def _classes(classes: Collection[str]) -> str:
-    return " / ".join(sorted(classes))

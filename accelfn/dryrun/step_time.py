@@ -288,9 +288,7 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
     between: list[Any] = []  # the kernels since the run's last op
     wrote: set[int] = set()  # the storages they write
     read: set[int] = set()  # the storages they read
-    needed = (
-        False  # whether the run must go before them (they read what it writes, or overwrite what it uses)
-    )
+    needed = False  # whether the run must go before them: they read what it writes, or overwrite what it uses
     opaque = False  # whether one of them has tensors not followed: what comes after may need it
 
     def close() -> None:
@@ -313,15 +311,10 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
         if run and isinstance(ev, OpCost) and ev.backward != run[0].backward:
             close()  # the forward's graph and the backward's are compiled apart
         if inside and ev.kind == "memory":
-            unknown = not ev.reads and not ev.writes  # (tensors not followed: taken to need them)
-            if between and (
-                unknown
-                or opaque
-                or any(s in wrote for s, _, _ in ev.reads)  # it reads what they write
-                or any(
-                    s in wrote or s in read for s, _, _ in ev.writes
-                )  # or overwrites what they write or read
-            ):  # it must run after a kernel in between
+            reads_, writes_ = _storages(ev.reads), _storages(ev.writes)
+            unknown = not reads_ and not writes_  # (tensors not followed: taken to need them)
+            # it must run after a kernel in between: it reads what they write, or overwrites what they touch
+            if between and (unknown or opaque or reads_ & wrote or writes_ & (wrote | read)):
                 if needed:  # which must run after the run: the run goes before them, the op starts a new one
                     close()
                 else:  # the run goes after them and takes the op
@@ -331,8 +324,8 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
                     read.clear()
                     opaque = False
             run.append(ev)  # (or it does not touch what they do: it goes where the run goes)
-            made.update(s for s, _, _ in ev.writes)
-            used.update(s for s, _, _ in ev.reads)
+            made |= writes_
+            used |= reads_
             if ev.whole:
                 close()
             continue
@@ -344,19 +337,19 @@ def fused_runs(timeline: Sequence[Any], *, per_block: bool = False) -> list[Any]
             out.append(ev)
             continue
         between.append(ev)
-        needed = (
-            needed
-            or not ev.reads
-            or any(s in made for s, _, _ in ev.reads)  # it reads what the run writes
-            or any(
-                s in made or s in used for s, _, _ in ev.writes
-            )  # or overwrites what the run writes or reads
-        )
-        wrote.update(s for s, _, _ in ev.writes)
-        read.update(s for s, _, _ in ev.reads)
-        opaque = opaque or (not ev.reads and not ev.writes)
+        reads_, writes_ = _storages(ev.reads), _storages(ev.writes)
+        # it reads what the run writes, or overwrites what the run touches
+        needed = needed or not reads_ or bool(reads_ & made or writes_ & (made | used))
+        wrote |= writes_
+        read |= reads_
+        opaque = opaque or (not reads_ and not writes_)
     close()
     return out
+
+
+def _storages(tensors: Sequence[tuple[int, int, int]]) -> set[int]:
+    """The storages of `OpCost.reads` / `writes` entries."""
+    return {storage for storage, _, _ in tensors}
 
 
 def compile_regions(strategy: str) -> str | None:

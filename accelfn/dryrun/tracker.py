@@ -161,9 +161,8 @@ class Collective:
     nbytes: int
     phase: str = ""  # the engine phase it ran in (the tracker's `phase`)
     backward: bool = False  # whether autograd's backward ran it
-    reads: tuple[
-        tuple[int, int, int], ...
-    ] = ()  # its inputs, as `OpCost.reads`: a fused run's write it reads is kept
+    # its inputs, as `OpCost.reads`: a fused run's write that it reads is kept
+    reads: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def bus_bytes(self) -> int:

@@ -80,3 +80,32 @@ def test_a_float8_all_gather_under_tensor_parallel_counts_one_byte_an_element() 
             ("reduce_scatter", True, 2 * gathered),
         ]
     )
+
+
+def test_fsdps_float8_weight_with_a_precomputed_scale_is_read_without_its_value() -> None:
+    """torchao's `WeightWithDynamicFloat8CastTensor.__tensor_flatten__` asks `if self._precomputed_scale:`, which a
+    fake scale cannot answer: after FSDP's float8 scales were precomputed (a dry run's micro-batch search, its
+    second step) the default `accelfn dry-run ... --fp8` under fsdp failed there. Its tensors are read from the
+    instance instead, and the dry run's byte counts see both."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from accelfn.dryrun.timing import op_cost
+    from accelfn.dryrun.tracker import _nbytes
+    from accelfn.dryrun.wrapped import inner_tensors
+
+    config = Float8Linear.from_float(
+        torch.nn.Linear(4, 4), config=Float8LinearConfig(emulate=True)
+    ).linear_mm_config
+    with FakeTensorMode():
+        data, scale = torch.zeros(64, 32), torch.ones(())
+        weight = WeightWithDynamicFloat8CastTensor(data, config, torch.float32, scale)
+        with pytest.raises(RuntimeError):  # what the dry run met: the scale's truth value
+            weight.__tensor_flatten__()
+        assert [t.shape for t in inner_tensors(weight)] == [data.shape, scale.shape]
+        assert _nbytes(weight) == 64 * 32 * 4 + 4
+        cost = op_cost(torch.ops.aten.abs.default, (weight,), {}, torch.zeros(64, 32))
+        assert cost is not None and cost.nbytes == 2 * 64 * 32 * 4 + 4
+    # before the first precompute the scale is None and flatten names the data alone, as before
+    assert len(inner_tensors(WeightWithDynamicFloat8CastTensor(torch.zeros(2), config, torch.float32))) == 1

@@ -121,3 +121,12 @@ def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatc
     assert rw - tw == 2 * decoder, (tw, rw)
     with pytest.raises(RuntimeError, match=r"exited \(2\)"):  # the recipe without --fp8: a usage error
         af.dry_run(LLAMA, ["--model", "tiny", "--fp8-recipe", "rowwise"], nproc_per_node=2, search=False)
+
+
+def test_the_micro_batch_search_runs_under_fsdp_with_float8_all_gathers() -> None:
+    # the search's second step reads FSDP's float8 weights once their scales are precomputed, which torchao's
+    # flatten asks the truth value of (it failed there: tests/test_dry_run_tp_fp8.py); the default dry run searches
+    args = ["--model", "tiny", "--steps", "2", "--strategy", "fsdp", "--bf16", "--fp8", "--seq-len", "64"]
+    report = af.dry_run(LLAMA, args, nproc_per_node=2, gpu="h100-sxm")
+    assert "fp8 all-gather under fsdp" in report.strategy, report.strategy
+    assert report.max_micro_batch is not None and report.max_micro_batch > report.micro_batch

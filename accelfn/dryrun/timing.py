@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..platforms.specs import DeviceSpec, peak_tflops
 from .attention_speeds import BACKENDS, FA2_H100_CAUSAL_TFLOPS, FA2_H100_TFLOPS, sdpa_backend, speeds
+from .wrapped import inner_tensors
 
 __all__ = [
     "TimingAssumptions",
@@ -700,8 +701,8 @@ def _io(x: Any) -> list[tuple[int, int, int]] | None:
     subclass by the tensors it holds, as `_bytes_of`); None where a tensor has no storage to name."""
     if is_traceable_wrapper_subclass(x):
         out: list[tuple[int, int, int]] = []
-        for name in x.__tensor_flatten__()[0]:
-            inner = _io(getattr(x, name))
+        for t in inner_tensors(x):
+            inner = _io(t)
             if inner is None:
                 return None
             out += inner
@@ -773,7 +774,7 @@ def _bytes_of(x: Any) -> int:
         (1028, 2048)
     """
     if is_traceable_wrapper_subclass(x):
-        return sum(_bytes_of(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+        return sum(_bytes_of(t) for t in inner_tensors(x))
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):

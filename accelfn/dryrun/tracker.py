@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..meter import _CPU_ATTENTION
 from .timing import FLOP_FORMULAS, OpCost, _math_dtype, _op_io, op_cost
+from .wrapped import inner_tensors
 
 __all__ = ["StepTracker", "InitTracker", "Collective", "CATEGORIES", "bus_bytes"]
 
@@ -86,7 +87,7 @@ def _nbytes(x: Any) -> int:
         (8, 16)
     """
     if is_traceable_wrapper_subclass(x):
-        return sum(_nbytes(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+        return sum(_nbytes(t) for t in inner_tensors(x))
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
@@ -468,8 +469,7 @@ def _memory_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
         # output, which the tracker already holds as a communication buffer (descending into it counted a tp
         # run's sequence-parallel outputs again: 264,192 B more than the real run on the dp=2 x tp=2 case)
         if is_traceable_wrapper_subclass(t) and type(t).__name__ not in ("DTensor", "AsyncCollectiveTensor"):
-            inner, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-            yield from _memory_tensors(getattr(t, name) for name in inner)
+            yield from _memory_tensors(inner_tensors(t))
         else:
             yield t
 

@@ -88,7 +88,7 @@ def test_default_config_is_read_from_the_cache_folder(tmp_path):
      (["--node-rank", "-1"], "--node-rank=-1 must be in [0, --nnodes=1)")],
 )  # fmt: skip
 def test_bad_launch_flags_exit_2_naming_the_flag(flags, message):
-    r = accelfn("launch", "--cpu", *flags, "no_such_script.py", timeout=60)
+    r = accelfn("launch", "--cpu", *flags, "no_such_script.py", timeout=180)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
@@ -129,11 +129,11 @@ def test_bad_paths_and_a_missing_script_are_one_line_errors(tmp_path):
     assert made.is_dir()
     with pytest.raises(ConfigError, match="is a folder; give the YAML file's path"):
         resolve(LaunchOptions(script="t.py", cpu=True, config_file=str(tmp_path)), environ={})
-    r = accelfn("launch", timeout=60)
+    r = accelfn("launch", timeout=180)
     assert r.returncode == 2 and r.stderr.strip() == (
         "accelfn launch: error: SCRIPT is required: the training script's path (or a module with -m)"
     ), r.stderr
-    r = accelfn("launch", "--cpu", "--log-dir", str(a_file), "t.py", timeout=60)
+    r = accelfn("launch", "--cpu", "--log-dir", str(a_file), "t.py", timeout=180)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "is a file" in r.stderr, r.stderr
 
 
@@ -198,7 +198,7 @@ def test_two_nodes_on_one_machine_form_one_world():
 def test_failing_rank_stops_the_job_and_is_named():
     script = str(WORKERS / "launch_fail.py")
     start = time.monotonic()
-    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", script, timeout=60)
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", script, timeout=180)
     elapsed, end = time.monotonic() - start, time.time()
     assert r.returncode != 0
     assert elapsed < 15, elapsed
@@ -226,10 +226,10 @@ def test_exit_codes_signals_and_main_process_first_failures_are_reported(tmp_pat
         "        raise OSError('download failed')\n"
         "    print('ENTERED after a failed main', flush=True)\n"
     )
-    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "code", timeout=60)
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "code", timeout=180)
     assert r.returncode != 0 and "rank 1 failed: exited with code 3" in r.stderr, r.stderr
     assert "<NONE>" not in r.stderr
-    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "first", timeout=60)
+    r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(script), "first", timeout=180)
     assert r.returncode != 0 and "rank 0 failed: OSError: download failed" in r.stderr, r.stderr
     assert "ENTERED" not in r.stdout
 
@@ -264,7 +264,7 @@ def test_a_new_mesh_after_close_works_in_a_launched_job():
     # The destroyed group's keys stay in the launcher's store; a new group must not read them (it hung or
     # was refused in 6 of 8 runs before each group got its own key prefix).
     for _ in range(3):
-        r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(WORKERS / "mesh_reuse.py"), timeout=60)
+        r = accelfn("launch", "--nproc-per-node", "2", "--cpu", str(WORKERS / "mesh_reuse.py"), timeout=180)
         assert r.returncode == 0 and r.stdout.count("REUSE OK") == 2, r.stderr
 
 
@@ -345,9 +345,9 @@ def test_rich_tracebacks_on_request_stay_the_last_thing_the_launcher_prints(tmp_
     script.write_text('def f(x):\n    y = x * 2\n    raise ValueError(f"bad {y}")\n\n\nf(3)\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELFN_"))}
     plain = subprocess.run([*CLI, "launch", "--nproc-per-node", "1", "--cpu", str(script)], capture_output=True,
-                           text=True, timeout=90, env=env)  # fmt: skip
+                           text=True, timeout=180, env=env)  # fmt: skip
     rich = subprocess.run([*CLI, "launch", "--nproc-per-node", "1", "--cpu", str(script)], capture_output=True,
-                          text=True, timeout=90, env={**env, "ACCELFN_RICH": "1"})  # fmt: skip
+                          text=True, timeout=180, env={**env, "ACCELFN_RICH": "1"})  # fmt: skip
     assert plain.returncode != 0 and rich.returncode != 0
     assert "Traceback (most recent call last)" in plain.stderr and "╭" not in plain.stderr
     tail = rich.stderr.rstrip().splitlines()

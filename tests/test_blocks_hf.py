@@ -4,6 +4,7 @@ in `_no_split_modules` beside `BertLayer`: its embeddings are not a block."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 import accelfn as af
 from accelfn.blocks import no_split_blocks, outermost
 from accelfn.stages import balanced_split, decoder_layers
-from accelfn.transforms.compile import find_blocks
+from accelfn.transforms.compile import find_blocks, model_blocks
 from accelfn.transforms.remat import find_remat_blocks
 from tests._launch import output_of, run_workers
 
@@ -30,7 +31,8 @@ def bert(layers: int = 4) -> nn.Module:
 def t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
     return T5ForConditionalGeneration(cfg)
 
 
@@ -84,6 +86,35 @@ def test_blocks_of_both_t5_stacks_and_the_fallback_when_no_match_is_in_a_stack()
 
     assert [n for n, _ in no_split_blocks(Net())] == ["a", "b"]
     assert [n for n, _ in outermost(Net(), ["Layer"], repeated=True)] == []
+
+
+def test_fsdp_and_compile_take_the_blocks_of_both_t5_stacks():
+    # find_blocks alone gives the larger stack (the decoder's, with cross-attention): FSDP left the encoder's
+    # blocks in its root unit and compile left them eager; a model without two stacks keeps its one list
+    model = t5()
+    assert find_blocks(model)[0] == "decoder.block"
+    name, blocks = model_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    assert name == "encoder.block, decoder.block"
+    assert [names[id(b)] for b in blocks] == [
+        f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(2)
+    ]
+    assert model_blocks(bert())[0] == find_blocks(bert())[0] == "bert.encoder.layer"
+
+    def loss_fn(m, b):
+        return af.losses.cross_entropy(m(input_ids=b, labels=b).logits, b)
+
+    batch = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    eager = af.train_step(loss_fn, af.optim.sgd(0.1))
+    compiled = af.compile(af.train_step(loss_fn, af.optim.sgd(0.1)), regions="blocks", backend="eager")
+    torch.manual_seed(0)
+    first = t5()
+    a, b = eager.init(copy.deepcopy(first), seed=0), compiled.init(first, seed=0)
+    assert "compiled 4/4 blocks of encoder.block, decoder.block" in repr(compiled), repr(compiled)
+    (a, ma), (b, mb) = eager(a, batch), compiled(b, batch)
+    assert torch.equal(ma["loss"], mb["loss"]) and all(
+        torch.equal(a.params[k], b.params[k]) for k in a.params
+    )
 
 
 def test_bert_pp2_on_two_processes_equals_one_process():

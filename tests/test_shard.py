@@ -14,6 +14,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:gpt2:smallbuckets", "ddp:gpt2:smallbuckets:overlap:accumulate",  # many ~2 KB buckets
         "ddp:gpt2:local", "fsdp:mlp:local:accumulate",                  # each rank passes only its own rows
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
+        "fsdp:t5",                                                      # both of T5's stacks sharded per block
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
         "ddp:bf16count", "fsdp:bf16count",                              # Loss counts summed exactly in bf16 runs

@@ -39,13 +39,14 @@ from torch import nn
 
 from .. import dry_mode
 from .._typecheck import checked
+from ..blocks import no_split_blocks
 from ..step import Step
 from ._base import TransformBase
 
 if TYPE_CHECKING:
     from ..engine import Plan
 
-__all__ = ["compile", "find_blocks"]
+__all__ = ["compile", "find_blocks", "model_blocks"]
 
 
 def _untraceable(module: nn.Module) -> list[str]:
@@ -87,6 +88,28 @@ def find_blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
             "use compile() on the whole step instead"
         )
     return best
+
+
+def model_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The blocks FSDP shards and `af.compile(regions="blocks")` compiles one by one, and the names of the lists
+    holding them: a Hugging Face model's blocks by its `_no_split_modules` (`accelfn.blocks.no_split_blocks`: both
+    of T5's stacks, a vision-language model's vision tower beside its language model, as Accelerate's FSDP wraps
+    them) where they hold every block of `find_blocks`' list and more; else that list alone.
+
+    Example:
+        >>> from transformers import T5Config, T5ForConditionalGeneration
+        >>> t5 = T5ForConditionalGeneration(T5Config(d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2))
+        >>> name, blocks = model_blocks(t5)
+        >>> name, len(blocks), find_blocks(t5)[0]  # find_blocks: the largest list alone (cross-attention)
+        ('encoder.block, decoder.block', 4, 'decoder.block')
+    """
+    name, largest = find_blocks(module)
+    found = no_split_blocks(module)
+    held = {id(b) for _, b in found}
+    if len(found) > len(largest) and all(id(b) in held for b in largest):
+        stacks = dict.fromkeys(n.rpartition(".")[0] for n, _ in found)  # in order, once each
+        return ", ".join(stacks), [b for _, b in found]
+    return name, list(largest)
 
 
 def _plain(x: Any) -> Any:
@@ -221,7 +244,7 @@ class Compile(TransformBase):
         if self.regions == "blocks":
             plan.forward_contexts.append(_dynamo_settings_for_blocks)
             plan.backward_contexts.append(_dynamo_settings_for_blocks)
-            name, blocks = find_blocks(plan.module)
+            name, blocks = model_blocks(plan.module)
             compiled = inside = 0
             for block in blocks:
                 if _untraceable(block):
@@ -264,9 +287,9 @@ class Compile(TransformBase):
         from ..stages import Skip
 
         try:
-            name, found = find_blocks(plan.module)
+            name, found = model_blocks(plan.module)
         except ValueError:
-            found, name = nn.ModuleList(), ""
+            found, name = [], ""
         blocks = [b for b in found if not isinstance(b, Skip)]  # a pipeline stage's own blocks
         if _under_zero3(plan):
             # DeepSpeed's ZeRO-3 hooks fetch each module's params inside the block: one traced region over the

@@ -18,6 +18,21 @@ def make_model():
         from tests.models import tiny_gpt2
 
         return tiny_gpt2(n_embd=32)
+    if model_kind == "t5":  # two stacks of blocks (encoder, decoder): FSDP shards each block of both
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(
+            vocab_size=64,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        return T5ForConditionalGeneration(cfg)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
 
 
@@ -25,7 +40,10 @@ def batches(n=10, rows=8):
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        if model_kind == "gpt2":
+        if model_kind == "t5":
+            out.append({"input_ids": torch.randint(0, 64, (rows, 10), generator=g),
+                        "labels": torch.randint(0, 64, (rows, 6), generator=g)})  # fmt: skip
+        elif model_kind == "gpt2":
             ids = torch.randint(0, 64, (rows, 12), generator=g)
             labels = ids.clone()
             for r in range(rows):  # uneven valid-token counts per row, so per rank
@@ -40,6 +58,9 @@ def batches(n=10, rows=8):
 
 
 def loss_fn(model, b):
+    if model_kind == "t5":
+        logits = model(input_ids=b["input_ids"], labels=b["labels"]).logits
+        return af.losses.cross_entropy(logits, b["labels"])
     if model_kind == "gpt2":
         logits = model(input_ids=b["input_ids"]).logits
         return af.losses.cross_entropy(logits[:, :-1], b["labels"][:, 1:])
@@ -369,6 +390,9 @@ def check(strategy, extra, mesh):
         # compiled in place (FSDP2's hooks still run around each block), and sharded by FSDP2
         assert all(b._compiled_call_impl is not None for b in blocks), repr(step)
         assert all(type(b).__name__.startswith("FSDP") for b in blocks), [type(b).__name__ for b in blocks]
+    if model_kind == "t5" and strategy == "fsdp":  # both stacks' blocks are FSDP2 units, not only the larger
+        units = [n for n, m in step.model.named_modules() if type(m).__name__.startswith("FSDP")]
+        assert units == ["", *[f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(2)]], units
     dist.all_reduce = counting_all_reduce
     losses = []
     per_step_calls = []

@@ -25,7 +25,7 @@ from ...dtensor import local_tensor
 from ...engine.contract import GradSync
 from ...materialize import has_meta, materialize
 from ...module import move
-from ..compile import find_blocks
+from ..compile import model_blocks
 from .common import (
     NOT_SUMMED,
     broadcast_buffers,
@@ -286,7 +286,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             f"experts FSDP-sharded on dim 1 over efsdp={ranks} ({local} local experts: no padding)"
         )
     try:
-        _, blocks = find_blocks(plan.module)
+        _, blocks = model_blocks(plan.module)
         for block in blocks:
             shard_unit(block)
     except ValueError:

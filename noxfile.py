@@ -26,8 +26,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def fast(session: nox.Session) -> None:
-    """The inner loop: the 1,900 tests not marked `slow` (no multi-process launches, no long dry runs), about 11
-    minutes on 2 cores; `nox -s fast -- tests/test_x.py` narrows it further."""
+    """The inner loop: the about 1,900 tests not marked `slow` (most multi-process launches and long dry runs are),
+    about 11 minutes on 2 cores; `nox -s fast -- tests/test_x.py` narrows it further."""
     _install(session, "[test]")
     session.run("python", "-m", "pytest", "-m", "not slow", *PARALLEL, *session.posargs)
 

@@ -201,9 +201,9 @@ def test_failing_rank_stops_the_job_and_is_named():
     r = accelfn("launch", "--nproc-per-node", "2", "--cpu", script, timeout=180)
     elapsed, end = time.monotonic() - start, time.time()
     assert r.returncode != 0
-    assert elapsed < 15, elapsed
+    assert elapsed < 45, elapsed  # no hang (about 10 s alone; two test files run at once in CI)
     raised = float(next(line for line in r.stdout.splitlines() if line.startswith("RAISING at ")).split()[-1])
-    assert end - raised < 5, end - raised  # every rank stopped, launcher done, seconds after the raise
+    assert end - raised < 10, end - raised  # every rank stopped, launcher done, seconds after the raise
     assert "accelfn launch: rank 1 failed: ValueError: boom" in r.stderr, r.stderr
     assert 'raise ValueError("boom")' in r.stderr  # its traceback
     time.sleep(0.5)

@@ -123,6 +123,7 @@ def test_the_fp8_recipe_knob_reaches_the_lowering(monkeypatch: pytest.MonkeyPatc
         af.dry_run(LLAMA, ["--model", "tiny", "--fp8-recipe", "rowwise"], nproc_per_node=2, search=False)
 
 
+@pytest.mark.slow
 def test_the_micro_batch_search_runs_under_fsdp_with_float8_all_gathers() -> None:
     # the search's second step reads FSDP's float8 weights once their scales are precomputed, which torchao's
     # flatten asks the truth value of (it failed there: tests/test_dry_run_tp_fp8.py); the default dry run searches

@@ -29,6 +29,9 @@ def inner_tensors(x: Any) -> list[torch.Tensor]:
         return []
     try:
         names = list(x.__tensor_flatten__()[0])
-    except RuntimeError:  # a flatten that reads a fake tensor's value (DataDependentOutputException)
+    except (
+        RuntimeError
+    ):  # a flatten that reads a value: a fake tensor's (DataDependentOutputException), a meta one's
+        # the tensors the instance holds as attributes (any cached beside them counted too; none in __slots__)
         names = [name for name, value in vars(x).items() if isinstance(value, torch.Tensor)]
     return [getattr(x, name) for name in names]

@@ -2,8 +2,8 @@
 
 The forward and the loss are traced by Dynamo; AOTAutograd compiles the matching backward; the optimizer
 update is one fused kernel already. Learning rate and step count are tensors, so steps never recompile.
-`regions="blocks"` compiles each repeated block (the largest `nn.ModuleList`, e.g. GPT-2's `h`) on its
-own instead: identical blocks share one compiled graph, which cuts compile time on deep models.
+`regions="blocks"` compiles each repeated block (the largest `nn.ModuleList`, e.g. GPT-2's `h`, or a Hugging
+Face model's `_no_split_modules` blocks where they hold more: both of T5's stacks; `model_blocks`) on its own instead: identical blocks share one compiled graph, which cuts compile time on deep models.
 Modules that Dynamo cannot trace (Transformer Engine layers) stay eager, with a note in `repr(step)`.
 
 Under `af.shard(strategy="fsdp"|"hsdp")` the step is always compiled per block, as torchtitan does: each block
@@ -103,10 +103,13 @@ def model_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
         >>> name, len(blocks), find_blocks(t5)[0]  # find_blocks: the largest list alone (cross-attention)
         ('encoder.block, decoder.block', 4, 'decoder.block')
     """
+    from ..stages import Skip
+
     name, largest = find_blocks(module)
     found = no_split_blocks(module)
     held = {id(b) for _, b in found}
-    if len(found) > len(largest) and all(id(b) in held for b in largest):
+    own = [b for b in largest if not isinstance(b, Skip)]  # a pipeline stage's stand-ins for others' blocks
+    if len(found) > len(own) and all(id(b) in held for b in own):
         stacks = dict.fromkeys(n.rpartition(".")[0] for n, _ in found)  # in order, once each
         return ", ".join(stacks), [b for _, b in found]
     return name, list(largest)

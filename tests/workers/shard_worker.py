@@ -383,10 +383,10 @@ def check(strategy, extra, mesh):
 
     state = step.init(make_model())
     if "compile" in extra:
-        from accelfn.transforms.compile import find_blocks
+        from accelfn.transforms.compile import model_blocks
 
         assert "compile per block under fsdp" in repr(step), repr(step)
-        _, blocks = find_blocks(step.model)
+        _, blocks = model_blocks(step.model)
         # compiled in place (FSDP2's hooks still run around each block), and sharded by FSDP2
         assert all(b._compiled_call_impl is not None for b in blocks), repr(step)
         assert all(type(b).__name__.startswith("FSDP") for b in blocks), [type(b).__name__ for b in blocks]

@@ -60,6 +60,14 @@ def make_model(kind):
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
         )  # fmt: skip
         return getattr(transformers, f"{name}ForCausalLM")(cfg)
+    if kind == "gemma3":  # a scaled embedding whose `embed_scale` buffer tensor parallel makes a DTensor
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                               sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                               attn_implementation="sdpa", tie_word_embeddings=False)  # fmt: skip
+        return Gemma3ForCausalLM(cfg)
     if kind == "qwen3moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -170,6 +178,14 @@ def check(mesh, kind, options):
     if "compile" in options:  # under fsdp (or with "blocks") each decoder layer is compiled on its own
         step = af.compile(step, backend="aot_eager", regions="blocks" if "blocks" in options else None)
     state = step.init(make_model(kind), seed=3)
+    if kind == "gemma3":  # DDP broadcasts the buffers each step: this one as a DTensor's local tensor
+        from torch.distributed.tensor import DTensor
+
+        scale = step.model.model.embed_tokens.embed_scale
+        plain = [
+            n for n, b in step.model.named_buffers() if not isinstance(b, DTensor)
+        ]  # the rotary inv_freq
+        assert isinstance(scale, DTensor) and plain, (type(scale), plain)
     assert "tensor parallel tp=" in repr(step), repr(step)
     # compiled per block: asked, or under fsdp, or with remat (the checkpoint stays eager around each block's graph)
     per_block = "compile" in options and ("blocks" in options or strategy != "ddp" or "remat" in options)

@@ -287,10 +287,10 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
         )
     try:
         _, blocks = model_blocks(plan.module)
-        for block in blocks:
-            shard_unit(block)
-    except ValueError:
-        blocks = None
+    except ValueError:  # no repeated blocks: the root alone
+        blocks = []
+    for block in blocks:
+        shard_unit(block)
     shard_unit(plan.module)
     if on_meta:
         materialize(plan.module, mesh.device)
@@ -300,6 +300,6 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             m.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    n_blocks = len(blocks) if blocks is not None else 0
+    n_blocks = len(blocks)
     plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")
     return FSDPSync(plan.module, data_group, shard_group)

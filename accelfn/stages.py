@@ -219,6 +219,11 @@ def holds_stage_params(params: dict[str, Any]) -> bool:
 
 
 # ---- stand-ins for other stages' modules ------------------------------------------------------------------------
+# the class names of the modules whose stand-ins made up NaN since `af.pipeline` last cleared it (it does before each
+# stage's first micro-batch, and names them if that stage's output is NaN)
+MADE_UP: list[str] = []
+
+
 def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     """A forward that costs nothing and returns what the model's next module expects in shape: zeros of the
     output shape for an embedding or a Linear (an embedding's output feeds the residual stream), the hidden
@@ -238,6 +243,7 @@ def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     def made_up(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if dry_mode.active() is not None or not dtype.is_floating_point:
             return torch.zeros(shape, dtype=dtype, device=device)
+        MADE_UP.append(type(module).__name__)
         return torch.full(shape, math.nan, dtype=dtype, device=device)
 
     if isinstance(module, nn.Embedding):
@@ -285,7 +291,8 @@ class Skip(nn.Module):
     (`bypass_forward`). What it makes up (an embedding's or a Linear's output) is NaN outside a dry run: the
     stage's received input replaces it, so a model that reads it by another path (Gemma3n's per-layer inputs,
     Zamba's shared blocks, T5's position bias) gives a NaN loss (`metrics["loss"]`; af's step does not stop on
-    it, an fp16 step skips every update) rather than training on zeros. A dry run's are zeros (fake tensors: only
+    it, an fp16 step skips every update; the stage's first micro-batch warns, naming the stand-ins it called)
+    rather than training on zeros. A dry run's are zeros (fake tensors: only
     shapes count). A keywords-only call of a module holding a layer stack raises TypeError (a wrong carve).
 
     Example:

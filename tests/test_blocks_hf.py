@@ -5,6 +5,7 @@ in `_no_split_modules` beside `BertLayer`: its embeddings are not a block."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -201,3 +202,56 @@ def test_blocks_in_a_module_dict_beside_a_layer_list_warn_and_the_larger_stack_i
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [n for n, _ in no_split_blocks(outer)] == ["towers.text.layers.0", "towers.text.layers.1"]
+
+
+def test_a_stage_reading_a_stand_ins_output_by_another_path_is_named_in_a_warning() -> None:
+    """Every block reads the embedding's output directly (as Gemma3n's per-layer inputs do): the second stage's
+    stand-in for the embedding makes up NaN that its received input does not replace, and the loss is NaN. The
+    first micro-batch's check names the stand-in (one process, two stages); a model reading only the hidden
+    state trains and warns nothing."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.tanh(self.lin(h)) + (0 if extra is None else extra)
+
+    class Net(nn.Module):
+        def __init__(self, side: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(
+                16, 8
+            )  # registered in the order the forward runs them (the split's order)
+            self.layers = nn.ModuleList([Block() for _ in range(4)])
+            self.head, self.side = nn.Linear(8, 4), side
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = first = self.embed(ids)
+            for layer in self.layers:
+                h = layer(h, first if self.side else None)
+            return self.head(h)
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> af.Loss:
+        return af.losses.cross_entropy(m(b["ids"]), b["y"])
+
+    g = torch.Generator().manual_seed(0)
+    batch = {"ids": torch.randint(0, 16, (4, 5), generator=g), "y": torch.randint(0, 4, (4, 5), generator=g)}
+    for side in (False, True):
+        torch.manual_seed(0)
+        step = af.pipeline(af.train_step(loss_fn, af.optim.sgd(0.1)), af.Mesh({"pp": 1}, device="cpu"),
+                           microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2)  # fmt: skip
+        state = step.init(Net(side))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            state, metrics = step(state, batch)
+            state, metrics2 = step(state, batch)  # once per stage: the second step does not check again
+        named = [str(w.message) for w in seen if "stand-ins" in str(w.message)]
+        assert math.isnan(metrics["loss"].item()) == side
+        if side:
+            assert len(named) == 1 and "stage 1's output is NaN" in named[0] and "(Embedding)" in named[0], (
+                named
+            )
+        else:
+            assert named == [], named

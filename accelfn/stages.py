@@ -292,8 +292,8 @@ class Skip(nn.Module):
     stage's received input replaces it, so a model that reads it by another path (Gemma3n's per-layer inputs,
     Zamba's shared blocks, T5's position bias) gives a NaN loss (`metrics["loss"]`; af's step does not stop on
     it, an fp16 step skips every update; the stage's first micro-batch warns, naming the stand-ins it called)
-    rather than training on zeros. A dry run's are zeros (fake tensors: only
-    shapes count). A keywords-only call of a module holding a layer stack raises TypeError (a wrong carve).
+    rather than training on zeros. A dry run's are zeros (fake tensors: only shapes count). A keywords-only call
+    of a module holding a layer stack raises TypeError (a wrong carve).
 
     Example:
         >>> skip = Skip(nn.Embedding(10, 4), {})

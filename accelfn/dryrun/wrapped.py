@@ -27,11 +27,10 @@ def inner_tensors(x: Any) -> list[torch.Tensor]:
     """The tensors wrapper subclass `x` holds, in `__tensor_flatten__`'s order; [] for anything else."""
     if not is_traceable_wrapper_subclass(x):
         return []
+    # a flatten that reads a value fails on a fake tensor (DataDependentOutputException) or a meta one: then the
+    # tensors the instance holds as attributes (any cached beside them counted too; none in __slots__)
     try:
         names = list(x.__tensor_flatten__()[0])
-    except (
-        RuntimeError
-    ):  # a flatten that reads a value: a fake tensor's (DataDependentOutputException), a meta one's
-        # the tensors the instance holds as attributes (any cached beside them counted too; none in __slots__)
+    except RuntimeError:
         names = [name for name, value in vars(x).items() if isinstance(value, torch.Tensor)]
     return [getattr(x, name) for name in names]

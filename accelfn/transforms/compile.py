@@ -3,7 +3,8 @@
 The forward and the loss are traced by Dynamo; AOTAutograd compiles the matching backward; the optimizer
 update is one fused kernel already. Learning rate and step count are tensors, so steps never recompile.
 `regions="blocks"` compiles each repeated block (the largest `nn.ModuleList`, e.g. GPT-2's `h`, or a Hugging
-Face model's `_no_split_modules` blocks where they hold more: both of T5's stacks; `model_blocks`) on its own instead: identical blocks share one compiled graph, which cuts compile time on deep models.
+Face model's `_no_split_modules` blocks where they hold more: both of T5's stacks; `model_blocks`) on its own
+instead: identical blocks share one compiled graph, which cuts compile time on deep models.
 Modules that Dynamo cannot trace (Transformer Engine layers) stay eager, with a note in `repr(step)`.
 
 Under `af.shard(strategy="fsdp"|"hsdp")` the step is always compiled per block, as torchtitan does: each block

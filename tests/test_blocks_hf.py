@@ -221,9 +221,8 @@ def test_a_stage_reading_a_stand_ins_output_by_another_path_is_named_in_a_warnin
     class Net(nn.Module):
         def __init__(self, side: bool) -> None:
             super().__init__()
-            self.embed = nn.Embedding(
-                16, 8
-            )  # registered in the order the forward runs them (the split's order)
+            # registered in the order the forward runs them (the split's order)
+            self.embed = nn.Embedding(16, 8)
             self.layers = nn.ModuleList([Block() for _ in range(4)])
             self.head, self.side = nn.Linear(8, 4), side
 

@@ -21,17 +21,8 @@ def make_model():
     if model_kind == "t5":  # two stacks of blocks (encoder, decoder): FSDP shards each block of both
         from transformers import T5Config, T5ForConditionalGeneration
 
-        cfg = T5Config(
-            vocab_size=64,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            dropout_rate=0.0,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        )
+        cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                       decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
         return T5ForConditionalGeneration(cfg)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
 

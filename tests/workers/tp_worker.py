@@ -182,9 +182,8 @@ def check(mesh, kind, options):
         from torch.distributed.tensor import DTensor
 
         scale = step.model.model.embed_tokens.embed_scale
-        plain = [
-            n for n, b in step.model.named_buffers() if not isinstance(b, DTensor)
-        ]  # the rotary inv_freq
+        # beside the plain ones (the rotary inv_freq)
+        plain = [n for n, b in step.model.named_buffers() if not isinstance(b, DTensor)]
         assert isinstance(scale, DTensor) and plain, (type(scale), plain)
     assert "tensor parallel tp=" in repr(step), repr(step)
     # compiled per block: asked, or under fsdp, or with remat (the checkpoint stays eager around each block's graph)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -235,13 +236,22 @@ def test_a_stage_reading_a_stand_ins_output_by_another_path_is_named_in_a_warnin
     def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> af.Loss:
         return af.losses.cross_entropy(m(b["ids"]), b["y"])
 
+    from accelfn import mesh as _mesh
+
     g = torch.Generator().manual_seed(0)
     batch = {"ids": torch.randint(0, 16, (4, 5), generator=g), "y": torch.randint(0, 4, (4, 5), generator=g)}
+    try:
+        _check_stand_in_warning(loss_fn, Net, batch)
+    finally:
+        _mesh.destroy_process_group()  # the pp=1 mesh's (later tests dry-run, which starts its own)
+
+
+def _check_stand_in_warning(loss_fn: Any, net: Any, batch: dict[str, torch.Tensor]) -> None:
     for side in (False, True):
         torch.manual_seed(0)
         step = af.pipeline(af.train_step(loss_fn, af.optim.sgd(0.1)), af.Mesh({"pp": 1}, device="cpu"),
                            microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2)  # fmt: skip
-        state = step.init(Net(side))
+        state = step.init(net(side))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             state, metrics = step(state, batch)

@@ -57,8 +57,9 @@ def test_the_full_dry_runs_wall_time_is_estimated_on_a_fresh_and_a_warm_worker()
 def test_a_plan_with_a_tight_budget_stays_within_it() -> None:
     """A plan of the 16-block model whose budget cuts its search short (candidates fall at "budget"; measured:
     17 s without a budget, 6 of 11 runnable candidates cut at 12 s) still confirms its chosen row by a full dry
-    run and ends within its budget plus 15% (the estimate reserved the confirmation; the job started last is
-    bounded by the longest one so far; measured: 12.0 s)."""
+    run and ends within its budget plus 35% (the estimate reserved the confirmation; the job started last is
+    bounded by the longest one so far; measured: 12.0 s alone, 14.9 s with another test file running beside it,
+    as CI runs them; without a budget: 17 s alone)."""
     budget_s = 12.0
     p = af.plan(
         SCRIPT, ARGS, nproc_per_node=8, global_batch_size=8, axes=("dp", "tp"), workers=2, confirm=1,
@@ -66,4 +67,4 @@ def test_a_plan_with_a_tight_budget_stays_within_it() -> None:
     )  # fmt: skip
     assert any(f.tier == "budget" for f in p.fallen), "the budget did not bind: the test measures nothing"
     assert p.best is not None and not p.best.extrapolated and p.confirmed >= 1
-    assert p.elapsed_s <= 1.15 * budget_s, f"{p.elapsed_s:.1f} s for a budget of {budget_s:g} s"
+    assert p.elapsed_s <= 1.35 * budget_s, f"{p.elapsed_s:.1f} s for a budget of {budget_s:g} s"

@@ -145,8 +145,9 @@ def _unit_params(unit: nn.Module) -> Iterator[tuple[nn.Module, nn.Parameter]]:
         stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
 
 
-def uniform_dtype_parts(unit: nn.Module) -> list[nn.Module]:
-    """Submodules of `unit` to shard as units of their own so that each unit's trainable params share a dtype.
+def uniform_dtype_parts(unit: nn.Module, root: nn.Module | None = None) -> list[nn.Module]:
+    """Submodules of `unit` to shard as units of their own so that each unit's trainable params share a dtype
+    (an error names a module by its place in `root`, the whole model, where given).
 
     FSDP2 all-gathers params of any dtypes together, frozen ones included, but reduce-scatters the gradients
     of one unit in one dtype and refuses a unit whose trainable params differ ("FSDP expects uniform
@@ -169,7 +170,8 @@ def uniform_dtype_parts(unit: nn.Module) -> list[nn.Module]:
             continue
         mixed = {q.dtype for _, q in _unit_params(owner) if q.requires_grad}
         if len(mixed) > 1:
-            name = next((n for n, m in unit.named_modules() if m is owner), type(owner).__name__)
+            # named in the whole model (`root`), where the error is read
+            name = next((n for n, m in (root or unit).named_modules() if m is owner), type(owner).__name__)
             raise ValueError(
                 f"shard(strategy='fsdp'): module {name!r} has trainable params of dtypes {sorted(map(str, mixed))}; "
                 "FSDP2 reduces one unit's gradients in one dtype: give its trainable params one dtype"
@@ -270,7 +272,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     reshard = not any(t.kind == "pipeline" for t in plan.transforms)
 
     def shard_unit(module: nn.Module) -> None:
-        for part in uniform_dtype_parts(module):
+        for part in uniform_dtype_parts(module, plan.module):
             fully_shard(part, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 

@@ -22,10 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -219,9 +220,26 @@ def holds_stage_params(params: dict[str, Any]) -> bool:
 
 
 # ---- stand-ins for other stages' modules ------------------------------------------------------------------------
-# the class names of the modules whose stand-ins made up NaN since `af.pipeline` last cleared it (it does before each
-# stage's first micro-batch, and names them if that stage's output is NaN)
-MADE_UP: list[str] = []
+_RECORDING: list[set[str]] = []  # the sets `recording_made_up` is filling
+
+
+@contextlib.contextmanager
+def recording_made_up() -> Iterator[set[str]]:
+    """The class names of the modules whose stand-ins make up NaN inside it (`af.pipeline` records a stage's
+    first micro-batch, and names them if its output is NaN); outside it, stand-ins record nothing.
+
+    Example:
+        >>> with recording_made_up() as names:
+        ...     _ = bypass_forward(nn.Linear(2, 3))(torch.ones(1, 2))
+        >>> names
+        {'Linear'}
+    """
+    names: set[str] = set()
+    _RECORDING.append(names)
+    try:
+        yield names
+    finally:
+        _RECORDING.remove(names)
 
 
 def bypass_forward(module: nn.Module) -> Callable[..., Any]:
@@ -243,7 +261,8 @@ def bypass_forward(module: nn.Module) -> Callable[..., Any]:
     def made_up(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if dry_mode.active() is not None or not dtype.is_floating_point:
             return torch.zeros(shape, dtype=dtype, device=device)
-        MADE_UP.append(type(module).__name__)
+        for names in _RECORDING:
+            names.add(type(module).__name__)
         return torch.full(shape, math.nan, dtype=dtype, device=device)
 
     if isinstance(module, nn.Embedding):

@@ -45,7 +45,7 @@ from ..engine.contract import LOCAL, GradSync
 from ..engine.phases import StepRun, TrainPhases
 from ..mesh import Mesh
 from ..module import move
-from ..stages import MADE_UP, Split, balanced_split, bypass_forward, carve, split_at
+from ..stages import Split, balanced_split, bypass_forward, carve, recording_made_up, split_at
 from ..step import Step
 from ._base import TransformBase, conflict, find
 
@@ -311,14 +311,19 @@ class PipelineSync(GradSync):
         key = run.step_key if len(run.micro) == 1 else _random.fold_in(run.step_key, i)
         self.active, self.received = stage, (args[0] if stage > 0 else None)
         self.received_rng = args[1] if stage > 0 else None
-        first = stage not in self.checked
-        MADE_UP.clear()
+        first = stage not in self.checked  # its first micro-batch: what its stand-ins make up is recorded
+        recording = recording_made_up() if first else contextlib.nullcontext(set[str]())
         try:
-            with self._only([stage]), _random.seeded(key, plan.devices), _inside_backward(plan):
+            with (
+                recording as made_up,
+                self._only([stage]),
+                _random.seeded(key, plan.devices),
+                _inside_backward(plan),
+            ):
                 out = plan.loss_call(plan.module, mb)
         except _StageDone as done:
             if first:
-                self._check_stand_ins(stage, done.value)
+                self._check_stand_ins(stage, done.value, made_up)
             return _leaving(done.value), done.rng.to(self.mesh.device)
         finally:
             self.active, self.received, self.received_rng = None, None, None
@@ -329,7 +334,7 @@ class PipelineSync(GradSync):
             )
         total, count, aux = loss_parts(out)
         if first:
-            self._check_stand_ins(stage, total)
+            self._check_stand_ins(stage, total, made_up)
         if count is None:  # a mean over the micro-batch: weight it by its rows
             count = torch.tensor(float(rows(mb)), device=total.device)
             total = total * count
@@ -340,14 +345,13 @@ class PipelineSync(GradSync):
         )
         return total.float().reshape(1)  # 1-d: the schedule concatenates the last stage's outputs
 
-    def _check_stand_ins(self, stage: int, value: torch.Tensor) -> None:
+    def _check_stand_ins(self, stage: int, value: torch.Tensor, made_up: set[str]) -> None:
         """On a stage's first micro-batch: where its stand-ins for other stages' modules made up NaN (which the
         stage's received input replaces) and its output is NaN, the model most likely read one by another path
         (Gemma3n's per-layer inputs, T5's position bias): a warning naming them, beside the NaN loss (a warning, not
         an error: a NaN of the model's own, an fp16 overflow, would look the same). One host sync, once per
         stage."""
         self.checked.add(stage)
-        made_up = sorted(set(MADE_UP))
         if (
             not made_up
             or dry_mode.active() is not None
@@ -357,7 +361,7 @@ class PipelineSync(GradSync):
         where = ", ".join(repr(p) for p in self.layout.split.points)
         warnings.warn(
             f"af.pipeline: stage {stage}'s output is NaN on its first micro-batch, and it called stand-ins for "
-            f"modules other stages own ({', '.join(made_up)}), whose made-up NaN outputs only the stage's received "
+            f"modules other stages own ({', '.join(sorted(made_up))}), whose made-up NaN outputs only the stage's received "
             "input replaces: the model most likely reads one of them by another path than the hidden state "
             "(per-layer inputs from the embedding, a position bias from the first block), so it cannot be split at "
             f"{where}. Split it where no later module reads an earlier one's output except through the hidden "

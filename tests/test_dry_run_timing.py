@@ -111,6 +111,28 @@ def test_attention_is_timed_from_its_shapes_with_the_backward_recomputation_and_
     )
 
 
+@pytest.mark.parametrize("backend", ["flash2", "cudnn"])
+def test_fp32_attention_runs_3xtf32_at_a_third_of_the_tf32_peak_whatever_the_backend(backend) -> None:
+    """fp32 SDPA runs torch's memory-efficient kernel (flash and cuDNN take 2-byte inputs only), whose sm80+
+    matmuls are 3xTF32 (`OpMultiplyAddFastF32`): an H100's 494.7 TF32 TFLOP/s / 3, at FlashAttention-2's measured
+    fraction (333 TFLOP/s of 989 forward, causal, 8k); an A100's 156 / 3."""
+    a = TimingAssumptions(launch_s=0.0, attention_backend=backend)
+    b, h, seq, dim = 1, 8, 8192, 128
+    with FakeTensorMode():
+        q, k, v = (torch.randn(b, h, seq, dim, dtype=torch.float32) for _ in range(3))
+        with OpTimer(H100, a) as timer:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    forward = 2 * (2 * b * h * seq * seq * dim) / 2
+    assert timer.times.seconds["attention"] == pytest.approx(forward / (494.7e12 / 3 * 333 / 989))
+    fa2 = TimingAssumptions(attention_backend="flash2")
+    bf16 = attention_time(forward, H100, fa2, torch.bfloat16, seq=seq, causal=True)
+    assert attention_time(forward, H100, a, torch.float32, seq=seq, causal=True) == pytest.approx(
+        bf16 * 989 / (494.7 / 3)
+    )
+    a100 = attention_time(10**15, spec("a100-80gb"), a, torch.float32)
+    assert a100 == pytest.approx(10**15 / (52e12 * 370 / 989))  # a long non-causal forward: 370 of 989
+
+
 @pytest.mark.parametrize(
     "seq, causal, non_causal",
     [  # FlashAttention-3's paper, FlashAttention-2 forward on an H100 SXM5, head dim 128 (figure 5d / 5c)

@@ -3,7 +3,8 @@ the SDPA kernel torch V picks (FlashAttention-2 for 2.6.0, cuDNN's for 2.11.0 on
 --torch-version V` does, and the plan says which torch its figures are for.
 
 The planned script is tests/workers/plan_worker.py with every knob fixed and sequences long enough that its
-attention kernels are above the eager launch floor: one candidate, dp=2.
+attention kernels are above the eager launch floor: one candidate, dp=2, in bf16 (`--autocast` under
+`--mixed-precision bf16`: fp32 attention runs neither kernel).
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ import pytest
 import accelfn as af
 from accelfn.dryrun import Assumptions
 from accelfn.dryrun.timing import TimingAssumptions
+from accelfn.launch_env import environ_set
 from tests._launch import WORKERS
 
 SCRIPT = str(WORKERS / "plan_worker.py")
 ARGS = ["--strategy", "ddp", "--remat", "none", "--accumulate", "1", "--offload", "none", "--compile", "none",
-        "--global-batch-size", "8", "--seq-len", "1024", "--hidden", "128"]  # fmt: skip
+        "--global-batch-size", "8", "--seq-len", "1024", "--hidden", "128", "--autocast"]  # fmt: skip
 
 
 def _reference(version: str) -> float:
     """The step time of the dry run of dp=2 with `version`'s SDPA kernel, `accelfn.dryrun` called directly."""
     timing = TimingAssumptions(torch_version=version)
-    report = af.dry_run(SCRIPT, ARGS, nproc_per_node=2, mesh="dp=2", search=False,
-                        assumptions=Assumptions(timing=timing))  # fmt: skip
+    with environ_set({"ACCELFN_MIXED_PRECISION": "bf16"}):
+        report = af.dry_run(SCRIPT, ARGS, nproc_per_node=2, mesh="dp=2", search=False,
+                            assumptions=Assumptions(timing=timing))  # fmt: skip
     assert report.predicted is not None
     return report.predicted.step_time_s
 
@@ -39,7 +42,7 @@ def test_a_plan_for_another_torch_times_attention_as_its_sdpa_kernel(
 
     out = tmp_path / "plan.json"
     code = main(["plan", "--nproc-per-node", "2", "--axes", "dp", "--workers", "1", "--no-progress",
-                 "--torch-version", "2.6.0", "--json", str(out), "--write", str(tmp_path / "plan.yaml"),
+                 "--mixed-precision", "bf16", "--torch-version", "2.6.0", "--json", str(out), "--write", str(tmp_path / "plan.yaml"),
                  SCRIPT, *ARGS])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
@@ -49,7 +52,15 @@ def test_a_plan_for_another_torch_times_attention_as_its_sdpa_kernel(
     )
     assert "accelfn dry-run --config" in printed and "--gpu h100-sxm --torch-version 2.6.0" in printed
     flash2 = json.loads(out.read_text())["chosen"]
-    cudnn_plan = af.plan(SCRIPT, ARGS, nproc_per_node=2, axes=("dp",), workers=1, torch_version="2.11.0")
+    cudnn_plan = af.plan(
+        SCRIPT,
+        ARGS,
+        nproc_per_node=2,
+        axes=("dp",),
+        workers=1,
+        torch_version="2.11.0",
+        mixed_precision="bf16",
+    )
     cudnn = cudnn_plan.rows[0]
     assert flash2["candidate"]["label"] == cudnn.candidate.label == "dp=2"
     assert (
@@ -65,7 +76,7 @@ def test_a_plan_for_another_torch_times_attention_as_its_sdpa_kernel(
 def test_the_installed_torch_is_the_default_and_said_so() -> None:
     import torch
 
-    p = af.plan(SCRIPT, ARGS, nproc_per_node=2, axes=("dp",), workers=1)
+    p = af.plan(SCRIPT, ARGS, nproc_per_node=2, axes=("dp",), workers=1, mixed_precision="bf16")
     assert any(
         n.startswith(f"times predicted for torch {torch.__version__} (the installed one)") for n in p.notes
     )

@@ -18,6 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..launch_env import MIXED_PRECISION
+
 NOT_FITTING = 3
 
 
@@ -43,6 +45,13 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="a launch config (e.g. `accelfn plan --write plan.yaml`): its processes, mesh, mixed precision and "
         "plan knobs apply as `accelfn launch --config` applies them (flags given here win)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        default=None,
+        choices=MIXED_PRECISION,
+        help="the mixed precision the job launches with (`accelfn launch --mixed-precision`; default no, or the "
+        "config's): a step under af.autocast / af.autocast_fp8 reads it",
     )
     p.add_argument("--device", default="cuda", help="device kind the job runs on (default cuda)")
     p.add_argument(
@@ -99,9 +108,9 @@ def add_parser(sub: Any) -> None:
 
 def _apply_config(args: argparse.Namespace) -> dict[str, str]:
     """Fill the flags not given from `--config` (as `accelfn launch` does); return the env the script reads
-    (mixed precision and the plan's knobs). Raises ConfigError naming the file and key."""
+    (mixed precision, as `accelfn launch` sets it, and the plan's knobs). Raises ConfigError naming the file and
+    key."""
     from ..launch import config as launch_config
-    from ..launch_env import ACCELFN_MIXED_PRECISION
 
     cfg = launch_config.load(args.config_file) if args.config_file else launch_config.Config()
     if args.nproc_per_node is None:
@@ -111,10 +120,7 @@ def _apply_config(args: argparse.Namespace) -> dict[str, str]:
         args.nnodes = launch_config.parse_nnodes(cfg.num_machines)[1]
     if args.mesh is None and cfg.mesh:
         args.mesh = cfg.mesh
-    env = cfg.plan.env()
-    if args.config_file and cfg.mixed_precision != "no":
-        env[ACCELFN_MIXED_PRECISION] = cfg.mixed_precision
-    return env
+    return {**cfg.plan.env(), **cfg.precision_env(args.mixed_precision)}
 
 
 def _run(args: argparse.Namespace) -> int:

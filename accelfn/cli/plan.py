@@ -8,6 +8,7 @@ Example:
     $ accelfn plan --nproc-per-node 8 --nnodes 8 --global-batch-size 256 --write plan.yaml train.py
     $ accelfn plan --remats none,full,full:2,selective:3 --write plan.yaml train.py   # these remat values
     $ accelfn plan --torch-version 2.6.0 train.py   # timed as torch 2.6 runs it (FlashAttention-2's SDPA)
+    $ accelfn plan --mixed-precision bf16 --write plan.yaml train.py   # as `accelfn launch --mixed-precision bf16`
     $ accelfn launch --config plan.yaml train.py
 """
 
@@ -17,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+from ..launch_env import MIXED_PRECISION
 
 NONE_FITS = 3
 
@@ -75,6 +78,13 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         help="usable memory per device (default: the row's less 2 GiB)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=MIXED_PRECISION,
+        help="the mixed precision the job launches with (`accelfn launch --mixed-precision`; default no): every "
+        "dry run sets it, and --write keeps it",
     )
     p.add_argument("--workers", type=int, default=2, help="dry runs at a time (default 2)")
     p.add_argument(
@@ -199,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
             memory_gib=args.memory_gib,
             calibration=None if args.calibration == "none" else load(gpu, args.calibration),
             torch_version=torch_version,
+            mixed_precision=args.mixed_precision,
         )
     except ValueError as e:
         print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)

@@ -14,7 +14,8 @@ device's row, instead of one flat efficiency over all FLOPs.
   recomputation included; half of them when causal) at the fraction of the bf16 peak the SDPA backend the run's
   torch picks (FlashAttention-2 or cuDNN's: `attention_speeds.sdpa_backend`, from `torch_version` and the device)
   was measured to reach on an H100 for that direction, sequence length and mask (`attention_speeds`' tables: the
-  backward slower, a causal kernel slower on the half it computes).
+  backward slower, a causal kernel slower on the half it computes). fp32 attention runs torch's memory-efficient
+  kernel, 3xTF32 MMAs: `fp32_attention_peak`, a third of the tf32 peak, at FlashAttention-2's fraction.
 - everything else is memory-bound: the bytes it reads and writes over a fraction of the memory bandwidth, eager
   ATen kernels (one op each) at `eager_memory_efficiency`, the fused kernels of a compiled region at
   `memory_efficiency` (`fused_time`); views move nothing and launch nothing, nor does FSDP2's `all_gather_copy_in`
@@ -69,6 +70,7 @@ __all__ = [
     "matmul_time",
     "attention_time",
     "attention_fraction",
+    "fp32_attention_peak",
     "FA2_H100_TFLOPS",
     "FA2_H100_CAUSAL_TFLOPS",
     "compiled_region",
@@ -459,9 +461,34 @@ def attention_time(
         >>> round(attention_time(10**12, spec("h100-sxm"), cudnn, seq=8192) / fwd, 3)  # 370 / 600 TFLOP/s
         0.617
     """
+    if dtype.itemsize > 2:
+        # SDPA's flash and cuDNN kernels take only 2-byte inputs: fp32 runs the memory-efficient kernel, whose
+        # matmuls on sm80+ are 3xTF32 (`OpMultiplyAddFastF32`, whatever `allow_tf32` says; torch's
+        # mem_eff_attention/gemm_kernel_utils.h): a third of the tf32 peak (the fp32 one where the device has no
+        # tf32), at FlashAttention-2's measured fraction (its kernel, too, runs sm80 MMA instructions)
+        fraction = assumptions.attention(backward, seq, causal, "flash2")
+        return flops / (fp32_attention_peak(device) * 1e12 * fraction)
     return flops / (
         _peak(device, dtype) * assumptions.attention(backward, seq, causal, assumptions.backend(device))
     )
+
+
+def fp32_attention_peak(device: DeviceSpec) -> float:
+    """The TFLOP/s an fp32 SDPA call's matmuls can reach on `device`: a third of the tf32 peak (torch's memory-
+    efficient kernel splits each fp32 operand in two TF32 halves and runs three TF32 MMAs), else the fp32 peak,
+    else (a row with neither: TPUs, Gaudi) the bf16 one.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> round(fp32_attention_peak(spec("h100-sxm")), 1), fp32_attention_peak(spec("a100-80gb"))
+        (164.9, 52.0)
+        >>> fp32_attention_peak(spec("tpu-v5p"))
+        459.0
+    """
+    for key, share in (("tf32", 3.0), ("fp32", 1.0), ("bf16", 1.0)):
+        if key in device.tflops:
+            return device.tflops[key] / share
+    return _peak(device, torch.bfloat16) / 1e12
 
 
 @attrs.define
@@ -1007,7 +1034,7 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 
 def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) -> float:
     """Seconds of one kernel (no launch floor) on `device`: `matmul_time`, `attention_time` (fp32 attention at
-    the bf16 peak: SDPA's flash kernels take only 2-byte inputs) or `eager_memory_time` (one op, one ATen kernel:
+    `fp32_attention_peak`, fp8 at the bf16 peak) or `eager_memory_time` (one op, one ATen kernel:
     a compiled region's fused kernels are `fused_time`'s)."""
     if cost.kind == "matmul":
         dtype = cost.dtype
@@ -1028,7 +1055,8 @@ def cost_time(cost: OpCost, device: DeviceSpec, assumptions: TimingAssumptions) 
             out_bytes=cost.out_bytes,
         )
     if cost.kind == "attention":
-        dtype = cost.dtype if cost.dtype.itemsize == 2 else torch.bfloat16
+        # 1-byte floats at bf16's rate, fp64 at fp32's
+        dtype = {1: torch.bfloat16, 2: cost.dtype}.get(cost.dtype.itemsize, torch.float32)
         return attention_time(
             cost.flops,
             device,

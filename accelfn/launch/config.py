@@ -18,6 +18,9 @@ from typing import Any
 import attrs
 
 from ..launch_env import (
+    ACCELFN_FP8_BACKEND,
+    ACCELFN_FP8_RECIPE,
+    ACCELFN_MIXED_PRECISION,
     DEVICE_KINDS,
     FP8_BACKENDS,
     KNOBS,
@@ -250,6 +253,27 @@ class Config:
         out = attrs.asdict(self)
         plan = {k: v for k, v in out.pop("plan").items() if v is not None}
         return {**out, "plan": plan} if plan else out
+
+    def precision_env(self, mixed_precision: str | None = None) -> dict[str, str]:
+        """The env a script reads its mixed precision from, as `accelfn launch` sets it:
+        `ACCELFN_MIXED_PRECISION` (`mixed_precision`, a flag that wins over the config's, else this config's)
+        and, under fp8, the ``fp8:`` section's backend and recipe.
+
+        Example:
+            >>> Config(mixed_precision="fp8", fp8={"recipe": "rowwise"}).precision_env()
+            {'ACCELFN_MIXED_PRECISION': 'fp8', 'ACCELFN_FP8_BACKEND': 'auto', 'ACCELFN_FP8_RECIPE': 'rowwise'}
+            >>> Config(mixed_precision="fp8").precision_env("bf16")
+            {'ACCELFN_MIXED_PRECISION': 'bf16'}
+        """
+        precision = self.mixed_precision if mixed_precision is None else mixed_precision
+        if precision not in MIXED_PRECISION:
+            raise ConfigError(f"--mixed-precision={precision!r} is not one of {', '.join(MIXED_PRECISION)}")
+        env = {ACCELFN_MIXED_PRECISION: precision}
+        if precision == "fp8":
+            env[ACCELFN_FP8_BACKEND] = self.fp8.backend
+            if self.fp8.recipe:
+                env[ACCELFN_FP8_RECIPE] = self.fp8.recipe
+        return env
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` (validated)."""

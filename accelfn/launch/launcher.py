@@ -206,10 +206,7 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
                     "one axis to -1"
                 )
     precision = pick("mixed_precision", opts.mixed_precision, None, cfg.mixed_precision, "no")
-    if precision not in contract.MIXED_PRECISION:
-        raise ConfigError(
-            f"--mixed-precision={precision!r} is not one of {', '.join(contract.MIXED_PRECISION)}"
-        )
+    precision_env = cfg.precision_env(precision)  # ConfigError for a precision that is not one
     log_with = pick("log_with", opts.log_with, None, cfg.log_with, "")
     if log_with:
         log_with = ",".join(contract.parse_log_with(log_with, source="--log-with")) or "none"
@@ -219,15 +216,11 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
     env = {
         contract.ACCELFN_LAUNCHED: "1",
         contract.ACCELFN_DEVICE: device,
-        contract.ACCELFN_MIXED_PRECISION: precision,
+        **precision_env,
     }
     if mesh:
         env[contract.ACCELFN_MESH] = mesh
     env.update(cfg.plan.env())  # the planner's knobs (`accelfn plan --write`)
-    if precision == "fp8":
-        env[contract.ACCELFN_FP8_BACKEND] = cfg.fp8.backend
-        if cfg.fp8.recipe:
-            env[contract.ACCELFN_FP8_RECIPE] = cfg.fp8.recipe
     if log_with:
         env[contract.ACCELFN_LOG_WITH] = log_with
     if cfg_path:

@@ -232,7 +232,6 @@ def calibrate(
         >>> cal.scale, cal.residual  # doctest: +SKIP
     """
     from ..launch import config as launch_config
-    from ..launch_env import ACCELFN_MIXED_PRECISION
     from .search import Job, run_job
 
     if not Path(script).is_file():
@@ -245,12 +244,10 @@ def calibrate(
         nnodes = launch_config.parse_nnodes(cfg.num_machines)[1]
     gpu = gpu or ("cpu" if device == "cpu" else "h100-sxm")
     env = cfg.plan.env()
-    if cfg.mixed_precision != "no":
-        env[ACCELFN_MIXED_PRECISION] = cfg.mixed_precision
     pp = launch_config.parse_mesh(cfg.mesh).get("pp", 1) if cfg.mesh else 1
     job = Job(str(script), tuple(args), nproc_per_node, nnodes, mesh=cfg.mesh or None,
               env=tuple(env.items()), device=device, gpu=gpu, rank="ends" if pp > 1 else 0,
-              torch_version=torch_version)  # fmt: skip
+              torch_version=torch_version, precision=tuple(cfg.precision_env().items()))  # fmt: skip
     label = " ".join(
         [
             cfg.mesh or f"world={job.world}",

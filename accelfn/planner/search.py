@@ -51,6 +51,8 @@ class Job:
     stages: int = 1  # the pipeline stages the mesh and schedule split the model into (pp x v)
     one_chunk: bool = False  # the loss in one chunk (the probe: the same FLOPs, far fewer fake ops)
     torch_version: str | None = None  # the torch the job runs (None: the installed one): its SDPA kernel
+    # the mixed precision it launches with, as `accelfn launch` passes it (`Config.precision_env`; () for "no")
+    precision: tuple[tuple[str, str], ...] = ()
 
     @property
     def world(self) -> int:
@@ -152,6 +154,12 @@ def _cut_runs(
     return seen, cut, [], every
 
 
+# what the script reads its mixed precision from (set by `Job.precision`, else unset)
+PRECISION_VARS = (
+    launch_env.ACCELFN_MIXED_PRECISION,
+    launch_env.ACCELFN_FP8_BACKEND,
+    launch_env.ACCELFN_FP8_RECIPE,
+)
 _RUNS = [0]  # the dry runs this process has made (its first pays the process's warm-up)
 
 
@@ -193,10 +201,11 @@ def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any
     from .calibrate import scaled_assumptions
 
     _RUNS[0] += 1
-    knob_vars = [var for var, _ in launch_env.KNOBS.values()]
+    # the knobs and the precision are the job's alone: none leaks in from this process's environment
+    unset = [var for var, _ in launch_env.KNOBS.values()] + list(PRECISION_VARS)
     quiet = io.StringIO()  # the script's own prints and progress bars
     with (
-        launch_env.environ_set(dict(job.env), unset=knob_vars),
+        launch_env.environ_set({**dict(job.env), **dict(job.precision)}, unset=unset),
         contextlib.redirect_stdout(quiet),
         contextlib.redirect_stderr(quiet),
         _one_chunk(chunked) if job.one_chunk else contextlib.nullcontext(),

@@ -139,6 +139,9 @@ class Plan:
     dry_runs: int = 0  # how many dry runs the search ran (a layer-extrapolated candidate's two count as one)
     extrapolated: int = 0  # how many candidates were measured by the layer-extrapolated tier
     confirmed: int = 0  # ... of which the full dry run confirmed (re-measured) the best
+    mixed_precision: str = (
+        "no"  # the mixed precision every dry run launched with (`af.plan(mixed_precision=)`)
+    )
 
     @property
     def best(self) -> Row | None:
@@ -152,7 +155,8 @@ class Plan:
         return out
 
     def config(self) -> Any:
-        """The chosen configuration as a launch `Config` (processes, mesh and the `plan:` knobs)."""
+        """The chosen configuration as a launch `Config` (processes, mesh, mixed precision and the `plan:`
+        knobs)."""
         from ..launch.config import Config, PlanConfig
 
         best = self.best
@@ -162,6 +166,7 @@ class Plan:
             num_processes=self.nproc_per_node,
             num_machines=self.nnodes,
             mesh=best.candidate.mesh_spec,
+            mixed_precision=self.mixed_precision,
             plan=PlanConfig(**best.candidate.knobs()),  # type: ignore[arg-type]
         )
 
@@ -182,6 +187,7 @@ class Plan:
             "nnodes": self.nnodes,
             "gpu": self.gpu,
             "global_batch_size": self.global_batch_size,
+            "mixed_precision": self.mixed_precision,
             "capacity_bytes": self.capacity_bytes,
             "candidates": self.candidates,
             "dry_runs": self.dry_runs,

@@ -68,6 +68,7 @@ def _probe(
     device: str,
     gbs: int | None,
     torch_version: str | None = None,
+    precision: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
     """The script as one process: which knobs it asks for, and the whole model's states; where its lowering
     refuses the mesh of dp alone, on `HSDP_PROBE_MESH` (a script that fixes hsdp)."""
@@ -79,7 +80,7 @@ def _probe(
     if gbs:
         env[launch_env.ACCELFN_GLOBAL_BATCH_SIZE] = str(gbs)
     job = Job(script, args, 1, 1, mesh=None, env=tuple(env.items()), device=device, gpu=gpu, one_chunk=True,
-              torch_version=torch_version)  # fmt: skip
+              torch_version=torch_version, precision=precision)  # fmt: skip
     result = pool.run(job)
     # a strategy the script fixes that needs a dp and an fsdp axis (hsdp): the probe again on both
     if "error" in result and result["lowering"] and "'fsdp'" in result["error"]:
@@ -120,6 +121,7 @@ def plan(
     confirm: int = 3,
     extrapolate_min_blocks: int | None = 8,
     torch_version: str | None = None,
+    mixed_precision: str = "no",
 ) -> Plan:
     """Search the configurations of `script` (run unmodified, with `args`) on `nproc_per_node` x `nnodes`
     devices of row `gpu` (default h100-sxm) and return the `Plan`: candidates ranked by predicted tokens/s per
@@ -149,6 +151,9 @@ def plan(
     the best `confirm` rows are then re-measured by full dry runs (the chosen row's always, the budget or not).
     `torch_version` is the torch the job will run (default: the installed one, e.g. "2.11.0"): every dry run
     times attention as the SDPA kernel it picks (`accelfn dry-run --torch-version`), and the plan's notes say so.
+    `mixed_precision` ("no", "bf16", "fp16", "fp8") is the one the job launches with (`accelfn launch
+    --mixed-precision`): every dry run sets it as the launcher does, for a step under `af.autocast` (dtype
+    "auto") or `af.autocast_fp8` to read, and the written config keeps it.
 
     Example:
         >>> import pathlib, tempfile, accelfn as af
@@ -171,6 +176,7 @@ def plan(
     """
     from ..dryrun.attention_speeds import sdpa_backend
     from ..dryrun.report import Assumptions, gib
+    from ..launch.config import Config
     from ..platforms import specs
 
     start = time.monotonic()
@@ -196,6 +202,11 @@ def plan(
             sdpa_backend(torch_version, "")
         except (ValueError, AttributeError) as e:
             raise ValueError(f"af.plan: torch_version={torch_version!r}: {e}") from None
+    if mixed_precision not in launch_env.MIXED_PRECISION:
+        raise ValueError(
+            f"af.plan: mixed_precision={mixed_precision!r} is not one of {', '.join(launch_env.MIXED_PRECISION)}"
+        )
+    precision = tuple(Config(mixed_precision=mixed_precision).precision_env().items())  # as the launcher's
     bad = [a for a in axes if a not in AXES]
     if bad:
         raise ValueError(f"af.plan: axes {bad} are not mesh axes the planner searches; use some of {AXES}")
@@ -224,7 +235,7 @@ def plan(
     text = str(path)
 
     with Pool(workers) as pool:
-        probe = _probe(pool, text, args, gpu, device, global_batch_size, torch_version)
+        probe = _probe(pool, text, args, gpu, device, global_batch_size, torch_version, precision)
         asked = set(probe["asked"])
         if "global_batch_size" in asked and global_batch_size is None:
             raise ValueError(
@@ -286,10 +297,13 @@ def plan(
         kernel = {"flash2": "FlashAttention-2", "cudnn": "cuDNN"}.get(sdpa_backend(version, spec.key))
         notes.append(f"times predicted for torch {version}{'' if torch_version else ' (the installed one)'}: "
                      f"attention as its SDPA kernel on {gpu}, {kernel}'s")  # fmt: skip
+        if mixed_precision != "no":
+            notes.append(f"mixed precision {mixed_precision}, as `accelfn launch --mixed-precision "
+                         f"{mixed_precision}` sets it (a step under af.autocast or af.autocast_fp8 reads it)")  # fmt: skip
         deadline = start + budget_minutes * 60
         bar = _bar(len(survivors), progress)
         base = Job(text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve,
-                   scale=scale, torch_version=torch_version)  # fmt: skip
+                   scale=scale, torch_version=torch_version, precision=precision)  # fmt: skip
         blocks = int(probe.get("blocks", 0))
         # the compute of the whole global batch at the probe's (one process, the largest matmuls) efficiency:
         # a rank's share of it is a lower bound of any candidate's step time (only with the global batch fixed)
@@ -596,6 +610,7 @@ def plan(
         dry_runs=counts["runs"],
         extrapolated=counts["extrapolated"],
         confirmed=counts["confirmed"],
+        mixed_precision=mixed_precision,
     )
 
 

@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--autocast", action="store_true", help="af.autocast(step): the launch's mixed precision")
     args = p.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,6 +54,8 @@ def main() -> None:
         return af.losses.cross_entropy(m(input_ids=ids).logits[:, :-1], ids[:, 1:])
 
     step = af.train_step(loss_fn, af.optim.adamw(1e-3, weight_decay=0.0))
+    if args.autocast:
+        step = af.autocast(step)  # dtype "auto": accelfn launch --mixed-precision
     step = plan_knobs.apply(step, knobs, mesh)
     state = step.init(model)
     k = knobs

@@ -160,6 +160,7 @@ class Step:
         plan.finalize()
         if self.kind == "train":
             _warn_unused_precision_flag(self.transforms)
+            _warn_unsharded_under_launch(self.transforms)
         self._plan = plan
         assert plan.slots is not None
         params, buffers = partition(plan.module)
@@ -256,6 +257,38 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
     warnings.warn(
         f"ACCELFN_MIXED_PRECISION={wanted} (accelfn launch --mixed-precision) has no effect on this step: it has no "
         f"autocast combinator, so it computes in its params' dtype. Wrap it: {how}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# the transforms that make processes train one model together
+_DISTRIBUTED = ("shard", "pipeline", "tensor_parallel", "context_parallel", "expert_parallel")
+
+
+def _warn_unsharded_under_launch(transforms: Sequence[Transform]) -> None:
+    """`accelfn launch` started several processes, but this training step has no `af.shard` (nor another
+    parallelism): each process trains its own copy and they never sync; say so once, on rank 0 (Accelerate's
+    `prepare` wraps the model in DDP whatever the script says; here the script says it)."""
+    import os
+    import warnings
+
+    from .launch_env import ACCELFN_LAUNCHED
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if (
+        os.environ.get(ACCELFN_LAUNCHED) != "1"
+        or not world.isdigit()
+        or int(world) < 2
+        or os.environ.get("RANK", "0") != "0"
+        or dry_mode.active() is not None
+        or any(t.kind in _DISTRIBUTED for t in transforms)
+    ):
+        return
+    warnings.warn(
+        f"accelfn launch started {world} processes, but this training step has no af.shard: each process trains "
+        "its own copy of the model on its own batches, and they never sync (their checkpoints to one path "
+        "overwrite each other). Wrap it: af.shard(step, af.Mesh.from_env()); or launch one process",
         UserWarning,
         stacklevel=3,
     )

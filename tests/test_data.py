@@ -525,6 +525,15 @@ def test_wrong_arguments_name_the_parameter() -> None:
         DL(object(), 2)
 
 
+def test_a_torch_dataloader_is_refused_with_how_to_pass_its_dataset() -> None:
+    # Accelerate's `prepare(loader)` habit: its items are batches, which would gain a second batch dimension
+    # (and wrap around to fill the last batch) instead of being batched once
+    torch_loader = torch.utils.data.DataLoader(torch.arange(8.0).reshape(8, 1), batch_size=4)
+    with pytest.raises(TypeError, match=r"got a torch.utils.data.DataLoader.*loader.dataset, batch_size="):
+        DL(torch_loader, 4)
+    assert [b.shape for b in DL(torch_loader.dataset, 4)] == [(4, 1), (4, 1)]  # what the error says to pass
+
+
 def test_gather_for_metrics_drops_padding_in_one_process() -> None:
     loader = DL(torch.arange(10), 4)
     outs = [af.data.gather_for_metrics({"p": b.float(), "i": b}, loader) for b in loader]

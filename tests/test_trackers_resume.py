@@ -57,3 +57,28 @@ def test_a_tracker_that_fails_raises_one_clear_error_and_loses_no_checkpoint(tmp
     assert torch.equal(saved.params["weight"], weights[6])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 8))  # the other tracker kept logging
+
+
+def test_a_new_run_in_the_same_folder_keeps_the_earlier_runs_metrics_and_starts_its_own(tmp_path):
+    # run twice into one folder without resume_step: the second run's steps 1-3 start a new metrics.jsonl (they
+    # followed the first run's step 3, and a plot drew back to step 1); the first run's lines are kept, not lost
+    def run(steps):
+        tracker = af.trackers.JSONLTracker(tmp_path)
+        for step in steps:
+            tracker.log({"loss": float(step)}, step=step, wall_time=0.0)
+        tracker.close()
+
+    def steps(name):
+        return [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+
+    run([1, 2, 3])
+    with pytest.warns(UserWarning, match=r"held an earlier run's metrics.jsonl: kept as metrics.1.jsonl"):
+        run([1, 2, 3])
+    with pytest.warns(UserWarning, match="kept as metrics.2.jsonl"):
+        run([1, 2])
+    assert steps("metrics.jsonl") == [1, 2]
+    assert steps("metrics.1.jsonl") == steps("metrics.2.jsonl") == [1, 2, 3]
+    tracker = af.trackers.JSONLTracker(tmp_path, resume_step=1)  # resuming continues the file, as before
+    tracker.log({"loss": 2.0}, step=2, wall_time=0.0)
+    tracker.close()
+    assert steps("metrics.jsonl") == [1, 2] and not (tmp_path / "metrics.3.jsonl").exists()

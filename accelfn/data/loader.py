@@ -368,6 +368,13 @@ class _Columns(tud.Dataset[dict[str, Any]]):
 
 def _as_dataset(dataset: Any) -> tuple[Any, bool]:
     """`(dataset, is_map_style)`; a dict of tensors becomes a dataset of rows."""
+    if isinstance(dataset, tud.DataLoader):  # Accelerate's `prepare(loader)` habit: its items are batches
+        raise TypeError(
+            "DataLoader: got a torch.utils.data.DataLoader, whose items are batches already; give its dataset "
+            "and batch size instead: af.data.DataLoader(loader.dataset, batch_size=loader.batch_size, "
+            "collate_fn=loader.collate_fn, shuffle=...), which batches, shards by rank and saves its position "
+            "itself"
+        )
     if (
         isinstance(dataset, Mapping)
         and dataset

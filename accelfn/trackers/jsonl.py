@@ -59,11 +59,33 @@ def truncate_after(path: str | os.PathLike[str], step: int) -> int:
     return len(kept)
 
 
+def _keep_earlier_run(path: Path) -> Path:
+    """A new run (no ``resume_step``) in a folder whose ``metrics.jsonl`` holds an earlier run's lines: move it
+    to ``metrics.<n>.jsonl`` (the first free n) and say so, so that this run's steps start a file of their own
+    (appended, they would follow the earlier run's last step, and a plot would draw back to step 1)."""
+    import warnings
+
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, kept)
+    warnings.warn(
+        f"accelfn.trackers: {str(path.parent)!r} held an earlier run's {path.name}: kept as {kept.name}, and "
+        f"this run writes a new {path.name} (to continue that run from a checkpoint of step K, open the "
+        "trackers with resume_step=K)",
+        UserWarning,
+        stacklevel=4,
+    )
+    return kept
+
+
 class JSONLTracker:
     """Append ``{"step": N, "time": t, **metrics}`` lines to ``<run_dir>/metrics.jsonl``.
 
     The file is line-buffered: each line reaches the OS as it is written, so a crashed process loses no
-    line it logged (a power loss may lose the last ones). ``resume_step=K`` first drops lines with step > K.
+    line it logged (a power loss may lose the last ones). ``resume_step=K`` first drops lines with step > K;
+    without it, an earlier run's ``metrics.jsonl`` in ``run_dir`` is kept as ``metrics.1.jsonl`` (``.2``, ...)
+    and this run starts a new one, with a warning.
     Non-finite values are written as ``NaN``, ``Infinity``, ``-Infinity`` (read back as floats by ``json.loads``).
     """
 
@@ -76,6 +98,8 @@ class JSONLTracker:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
                 truncate_after(self.path, resume_step)
+            elif self.path.exists() and self.path.stat().st_size > 0:
+                _keep_earlier_run(self.path)
             self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - open until close()
 
     def log(self, metrics: dict[str, float], step: int, *, wall_time: float | None = None) -> None:

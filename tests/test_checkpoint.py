@@ -745,3 +745,26 @@ def test_save_pretrained_of_a_wrapper_around_a_transformers_model_names_the_keys
         ) as e:
             af.checkpoint.save_pretrained(tmp_path / prefix, wrapped)
         assert f"'{prefix}.model.embed_tokens.weight'" in str(e.value) and not (tmp_path / prefix).exists()
+
+
+def test_a_loader_that_cannot_resume_is_refused_before_any_weight_is_written(tmp_path):
+    # the loader's checks run first: a load that raises on them leaves `like` (and its bound module) untouched
+    step = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1))
+    torch.manual_seed(0)
+    state = step.init(torch.nn.Linear(2, 2))
+    saved_loader = af.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=4)
+    for batch in saved_loader:
+        state, _ = step(state, batch)
+        break
+    af.checkpoint.save(tmp_path / "c", state, loader=saved_loader)
+    torch.manual_seed(1)
+    other = af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)).init(torch.nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in other.params.items()}
+    wrong = af.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=8)
+    with pytest.raises(ValueError, match="global_batch_size=4 but this loader has global_batch_size=8"):
+        af.checkpoint.load(tmp_path / "c", like=other, loader=wrong)
+    assert all(torch.equal(other.params[k], before[k]) for k in before)  # the same tensors, not written
+    right = af.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=4)
+    loaded = af.checkpoint.load(tmp_path / "c", like=other, loader=right)
+    assert all(torch.equal(loaded.params[k], state.params[k]) for k in before)
+    assert [b.tolist() for b in right] == [[[8.0, 9.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]]

@@ -200,6 +200,8 @@ def _load(path: str | os.PathLike[str], like: TrainState, loader: Any) -> TrainS
         raise CheckpointMismatchError(f"{where} does not match the structure of `like`: " + "; ".join(parts))
     if loader is not None and meta.get("loader") is None:
         raise CheckpointError(f"{where} has no loader position (it was saved without loader=)")
+    if loader is not None and hasattr(loader, "check_state_dict"):
+        loader.check_state_dict(meta["loader"])  # before any weight is written into `like`
 
     out: dict[str, Any] = {}
     targets: dict[str, Target] = {}

@@ -312,6 +312,14 @@ class DataLoader:
         The seed, shuffling, global batch size, dataset length and `last_batch` mode must match; the number
         of data-parallel ranks may differ when the global batch size is the same.
         """
+        self.check_state_dict(state)
+        self._epoch, self._done = int(state["epoch"]), int(state["batches_done"])
+        self._fresh, self._resumed, self._finished = True, True, False
+        self._last, self._padding = None, 0
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise `ValueError` naming the key where this loader cannot resume at `state`; change nothing
+        (`af.checkpoint.load(..., loader=)` checks before it writes any weights)."""
         missing = [
             k
             for k in ("version", "epoch", "batches_done", "seed", "shuffle", "global_batch_size")
@@ -332,9 +340,6 @@ class DataLoader:
                     f"DataLoader.load_state_dict: the state has {key}={state[key]!r} but this loader has "
                     f"{key}={mine[key]!r}; resuming needs the same {key} to yield the same batches"
                 )
-        self._epoch, self._done = int(state["epoch"]), int(state["batches_done"])
-        self._fresh, self._resumed, self._finished = True, True, False
-        self._last, self._padding = None, 0
 
     def _num_samples(self) -> int | None:
         if self._is_map:

@@ -258,7 +258,7 @@ def _warn_unused_precision_flag(transforms: Sequence[Transform]) -> None:
         f"ACCELFN_MIXED_PRECISION={wanted} (accelfn launch --mixed-precision) has no effect on this step: it has no "
         f"autocast combinator, so it computes in its params' dtype. Wrap it: {how}",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of Step.init
     )
 
 
@@ -286,11 +286,12 @@ def _warn_unsharded_under_launch(transforms: Sequence[Transform]) -> None:
     ):
         return
     warnings.warn(
-        f"accelfn launch started {world} processes, but this training step has no af.shard: each process trains "
+        f"accelfn started {world} processes (accelfn launch, notebook_launch), but this training step has no "
+        "af.shard: each process trains "
         "its own copy of the model on its own batches, and they never sync (their checkpoints to one path "
         "overwrite each other). Wrap it: af.shard(step, af.Mesh.from_env()); or launch one process",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of Step.init
     )
 
 

@@ -23,6 +23,9 @@ from accelfn.cli.main import build_parser, main, with_dashes
         # a value that looks like the script is the option's value; an option no command knows stays as it is
         (["launch", "--nproc_per_node", "train.py", "x.py"], ["launch", "--nproc-per-node", "train.py", "x.py"]),
         (["launch", "--not_an_option", "train.py"], ["launch", "--not_an_option", "train.py"]),
+        # an abbreviation, as argparse reads it, keeps its value
+        (["launch", "--nproc", "2", "--mixed_precision", "bf16", "t.py"],
+         ["launch", "--nproc", "2", "--mixed-precision", "bf16", "t.py"]),
     ],
 )  # fmt: skip
 def test_underscore_spellings_become_the_dashed_options_before_the_script(argv, expected) -> None:
@@ -48,5 +51,9 @@ def test_an_unknown_option_is_named_with_the_commands_usage(capsys: pytest.Captu
     assert e.value.code == 2
     assert err.startswith("usage: accelfn launch")
     assert (
-        "accelfn launch: error: unrecognized arguments: --frobnicate (the options of accelfn launch go" in err
+        "error: unrecognized arguments: --frobnicate (not options of accelfn launch; the script's own" in err
     )
+    with pytest.raises(SystemExit):
+        main(["plot", "run1", "--frobnicate"])  # a command without a script: argparse's words alone
+    err = capsys.readouterr().err
+    assert err.startswith("usage: accelfn plot") and err.endswith("unrecognized arguments: --frobnicate\n")

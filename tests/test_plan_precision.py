@@ -69,6 +69,31 @@ def test_a_plan_dry_runs_each_candidate_in_the_launch_precision_and_writes_it(
         )
 
 
+def test_a_calibration_dry_runs_the_runs_precision_the_flag_before_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from accelfn.planner.calibrate import calibrate
+
+    bf16, fp32 = _reference(monkeypatch, "bf16"), _reference(monkeypatch, "no")
+    run = tmp_path / "run"
+    run.mkdir()
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(f'{{"step": {i}, "step_time": 0.01}}\n' for i in range(4))
+    )
+    save(Config(num_processes=2, mixed_precision="no"), tmp_path / "run.yaml")
+
+    def calibrated(precision: str | None) -> float:
+        store = tmp_path / f"cal-{precision}.json"
+        cal = calibrate(
+            run, SCRIPT, ARGS, config=tmp_path / "run.yaml", store=store, mixed_precision=precision
+        )
+        point = cal.points[-1]
+        return point.compute_s + point.other_s  # the dry run's step at scale 1
+
+    assert calibrated("bf16") == pytest.approx(bf16, rel=1e-9)  # `--mixed-precision bf16` beside the config
+    assert calibrated(None) == pytest.approx(fp32, rel=1e-9)  # the config's
+
+
 def test_a_bad_precision_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     from accelfn.cli.main import main
 

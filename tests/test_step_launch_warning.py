@@ -13,7 +13,9 @@ import torch
 import accelfn as af
 from tests._launch import output_of, run_workers
 
-WARNING = "accelfn launch started 2 processes, but this training step has no af.shard"
+WARNING = (
+    "accelfn started 2 processes (accelfn launch, notebook_launch), but this training step has no af.shard"
+)
 
 
 @pytest.mark.skipif(

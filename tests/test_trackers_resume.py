@@ -72,8 +72,12 @@ def test_a_new_run_in_the_same_folder_keeps_the_earlier_runs_metrics_and_starts_
         return [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
 
     run([1, 2, 3])
+    (tmp_path / "config.json").write_text('{"lr": 1}\n')  # the first run's (trackers.open's log_config)
     with pytest.warns(UserWarning, match=r"held an earlier run's metrics.jsonl: kept as metrics.1.jsonl"):
         run([1, 2, 3])
+    assert (tmp_path / "config.1.json").read_text() == '{"lr": 1}\n' and not (
+        tmp_path / "config.json"
+    ).exists()
     with pytest.warns(UserWarning, match="kept as metrics.2.jsonl"):
         run([1, 2])
     assert steps("metrics.jsonl") == [1, 2]

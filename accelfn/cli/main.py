@@ -74,17 +74,32 @@ def with_dashes(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[st
     if command is None:
         return out
     known = command._option_string_actions
+
+    def action_of(name: str) -> argparse.Action | None:  # an option's action, abbreviated as argparse allows
+        if name in known:
+            return known[name]
+        longer = {known[o] for o in known if name.startswith("--") and o.startswith(name)}
+        return longer.pop() if len(longer) == 1 else None
+
     i = 1
     while i < len(out):
         token = out[i]
         if token == "--" or not token.startswith("-"):
             break  # the script path: what follows is the script's
         name, eq, value = token.partition("=")
-        if name not in known and name.startswith("--") and name.replace("_", "-") in known:
-            name = name.replace("_", "-")
-            out[i] = name + eq + value
-        action = known.get(name)
-        i += 2 if action is not None and action.nargs != 0 and not eq else 1
+        action = action_of(name)
+        if action is None and "_" in name and (dashed := action_of(name.replace("_", "-"))) is not None:
+            action, out[i] = dashed, name.replace("_", "-") + eq + value
+        i += 1
+        if action is None or eq or action.nargs == 0:
+            continue
+        # its values: one (nargs None), N, at most one ("?"), or up to the next option ("*", "+")
+        if action.nargs in ("?", "*", "+"):
+            most = 1 if action.nargs == "?" else len(out)
+            while most and i < len(out) and not out[i].startswith("-"):
+                i, most = i + 1, most - 1
+        else:
+            i += 1 if action.nargs is None else int(action.nargs)
     return out
 
 
@@ -97,10 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         if words[0] not in sub.choices:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        sub.choices[words[0]].error(
-            f"unrecognized arguments: {' '.join(unknown)} (the options of accelfn {words[0]} go before the "
-            "script path; see accelfn " + words[0] + " --help)"
-        )
+        command = sub.choices[words[0]]
+        runs_a_script = any(a.dest == "script" for a in command._actions)
+        command.error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+            + (" (not options of accelfn " + words[0] + "; the script's own options go after its path)"
+               if runs_a_script else "")
+        )  # fmt: skip
     code = int(args.func(args) or 0)
     if argv is None:
         # As a command, skip the interpreter's teardown of torch (~0.5 s): nothing is left to clean up.

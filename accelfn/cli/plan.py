@@ -81,10 +81,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--mixed-precision",
-        default="no",
+        default=None,
         choices=MIXED_PRECISION,
         help="the mixed precision the job launches with (`accelfn launch --mixed-precision`; default no): every "
-        "dry run sets it, and --write keeps it",
+        "dry run sets it, and --write keeps it; with --calibrate, the run's (default: its --config's)",
     )
     p.add_argument("--workers", type=int, default=2, help="dry runs at a time (default 2)")
     p.add_argument(
@@ -153,6 +153,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             device=args.device,
             store=args.calibration,
             torch_version=_torch_version(args.torch_version),
+            mixed_precision=args.mixed_precision,
         )
     except ValueError as e:
         print(f"accelfn plan --calibrate: {e}", file=sys.stderr)
@@ -209,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
             memory_gib=args.memory_gib,
             calibration=None if args.calibration == "none" else load(gpu, args.calibration),
             torch_version=torch_version,
-            mixed_precision=args.mixed_precision,
+            mixed_precision=args.mixed_precision or "no",
         )
     except ValueError as e:
         print(f"accelfn plan: {str(e).removeprefix('af.plan: ')}", file=sys.stderr)

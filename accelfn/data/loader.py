@@ -378,7 +378,7 @@ def _as_dataset(dataset: Any) -> tuple[Any, bool]:
             "DataLoader: got a torch.utils.data.DataLoader, whose items are batches already; give its dataset "
             "and batch size instead: af.data.DataLoader(loader.dataset, batch_size=loader.batch_size, "
             "collate_fn=loader.collate_fn, shuffle=...), which batches, shards by rank and saves its position "
-            "itself"
+            "itself (a loader built with a batch_sampler: the batch size its sampler gives)"
         )
     if (
         isinstance(dataset, Mapping)

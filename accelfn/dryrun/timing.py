@@ -474,20 +474,23 @@ def attention_time(
 
 
 def fp32_attention_peak(device: DeviceSpec) -> float:
-    """The TFLOP/s an fp32 SDPA call's matmuls can reach on `device`: a third of the tf32 peak (torch's memory-
-    efficient kernel splits each fp32 operand in two TF32 halves and runs three TF32 MMAs), else the fp32 peak,
-    else (a row with neither: TPUs, Gaudi) the bf16 one.
+    """The TFLOP/s an fp32 SDPA call's matmuls can reach on `device`: on an NVIDIA GPU, a third of the tf32 peak
+    (torch's memory-efficient kernel splits each fp32 operand in two TF32 halves and runs three TF32 MMAs on
+    compute capability 8.0 and later); elsewhere (AMD's ROCm kernels, or no tf32 row) the fp32 peak, else (a row
+    with neither: TPUs, Gaudi) the bf16 one.
 
     Example:
         >>> from accelfn.platforms.specs import spec
         >>> round(fp32_attention_peak(spec("h100-sxm")), 1), fp32_attention_peak(spec("a100-80gb"))
         (164.9, 52.0)
-        >>> fp32_attention_peak(spec("tpu-v5p"))
-        459.0
+        >>> fp32_attention_peak(spec("mi300x")), fp32_attention_peak(spec("tpu-v5p"))
+        (163.4, 459.0)
     """
-    for key, share in (("tf32", 3.0), ("fp32", 1.0), ("bf16", 1.0)):
+    if device.name.startswith("NVIDIA") and "tf32" in device.tflops:
+        return device.tflops["tf32"] / 3
+    for key in ("fp32", "bf16"):
         if key in device.tflops:
-            return device.tflops[key] / share
+            return device.tflops[key]
     return _peak(device, torch.bfloat16) / 1e12
 
 

@@ -222,9 +222,11 @@ def calibrate(
     device: str = "cuda",
     store: str | Path | None = None,
     torch_version: str | None = None,
+    mixed_precision: str | None = None,
 ) -> Calibration:
     """Dry-run the configuration `run_dir` ran (`script` with `args` under the launch `config` it was started
-    with, attention timed as the SDPA kernel of `torch_version`, the run's torch: None for the installed one),
+    with, in `mixed_precision` where the launch's flag gave it, else the config's; attention timed as the SDPA
+    kernel of `torch_version`, the run's torch: None for the installed one),
     add the run's point to the device's calibration in `store` and refit it; return the calibration.
 
     Example:
@@ -247,7 +249,7 @@ def calibrate(
     pp = launch_config.parse_mesh(cfg.mesh).get("pp", 1) if cfg.mesh else 1
     job = Job(str(script), tuple(args), nproc_per_node, nnodes, mesh=cfg.mesh or None,
               env=tuple(env.items()), device=device, gpu=gpu, rank="ends" if pp > 1 else 0,
-              torch_version=torch_version, precision=tuple(cfg.precision_env().items()))  # fmt: skip
+              torch_version=torch_version, precision=tuple(cfg.precision_env(mixed_precision).items()))  # fmt: skip
     label = " ".join(
         [
             cfg.mesh or f"world={job.world}",

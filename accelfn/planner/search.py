@@ -51,7 +51,7 @@ class Job:
     stages: int = 1  # the pipeline stages the mesh and schedule split the model into (pp x v)
     one_chunk: bool = False  # the loss in one chunk (the probe: the same FLOPs, far fewer fake ops)
     torch_version: str | None = None  # the torch the job runs (None: the installed one): its SDPA kernel
-    # the mixed precision it launches with, as `accelfn launch` passes it (`Config.precision_env`; () for "no")
+    # the mixed precision it launches with, as `accelfn launch` passes it (`Config.precision_env`; (): none set)
     precision: tuple[tuple[str, str], ...] = ()
 
     @property

@@ -61,7 +61,7 @@ def truncate_after(path: str | os.PathLike[str], step: int) -> int:
 
 def _keep_earlier_run(path: Path) -> Path:
     """A new run (no ``resume_step``) in a folder whose ``metrics.jsonl`` holds an earlier run's lines: move it
-    to ``metrics.<n>.jsonl`` (the first free n) and say so, so that this run's steps start a file of their own
+    to ``metrics.<n>.jsonl`` (the first free n; its ``config.json`` to ``config.<n>.json``) and say so, so that this run's steps start a file of their own
     (appended, they would follow the earlier run's last step, and a plot would draw back to step 1)."""
     import warnings
 
@@ -69,10 +69,13 @@ def _keep_earlier_run(path: Path) -> Path:
     while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
         n += 1
     os.replace(path, kept)
+    config = path.with_name("config.json")  # that run's config (log_config), before this run's replaces it
+    if config.exists() and not (old_config := config.with_name(f"config.{n}.json")).exists():
+        os.replace(config, old_config)
     warnings.warn(
-        f"accelfn.trackers: {str(path.parent)!r} held an earlier run's {path.name}: kept as {kept.name}, and "
-        f"this run writes a new {path.name} (to continue that run from a checkpoint of step K, open the "
-        "trackers with resume_step=K)",
+        f"accelfn.trackers: {str(path.parent)!r} held an earlier run's {path.name}: kept as {kept.name} (its "
+        f"config.json as config.{n}.json), and this run writes a new {path.name} (to continue that run from a "
+        "checkpoint of step K, open the trackers with resume_step=K)",
         UserWarning,
         stacklevel=4,
     )

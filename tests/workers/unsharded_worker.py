@@ -1,5 +1,5 @@
 """A tiny training step, sharded (`--shard`) or not, for the warning `accelfn launch` gives a step that trains
-one copy per process (tests/test_step_warnings.py)."""
+one copy per process (tests/test_step_launch_warning.py)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,11 @@
 A block preceded by a line `<!-- no-test ... -->` is skipped (e.g. one that needs `accelfn launch`).
 """
 
+import ast
 import contextlib
 import io
 import re
+import tokenize
 import types
 from pathlib import Path
 
@@ -19,7 +21,24 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- no-test[^\n]*-->\n)?```python\n(.*?)```", re.S)
 
 
-PRINT = re.compile(r"^[ \t]*print\(.*\)[ \t]+#[ \t]*(.+)$", re.M)
+def print_comments(code: str) -> list[str]:
+    """The comments at the end of the `print(...)` statements of `code`, on one line or several (the comment
+    after the closing parenthesis): `print(1)  # 1`, and `print(` ... `)  # 2` over three lines, give ["1", "2"].
+    """
+    ends = {
+        node.end_lineno
+        for node in ast.walk(ast.parse(code))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "print"
+    }
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    return [comments[line] for line in sorted(ends) if line in comments]
 
 
 def expected_output(comment: str) -> re.Pattern:
@@ -43,7 +62,7 @@ def test_python_blocks_run_and_print_what_they_say(path, tmp_path, monkeypatch):
         with contextlib.redirect_stdout(out):
             exec(compile(code, f"{path.name}", "exec"), namespace)
         printed = out.getvalue()
-        for comment in PRINT.findall(code):
+        for comment in print_comments(code):
             assert expected_output(comment).search(printed), (
                 f"{path.name}: a block says it prints {comment!r} but printed:\n{printed}"
             )
@@ -83,3 +102,8 @@ def test_api_reference_lists_every_public_name():
         n for n in names if not re.search(rf"`(af\.)?({prefixes})?{re.escape(n.split('.')[-1])}\b", text)
     ]
     assert not missing, f"docs/api.md does not document: {missing}"
+
+
+def test_a_print_over_several_lines_promises_its_closing_comment():
+    code = "print(1)  # one\nx = 2  # not a print\nprint(\n    x,\n)  # two\nfor i in ():\n    print(i)  # three\n"
+    assert print_comments(code) == ["one", "two", "three"]

@@ -97,3 +97,20 @@ def test_without_matplotlib_the_error_says_what_to_install(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert main(["plot", str(run)]) == 2
     assert "pip install 'accelfn[plot]'" in capsys.readouterr().err
+
+
+def test_a_file_of_runs_appended_one_after_another_draws_the_last_with_a_warning(tmp_path):
+    from accelfn.cli.plot import read_metrics
+
+    lines = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 1, 2, 3, 4, 1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.warns(
+        UserWarning, match=r"holds 3 runs \(the step goes back from 4 to 1\): drawing the last one"
+    ):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:3]))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [
+        1,
+        2,
+        3,
+    ]  # one run: no warning (pytest's -W default)

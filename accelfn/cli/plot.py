@@ -36,7 +36,8 @@ class PlotError(ValueError):
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of `run_dir/metrics.jsonl` (or of that file itself), in order; a truncated last line
-    (a run still writing, or killed mid-write) is skipped.
+    (a run still writing, or killed mid-write) is skipped. A file holding several runs appended one after another
+    (the step goes back) gives the last run's records, with a warning.
 
     Example:
         >>> import json, tempfile
@@ -70,6 +71,18 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             records.append(record)
     if not records:
         raise PlotError(f"{file}: no records with a 'step'")
+    steps = [_number(r["step"]) or 0.0 for r in records]
+    back = [i for i in range(1, len(steps)) if steps[i] < steps[i - 1]]
+    if back:  # runs appended to one file (before the JSONL tracker kept an earlier run's file apart)
+        import warnings
+
+        warnings.warn(
+            f"accelfn plot: {file} holds {len(back) + 1} runs (the step goes back from {steps[back[-1] - 1]:g} to "
+            f"{steps[back[-1]]:g}): drawing the last one",
+            UserWarning,
+            stacklevel=2,
+        )
+        records = records[back[-1] :]
     return records
 
 

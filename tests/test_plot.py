@@ -6,6 +6,7 @@ import json
 import math
 import struct
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,8 +110,6 @@ def test_a_file_of_runs_appended_one_after_another_draws_the_last_with_a_warning
     ):
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:3]))
-    assert [r["step"] for r in read_metrics(tmp_path)] == [
-        1,
-        2,
-        3,
-    ]  # one run: no warning (pytest's -W default)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one run: no warning
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]

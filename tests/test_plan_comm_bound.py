@@ -196,3 +196,21 @@ def test_a_dense_model_has_no_all_to_all_bound() -> None:
     assert report["comm"] and all_to_all_time(report, H100, 8) == (0.0, 0.0)
     c = Candidate({"dp": 4, "tp": 2}, "fsdp")
     assert comm_bound(c, [Exchanges(attrs.evolve(c, strategy="ddp"), 0.0, 0.0)]) == (0.0, None)
+
+
+def test_a_script_that_fixes_full_remat_has_its_recomputed_all_to_alls_in_the_routed_bound() -> None:
+    """A script that fixes remat leaves the candidates' remat unknown (None): the plan reads the one its probe
+    lowered (`prune.lowered_remat` of the report's step), and full remat's 6 all-to-alls per MoE layer count."""
+    from accelfn.planner.prune import lowered_remat
+
+    args = [a if a != "none" or MOE_ARGS[i - 1] != "--remat" else "full" for i, a in enumerate(MOE_ARGS)]
+    report = af.dry_run(MOE, args, nproc_per_node=1, search=False).to_dict()
+    assert lowered_remat(report["strategy"]) == "full"
+    moe, tokens = {"layers": 4, "hidden": 256, "top_k": 2}, 16 * 128
+    c = Candidate({"dp": 2, "ep": 4}, "ddp", None, 1, global_batch_size=16)
+    full = attrs.evolve(c, remat="full")
+    assert routed_bound(c, moe, tokens, H100, 8, "full") == routed_bound(full, moe, tokens, H100, 8)
+    assert routed_bound(c, moe, tokens, H100, 8, "full") == pytest.approx(
+        1.5 * routed_bound(c, moe, tokens, H100, 8)
+    )
+    assert routed_bound(c, moe, tokens, H100, 8, "selective") == routed_bound(c, moe, tokens, H100, 8)

@@ -201,6 +201,23 @@ def time_bound(c: Candidate, compute_s: float, world: int) -> float:
 
 
 _SHARD = re.compile(r"\bshard\((\w+), ([^)]*)\)")
+_REMAT = re.compile(r"\bremat\('(\w+)'(?:, every=(\d+))?\)")
+
+
+def lowered_remat(description: str) -> str | None:
+    """The remat knob's value (`none`, `selective`, `full`, `POLICY:N`) of the `af.remat` a dry run lowered, read
+    from its step's description (a report's `strategy`); None without one.
+
+    Example:
+        >>> lowered_remat("Step(train_step(loss) -> remat('full') -> shard(fsdp, dp=1)  [fsdp over 1 ranks])")
+        'full'
+        >>> lowered_remat("Step(... -> remat('selective', every=2))"), lowered_remat("Step(train_step(loss))")
+        ('selective:2', None)
+    """
+    m = _REMAT.search(description or "")
+    if m is None:
+        return None
+    return m[1] if m[2] in (None, "1") else f"{m[1]}:{m[2]}"
 
 
 def lowered_strategy(description: str) -> str | None:
@@ -333,7 +350,12 @@ def comm_bound(c: Candidate, measured: Sequence[Exchanges]) -> tuple[float, Cand
 
 
 def routed_bound(
-    c: Candidate, moe: dict[str, int], tokens: int, device: DeviceSpec, nproc_per_node: int
+    c: Candidate,
+    moe: dict[str, int],
+    tokens: int,
+    device: DeviceSpec,
+    nproc_per_node: int,
+    script_remat: str | None = None,
 ) -> float:
     """A lower bound of the time `c`'s step waits for expert parallel's all-to-alls, from the model alone (the
     probe's `moe`: MoE `layers`, a routed row's `hidden` width and the `top_k` experts per token,
@@ -343,7 +365,8 @@ def routed_bound(
     MoE layer runs four per micro-batch on each rank of the ep group (ep and the tp and cp ranks it borrows,
     `expert_parallel.expert_axes`): the dispatch of its rows (its tokens x top_k, `moe.experts.ep_forward`),
     the combine of the rows it received, and their two reverses in the backward; full remat (`c.remat`
-    "full") runs the forward's two again in the backward (other remat values are counted as none). A rank's tokens per micro-batch are the global batch's over the data axes, cp and the
+    "full", or `script_remat`, the one a script that fixes its remat lowered: `lowered_remat`) runs the forward's
+    two again in the backward (other remat values are counted as none). A rank's tokens per micro-batch are the global batch's over the data axes, cp and the
     accumulation, of which each tp rank dispatches its share (the least: the floor); the rank the dry run
     reports (the busiest, under the modelled routing) receives at least the mean, which is at least that
     share. A row is at least 16-bit (hidden states or their autocast copy). Each all-to-all is timed as the
@@ -386,5 +409,6 @@ def routed_bound(
     unnamed = collective_time(
         "all_to_all", nbytes, n, group_nodes(n, n <= nproc_per_node, nproc_per_node), device, comm
     )
-    per_layer = 6 if c.remat == "full" else 4  # full remat dispatches and combines the forward's rows again
+    remat = c.remat if c.remat is not None else script_remat
+    per_layer = 6 if remat == "full" else 4  # full remat dispatches and combines the forward's rows again
     return per_layer * layers * acc * min(placed, unnamed)

@@ -39,6 +39,7 @@ from .prune import (
     all_to_all_time,
     comm_bound,
     illegal,
+    lowered_remat,
     lowered_strategy,
     routed_bound,
     states_bound,
@@ -250,6 +251,9 @@ def plan(
         fixed_strategy = (
             None if "strategy" in asked else lowered_strategy(probe["report"].get("strategy", ""))
         )
+        # the remat the script fixes, as its probe lowered it: full remat's recomputed all-to-alls count in the
+        # routed rows' bound (`prune.routed_bound`); None where it leaves remat open (each candidate's own)
+        script_remat = None if "remat" in asked else lowered_remat(probe["report"].get("strategy", ""))
         space = Space(
             world=nproc_per_node * nnodes,
             nproc_per_node=nproc_per_node,
@@ -369,7 +373,7 @@ def plan(
             model's routed rows take (`prune.routed_bound`); and what the bound counts, in words."""
             compute = lower(c) if ratios else 0.0
             learned, source = comm_bound(c, exchanges.get(c.mesh_spec, ()))
-            routed = routed_bound(c, moe, tokens, spec, nproc_per_node) if routed_holds else 0.0
+            routed = routed_bound(c, moe, tokens, spec, nproc_per_node, script_remat) if routed_holds else 0.0
             comm = max(learned, routed) * BOUND_SLACK
             if not comm:
                 return compute, f"its compute and bubble alone take >= {_ms(compute)} ms"
@@ -468,7 +472,7 @@ def plan(
                 # wider); one the script swaps in (`af.shard(ep_dispatcher=)`: fp8 rows, one row per destination
                 # rank) may send less, and the one-process probe cannot see it (ep=1): trusted only once a measured
                 # candidate's all-to-alls take at least their bound, never again once one takes less
-                routed = routed_bound(c, moe, tokens, spec, nproc_per_node)
+                routed = routed_bound(c, moe, tokens, spec, nproc_per_node, script_remat)
                 if routed:
                     routed_holds = routed <= (latency + seconds) * (1 + 1e-6)
             ran = lowered_strategy(report.get("strategy", ""))

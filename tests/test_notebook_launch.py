@@ -108,7 +108,8 @@ def test_a_function_the_spawned_workers_cannot_import_is_named_in_the_error(tmp_
 
 
 @pytest.mark.slow
-def test_a_function_of_an_interactive_session_runs_in_forked_workers(tmp_path):
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_a_function_of_an_interactive_session_runs_in_forked_workers(tmp_path, how):
     import subprocess
     import sys
 
@@ -118,9 +119,11 @@ def test_a_function_of_an_interactive_session_runs_in_forked_workers(tmp_path):
         "    import os\n"
         "    return int(os.environ['RANK']) + x\n"
         "print('RESULT', notebook_launch(f, (10,), nproc=2, device='cpu'))\n"
-    )  # `python -c`: like a notebook, its __main__ has no file a spawned process could import
+    )  # `python -c` or `python -` (its __file__ '<stdin>'): like a notebook, its __main__ has no file a
+    # spawned process could import
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELFN_")}
+    argv, stdin = ([sys.executable, "-c", code], None) if how == "-c" else ([sys.executable, "-"], code)
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        argv, input=stdin, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
     )
     assert "RESULT [10, 11]" in proc.stdout, proc.stderr[-3000:]

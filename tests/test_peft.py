@@ -485,3 +485,22 @@ def test_save_pretrained_of_a_peft_model_from_an_fsdp_state_gathers_the_adapter(
     reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
     assert adapter_loading_report(reloaded, tmp_path / "adapter") == ([], [])
     torch.testing.assert_close(logits(reloaded), expected, rtol=0, atol=1e-6)
+
+
+def test_tensor_parallel_of_a_peft_model_is_refused_by_name(tmp_path) -> None:
+    # its LoRA layers wrap the Linear layers the plan splits, and the plan's names lack PeftModel's prefix: without
+    # the check, tp=2 split nothing and said so only in a note (every rank trained a full replica)
+    script = tmp_path / "train_lora_tp.py"
+    script.write_text(
+        "import torch, peft, accelfn as af\n"
+        "from tests.models import tiny_llama\n"
+        "model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))\n"
+        "step = af.shard(af.train_step(lambda m, b: m(input_ids=b).logits.float().mean(), af.optim.adamw(1e-3)),\n"
+        "                af.Mesh.from_env())\n"
+        "state = step.init(model)\n"
+        "state, _ = step(state, torch.zeros(2, 8, dtype=torch.long))\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"tensor parallel \(tp=2\) of a PEFT model is not supported.*data-paral"
+    ):
+        af.dry_run(script, nproc_per_node=2, mesh="tp=2", search=False)

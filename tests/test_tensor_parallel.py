@@ -235,3 +235,20 @@ def test_optimizer_clip_inside_the_chain_is_refused_under_tensor_parallel():
     tx = af.optim.chain(af.optim.clip_by_global_norm(1.0), af.optim.sgd(0.1))
     with pytest.raises(ValueError, match="clip_grad_norm=max_norm"):
         apply_gradients_on_shards(tx, {}, (), {})
+
+
+def test_a_models_own_plan_that_names_none_of_its_modules_is_an_error() -> None:
+    # a wrapper renames the modules (and forwards the config): the plan, read from the config, matches nothing
+    from accelfn.transforms.shard.tensor_parallel import _present, model_tp_plan
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+    model = qwen3_moe()
+    assert _present(model, model_tp_plan(model), []) != {}  # the model itself: its plan applies
+    with pytest.raises(
+        ValueError, match=r"the tp plan Wrapper brings \(\d+ entries, e.g. 'layers.*names none of"
+    ):
+        _present(Wrapper(model), model_tp_plan(Wrapper(model)), [])

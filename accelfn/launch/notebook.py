@@ -35,9 +35,11 @@ def _environ(changes: Mapping[str, str]) -> Iterator[None]:
 
 
 def _interactive(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` lives in a ``__main__`` that a spawned process cannot import (a notebook, a REPL)."""
+    """Whether `fn` lives in a ``__main__`` that a spawned process cannot import (a notebook, a REPL, a script
+    read from stdin: ``__file__`` ``'<stdin>'``)."""
     main = sys.modules.get("__main__")
-    return getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None)
+    where = getattr(main, "__file__", None)
+    return getattr(fn, "__module__", None) == "__main__" and (not where or str(where).startswith("<"))
 
 
 def _recorded(failure: Any) -> bool:

@@ -36,7 +36,8 @@ def pipeline(
     Every rank calls `run` with the same full batch (only the first stage reads it). The output is the last
     stage's: with `broadcast=True` every rank receives it; with `broadcast=False` the last stage returns it
     and the others return None. `example_args` is a full batch of the shapes `run` will see (the model is
-    traced on one microbatch of it with `torch.export`); its dim 0 must divide by `microbatches`. Models
+    traced on one microbatch of it with `torch.export`); its dim 0 must divide by `microbatches`, and `run`
+    refuses a batch of other shapes (pad a short last batch). Models
     must trace with `torch.export` (plain `nn.Module` stacks do; see docs/big_models.md).
 
     Example (on 2 processes started by `accelfn launch`):
@@ -73,7 +74,18 @@ def pipeline(
     schedule = ScheduleGPipe(stage, microbatches)
     last = dist.get_global_rank(group, n_stages - 1)
 
+    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_args]
+
     def run(*inputs: Any) -> Any:
+        # the stages were traced and their buffers sized for example_args' shapes; every rank gets the same batch,
+        # so every rank refuses another one here, before any stage sends or waits
+        got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
+        if got != shapes:
+            raise ValueError(
+                f"af.pipeline: run() got inputs of shapes {got}, but the pipeline was traced for example_args' "
+                f"{shapes}: every batch must have those shapes (pad a short last batch to them, or build a "
+                "pipeline for each shape)"
+            )
         with torch.no_grad():
             out = schedule.step(*inputs) if index == 0 else schedule.step()
         if not broadcast:

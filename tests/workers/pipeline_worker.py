@@ -16,7 +16,12 @@ def main() -> None:
         expected = model(x)
     with af.Mesh({"pp": 2}) as mesh:
         run = af.pipeline(model, ["2"], mesh, example_args=(x,), microbatches=4)
-        out = run(x)
+        try:  # a short last batch: refused on every rank before any stage sends or waits
+            run(x[:2])
+            raise AssertionError("a batch of another shape ran")
+        except ValueError as e:
+            assert "run() got inputs of shapes [(2, 16)], but the pipeline was traced for" in str(e), e
+        out = run(x)  # the pipeline still runs
         assert torch.allclose(out, expected, atol=1e-6), (out - expected).abs().max()
         run_last = af.pipeline(model, ["2"], mesh, example_args=(x,), microbatches=2, broadcast=False)
         out2 = run_last(x)

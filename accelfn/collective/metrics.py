@@ -5,6 +5,8 @@ Example:
     >>> loader = af.data.DataLoader(torch.arange(5), batch_size=4)
     >>> [af.dist.gather_for_metrics(b * 10, loader).tolist() for b in loader]
     [[0, 10, 20, 30], [40]]
+    >>> [af.dist.gather_for_metrics([f"s{i}" for i in b.tolist()], loader) for b in loader]
+    [['s0', 's1', 's2', 's3'], ['s4']]
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import tree as _tree
-from .collectives import gather
+from .collectives import gather, gather_object
 
 if TYPE_CHECKING:
     from ..data.loader import DataLoader
@@ -24,7 +26,8 @@ __all__ = ["gather_for_metrics"]
 
 def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     """Gather `x` (a tensor or pytree of tensors whose dim 0 are the samples of the batch `loader` yielded
-    last) from all data-parallel ranks, in data-rank order, without the loader's wrap-around padding.
+    last, or a list of Python objects, one per sample: generated text) from all data-parallel ranks, in
+    data-rank order, without the loader's wrap-around padding.
 
     Over a whole unshuffled epoch the results, concatenated, are the dataset's samples in order, each once.
     Every rank must call it for the same batch (with `even_batches=False`, a rank that has no batch for
@@ -37,6 +40,17 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
         )
     lay = loader.layout
     mine, width = info.sizes[lay.data_rank], loader.batch_size
+    keep = sum(info.sizes) - info.padding
+    shards = lay.first_rank_of_each_shard()
+    if isinstance(x, list) and not any(isinstance(v, torch.Tensor) for v in x):
+        # Python objects (generated text, ids): one per sample, gathered as objects (Accelerate's fallback)
+        if len(x) != mine:
+            raise ValueError(
+                f"gather_for_metrics: x is a list of {len(x)} objects, but it must hold one per sample of this "
+                f"rank's batch ({mine}; global batch {info.step} of the epoch)"
+            )
+        ranks = gather_object(x)
+        return [v for d, g in enumerate(shards) for v in ranks[g][: info.sizes[d]]][:keep]
     leaves, spec = _tree.flatten(x)
     for path, leaf in _tree.flatten_with_path(x):
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] != mine:
@@ -51,8 +65,6 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     gathered = gather(_tree.unflatten(spec, leaves))
     if lay.world_size == lay.data_size and not uneven and info.padding == 0:
         return gathered
-    keep = sum(info.sizes) - info.padding
-    shards = lay.first_rank_of_each_shard()
 
     def trim(t: torch.Tensor) -> torch.Tensor:
         parts = t.split(width)

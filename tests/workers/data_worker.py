@@ -52,6 +52,9 @@ assert sorted(set(raw)) == list(range(21)) and len(raw) == 24, raw
 assert pads == [0, 0, 0, 3] and loader.padding == 3, pads
 evaluated = torch.cat([af.data.gather_for_metrics(b, loader) for b in loader])
 assert evaluated.tolist() == list(range(21)), evaluated
+# Python objects (generated text), one per sample: every sample once, in order, the padding dropped
+texts = [t for b in loader for t in af.data.gather_for_metrics([f"s{i}" for i in b.tolist()], loader)]
+assert texts == [f"s{i}" for i in range(21)], texts
 
 # ---- even_batches=False: uneven counts; drop_last: equal full batches ----------------------------------------
 loader = DL(range(21), 3, even_batches=False)
@@ -61,6 +64,8 @@ shapes = [len(b) for b in loader]
 assert shapes == {0: [4, 4, 4], 1: [4, 4, 2]}[r], shapes
 evaluated = torch.cat([af.data.gather_for_metrics(b * 10, loader) for b in loader])
 assert evaluated.tolist() == [10 * i for i in range(22)], evaluated
+texts = [t for b in loader for t in af.data.gather_for_metrics([str(i) for i in b.tolist()], loader)]
+assert texts == [str(i) for i in range(22)], texts  # uneven batches (4 and 2)
 assert lists(DL(range(21), 3, drop_last=True)) == wrapped[r][:3]
 
 # ---- shuffle: the same on both ranks and in both runs; disjoint shards that cover everything -----------------
@@ -143,6 +148,9 @@ tp_mesh = af.Mesh({"dp": 1, "tp": 2}, device="cpu")
 loader = DL(range(5), 2, mesh=tp_mesh)
 assert loader.layout.data_size == 1 and lists(loader) == [[0, 1], [2, 3], [4, 0]]
 assert torch.cat([af.data.gather_for_metrics(b, loader) for b in loader]).tolist() == list(range(5))
+assert [t for b in loader for t in af.data.gather_for_metrics([-i for i in b.tolist()], loader)] == [
+    0, -1, -2, -3, -4
+]  # fmt: skip
 
 print(f"rank {r}/{n}: all data checks passed", flush=True)
 mesh.close()

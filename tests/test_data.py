@@ -525,6 +525,25 @@ def test_wrong_arguments_name_the_parameter() -> None:
         DL(object(), 2)
 
 
+def test_gather_for_metrics_takes_objects_one_per_sample_and_a_list_of_tensors_as_tensors() -> None:
+    loader = DL(torch.arange(5), 4)  # the last batch padded: [4, 0, 1, 2]
+    texts = [
+        t for b in loader for t in af.data.gather_for_metrics(tuple(f"s{i}" for i in b.tolist()), loader)
+    ]
+    assert texts == ["s0", "s1", "s2", "s3", "s4"]
+    pieces = [
+        af.data.gather_for_metrics([b, b * 2], loader) for b in loader
+    ]  # a pytree of tensors, as before
+    assert torch.cat([a for a, _ in pieces]).tolist() == list(range(5))
+    assert all(torch.equal(c, 2 * a) for a, c in pieces)
+    nested = [af.data.gather_for_metrics([{"p": b}], loader)[0]["p"] for b in loader]
+    assert torch.cat(nested).tolist() == list(range(5))
+    for _ in loader:
+        with pytest.raises(ValueError, match=r"ranks \[0\] passed \[1\] for batches of \[4\]"):
+            af.data.gather_for_metrics(["only one"], loader)
+        break
+
+
 def test_a_torch_dataloader_is_refused_with_how_to_pass_its_dataset() -> None:
     # Accelerate's `prepare(loader)` habit: its items are batches, which would gain a second batch dimension
     # (and wrap around to fill the last batch) instead of being batched once

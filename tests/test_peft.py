@@ -501,6 +501,7 @@ def test_tensor_parallel_of_a_peft_model_is_refused_by_name(tmp_path) -> None:
         "state, _ = step(state, torch.zeros(2, 8, dtype=torch.long))\n"
     )
     with pytest.raises(
-        ValueError, match=r"tensor parallel \(tp=2\) of a PEFT model is not supported.*data-paral"
+        ValueError,
+        match=r"tensor parallel \(tp=2\) of a PEFT model by its own plan is not supported.*data-paral",
     ):
         af.dry_run(script, nproc_per_node=2, mesh="tp=2", search=False)

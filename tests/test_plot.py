@@ -113,3 +113,7 @@ def test_a_file_of_runs_appended_one_after_another_draws_the_last_with_a_warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one run: no warning
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+        # a run resumed from step 2's checkpoint that logged again from step 3 (appended): one run, 3 replaced
+        resumed = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4, 3, 4, 5)]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in resumed))
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]

@@ -252,3 +252,18 @@ def test_a_models_own_plan_that_names_none_of_its_modules_is_an_error() -> None:
         ValueError, match=r"the tp plan Wrapper brings \(\d+ entries, e.g. 'layers.*names none of"
     ):
         _present(Wrapper(model), model_tp_plan(Wrapper(model)), [])
+
+
+def test_a_pipeline_stage_that_holds_nothing_the_plan_splits_is_not_an_error() -> None:
+    # a head-only stage: its stand-in for `model` hides the layers the plan names; nothing to split, said in a note
+    from accelfn.stages import Skip
+    from accelfn.transforms.shard.tensor_parallel import _present
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.score = Skip(nn.Linear(4, 4), {}), nn.Linear(4, 2)
+
+    notes: list[str] = []
+    assert _present(Stage(), {"model.layers.*.self_attn.q_proj": "colwise"}, notes) == {}
+    assert "left out: ['model.layers.*.self_attn.q_proj']" in notes[0]

@@ -37,7 +37,8 @@ class PlotError(ValueError):
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of `run_dir/metrics.jsonl` (or of that file itself), in order; a truncated last line
     (a run still writing, or killed mid-write) is skipped. A file holding several runs appended one after another
-    (the step goes back) gives the last run's records, with a warning.
+    (the step goes back to the first one or below) gives the last run's records, with a warning; a resumed run that
+    logged again from its checkpoint's step replaces the records from that step on.
 
     Example:
         >>> import json, tempfile
@@ -71,19 +72,29 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             records.append(record)
     if not records:
         raise PlotError(f"{file}: no records with a 'step'")
-    steps = [_number(r["step"]) or 0.0 for r in records]
-    back = [i for i in range(1, len(steps)) if steps[i] < steps[i - 1]]
-    if back:  # runs appended to one file (before the JSONL tracker kept an earlier run's file apart)
+    # the step going back: to the first step or below, a new run appended to the file (before the JSONL tracker
+    # kept an earlier run's file apart): the last run is drawn; above it, a resumed run that logged again from
+    # its checkpoint's step: it replaces the lines from that step on, as `trackers.jsonl.truncate_after` does
+    first, runs, went_back = _number(records[0]["step"]) or 0.0, 1, ""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        step = _number(record["step"]) or 0.0
+        if kept and step < (_number(kept[-1]["step"]) or 0.0):
+            if step <= first:
+                runs, went_back = runs + 1, f"{_number(kept[-1]['step']) or 0.0:g} to {step:g}"
+                kept = []
+            else:
+                kept = [r for r in kept if (_number(r["step"]) or 0.0) < step]
+        kept.append(record)
+    if runs > 1:
         import warnings
 
         warnings.warn(
-            f"accelfn plot: {file} holds {len(back) + 1} runs (the step goes back from {steps[back[-1] - 1]:g} to "
-            f"{steps[back[-1]]:g}): drawing the last one",
+            f"accelfn plot: {file} holds {runs} runs (the step goes back from {went_back}): drawing the last one",
             UserWarning,
             stacklevel=2,
         )
-        records = records[back[-1] :]
-    return records
+    return kept
 
 
 def _number(value: Any) -> float | None:

@@ -42,14 +42,17 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     mine, width = info.sizes[lay.data_rank], loader.batch_size
     keep = sum(info.sizes) - info.padding
     shards = lay.first_rank_of_each_shard()
-    if isinstance(x, list) and not any(isinstance(v, torch.Tensor) for v in x):
-        # Python objects (generated text, ids): one per sample, gathered as objects (Accelerate's fallback)
-        if len(x) != mine:
+    if isinstance(x, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in _tree.flatten(x)[0]):
+        # Python objects (generated text, ids): one per sample, gathered as objects (Accelerate's fallback); the
+        # lengths are checked after the one collective, so a wrong one is an error on every rank, not a hang
+        ranks = gather_object(list(x))
+        wrong = {g: len(ranks[g]) for d, g in enumerate(shards) if len(ranks[g]) != info.sizes[d]}
+        if wrong:
             raise ValueError(
-                f"gather_for_metrics: x is a list of {len(x)} objects, but it must hold one per sample of this "
-                f"rank's batch ({mine}; global batch {info.step} of the epoch)"
+                f"gather_for_metrics: x is a list of objects, one per sample of the rank's batch, but ranks "
+                f"{sorted(wrong)} passed {[wrong[g] for g in sorted(wrong)]} for batches of {list(info.sizes)} "
+                f"(global batch {info.step} of the epoch)"
             )
-        ranks = gather_object(x)
         return [v for d, g in enumerate(shards) for v in ranks[g][: info.sizes[d]]][:keep]
     leaves, spec = _tree.flatten(x)
     for path, leaf in _tree.flatten_with_path(x):

@@ -206,7 +206,8 @@ _REMAT = re.compile(r"\bremat\('(\w+)'(?:, every=(\d+))?\)")
 
 def lowered_remat(description: str) -> str | None:
     """The remat knob's value (`none`, `selective`, `full`, `POLICY:N`) of the `af.remat` a dry run lowered, read
-    from its step's description (a report's `strategy`); None without one.
+    from its step's description (a report's `strategy`); None without one, or for one of chosen blocks
+    (`remat('full', blocks=...)`: counted as no remat, which only loosens a lower bound).
 
     Example:
         >>> lowered_remat("Step(train_step(loss) -> remat('full') -> shard(fsdp, dp=1)  [fsdp over 1 ranks])")

@@ -336,7 +336,9 @@ def _present(module: nn.Module, raw: Mapping[str, Any], notes: list[str]) -> dic
     names = [n for n, _ in module.named_modules() if n] + [n for n, _ in module.named_parameters()]
     skipped = [n for n, m in module.named_modules() if isinstance(m, Skip)]
     absent = [k for k in raw if not any(_pattern(k).match(n) for n in names + skipped)]
-    if absent and len(absent) == len(raw):
+    if (
+        absent and len(absent) == len(raw) and not skipped
+    ):  # (a pipeline stage may hold nothing the plan splits)
         raise ValueError(
             f"shard: the tp plan {type(module).__name__} brings ({len(raw)} entries, e.g. {absent[0]!r}) names none "
             f"of its modules (they are named like {names[:3]}): tensor parallel would split nothing. A wrapper "
@@ -531,12 +533,14 @@ class TensorParallel(TransformBase):
         from torch.distributed.tensor.parallel import parallelize_module
 
         peft = sys.modules.get("peft")
-        if peft is not None and isinstance(module, peft.PeftModel):
+        if self.plan is None and peft is not None and isinstance(module, peft.PeftModel):
             raise ValueError(
-                f"shard: tensor parallel (tp={self.size}) of a PEFT model is not supported: its LoRA layers wrap the "
+                f"shard: tensor parallel (tp={self.size}) of a PEFT model by its own plan is not supported: its LoRA "
+                "layers wrap the "
                 "Linear layers a tp plan splits (lora.Linear's base_layer), and the base model's plan names them "
                 "without PeftModel's 'base_model.model.' prefix. Train the adapter over a data-parallel mesh (dp, or "
-                "fsdp: af.shard(step, af.Mesh({'dp': N}), strategy='fsdp'))"
+                "fsdp: af.shard(step, af.Mesh({'dp': N}), strategy='fsdp')), or pass tp_plan= naming modules LoRA "
+                "does not wrap"
             )
         source = "user plan"
         raw: Mapping[str, Any] | None = dict(self.plan) if self.plan is not None else None

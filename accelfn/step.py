@@ -287,9 +287,9 @@ def _warn_unsharded_under_launch(transforms: Sequence[Transform]) -> None:
         return
     warnings.warn(
         f"accelfn started {world} processes (accelfn launch, notebook_launch), but this training step has no "
-        "af.shard: each process trains "
-        "its own copy of the model on its own batches, and they never sync (their checkpoints to one path "
-        "overwrite each other). Wrap it: af.shard(step, af.Mesh.from_env()); or launch one process",
+        "af.shard: each process trains its own copy of the model on its own batches, and they never sync (their "
+        "checkpoints to one path overwrite each other). Wrap it: af.shard(step, af.Mesh.from_env()); or launch one "
+        "process",
         UserWarning,
         stacklevel=4,  # the caller of Step.init
     )

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    """The subcommand `name`'s parser (None for a word that names none)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(name)
+
+
 def with_dashes(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
     """`argv` with torchrun's and Accelerate's underscore spellings of a command's options
     (`--nproc_per_node`, `--num_processes`, `--mixed_precision=bf16`) as the command's dashed ones, up to the
@@ -69,8 +75,7 @@ def with_dashes(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[st
         ['launch', '--nproc-per-node', '2', 'train.py', '--max_steps', '5']
     """
     out = list(argv)
-    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-    command = sub.choices.get(out[0]) if sub is not None and out else None
+    command = _command(parser, out[0]) if out else None
     if command is None:
         return out
     known = command._option_string_actions
@@ -109,10 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = with_dashes(parser, sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(words)
     if unknown:  # argparse would print the top-level usage; the command's says what it takes
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        if words[0] not in sub.choices:
+        command = _command(parser, words[0])
+        if command is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        command = sub.choices[words[0]]
         runs_a_script = any(a.dest == "script" for a in command._actions)
         command.error(
             f"unrecognized arguments: {' '.join(unknown)}"

@@ -75,17 +75,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     # the step going back: to the first step or below, a new run appended to the file (before the JSONL tracker
     # kept an earlier run's file apart): the last run is drawn; above it, a resumed run that logged again from
     # its checkpoint's step: it replaces the lines from that step on, as `trackers.jsonl.truncate_after` does
-    first, runs, went_back = _number(records[0]["step"]) or 0.0, 1, ""
-    kept: list[dict[str, Any]] = []
-    for record in records:
-        step = _number(record["step"]) or 0.0
-        if kept and step < (_number(kept[-1]["step"]) or 0.0):
+    numbered = [(_number(r["step"]) or 0.0, r) for r in records]
+    first, runs, went_back = numbered[0][0], 1, ""
+    kept: list[tuple[float, dict[str, Any]]] = []
+    for step, record in numbered:
+        if kept and step < kept[-1][0]:
             if step <= first:
-                runs, went_back = runs + 1, f"{_number(kept[-1]['step']) or 0.0:g} to {step:g}"
+                runs, went_back = runs + 1, f"{kept[-1][0]:g} to {step:g}"
                 kept = []
             else:
-                kept = [r for r in kept if (_number(r["step"]) or 0.0) < step]
-        kept.append(record)
+                kept = [(s, r) for s, r in kept if s < step]
+        kept.append((step, record))
     if runs > 1:
         import warnings
 
@@ -94,7 +94,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             UserWarning,
             stacklevel=2,
         )
-    return kept
+    return [record for _, record in kept]
 
 
 def _number(value: Any) -> float | None:

@@ -42,7 +42,8 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     mine, width = info.sizes[lay.data_rank], loader.batch_size
     keep = sum(info.sizes) - info.padding
     shards = lay.first_rank_of_each_shard()
-    if isinstance(x, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in _tree.flatten(x)[0]):
+    leaves, spec = _tree.flatten(x)
+    if isinstance(x, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in leaves):
         # Python objects (generated text, ids): one per sample, gathered as objects (Accelerate's fallback); the
         # lengths are checked after the one collective, so a wrong one is an error on every rank, not a hang
         ranks = gather_object(list(x))
@@ -54,7 +55,6 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
                 f"(global batch {info.step} of the epoch)"
             )
         return [v for d, g in enumerate(shards) for v in ranks[g][: info.sizes[d]]][:keep]
-    leaves, spec = _tree.flatten(x)
     for path, leaf in _tree.flatten_with_path(x):
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] != mine:
             what = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__

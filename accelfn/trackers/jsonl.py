@@ -61,8 +61,9 @@ def truncate_after(path: str | os.PathLike[str], step: int) -> int:
 
 def _keep_earlier_run(path: Path) -> Path:
     """A new run (no ``resume_step``) in a folder whose ``metrics.jsonl`` holds an earlier run's lines: move it
-    to ``metrics.<n>.jsonl`` (the first free n; its ``config.json`` to ``config.<n>.json``) and say so, so that this run's steps start a file of their own
-    (appended, they would follow the earlier run's last step, and a plot would draw back to step 1)."""
+    to ``metrics.<n>.jsonl`` (the first free n; its ``config.json`` to ``config.<n>.json``) and say so, so that
+    this run's steps start a file of their own (appended, they would follow the earlier run's last step, and a
+    plot would draw back to step 1)."""
     import warnings
 
     n = 1

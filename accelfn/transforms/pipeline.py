@@ -361,8 +361,8 @@ class PipelineSync(GradSync):
         where = ", ".join(repr(p) for p in self.layout.split.points)
         warnings.warn(
             f"af.pipeline: stage {stage}'s output is NaN on its first micro-batch, and it called stand-ins for "
-            f"modules other stages own ({', '.join(sorted(made_up))}), whose made-up NaN outputs only the stage's received "
-            "input replaces: the model most likely reads one of them by another path than the hidden state "
+            f"modules other stages own ({', '.join(sorted(made_up))}), whose made-up NaN outputs only the stage's "
+            "received input replaces: the model most likely reads one of them by another path than the hidden state "
             "(per-layer inputs from the embedding, a position bias from the first block), so it cannot be split at "
             f"{where}. Split it where no later module reads an earlier one's output except through the hidden "
             "state, or not at all",

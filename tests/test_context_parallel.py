@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import accelfn as af
 from accelfn.transforms.shard.context_parallel import (
-    causal_mask,
     chunk_positions,
     gathered_attention,
+    global_order,
     split_sequence,
 )
 from tests._launch import expect_ok, run_workers
@@ -66,18 +66,53 @@ def test_chunks_cover_the_sequence_once_and_balance_causal_work():
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_ranks_attention_over_gathered_keys_is_its_part_of_whole_attention(causal, size):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 16, 8, generator=g)
-    k, v = torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)  # GQA: 2 kv heads
+    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 16, 8, generator=g, requires_grad=True)  # GQA: 2 kv heads
+    v = torch.randn(2, 2, 16, 8, generator=g, requires_grad=True)
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    cot = torch.randn(whole.shape, generator=g)
+    want = torch.autograd.grad(whole, (q, k, v), cot)
     gathered_k = torch.cat([split_sequence(k, r, size, dim=2) for r in range(size)], dim=2)
     gathered_v = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
-    kv_pos = torch.cat([chunk_positions(16 // size, r, size) for r in range(size)])
+    parts = []
     for r in range(size):
-        mask = causal_mask(chunk_positions(16 // size, r, size), kv_pos) if causal else None
         got = gathered_attention(
-            split_sequence(q, r, size, dim=2), gathered_k, gathered_v, mask, enable_gqa=True
+            split_sequence(q, r, size, dim=2), gathered_k, gathered_v, r, size, causal=causal, enable_gqa=True
         )
         torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=1e-5, atol=1e-6)
+        parts.append((got * split_sequence(cot, r, size, dim=2)).sum())
+    got_grads = torch.autograd.grad(sum(parts), (q, k, v))  # the backward through every rank's pieces
+    for got_g, want_g in zip(got_grads, want):
+        torch.testing.assert_close(got_g, want_g, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_computes_only_the_keys_up_to_each_chunk():
+    # rank r's chunks r and 2*size-1-r attend to (r+1) and (2*size-r) chunks of keys: 2*size+1 chunks in all on
+    # every rank (balanced), against 4*size for its two chunks over every key (the masked half computed too)
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                seen.append((args[0].shape[-2], args[1].shape[-2]))
+            return func(*args, **(kwargs or {}))
+
+    size, n = 4, 32
+    q = torch.randn(1, 2, n // size, 8)
+    kv = torch.randn(1, 2, n, 8)
+    for r in range(size):
+        seen.clear()
+        with Spy():
+            gathered_attention(q, kv, kv, r, size, causal=True)
+        half = n // size // 2
+        assert seen == [(half, (r + 1) * half), (half, (2 * size - r) * half)], (r, seen)
+
+
+def test_global_order_undoes_the_head_tail_split():
+    for size in (1, 2, 3):
+        seq = torch.arange(12 * size).reshape(1, 1, -1, 1)
+        gathered = torch.cat([split_sequence(seq, r, size, dim=2) for r in range(size)], dim=2)
+        assert torch.equal(global_order(gathered, size), seq)
 
 
 def test_a_cp_axis_of_size_one_splits_nothing():

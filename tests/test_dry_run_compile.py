@@ -297,24 +297,24 @@ def test_dry_run_of_compiled_blocks_with_context_parallel_allocates_nothing_real
     assert report.per_rank["peak"] > mask_mib * 2**20, report.per_rank
 
 
-def test_cp_causal_mask_of_a_trace_is_not_kept() -> None:
-    # the mask built while AOTAutograd traces a block is the trace's (a functional wrapper): it is not cached,
-    # and the traced function computes what the eager one does; an eager call then caches a plain tensor
+def test_cp_attention_traced_by_aot_autograd_computes_what_it_computes_eagerly() -> None:
+    # the lower-right causal biases a cp rank keeps (built when the batch is split, outside any trace) hold no
+    # tensor: AOTAutograd's trace of the attention builds its mask inside the graph, on real and on fake inputs
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-    from accelfn.transforms.shard.context_parallel import _Runtime, causal_mask, chunk_positions
+    from accelfn.transforms.shard.context_parallel import _Runtime, gathered_attention
 
-    rt = _Runtime(0, 2, None, local_len=4)  # type: ignore[arg-type]  # the mask needs no process group
-    keys = torch.cat([chunk_positions(4, r, 2) for r in range(2)])
-    ref = causal_mask(chunk_positions(4, 0, 2), keys)
+    rt = _Runtime(1, 2, None)  # type: ignore[arg-type]  # the attention needs no process group
+    rt.set_length(8)
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return x.masked_fill(~rt.causal_mask(x.device), 0.0)
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return gathered_attention(q, k, v, 1, 2, causal=True, biases=rt.biases)
 
-    x = torch.randn(4, 8, requires_grad=True)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)
     traced = aot_function(fn, fw_compiler=lambda gm, _: make_boxed_func(gm))
-    torch.testing.assert_close(traced(x), x.masked_fill(~ref, 0.0))
-    assert not rt._masks, rt._masks
-    torch.testing.assert_close(fn(x), x.masked_fill(~ref, 0.0))
-    (kept,) = rt._masks.values()
-    assert type(kept) is torch.Tensor and torch.equal(kept, ref)
+    torch.testing.assert_close(traced(q, k, v), fn(q, k, v))
+    assert sorted(rt.biases) == [(4, 8), (4, 12)]  # rank 1 of 2: chunks 1 and 2 over 2 and 3 chunks of keys
+    with FakeTensorMode():
+        fq = torch.randn(1, 2, 8, 4, requires_grad=True)
+        assert traced(fq, torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)).shape == (1, 2, 8, 4)

@@ -316,6 +316,16 @@ def test_an_sdpa_call_with_is_causal_is_costed_causal_with_half_the_flops() -> N
     assert [c.flops * 2 for c in causal] == [c.flops for c in full] == [2 * per_matmul, 5 * per_matmul]
 
 
+def test_a_causal_call_with_fewer_queries_than_keys_computes_the_lower_right_part() -> None:
+    # the GPU kernels align is_causal to the lower right (context parallel's chunks over the keys up to their end):
+    # 8 queries, the last of 24 keys: query i sees 16 + i + 1 keys, 8 x 20 of the 8 x 24 scores
+    q = torch.randn(2, 4, 8, 8, requires_grad=True)
+    k, v = (torch.randn(2, 4, 24, 8, requires_grad=True) for _ in range(2))
+    causal, full = _attention_costs(q, k, v, is_causal=True), _attention_costs(q, k, v)
+    assert [c.causal for c in causal] == [True, True]
+    assert [c.flops * 24 for c in causal] == [c.flops * 20 for c in full]
+
+
 def test_an_explicit_causal_mask_is_read_as_causal_and_any_other_mask_is_not() -> None:
     tril = torch.ones(16, 16, dtype=torch.bool).tril()
     additive = torch.zeros(16, 16).masked_fill(~tril, torch.finfo(torch.float32).min)

@@ -193,30 +193,31 @@ def test_remat_lowers_peak_cuda_memory_and_keeps_results():
 
 
 def test_context_parallel_attention_pieces_on_cuda_match_whole_attention():
-    """Context parallel's attention on CUDA's SDPA kernels (a boolean mask: the efficient/math kernels), bf16 and
-    fp32: each rank's queries over the gathered keys equal its part of whole-sequence causal attention (the
-    multi-process runs are tested over gloo on CPUs: one GPU cannot hold two NCCL ranks)."""
-    from accelfn.transforms.shard.context_parallel import (
-        causal_mask,
-        chunk_positions,
-        gathered_attention,
-        split_sequence,
-    )
+    """Context parallel's attention on CUDA's SDPA kernels (lower-right causal pieces: the flash or efficient
+    kernel), bf16 and fp32, forward and backward: each rank's queries over the gathered keys equal its part of
+    whole-sequence causal attention (the multi-process runs are tested over gloo on CPUs: one GPU cannot hold two
+    NCCL ranks)."""
+    from accelfn.transforms.shard.context_parallel import gathered_attention, split_sequence
 
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=dtype, generator=g)
-        k = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g)
-        v = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g)
+        q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        k = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        v = torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
         whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        want = torch.autograd.grad(whole.float().square().sum(), (q, k, v))
         size = 4
         gk = torch.cat([split_sequence(k, r, size, dim=2) for r in range(size)], dim=2)
         gv = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
-        kv_pos = torch.cat([chunk_positions(1024 // size, r, size, q.device) for r in range(size)])
+        total = 0
         for r in range(size):
-            mask = causal_mask(chunk_positions(1024 // size, r, size, q.device), kv_pos)
-            got = gathered_attention(split_sequence(q, r, size, dim=2), gk, gv, mask, enable_gqa=True)
+            got = gathered_attention(
+                split_sequence(q, r, size, dim=2), gk, gv, r, size, causal=True, enable_gqa=True
+            )
             torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=tol, atol=tol)
+            total = total + got.float().square().sum()
+        for got_g, want_g in zip(torch.autograd.grad(total, (q, k, v)), want):
+            torch.testing.assert_close(got_g, want_g, rtol=10 * tol, atol=10 * tol)
 
 
 @pytest.mark.parametrize("keep_master", [False, True], ids=["mirror", "host-master"])

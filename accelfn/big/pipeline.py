@@ -74,17 +74,20 @@ def pipeline(
     schedule = ScheduleGPipe(stage, microbatches)
     last = dist.get_global_rank(group, n_stages - 1)
 
-    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_args]
+    def signature(args: Any) -> list[Any]:
+        return [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None for x in args]
+
+    shapes = signature(example_args)
 
     def run(*inputs: Any) -> Any:
-        # the stages were traced and their buffers sized for example_args' shapes; every rank gets the same batch,
-        # so every rank refuses another one here, before any stage sends or waits
-        got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
+        # the stages were traced and their buffers sized for example_args' shapes and dtypes; every rank gets the
+        # same batch, so every rank refuses another one here, before any stage sends or waits
+        got = signature(inputs)
         if got != shapes and (inputs or index == 0):  # (a later stage called without the batch reads none)
             raise ValueError(
-                f"af.pipeline: run() got inputs of shapes {got}, but the pipeline was traced for example_args' "
-                f"{shapes}: every batch must have those shapes (pad a short last batch to them, or build a "
-                "pipeline for each shape)"
+                f"af.pipeline: run() got inputs of (shape, dtype) {got}, but the pipeline was traced for "
+                f"example_args' {shapes}: every batch must have those shapes and dtypes (pad a short last batch "
+                "to them, or build a pipeline for each shape)"
             )
         with torch.no_grad():
             out = schedule.step(*inputs) if index == 0 else schedule.step()

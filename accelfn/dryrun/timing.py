@@ -548,8 +548,9 @@ def _causal_mask(mask: Any, lq: int, lk: int) -> bool:
 def _sdpa_flops(
     func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[int, bool, bool] | None:
-    """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key (the computed half's when
-    causal), whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`) and whether it was
+    """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key (the computed part's when
+    causal: half when as many queries as keys; with fewer queries, the last ones of the keys' sequence, as the
+    GPU kernels' lower-right mask and context parallel's chunks have them), whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`) and whether it was
     given an explicit mask; None for other ops."""
     if not name.startswith("_scaled_dot_product_") or "attention" not in name:
         return None
@@ -561,8 +562,15 @@ def _sdpa_flops(
     flops = (5 if name.endswith("_backward") else 2) * per_matmul  # the backward recomputes q @ k^T
     mask = _arg(func, args, kwargs, "attn_mask")  # the efficient and cuDNN kernels call it attn_bias
     mask = mask if mask is not None else _arg(func, args, kwargs, "attn_bias")
-    causal = bool(_arg(func, args, kwargs, "is_causal")) or _causal_mask(mask, lq, int(k.shape[-2]))
-    return (flops // 2 if causal else flops), causal, isinstance(mask, torch.Tensor)
+    lk = int(k.shape[-2])
+    causal = bool(_arg(func, args, kwargs, "is_causal")) or _causal_mask(mask, lq, lk)
+    if (
+        causal and lk > lq
+    ):  # the GPU kernels align a causal mask to the lower right: the queries are the last lq
+        flops = flops * (2 * lk - lq) // (2 * lk)  # positions, and query i sees lk - lq + i + 1 keys
+    elif causal:
+        flops //= 2
+    return flops, causal, isinstance(mask, torch.Tensor)
 
 
 @attrs.frozen(slots=True)

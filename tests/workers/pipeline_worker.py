@@ -20,7 +20,15 @@ def main() -> None:
             run(x[:2])
             raise AssertionError("a batch of another shape ran")
         except ValueError as e:
-            assert "run() got inputs of shapes [(2, 16)], but the pipeline was traced for" in str(e), e
+            assert (
+                "run() got inputs of (shape, dtype) [((2, 16), 'torch.float32')], but the pipeline was traced"
+                in str(e)
+            ), e
+        try:  # the same shape in another dtype: the stages' buffers were sized for float32
+            run(x.double())
+            raise AssertionError("a batch of another dtype ran")
+        except ValueError as e:
+            assert "[((8, 16), 'torch.float64')]" in str(e) and "float32" in str(e), e
         out = run(x)  # the pipeline still runs
         assert torch.allclose(out, expected, atol=1e-6), (out - expected).abs().max()
         run_last = af.pipeline(model, ["2"], mesh, example_args=(x,), microbatches=2, broadcast=False)

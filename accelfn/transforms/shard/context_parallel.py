@@ -4,9 +4,15 @@ Long sequences do not fit one device's activation memory; context parallel split
 (dim 1 of every batch tensor with two or more dims) over the `cp` ranks, which read the same rows. Attention
 is the one place where tokens meet: every call of `torch.nn.functional.scaled_dot_product_attention` during
 the training step all-gathers the keys and values over the `cp` group (autograd: a reduce-scatter of their
-gradients in the backward) and attends this rank's queries to all of them, causal by global position — the
-all-gather form of context parallelism used to train Llama 3, and the one torch's own flex-attention context
-parallel uses. It runs wherever SDPA runs (CPU, CUDA, XPU, ...), with any of SDPA's kernels.
+gradients in the backward) and attends this rank's queries to them — the all-gather form of context
+parallelism used to train Llama 3, and the one torch's own flex-attention context parallel uses.
+
+Causal attention skips the masked half, as a single device's kernel does: each of this rank's two chunks
+attends to the keys up to and including its own chunk (global order), a causal mask aligned to the lower right
+(`torch.nn.attention.bias.causal_lower_right`), which SDPA runs on FlashAttention or the memory-efficient
+kernel where they apply (CUDA), and as a boolean mask elsewhere (the CPU). No mask over the whole gathered
+sequence is built. Grouped-query keys and values are repeated to the query heads after the all-gather (the
+flash kernel's lower-right path takes equal heads).
 
 Load balance: the sequence is cut into `2 * cp` chunks and rank `r` takes chunks `r` and `2*cp - 1 - r` (as
 torch's and torchtitan's head-tail balancer), so every rank attends to as many keys under a causal mask.
@@ -44,7 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._guards import detect_fake_mode
+from torch.nn.attention.bias import causal_lower_right
 
+from ... import dry_mode
 from ... import tree as _tree
 from ...mesh import Mesh
 from ...sdpa_mode import SDPA, SDPAMode
@@ -53,7 +62,7 @@ from .._base import TransformBase
 if TYPE_CHECKING:
     from ...engine import Plan
 
-__all__ = ["ContextParallel", "chunk_positions", "split_sequence", "causal_mask", "gathered_attention"]
+__all__ = ["ContextParallel", "chunk_positions", "split_sequence", "global_order", "gathered_attention"]
 
 _gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
@@ -91,41 +100,27 @@ class _Runtime:
     group: dist.ProcessGroup
     local_len: int | None = None
     calls: int = 0
-    _masks: dict[tuple[int, str], torch.Tensor] = attrs.Factory(dict)
+    biases: dict[tuple[int, int], Any] = attrs.Factory(dict)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         assert self.local_len is not None
         return chunk_positions(self.local_len, self.rank, self.size, device)
 
-    def causal_mask(self, device: torch.device) -> torch.Tensor:
-        """`[local_len, local_len * size]` booleans: which gathered keys each local query sees. Built once per
-        sequence length and device (every layer of every step reuses it): `local_len * seq` bytes. Under an
-        AOTAutograd trace (the dry run's compiled blocks) it is built in the graph and not kept: a tensor of
-        the trace (a functional wrapper) must not outlive it, and a kept one would enter the graph as a
-        constant (which AOTAutograd refuses when fake)."""
-        assert self.local_len is not None
-        if _aot_tracing():
-            return self._build_mask(device)
-        key = (self.local_len, str(device))
-        if key not in self._masks:
-            self._masks.clear()  # one length at a time: a new length replaces the old mask
-            self._masks[key] = self._build_mask(device)
-        return self._masks[key]
-
-    def _build_mask(self, device: torch.device) -> torch.Tensor:
-        assert self.local_len is not None
-        # the gathered keys: rank 0's tokens, then rank 1's, ...
-        keys = torch.cat([chunk_positions(self.local_len, r, self.size, device) for r in range(self.size)])
-        return causal_mask(self.positions(device), keys)
-
-
-def _aot_tracing() -> bool:
-    """True while AOTAutograd or make_fx traces the call (functionalization or proxy tracing is on); False
-    under Dynamo, which replays the cache's update with the compiled graph's real output."""
-    if torch.compiler.is_compiling():
-        return False
-    modes = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (modes.FUNCTIONAL, modes.PROXY))
+    def set_length(self, local_len: int) -> None:
+        """This step's local sequence length. The lower-right causal biases of this rank's two chunks are built
+        here, outside the step's compiled regions (Dynamo traces a `CausalBias` passed in, not one built); a dry
+        run, whose allocation tracking refuses the tensor subclass, builds none (`_prefix_causal`)."""
+        if local_len != self.local_len:
+            self.local_len = local_len
+            half = local_len // 2
+            self.biases = (
+                {}
+                if dry_mode.active() is not None
+                else {
+                    (half, n * half): causal_lower_right(half, n * half)
+                    for n in (self.rank + 1, 2 * self.size - self.rank)
+                }
+            )
 
 
 class _AttentionMode(SDPAMode):
@@ -162,43 +157,109 @@ class _AttentionMode(SDPAMode):
                 "aligned with the inputs in the batch (labels[:, i] is the target of input_ids[:, i]) instead of "
                 "slicing the sequence (ids[:, :-1]) in the loss, and no cross-attention"
             )
+        if n % 2:
+            raise ValueError(
+                f"context parallel: attention over {n} positions on this rank, not its two chunks of equal length"
+            )
         k = _gather(key.contiguous(), key.dim() - 2, rt.group)
         v = _gather(value.contiguous(), value.dim() - 2, rt.group)
-        mask = rt.causal_mask(query.device) if is_causal else None
-        return gathered_attention(query, k, v, mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        return gathered_attention(
+            query,
+            k,
+            v,
+            rt.rank,
+            rt.size,
+            causal=is_causal,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            biases=rt.biases,
+        )
 
 
-def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
-    """Which keys each query sees under a causal mask by global position: `[queries, keys]` booleans.
+def global_order(gathered: torch.Tensor, size: int, dim: int = -2) -> torch.Tensor:
+    """Every rank's part (gathered rank by rank along `dim`: chunks `r` and `2*size - 1 - r` each) put back in
+    sequence order.
 
     Example:
-        >>> causal_mask(torch.tensor([1, 2]), torch.tensor([0, 1, 2, 3])).int().tolist()
-        [[1, 1, 0, 0], [1, 1, 1, 0]]
+        >>> seq = torch.arange(8).reshape(1, 8)
+        >>> gathered = torch.cat([split_sequence(seq, r, 2) for r in (0, 1)], dim=1)
+        >>> gathered.tolist(), global_order(gathered, 2, dim=1).tolist()
+        ([[0, 1, 6, 7, 2, 3, 4, 5]], [[0, 1, 2, 3, 4, 5, 6, 7]])
     """
-    return kv_positions[None, :] <= q_positions[:, None]
+    dim = dim % gathered.dim()
+    parts = gathered.unflatten(dim, (size, 2, -1))  # rank, head/tail, position
+    heads = parts.select(dim + 1, 0)
+    tails = parts.select(dim + 1, 1).flip(dim)
+    return torch.cat([heads, tails], dim=dim).flatten(dim, dim + 1)
 
 
 def gathered_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
+    rank: int,
+    size: int,
     *,
+    causal: bool,
     dropout_p: float = 0.0,
     scale: float | None = None,
     enable_gqa: bool = False,
+    biases: dict[tuple[int, int], Any] | None = None,
 ) -> torch.Tensor:
-    """SDPA of this rank's queries over every rank's keys and values (gathered), with `causal_mask(...)` (or None:
-    full attention).
+    """SDPA of rank `rank`'s queries (its chunks `rank` and `2*size - 1 - rank`) over every rank's keys and values
+    (all-gathered, rank by rank): causal by global position, each chunk over the keys up to its own end (the
+    masked half skipped), or full attention.
 
     Example:
-        >>> q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 16, 4)
-        >>> kv = torch.cat([chunk_positions(8, r, 2) for r in (0, 1)])
-        >>> gathered_attention(q, k, k, causal_mask(chunk_positions(8, 0, 2), kv)).shape
-        torch.Size([1, 2, 8, 4])
+        >>> q, k = torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)
+        >>> whole = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+        >>> gathered = torch.cat([split_sequence(k, r, 2, dim=2) for r in (0, 1)], dim=2)
+        >>> got = gathered_attention(split_sequence(q, 1, 2, dim=2), gathered, gathered, 1, 2, causal=True)
+        >>> torch.allclose(got, split_sequence(whole, 1, 2, dim=2), atol=1e-6)
+        True
     """
-    kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
-    return SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
+    if not causal:
+        kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
+        return SDPA(query, key, value, dropout_p=dropout_p, scale=scale, **kw)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # the lower-right kernels take equal heads
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+    half = query.shape[-2] // 2
+    # the keys up to the end of this rank's later chunk (2*size - 1 - rank), in sequence order
+    reach = (2 * size - rank) * half
+    key = global_order(key, size)[..., :reach, :]
+    value = global_order(value, size)[..., :reach, :]
+    outs = [
+        _prefix_causal(query[..., i * half : (i + 1) * half, :], key[..., :n, :], value[..., :n, :],
+                       dropout_p, scale, biases)
+        for i, n in enumerate(((rank + 1) * half, reach))
+    ]  # fmt: skip
+    return torch.cat(outs, dim=-2)
+
+
+def _prefix_causal(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    scale: float | None,
+    biases: dict[tuple[int, int], Any] | None,
+) -> torch.Tensor:
+    """Causal attention of queries that are the last `query.shape[-2]` positions of the keys' sequence."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    if lq == lk or (dry_mode.models_a_device() and detect_fake_mode((query, key, value)) is not None):
+        # equal lengths: SDPA's own causal mask. The dry run of a GPU job (fake tensors on the host): the GPU's
+        # flash kernel, whose `is_causal` aligns to the lower right (`CausalBias`'s flash path), timed as such;
+        # the CPU kernel's meta function gives the same shapes
+        return SDPA(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale)
+    if query.device.type == "cpu":  # what `CausalBias` gives the CPU kernel, without the tensor subclass
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+        return SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    bias = (biases or {}).get((lq, lk))
+    if bias is None:
+        bias = causal_lower_right(lq, lk)
+    return SDPA(query, key, value, attn_mask=bias, dropout_p=dropout_p, scale=scale)
 
 
 def _batch_split(runtime: _Runtime, inner: Any) -> Any:
@@ -233,7 +294,7 @@ def _batch_split(runtime: _Runtime, inner: Any) -> Any:
                 f"context parallel: the batch's sequences differ in length ({lengths}); every tensor with two or "
                 "more dims is split along dim 1, so they must have one length"
             )
-        runtime.local_len = next(iter(lengths.values())) // runtime.size
+        runtime.set_length(next(iter(lengths.values())) // runtime.size)
         return out
 
     return split

@@ -49,6 +49,14 @@ def test_cp4_on_four_processes_equals_one_process():
     expect_ok(run_workers("cp_worker.py", 4, "cp=4", *configs, timeout=600), configs, 4)
 
 
+@pytest.mark.slow
+def test_cp2_x_tp2_on_four_processes_equals_one_process():
+    # context parallel beside tensor parallel (the model's own tp plan, sequence parallel between the blocks):
+    # each tp rank attends with its heads over the cp group's keys of those heads
+    configs = ["llama", "llama:fsdp:remat", "starcoder2:accumulate", "llama:compile"]
+    expect_ok(run_workers("cp_worker.py", 4, "cp=2,tp=2", *configs, timeout=600), configs, 4)
+
+
 # ---- the pieces (one process) -----------------------------------------------------------------------------------
 def test_chunks_cover_the_sequence_once_and_balance_causal_work():
     for size in (1, 2, 3, 4):

@@ -534,6 +534,29 @@ def test_pipeline_with_context_parallel_lowers_at_64_ranks() -> None:
         assert (kv["count"], kv["bytes"]) == (2 * 2, 2 * 2 * (2 * 128 * 2 * 32 * 4)), kv
 
 
+def test_pipeline_with_context_and_tensor_parallel_lowers_at_64_ranks() -> None:
+    # pp x dp x cp x tp (torchtitan's 4-D layout): each tp rank gathers the keys and values of its own kv heads
+    # over cp, the blocks' activations go through tp's collectives, the stages' point to point over pp
+    def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> af.Loss:
+        return af.losses.cross_entropy(model(input_ids=b["input_ids"]).logits, b["labels"])
+
+    def main() -> None:
+        mesh = af.Mesh({"pp": 2, "dp": 8, "cp": 2, "tp": 2})
+        step = af.pipeline(af.train_step(loss, af.optim.adamw(1e-3)), mesh, microbatches=2)
+        step = af.shard(step, mesh, strategy="fsdp")
+        state = step.init(_tiny_llama())
+        ids = torch.zeros(4, 128, dtype=torch.long)
+        step(state, {"input_ids": ids, "labels": ids})
+
+    report = af.dry_run(main, nproc_per_node=8, nnodes=8, device="cpu", search=False, rank=63)
+    assert report.mesh == {"pp": 2, "dp": 8, "cp": 2, "tp": 2}
+    assert report.comm["all_gather"]["tp"]["count"] > 0 and report.comm["reduce_scatter"]["tp"]["count"] > 0
+    # the keys and values of the stage's one layer, per micro-batch: 2 rows x 128 positions x 1 kv head (2 over
+    # tp 2) x 32
+    kv = report.comm["all_gather"]["cp"]
+    assert (kv["count"], kv["bytes"]) == (2 * 2, 2 * 2 * (2 * 128 * 1 * 32 * 4)), kv
+
+
 def test_context_parallel_lowers_at_64_ranks() -> None:
     report = af.dry_run(ROOT / "examples" / "long_context.py", [], nproc_per_node=8, nnodes=8, device="cpu",
                         mesh="dp=8,cp=8", search=False)  # fmt: skip

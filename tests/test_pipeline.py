@@ -191,6 +191,15 @@ def test_pp2_with_dp_tp_or_cp_equals_one_process(mesh: str, configs: list[str]):
 
 
 @pytest.mark.slow
+def test_pp2_x_cp2_x_tp2_on_eight_processes_equals_one_process():
+    # torchtitan's Table 6 layout (without its dp): stages over pp, each stage's blocks split over tp (sequence and
+    # loss parallel) and its sequences over cp, each tp rank gathering its own kv heads' keys over cp
+    proc = run_workers("pp_train_worker.py", 8, "pp=2,cp=2,tp=2", "llama:remat", timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 8, output_of(proc)
+
+
+@pytest.mark.slow
 def test_pp2_x_hsdp_on_eight_processes_equals_one_process():
     # 3-D: pipeline over pp, replicas over dp, shards over fsdp (8 processes on this machine's 2 cores)
     proc = run_workers("pp_train_worker.py", 8, "pp=2,dp=2,fsdp=2", "llama:hsdp:m=2", timeout=600)

@@ -1,4 +1,5 @@
-"""Worker: context parallel (a `cp` axis, alone or with ddp / fsdp over `dp`) == one process on the global batch.
+"""Worker: context parallel (a `cp` axis, alone or with ddp / fsdp over `dp`, or with `tp`) == one process on the
+global batch.
 
     accelfn launch --nproc-per-node 4 --cpu tests/workers/cp_worker.py dp=2,cp=2 llama llama:fsdp
 
@@ -126,9 +127,10 @@ def check(mesh, kind, options):
         step = af.compile(step, backend="aot_eager")
     state = step.init(make_model(kind, options), seed=3)
     assert f"context parallel over cp={mesh.axis_size('cp')}" in repr(step), repr(step)
-    assert f"{strategy} over {mesh.world_size} ranks" in repr(step), repr(
-        step
-    )  # gradients summed over dp x cp
+    # gradients summed over dp x cp
+    assert f"{strategy} over {mesh.grad_size} ranks" in repr(step), repr(step)
+    if "tp" in mesh.axis_names and mesh.axis_size("tp") > 1:  # cp x tp: the model is split over tp as well
+        assert f"tensor parallel tp={mesh.axis_size('tp')} on" in repr(step), repr(step)
     if "eager" in options:
         assert "attention switched from 'eager' to 'sdpa'" in repr(step), repr(step)
     if "loader" in options:  # each data rank reads its rows; the cp ranks of one data rank the same ones

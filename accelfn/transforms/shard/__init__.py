@@ -296,8 +296,7 @@ def shard(
             f"shard: the mesh has no data axis (dp or fsdp), no cp and no tp axis; its axes are {mesh.axis_names}"
         )
     if cp > 1:
-        why = f"tensor parallel (tp={tp}) is not combined with it in this version" if tp > 1 else None
-        why = why or (row.cp if isinstance(row.cp, str) else None)
+        why = row.cp if isinstance(row.cp, str) else None
         if why:
             raise ValueError(f"shard: context parallel (cp={cp} in mesh {mesh.shape}): {why}")
     for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):

@@ -32,8 +32,12 @@ What the model and the data must do (checked where it can be):
   forward calls no SDPA is refused (its attention would see only this rank's tokens). Causal or full
   self-attention without `attn_mask` (padding masks are refused: pack sequences instead).
 
+With tensor parallel (`cp` and `tp` on one mesh): the attention gets this tp rank's heads (plain tensors, the
+sequence gathered over tp by sequence parallel), and gathers their keys and values over the cp ranks holding
+the same heads.
+
 Training steps only: an `eval_step` on a `cp` mesh runs each rank on whole sequences (the same result on every
-cp rank). Not combined with tensor parallel, DeepSpeed or HSDP in this version (clear errors).
+cp rank). Not combined with DeepSpeed or HSDP in this version (clear errors).
 """
 
 from __future__ import annotations

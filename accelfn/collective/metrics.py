@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,8 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
                 f"gather_for_metrics: {'x' + ('[' + repr(path) + ']' if path else '')} has {what}, but dim 0 must "
                 f"be the {mine} samples of this rank's batch (global batch {info.step} of the epoch)"
             )
+    if lay.world_size > 1:
+        _check_same_trailing_shapes(_tree.flatten_with_path(x), leaves[0].device, info.step)
     uneven = any(n != width for n in info.sizes)
     if uneven:  # pad every rank to the full width so the all-gather sees equal shapes
         leaves = [torch.cat([t, t.new_zeros((width - mine, *t.shape[1:]))]) for t in leaves]
@@ -74,3 +77,32 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
         return torch.cat([parts[g][: info.sizes[d]] for d, g in enumerate(shards)])[:keep]
 
     return _tree.map(trim, gathered)
+
+
+def _check_same_trailing_shapes(
+    items: list[tuple[Any, torch.Tensor]], device: torch.device, step: int
+) -> None:
+    """Every rank's tensors have the same shapes beyond dim 0 and dtypes (a generation padded to each rank's own
+    longest sequence does not): checked with one all-gather of a checksum, so a mismatch is an error naming
+    the shapes on every rank, not a failure inside the backend's all-gather."""
+    signature = [(path, tuple(t.shape[1:]), str(t.dtype)) for path, t in items]
+    code = zlib.crc32(repr(signature).encode())
+    codes = gather(torch.tensor([code], dtype=torch.int64, device=device))
+    if bool((codes == code).all()):
+        return
+    # every rank saw the mismatch, so every rank takes this second collective
+    every = gather_object(signature)
+
+    def described(sig: list[tuple[Any, tuple[int, ...], str]]) -> str:
+        return ", ".join(
+            f"{'x' + ('[' + repr(path) + ']' if path else '')} ({', '.join(['n', *map(str, shape)])}) "
+            f"{dtype.removeprefix('torch.')}"
+            for path, shape, dtype in sig
+        )
+
+    shown = "; ".join(f"rank {rank}: {described(sig)}" for rank, sig in enumerate(every))
+    raise ValueError(
+        f"gather_for_metrics: the ranks' tensors differ beyond dim 0 (global batch {step} of the epoch): "
+        f"{shown}. Pad them to one shape first, e.g. af.dist.pad_across_processes(x, dim=1) for sequences "
+        "each rank padded to its own longest"
+    )

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -119,6 +120,33 @@ class DataLoader:
         self._fresh, self._resumed, self._finished = True, False, False
         self._last: BatchInfo | None = None
         self._padding = 0
+        if mode == "uneven":
+            self._warn_uneven_counts()
+
+    def _warn_uneven_counts(self) -> None:
+        """`even_batches=False` where the data ranks get different numbers of batches: a collective per batch
+        (a sharded step, `gather_for_metrics`) waits forever on the ranks that have one more. Said once, on data
+        rank 0 (every rank computes the same counts: no collective here)."""
+        n, lay = self._num_samples(), self._layout
+        if n is None or lay.data_size == 1 or lay.data_rank != 0:
+            return
+        counts = [
+            batches_per_rank(n, self._per_rank, lay.data_size, r, last_batch="uneven")
+            for r in range(lay.data_size)
+        ]
+        if len(set(counts)) == 1:
+            return
+        fewer = [r for r, c in enumerate(counts) if c < max(counts)]
+        warnings.warn(
+            f"DataLoader(even_batches=False): the data ranks get different numbers of batches per epoch "
+            f"({max(counts)}, but {min(counts)} on data rank{'s' if len(fewer) > 1 else ''} "
+            f"{', '.join(map(str, fewer[:8]))}{', ...' if len(fewer) > 8 else ''}). A collective in each "
+            "iteration (a sharded step, gather_for_metrics) then waits forever for the ranks with no batch left. "
+            "Keep even_batches=True (the default: the last batch is padded by wrap-around, which "
+            "gather_for_metrics drops) unless each rank's loop runs no collective; ACCELFN_DEBUG=1 turns such a "
+            "wait into an error",
+            stacklevel=3,
+        )
 
     # ---- shape of an epoch ---------------------------------------------------------------------------------
     @property

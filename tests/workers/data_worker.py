@@ -1,5 +1,7 @@
 """af.data on N=2 CPU processes: exact per-rank batches, padding, shuffling, resume, dispatch, gather_for_metrics."""
 
+import warnings
+
 import torch
 
 import accelfn as af
@@ -57,15 +59,32 @@ texts = [t for b in loader for t in af.data.gather_for_metrics([f"s{i}" for i in
 assert texts == [f"s{i}" for i in range(21)], texts
 
 # ---- even_batches=False: uneven counts; drop_last: equal full batches ----------------------------------------
-loader = DL(range(21), 3, even_batches=False)
+with warnings.catch_warnings(record=True) as caught:  # 4 batches on rank 0, 3 on rank 1: said on data rank 0
+    warnings.simplefilter("always")
+    loader = DL(range(21), 3, even_batches=False)
+said = [str(w.message) for w in caught if "even_batches=False" in str(w.message)]
+assert len(said) == (1 if r == 0 else 0), said
+assert r or "(4, but 3 on data rank 1)" in said[0] and "waits forever" in said[0], said
 assert lists(loader) == {0: wrapped[0], 1: wrapped[1][:3]}[r] and len(loader) == {0: 4, 1: 3}[r]
-loader = DL(range(22), 4, even_batches=False)  # last global batch has 6: rank 0 gets 4, rank 1 gets 2
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # as many batches on each rank (the last one shorter): nothing to say
+    loader = DL(range(22), 4, even_batches=False)  # last global batch has 6: rank 0 gets 4, rank 1 gets 2
 shapes = [len(b) for b in loader]
 assert shapes == {0: [4, 4, 4], 1: [4, 4, 2]}[r], shapes
 evaluated = torch.cat([af.data.gather_for_metrics(b * 10, loader) for b in loader])
 assert evaluated.tolist() == [10 * i for i in range(22)], evaluated
 texts = [t for b in loader for t in af.data.gather_for_metrics([str(i) for i in b.tolist()], loader)]
 assert texts == [str(i) for i in range(22)], texts  # uneven batches (4 and 2)
+loader = DL(range(8), 2)
+batch = next(iter(loader))
+try:  # generated ids padded to each rank's own longest: refused on both ranks by name, not inside gloo
+    af.data.gather_for_metrics({"ids": torch.zeros(2, 6 + r, dtype=torch.long)}, loader)
+    raise AssertionError("tensors of other shapes beyond dim 0 were gathered")
+except ValueError as e:
+    assert "differ beyond dim 0" in str(e) and "(n, 6) int64" in str(e) and "(n, 7) int64" in str(e), e
+    assert "pad_across_processes(x, dim=1)" in str(e), e
+padded = af.dist.pad_across_processes(torch.full((2, 6 + r), r), dim=1)
+assert af.data.gather_for_metrics(padded, loader).shape == (4, 7)
 assert lists(DL(range(21), 3, drop_last=True)) == wrapped[r][:3]
 
 # ---- shuffle: the same on both ranks and in both runs; disjoint shards that cover everything -----------------

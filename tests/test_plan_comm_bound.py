@@ -214,3 +214,22 @@ def test_a_script_that_fixes_full_remat_has_its_recomputed_all_to_alls_in_the_ro
         1.5 * routed_bound(c, moe, tokens, H100, 8)
     )
     assert routed_bound(c, moe, tokens, H100, 8, "selective") == routed_bound(c, moe, tokens, H100, 8)
+
+
+def test_the_plan_passes_the_remat_its_script_fixes_to_the_routed_bound() -> None:
+    """tiers.plan reads the remat the probe lowered (the script fixes `--remat full`) and hands it to every routed
+    bound it computes, so full remat's recomputed all-to-alls count there."""
+    seen: list[Any] = []
+    real = tiers.routed_bound
+
+    def routed(c: Candidate, moe: dict[str, int], tokens: int, *args: Any) -> float:
+        seen.append((c.remat, args[-1] if len(args) == 3 else None))
+        return real(c, moe, tokens, *args)
+
+    args = [a if a != "none" or MOE_ARGS[i - 1] != "--remat" else "full" for i, a in enumerate(MOE_ARGS)]
+    kw: dict[str, Any] = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "ep"), workers=1)
+    with pytest.MonkeyPatch.context() as mp, shared_dry_runs():
+        mp.setattr(tiers, "routed_bound", routed)
+        plan = af.plan(MOE, args, strategies=("ddp",), **kw)
+    assert plan.best is not None and "remat" in plan.fixed_knobs
+    assert seen and all(remat is None and script == "full" for remat, script in seen), seen

@@ -4,6 +4,7 @@ sequence over a `cp` axis, tensor parallel the layers over a `tp` axis, data par
     accelfn launch --nproc-per-node 2 --cpu --mesh cp=2 examples/long_context.py        # each sequence in 2 parts
     accelfn launch --nproc-per-node 4 --cpu --mesh dp=2,cp=2 examples/long_context.py   # + 2 data-parallel groups
     accelfn launch --nproc-per-node 2 --cpu --mesh tp=2 examples/long_context.py        # the layers split instead
+    accelfn launch --nproc-per-node 4 --cpu --mesh cp=2,tp=2 examples/long_context.py   # both: sequences and layers
     python examples/long_context.py                                                     # one process
 
 The model is `transformers`' Llama built from a config; `af.remat` recomputes each decoder layer in the backward.

@@ -118,12 +118,14 @@ def test_distributed_inference_gathers_what_one_process_computes():
     assert "9 completions from 2 process(es)" in proc.stdout, output_of(proc)
 
 
-@pytest.mark.parametrize("mesh", ["cp=2", "tp=2"])
+@pytest.mark.parametrize("mesh", ["cp=2", "tp=2", "cp=2,tp=2"])
 def test_long_context_loss_falls_with_the_sequence_or_the_layers_split(mesh):
-    proc = run_example("long_context.py", nproc=2, launch_args=("--mesh", mesh))
+    nproc = 4 if mesh == "cp=2,tp=2" else 2
+    proc = run_example("long_context.py", nproc=nproc, launch_args=("--mesh", mesh))
     _passes(proc, "loss falls")
-    kind = "context parallel over cp=2" if mesh == "cp=2" else "tensor parallel tp=2"
-    assert kind in proc.stdout, output_of(proc)
+    for axis, kind in (("cp", "context parallel over cp=2"), ("tp", "tensor parallel tp=2")):
+        if axis in mesh:
+            assert kind in proc.stdout, output_of(proc)
 
 
 def _demo():

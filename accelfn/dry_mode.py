@@ -28,6 +28,7 @@ __all__ = [
     "real_tensors",
     "on_host",
     "models_a_device",
+    "keeps_process_group",
     "fp8_support",
     "grouped_mm_dtypes",
     "modelled_device",
@@ -69,6 +70,12 @@ class Watcher:
 
     def models_a_device(self) -> bool:
         """Whether the real run computes on a device apart from the host (the dry run executes it on the host)."""
+        return False
+
+    def keeps_process_group(self) -> bool:
+        """Whether closing a `Mesh` keeps the process group (it closes the meshes only): a dry run's fake group
+        outlives the script's `with af.Mesh(...)` block, for the micro-batch search that runs after a script
+        ended (the dry run destroys the group itself)."""
         return False
 
     def fp8_support(self, kind: str) -> bool | None:
@@ -165,6 +172,12 @@ def models_a_device() -> bool:
     """In a dry run of a job on an accelerator (which executes on the host): True, so that code with a host-only
     shortcut (af.offload's update in place) takes the path the real run takes."""
     return _watcher is not None and _watcher.models_a_device()
+
+
+def keeps_process_group() -> bool:
+    """In a dry run: True, so that a `Mesh` closed by the script keeps the fake process group its step's
+    collectives hold (the dry run may run the step again after the script ends)."""
+    return _watcher is not None and _watcher.keeps_process_group()
 
 
 def fp8_support(kind: str) -> bool | None:

@@ -163,6 +163,8 @@ def destroy_process_group() -> None:
         mesh._flat.clear()
     _live.clear()
     running = dist.is_available() and dist.is_initialized()
+    if running and dry_mode.keeps_process_group():  # a dry run destroys its fake group itself, later
+        return
     # torch's fake process group (dry runs, tests) has no threads to outlive it: no collection needed (a full
     # collection costs ~0.7 s in a large process, per fake world)
     threads = not running or dist.get_backend() != "fake"

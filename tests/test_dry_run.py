@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -555,6 +556,26 @@ def test_pipeline_with_context_and_tensor_parallel_lowers_at_64_ranks() -> None:
     # tp 2) x 32
     kv = report.comm["all_gather"]["cp"]
     assert (kv["count"], kv["bytes"]) == (2 * 2, 2 * 2 * (2 * 128 * 1 * 32 * 4)), kv
+
+
+def test_a_script_that_closes_its_mesh_before_the_search_still_gets_it() -> None:
+    # fewer steps than the loop watch needs: the largest-micro-batch search runs after the script has ended and
+    # its `with af.Mesh(...)` block has closed the mesh; ddp's step broadcasts the BatchNorm buffers over its group
+    # again ('Group ... is not registered' before: `accelfn dry-run examples/train_moe.py --steps 2`)
+    kept: list[Any] = []  # the step object outlives the script (as a module-level script's does)
+
+    def main() -> None:
+        with af.Mesh({"dp": 2}) as mesh:
+            step = af.shard(af.train_step(lambda m, b: m(b).pow(2).mean(), af.optim.sgd(0.1)), mesh)
+            state = step.init(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+            kept.append(step)
+            step(state, torch.randn(4, 8))
+        assert af.Mesh.current() is None  # the script's mesh is closed
+
+    report = af.dry_run(main, nproc_per_node=2, gpu="h100-sxm")
+    assert not report.errors, report.errors
+    assert report.max_micro_batch is not None and report.max_micro_batch > 4, report.max_micro_batch
+    assert not torch.distributed.is_initialized()  # the dry run destroyed its fake group at its end
 
 
 def test_context_parallel_lowers_at_64_ranks() -> None:

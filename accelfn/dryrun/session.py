@@ -129,6 +129,9 @@ class Session(dry_mode.Watcher):
             for t, where in zip(trackers, saved):
                 t.where = where
 
+    def keeps_process_group(self) -> bool:
+        return True  # the search after a script ended runs its steps on their groups (`finish`)
+
     def models_a_device(self) -> bool:
         return not self.device_is_host
 

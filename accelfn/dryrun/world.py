@@ -65,7 +65,9 @@ def fake_world(world_size: int, rank: int, nproc_per_node: int, mesh: str | None
             ):
                 yield reads
         finally:
-            _mesh.destroy_process_group()
+            _mesh.destroy_process_group()  # the meshes (the group outlives them while the dry run watches)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             _clear_dtensor_caches()
 
 

@@ -17,6 +17,7 @@ Qwen3-235B-A22B on 256 <= 10 min (70B's world, between 70B and 405B in parameter
     python benchmarks/plan.py            # prints a markdown table
     python benchmarks/plan.py --only 0   # the 8B row
     python benchmarks/plan.py --only 3   # the Qwen3-30B-A3B row
+    python benchmarks/plan.py --only 5   # the DeepSeek-V3 row
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ ROWS = [  # name, nproc per node, nodes, script, script args, target seconds, gl
     ("405B, 512 H100s", 8, 64, LLAMA, ("--model", "405b", "--remat", "full", *LLAMA_ARGS), 900, 512),
     ("Qwen3-30B-A3B, 64 H100s", 8, 8, MOE, ("--model", "30b-a3b", *MOE_ARGS), 300, 256),
     ("Qwen3-235B-A22B, 256 H100s", 8, 32, MOE, ("--model", "235b-a22b", *MOE_ARGS), 600, 1024),
+    # DeepSeek-V3 (671B, 256 routed experts, 8 per token) on 256 GPUs: the 405B row's target (its parameters)
+    ("DeepSeek-V3 671B, 256 H100s", 8, 32, MOE, ("--model", "deepseek-v3", *MOE_ARGS), 900, 1024),
 ]
 
 

@@ -318,3 +318,22 @@ def test_cp_attention_traced_by_aot_autograd_computes_what_it_computes_eagerly()
     with FakeTensorMode():
         fq = torch.randn(1, 2, 8, 4, requires_grad=True)
         assert traced(fq, torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)).shape == (1, 2, 8, 4)
+
+
+def test_the_last_pipeline_stage_of_compiled_cp_blocks_is_not_taken_for_a_model_without_sdpa() -> None:
+    # pp x dp x cp with compiled blocks, the last stage simulated: its block's partitioned graph (traced at its
+    # first call) replays the gathered attention without context parallel's mode, which counted no SDPA call
+    # and refused the model ("the forward pass called no ... scaled_dot_product_attention") in the dry run only
+    args = ["--model", "tiny", "--steps", "2", "--seq-len", "128", "--strategy", "ddp", "--compile", "blocks",
+            "--microbatches", "2"]  # fmt: skip
+    reports = [
+        af.dry_run(
+            LLAMA, args, nproc_per_node=8, mesh="pp=2,dp=2,cp=2", search=False, rank=rank, gpu="h100-sxm"
+        )
+        for rank in (0, 7)
+    ]
+    for report in reports:
+        assert not report.errors, report.errors
+        assert "blocks as partitioned graphs" in report.strategy, report.strategy
+    first, last = (r.comm["all_gather"]["cp"] for r in reports)
+    assert first["count"] == last["count"] > 0 and first["bytes"] == last["bytes"]  # each stage's one layer

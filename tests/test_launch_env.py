@@ -203,6 +203,12 @@ def test_the_launcher_checks_the_mesh_against_the_process_count_and_the_script_p
     with pytest.raises(ConfigError, match=r"multiply to 3 times the -1 axis, but the job has 4 processes"):
         resolve(LaunchOptions(script="t.py", nproc_per_node=4, cpu=True, mesh="dp=-1,tp=3"), environ={})
     assert resolve(LaunchOptions(script="t.py", nproc_per_node=4, cpu=True, mesh="dp=-1,tp=2"), environ={})
+    plan = tmp_path / "plan.yaml"  # a written plan's mesh for another world: the error names the config key
+    plan.write_text("mesh: dp=8\n")
+    with pytest.raises(
+        ConfigError, match=rf"config key 'mesh' in {plan} dp=8: the axis sizes multiply to 8, but"
+    ):
+        resolve(LaunchOptions(script="t.py", nproc_per_node=2, cpu=True, config_file=str(plan)), environ={})
     missing = tmp_path / "trian.py"
     assert launch(LaunchOptions(script=str(missing), nproc_per_node=1, cpu=True)) == 2
     assert f"{missing}: no such file" in capsys.readouterr().err

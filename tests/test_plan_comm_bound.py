@@ -233,3 +233,18 @@ def test_the_plan_passes_the_remat_its_script_fixes_to_the_routed_bound() -> Non
         plan = af.plan(MOE, args, strategies=("ddp",), **kw)
     assert plan.best is not None and "remat" in plan.fixed_knobs
     assert seen and all(remat is None and script == "full" for remat, script in seen), seen
+
+
+def test_a_script_without_a_pipeline_costs_one_dry_run_for_every_pp_mesh() -> None:
+    """The MoE example has no af.pipeline: the first pp candidate's lowering says so, and every other pp mesh
+    falls with that reason without a dry run of its own (one per mesh before)."""
+    kw: dict[str, Any] = dict(nproc_per_node=8, global_batch_size=16, axes=("dp", "pp"), workers=1)
+    with shared_dry_runs():
+        plan = af.plan(MOE, MOE_ARGS, strategies=("ddp",), **kw)
+    pp = [f for f in plan.fallen if f.candidate.mesh.get("pp", 1) > 1]
+    assert {f.candidate.mesh["pp"] for f in pp} == {2, 4, 8} and all(f.tier == "lowering" for f in pp)
+    own = [f for f in pp if "as an earlier candidate" not in f.reason]
+    assert len(own) == 1 and "the step has no af.pipeline" in own[0].reason, [f.reason for f in own]
+    assert all("(as an earlier candidate with a pp axis)" in f.reason for f in pp if f not in own)
+    assert any("pp not searched further" in n for n in plan.notes), plan.notes
+    assert plan.best is not None and "pp" not in plan.best.candidate.mesh

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..dryrun.report import error_summary
 from ..launch_env import MIXED_PRECISION
 
 NOT_FITTING = 3
@@ -211,7 +212,7 @@ def _failed(e: BaseException, args: argparse.Namespace) -> int:
     traceback.print_exception(e, file=sys.stderr)
     print(
         f"\naccelfn dry-run: the script fails as rank {args.rank} of {world} "
-        f"({args.nproc_per_node} x {args.nnodes}): {type(e).__name__}: {e}",
+        f"({args.nproc_per_node} x {args.nnodes}): {error_summary(e)}",
         *getattr(e, "__notes__", ()),
         sep="\n",
         file=sys.stderr,
@@ -220,7 +221,6 @@ def _failed(e: BaseException, args: argparse.Namespace) -> int:
         import json
 
         Path(args.json_path).write_text(
-            json.dumps({"world_size": world, "errors": [f"{type(e).__name__}: {e}"], "fits": None}, indent=2)
-            + "\n"
+            json.dumps({"world_size": world, "errors": [error_summary(e)], "fits": None}, indent=2) + "\n"
         )
     return 1

@@ -17,6 +17,40 @@ from .timing import TimingAssumptions
 __all__ = ["Report", "Prediction", "Assumptions", "predict", "gib"]
 
 
+def root_error(e: BaseException) -> BaseException:
+    """The innermost exception of `e`'s chain (`raise ... from`, or raised while handling another): the cause a
+    wrapper such as torch's pipeline stage ("[Stage 1] failed to run forward") hides.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise ValueError("the cause")
+        ...     except ValueError as inner:
+        ...         raise RuntimeError("\\n[Stage 1] failed") from inner
+        ... except RuntimeError as e:
+        ...     error_summary(e)
+        'ValueError: the cause (through RuntimeError: [Stage 1] failed)'
+    """
+    seen = {id(e)}
+    while True:
+        nxt = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+        if nxt is None or id(nxt) in seen:
+            return e
+        seen.add(id(nxt))
+        e = nxt
+
+
+def error_summary(e: BaseException) -> str:
+    """One line for a script's failure: the innermost error of the chain (`root_error`), and the outermost's
+    first line where it differs."""
+    root = root_error(e)
+    text = f"{type(root).__name__}: {str(root).strip()}"
+    if root is not e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        text += f" (through {type(e).__name__}: {first[:200]})"
+    return text
+
+
 def gib(n: float) -> str:
     """Bytes as GiB (or MiB / KiB when small), for the table."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

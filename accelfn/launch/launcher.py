@@ -193,7 +193,13 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
         raise ConfigError(f"--monitor-interval={interval}: expected a positive number of seconds")
     mesh = pick("mesh", opts.mesh, None, cfg.mesh, "")
     if mesh:
-        axes = contract.parse_mesh(mesh, source="--mesh")
+        # where it came from: the flag, or the config file's key (a plan.yaml written for another world)
+        where = (
+            "--mesh"
+            if opts.mesh
+            else "config key 'mesh'" + (f" in {opts.config_file}" if opts.config_file else "")
+        )
+        axes = contract.parse_mesh(mesh, source=where)
         mesh = contract.format_mesh(axes)
         if min_nodes == max_nodes:  # a fixed world: check the sizes now, not in every worker
             world = nproc * max_nodes
@@ -201,9 +207,9 @@ def resolve(opts: LaunchOptions, environ: Mapping[str, str] | None = None) -> La
             rest = -1 in axes.values()
             if (world % fixed != 0) if rest else (fixed != world):
                 raise ConfigError(
-                    f"--mesh {mesh}: the axis sizes multiply to {fixed}{' times the -1 axis' if rest else ''}, but the job "
-                    f"has {world} processes (--nproc-per-node {nproc} x --nnodes {max_nodes}); make them match, or set "
-                    "one axis to -1"
+                    f"{where} {mesh}: the axis sizes multiply to {fixed}{' times the -1 axis' if rest else ''}, but the "
+                    f"job has {world} processes (--nproc-per-node {nproc} x --nnodes {max_nodes}); make them match, or "
+                    "set one axis to -1"
                 )
     precision = pick("mixed_precision", opts.mixed_precision, None, cfg.mixed_precision, "no")
     precision_env = cfg.precision_env(precision)  # ConfigError for a precision that is not one

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from .. import launch_env
+from ..dryrun.report import error_summary
 
 __all__ = ["Job", "run_job", "Pool"]
 
@@ -118,8 +119,8 @@ def _run_job(job: Job) -> dict[str, Any]:
             **_layout(seen),
         }
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict
-        lowering = isinstance(e, (ValueError, NotImplementedError))
-        return {"error": f"{type(e).__name__}: {e}", "lowering": lowering, "asked": sorted(launch_env.ASKED)}
+        lowering = isinstance(e, (ValueError, NotImplementedError))  # (not a stage's wrapped error)
+        return {"error": error_summary(e), "lowering": lowering, "asked": sorted(launch_env.ASKED)}
 
 
 def _cut_runs(

@@ -222,8 +222,14 @@ class Plan:
             ),
             f"  chosen by the plan: {', '.join(k for k in self.open_knobs if k != 'global_batch_size')}",
         ]
-        if self.global_batch_size:
+        if self.global_batch_size and "global_batch_size" in self.open_knobs:
             lines.append(f"  global batch held at {self.global_batch_size}")
+        elif self.global_batch_size:
+            lines.append(
+                f"  global batch {self.global_batch_size} NOT held: the script does not read global_batch_size "
+                "(its batch per rank is fixed), so the rows train different global batches; compare them by "
+                "tokens/s/GPU, or have the script take the global batch from the launch config"
+            )
         if self.fixed_knobs:
             lines.append(f"  kept as the script fixes them: {', '.join(self.fixed_knobs)}")
         head = (

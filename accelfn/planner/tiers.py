@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from .. import launch_env
+from ..transforms.shard import NO_PIPELINE
 from .calibrate import Calibration
 from .candidates import Candidate, Space, enumerate_candidates, parse_remats
 from .extrapolate import BLOCKS, extrapolate
@@ -319,6 +320,7 @@ def plan(
         world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
         bad_mesh: dict[str, str] = {}
+        no_pipeline: list[str] = []  # the lowering's error when the script's step has no af.pipeline
         # the meshes the script lowered another strategy on than as one process (its probe)
         other_strategy: dict[str, str | None] = {}
         first: dict[
@@ -412,6 +414,11 @@ def plan(
                     "fell": "lowering",
                     "why": f"{bad_mesh[c.mesh_spec]} (as an earlier candidate of its mesh)",
                 }
+            if no_pipeline and c.mesh.get("pp", 1) > 1:  # every pp mesh fails alike: one dry run says so
+                return {
+                    "fell": "lowering",
+                    "why": f"{no_pipeline[0]} (as an earlier candidate with a pp axis)",
+                }
             if not prune:
                 return None
             over = next(
@@ -456,6 +463,10 @@ def plan(
                 fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
                 if prune and result["lowering"] and first.get(c.mesh_spec) is c:
                     bad_mesh[c.mesh_spec] = result["error"]  # the first of its mesh: the mesh's error
+                if prune and result["lowering"] and NO_PIPELINE in result["error"] and not no_pipeline:
+                    no_pipeline.append(result["error"])
+                    notes.append("pp not searched further: the script's step has no af.pipeline (its first pp "
+                                 "candidate's lowering says so)")  # fmt: skip
                 return
             report = result["report"] if "report" in result else _extrapolated(result)
             counts["extrapolated"] += "report" not in result

@@ -59,6 +59,7 @@ NOT_SPLIT: dict[str, str] = {}  # mesh axes af.shard refuses to split over (none
 EP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # what expert parallel combines with in this version
 DEEPSPEED_OPTIONS = ("ds_config", "zero_stage", "offload_optimizer")
 _LOCAL_SGD_WHOLE = "local SGD averages whole replicas"
+NO_PIPELINE = "the step has no af.pipeline"  # (the planner reads it: no candidate with a pp axis can lower)
 
 
 @attrs.frozen
@@ -192,8 +193,8 @@ class Shard(TransformBase):
         pp = self.mesh.axis_size("pp") if "pp" in self.mesh.axis_names else 1
         if pp > 1 and not any(t.kind == "pipeline" for t in others):
             raise ValueError(
-                f"shard: the mesh has a 'pp' axis of size {pp}, but the step has no af.pipeline: its ranks would all "
-                "compute the same thing. Wrap the step: af.pipeline(step, mesh, microbatches=...)"
+                f"shard: the mesh has a 'pp' axis of size {pp}, but {NO_PIPELINE}: its ranks would all compute the "
+                "same thing. Wrap the step: af.pipeline(step, mesh, microbatches=...)"
             )
 
 

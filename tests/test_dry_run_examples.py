@@ -212,6 +212,20 @@ def test_example_runs_unmodified_in_the_dry_run(
     assert not torch.distributed.is_initialized()
 
 
+def test_a_script_refusing_its_command_line_is_quoted(tmp_path) -> None:
+    """argparse's exit (2) before the first step: the error says what status 2 means and quotes the script's
+    usage message (the planner's workers do not show the script's stderr), not "inference only"."""
+    script = tmp_path / "needs_data.py"
+    script.write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--data', required=True)\np.parse_args()\n"
+    )
+    with pytest.raises(RuntimeError) as info:
+        af.dry_run(script, [], nproc_per_node=2, device="cpu")
+    text = str(info.value)
+    assert "exited (2) before its first training step (status 2: argparse's" in text, text
+    assert "the following arguments are required: --data" in text and "inference only" not in text, text
+
+
 def test_inference_scripts_are_a_clear_error() -> None:
     """Inference-only scripts train nothing: the dry run says so (their own checks read fake values)."""
     with pytest.raises(RuntimeError, match=r"exited \(1\) before its first training step.*inference only"):

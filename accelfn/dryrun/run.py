@@ -53,6 +53,50 @@ def _argv(argv: list[str], path: str | None) -> Iterator[None]:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
+class _StderrTail:
+    """`sys.stderr` while the script runs: written through, its last `keep` characters kept, so that a script
+    exiting on its own (argparse's usage error) can be quoted where its stderr is not shown (the planner's
+    workers)."""
+
+    def __init__(self, stream: Any, keep: int = 1500) -> None:
+        self._stream, self._keep, self.tail = stream, keep, ""
+
+    def write(self, text: str) -> int:
+        self.tail = (self.tail + text)[-self._keep :]
+        return int(self._stream.write(text))
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding, ...
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _stderr_tail() -> Iterator[_StderrTail]:
+    saved = sys.stderr
+    sys.stderr = tail = _StderrTail(saved)
+    try:
+        yield tail
+    finally:
+        sys.stderr = saved
+
+
+def _exit_message(code: Any, tail: str) -> str:
+    """Why the script exited before its first training step, with what it last wrote to stderr."""
+    said = tail.strip()
+    text = f"af.dry_run: the script exited ({code!r}) before its first training step"
+    if code == 2:
+        text += (
+            " (status 2: argparse's, for a command line it refuses; the dry run's own options, such as --gpu or "
+            "--nproc-per-node, go before the script's path, the script's own after it)"
+        )
+    else:
+        text += (
+            ". The dry run measures training steps (af.train_step, possibly under af.shard and other "
+            "combinators); a script with none (inference only) has nothing to measure, and its own checks read "
+            "fake values (0) here"
+        )
+    return text + (f". Its last words on stderr:\n{said}" if said else "")
+
+
 _BEFORE_FIRST_STEP = (
     "af.dry_run: raised before the script's first training step. The dry run measures training steps "
     "(af.train_step, possibly under af.shard and other combinators); a script with none (inference only) has "
@@ -64,24 +108,21 @@ def _execute(
     script: str | os.PathLike[str] | Callable[[], Any], args: Sequence[str], session: Session
 ) -> None:
     """Run the script (as `python script.py args` would) until the session stops it."""
+    tail: _StderrTail | None = None
     try:
-        if callable(script):
-            script()
-        else:
-            path = str(Path(script).absolute())
-            with _argv([path, *args], str(Path(path).parent)):
-                runpy.run_path(path, run_name="__main__")
+        with _stderr_tail() as tail:
+            if callable(script):
+                script()
+            else:
+                path = str(Path(script).absolute())
+                with _argv([path, *args], str(Path(path).parent)):
+                    runpy.run_path(path, run_name="__main__")
     except StopDryRun:
         pass
     except SystemExit as e:
         if e.code not in (0, None):
             if not session.calls:
-                raise RuntimeError(
-                    f"af.dry_run: the script exited ({e.code!r}) before its first training step. The dry run "
-                    "measures training steps (af.train_step, possibly under af.shard and other combinators); "
-                    "a script with none (inference only) has nothing to measure, and its own checks read "
-                    "fake values (0) here"
-                ) from e
+                raise RuntimeError(_exit_message(e.code, tail.tail if tail is not None else "")) from e
             if session.target is not None and not session._target_done():
                 raise RuntimeError(_target_missed(session) + f" when the script exited ({e.code!r})") from e
             session.notes.append(

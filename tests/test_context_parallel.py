@@ -116,6 +116,34 @@ def test_causal_attention_computes_only_the_keys_up_to_each_chunk():
         assert seen == [(half, (r + 1) * half), (half, (2 * size - r) * half)], (r, seen)
 
 
+def test_the_causal_bias_path_equals_whole_attention(monkeypatch):
+    # the path a GPU takes (torch's CausalBias, cached per chunk length when the batch is split), run on the CPU
+    # where CausalBias builds its mask: each rank's pieces equal its part of whole-sequence causal attention
+    from accelfn.transforms.shard import context_parallel as cp
+
+    monkeypatch.setattr(cp, "_lower_right_bias", lambda query: True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=g) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    size = 3
+    gk = torch.cat([split_sequence(k, r, size, dim=2) for r in range(size)], dim=2)
+    gv = torch.cat([split_sequence(v, r, size, dim=2) for r in range(size)], dim=2)
+    for r in range(size):
+        rt = cp._Runtime(r, size, None)  # type: ignore[arg-type]
+        rt.set_length(8)
+        assert sorted(rt.biases) == sorted({(4, (r + 1) * 4), (4, (2 * size - r) * 4)})
+        got = gathered_attention(
+            split_sequence(q, r, size, dim=2), gk, gv, r, size, causal=True, biases=rt.biases
+        )
+        torch.testing.assert_close(got, split_sequence(whole, r, size, dim=2), rtol=1e-5, atol=1e-6)
+
+
+def test_query_heads_not_a_multiple_of_the_key_heads_are_named():
+    q, kv = torch.randn(1, 6, 8, 4), torch.randn(1, 4, 16, 4)
+    with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 key/value heads"):
+        gathered_attention(q, kv, kv, 0, 2, causal=True, enable_gqa=True)
+
+
 def test_global_order_undoes_the_head_tail_split():
     for size in (1, 2, 3):
         seq = torch.arange(12 * size).reshape(1, 1, -1, 1)

@@ -44,7 +44,25 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     keep = sum(info.sizes) - info.padding
     shards = lay.first_rank_of_each_shard()
     leaves, spec = _tree.flatten(x)
-    if isinstance(x, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in leaves):
+    objects = isinstance(x, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in leaves)
+    problem: str | None = None
+    signature: list[Any] = [("objects",)] if objects else []
+    for path, leaf in [] if objects else _tree.flatten_with_path(x):
+        name = "x" + ("[" + repr(path) + "]" if path else "")
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] != mine:
+            what = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            problem = problem or (
+                f"gather_for_metrics: {name} has {what}, but dim 0 must be the {mine} samples of this rank's batch "
+                f"(global batch {info.step} of the epoch)"
+            )
+        else:
+            signature.append((name, tuple(leaf.shape[1:]), str(leaf.dtype)))
+    # every rank takes the same collectives: a problem on one rank is an error on all of them, not a hang
+    if lay.world_size > 1:
+        _agree(signature, problem, info.step)
+    if problem:
+        raise ValueError(problem)
+    if objects:
         # Python objects (generated text, ids): one per sample, gathered as objects (Accelerate's fallback); the
         # lengths are checked after the one collective, so a wrong one is an error on every rank, not a hang
         ranks = gather_object(list(x))
@@ -56,15 +74,6 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
                 f"(global batch {info.step} of the epoch)"
             )
         return [v for d, g in enumerate(shards) for v in ranks[g][: info.sizes[d]]][:keep]
-    for path, leaf in _tree.flatten_with_path(x):
-        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] != mine:
-            what = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise ValueError(
-                f"gather_for_metrics: {'x' + ('[' + repr(path) + ']' if path else '')} has {what}, but dim 0 must "
-                f"be the {mine} samples of this rank's batch (global batch {info.step} of the epoch)"
-            )
-    if lay.world_size > 1:
-        _check_same_trailing_shapes(_tree.flatten_with_path(x), leaves[0].device, info.step)
     uneven = any(n != width for n in info.sizes)
     if uneven:  # pad every rank to the full width so the all-gather sees equal shapes
         leaves = [torch.cat([t, t.new_zeros((width - mine, *t.shape[1:]))]) for t in leaves]
@@ -79,30 +88,32 @@ def gather_for_metrics(x: Any, loader: DataLoader) -> Any:
     return _tree.map(trim, gathered)
 
 
-def _check_same_trailing_shapes(
-    items: list[tuple[Any, torch.Tensor]], device: torch.device, step: int
-) -> None:
-    """Every rank's tensors have the same shapes beyond dim 0 and dtypes (a generation padded to each rank's own
-    longest sequence does not): checked with one all-gather of a checksum, so a mismatch is an error naming
-    the shapes on every rank, not a failure inside the backend's all-gather."""
-    signature = [(path, tuple(t.shape[1:]), str(t.dtype)) for path, t in items]
-    code = zlib.crc32(repr(signature).encode())
-    codes = gather(torch.tensor([code], dtype=torch.int64, device=device))
+def _agree(signature: list[Any], problem: str | None, step: int) -> None:
+    """Every rank passed the same kind of `x` (objects, or tensors of the same shapes beyond dim 0 and dtypes)
+    and none has a problem of its own: one all-gather of a checksum; where they differ, the ranks' signatures
+    and problems in a `ValueError` on every rank (a generation padded to each rank's own longest sequence
+    would otherwise fail inside the backend's all-gather)."""
+    code = zlib.crc32(repr((signature, problem is not None)).encode())
+    codes = gather(torch.tensor([code], dtype=torch.int64))
     if bool((codes == code).all()):
-        return
+        return  # (the same problem on every rank: each raises it)
     # every rank saw the mismatch, so every rank takes this second collective
-    every = gather_object(signature)
+    every = gather_object((signature, problem))
 
-    def described(sig: list[tuple[Any, tuple[int, ...], str]]) -> str:
+    def described(sig: list[Any]) -> str:
+        if sig == [("objects",)]:
+            return "a list of Python objects"
         return ", ".join(
-            f"{'x' + ('[' + repr(path) + ']' if path else '')} ({', '.join(['n', *map(str, shape)])}) "
-            f"{dtype.removeprefix('torch.')}"
-            for path, shape, dtype in sig
+            f"{name} ({', '.join(['n', *map(str, shape)])}) {dtype.removeprefix('torch.')}"
+            for name, shape, dtype in sig
         )
 
-    shown = "; ".join(f"rank {rank}: {described(sig)}" for rank, sig in enumerate(every))
+    problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(every) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
+    shown = "; ".join(f"rank {rank}: {described(sig)}" for rank, (sig, _) in enumerate(every))
     raise ValueError(
-        f"gather_for_metrics: the ranks' tensors differ beyond dim 0 (global batch {step} of the epoch): "
+        f"gather_for_metrics: the ranks passed different x beyond dim 0 (global batch {step} of the epoch): "
         f"{shown}. Pad them to one shape first, e.g. af.dist.pad_across_processes(x, dim=1) for sequences "
         "each rank padded to its own longest"
     )

@@ -125,10 +125,11 @@ class DataLoader:
 
     def _warn_uneven_counts(self) -> None:
         """`even_batches=False` where the data ranks get different numbers of batches: a collective per batch
-        (a sharded step, `gather_for_metrics`) waits forever on the ranks that have one more. Said once, on data
+        (a sharded step, `gather_for_metrics`) waits forever on the ranks that have one more. Said once, on global
         rank 0 (every rank computes the same counts: no collective here)."""
         n, lay = self._num_samples(), self._layout
-        if n is None or lay.data_size == 1 or lay.data_rank != 0:
+        first = not dist.is_initialized() or dist.get_rank() == 0  # once per job (not per tp, cp or pp rank)
+        if n is None or lay.data_size == 1 or not first:
             return
         counts = [
             batches_per_rank(n, self._per_rank, lay.data_size, r, last_batch="uneven")
@@ -143,9 +144,8 @@ class DataLoader:
             f"{', '.join(map(str, fewer[:8]))}{', ...' if len(fewer) > 8 else ''}). A collective in each "
             "iteration (a sharded step, gather_for_metrics) then waits forever for the ranks with no batch left. "
             "Keep even_batches=True (the default: the last batch is padded by wrap-around, which "
-            "gather_for_metrics drops) unless each rank's loop runs no collective; ACCELFN_DEBUG=1 turns such a "
-            "wait into an error",
-            stacklevel=3,
+            "gather_for_metrics drops) unless each rank's loop runs no collective",
+            stacklevel=4,  # the user's DataLoader(...) (through the type-checking wrapper)
         )
 
     # ---- shape of an epoch ---------------------------------------------------------------------------------

@@ -242,7 +242,7 @@ def _unwatched() -> Iterator[None]:
     """No dispatch modes (the tracker, FLOP counting) but the run's fake mode, no global module hooks (FLOP
     counting's module tracker puts gradient hooks on module outputs, which AOTAutograd's `autograd.grad` over the
     joint graph refuses), and no saved-tensor hooks (an enclosing checkpoint's). The fake mode stays: without it
-    a factory call (`torch.arange`, context parallel's causal mask) made a real tensor of the job's size."""
+    a factory call (`torch.arange`, context parallel's positions) made a real tensor of the job's size."""
     from torch.nn.modules import module as m
 
     fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)

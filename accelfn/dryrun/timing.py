@@ -549,8 +549,8 @@ def _sdpa_flops(
     func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[int, bool, bool] | None:
     """FLOPs of a torch SDPA kernel's matmuls from its query (B, H, L, D) and key (the computed part's when
-    causal: half when as many queries as keys; with fewer queries, the last ones of the keys' sequence, as the
-    GPU kernels' lower-right mask and context parallel's chunks have them), whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`) and whether it was
+    causal: half when as many queries as keys; with fewer queries, counted as the last ones of the keys'
+    sequence, as context parallel's chunks are), whether it is causal (`is_causal`, or an explicit causal mask: `_causal_mask`) and whether it was
     given an explicit mask; None for other ops."""
     if not name.startswith("_scaled_dot_product_") or "attention" not in name:
         return None
@@ -564,10 +564,11 @@ def _sdpa_flops(
     mask = mask if mask is not None else _arg(func, args, kwargs, "attn_bias")
     lk = int(k.shape[-2])
     causal = bool(_arg(func, args, kwargs, "is_causal")) or _causal_mask(mask, lq, lk)
-    if (
-        causal and lk > lq
-    ):  # the GPU kernels align a causal mask to the lower right: the queries are the last lq
-        flops = flops * (2 * lk - lq) // (2 * lk)  # positions, and query i sees lk - lq + i + 1 keys
+    if causal and lk > lq:
+        # counted lower-right (the queries are the last lq positions, query i sees lk - lq + i + 1 keys): context
+        # parallel's calls in a dry run of a GPU job, which its CausalBias runs on the GPU as the flash kernel's
+        # is_causal; torch's public is_causal with fewer queries than keys is upper-left (fewer FLOPs)
+        flops = flops * (2 * lk - lq) // (2 * lk)
     elif causal:
         flops //= 2
     return flops, causal, isinstance(mask, torch.Tensor)

@@ -63,7 +63,7 @@ with warnings.catch_warnings(record=True) as caught:  # 4 batches on rank 0, 3 o
     warnings.simplefilter("always")
     loader = DL(range(21), 3, even_batches=False)
 said = [str(w.message) for w in caught if "even_batches=False" in str(w.message)]
-assert len(said) == (1 if r == 0 else 0), said
+assert len(said) == (1 if r == 0 else 0), said  # the job's rank 0 only
 assert r or "(4, but 3 on data rank 1)" in said[0] and "waits forever" in said[0], said
 assert lists(loader) == {0: wrapped[0], 1: wrapped[1][:3]}[r] and len(loader) == {0: 4, 1: 3}[r]
 with warnings.catch_warnings():
@@ -81,8 +81,18 @@ try:  # generated ids padded to each rank's own longest: refused on both ranks b
     af.data.gather_for_metrics({"ids": torch.zeros(2, 6 + r, dtype=torch.long)}, loader)
     raise AssertionError("tensors of other shapes beyond dim 0 were gathered")
 except ValueError as e:
-    assert "differ beyond dim 0" in str(e) and "(n, 6) int64" in str(e) and "(n, 7) int64" in str(e), e
-    assert "pad_across_processes(x, dim=1)" in str(e), e
+    assert "passed different x beyond dim 0" in str(e) and "(n, 6) int64" in str(e), e
+    assert "(n, 7) int64" in str(e) and "pad_across_processes(x, dim=1)" in str(e), e
+try:  # one rank's own mistake (a dim 0 that is not its batch): an error on both ranks, not a hang of the other
+    af.data.gather_for_metrics(torch.zeros(2 + r, 3), loader)
+    raise AssertionError("a wrong dim 0 on rank 1 was gathered")
+except ValueError as e:
+    assert "rank 1: gather_for_metrics: x has shape (3, 3), but dim 0 must be the 2 samples" in str(e), e
+try:  # objects on one rank, tensors on the other
+    af.data.gather_for_metrics(["a", "b"] if r else torch.zeros(2), loader)
+    raise AssertionError("objects and tensors were gathered together")
+except ValueError as e:
+    assert "rank 1: a list of Python objects" in str(e), e
 padded = af.dist.pad_across_processes(torch.full((2, 6 + r), r), dim=1)
 assert af.data.gather_for_metrics(padded, loader).shape == (4, 7)
 assert lists(DL(range(21), 3, drop_last=True)) == wrapped[r][:3]

@@ -10,9 +10,10 @@ parallelism used to train Llama 3, and the one torch's own flex-attention contex
 Causal attention skips the masked half, as a single device's kernel does: each of this rank's two chunks
 attends to the keys up to and including its own chunk (global order), a causal mask aligned to the lower right
 (`torch.nn.attention.bias.causal_lower_right`), which SDPA runs on FlashAttention or the memory-efficient
-kernel where they apply (CUDA), and as a boolean mask elsewhere (the CPU). No mask over the whole gathered
-sequence is built. Grouped-query keys and values are repeated to the query heads after the all-gather (the
-flash kernel's lower-right path takes equal heads).
+kernel where they apply (CUDA; not yet run on a GPU: tests/test_gpu.py), and as a boolean mask elsewhere (the
+CPU). No mask over the whole gathered sequence is built. Grouped-query keys and values are repeated to the query
+heads after the all-gather (torch's `CausalBias` hands `enable_gqa` to its explicit-mask fallback only), which
+the backward keeps: query-heads-wide keys and values of the keys each chunk sees.
 
 Load balance: the sequence is cut into `2 * cp` chunks and rank `r` takes chunks `r` and `2*cp - 1 - r` (as
 torch's and torchtitan's head-tail balancer), so every rank attends to as many keys under a causal mask.
@@ -226,20 +227,33 @@ def gathered_attention(
     if not causal:
         kw: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}
         return SDPA(query, key, value, dropout_p=dropout_p, scale=scale, **kw)
-    if enable_gqa and key.shape[-3] != query.shape[-3]:  # the lower-right kernels take equal heads
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
     half = query.shape[-2] // 2
     # the keys up to the end of this rank's later chunk (2*size - 1 - rank), in sequence order
     reach = (2 * size - rank) * half
     key = global_order(key, size)[..., :reach, :]
     value = global_order(value, size)[..., :reach, :]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        # repeated to the query heads (after the reordering, on the keys used): the lower-right mask's kernels
+        # are called without enable_gqa (torch's CausalBias passes it to its explicit-mask fallback only)
+        if query.shape[-3] % key.shape[-3]:
+            raise ValueError(
+                f"context parallel: {query.shape[-3]} query heads are not a multiple of {key.shape[-3]} key/value "
+                "heads (grouped-query attention needs each key head shared by as many query heads)"
+            )
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
     outs = [
         _prefix_causal(query[..., i * half : (i + 1) * half, :], key[..., :n, :], value[..., :n, :],
                        dropout_p, scale, biases)
         for i, n in enumerate(((rank + 1) * half, reach))
     ]  # fmt: skip
     return torch.cat(outs, dim=-2)
+
+
+def _lower_right_bias(query: torch.Tensor) -> bool:
+    """Whether the lower-right mask goes to SDPA as torch's `CausalBias` (its fused kernels on CUDA and other
+    accelerators) rather than as an explicit boolean mask (the CPU, where `CausalBias` builds that mask)."""
+    return query.device.type != "cpu"
 
 
 def _prefix_causal(
@@ -257,7 +271,7 @@ def _prefix_causal(
         # flash kernel, whose `is_causal` aligns to the lower right (`CausalBias`'s flash path), timed as such;
         # the CPU kernel's meta function gives the same shapes
         return SDPA(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale)
-    if query.device.type == "cpu":  # what `CausalBias` gives the CPU kernel, without the tensor subclass
+    if not _lower_right_bias(query):  # what `CausalBias` gives the CPU kernel, without the tensor subclass
         mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         return SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     bias = (biases or {}).get((lq, lk))

@@ -29,6 +29,7 @@ __all__ = [
     "on_host",
     "models_a_device",
     "keeps_process_group",
+    "comm_buffer",
     "fp8_support",
     "grouped_mm_dtypes",
     "modelled_device",
@@ -71,6 +72,9 @@ class Watcher:
     def models_a_device(self) -> bool:
         """Whether the real run computes on a device apart from the host (the dry run executes it on the host)."""
         return False
+
+    def comm_buffer(self, tensor: Any) -> None:
+        """`tensor` is a communication buffer (a gradient bucket), whatever module's backward allocated it."""
 
     def keeps_process_group(self) -> bool:
         """Whether closing a `Mesh` keeps the process group (it closes the meshes only): a dry run's fake group
@@ -172,6 +176,13 @@ def models_a_device() -> bool:
     """In a dry run of a job on an accelerator (which executes on the host): True, so that code with a host-only
     shortcut (af.offload's update in place) takes the path the real run takes."""
     return _watcher is not None and _watcher.models_a_device()
+
+
+def comm_buffer(tensor: Any) -> None:
+    """Count `tensor` as a communication buffer in a dry run's memory (no-op outside one): DeepSpeed's gradient
+    bucket, allocated by the first gradient's hook, is not the activation of the module whose backward ran."""
+    if _watcher is not None:
+        _watcher.comm_buffer(tensor)
 
 
 def keeps_process_group() -> bool:

@@ -315,3 +315,12 @@ def test_deepspeed_errors_of_the_real_lowering_are_raised_in_the_dry_run() -> No
         af.CompositionError, match="builds a torch optimizer from the step's optimizer, but this"
     ):
         _dry(2, optimizer=af.optim.lion(1e-4), nproc=8, nnodes=8)
+
+
+def test_the_zero_2_gradient_bucket_is_a_communication_buffer_not_an_activation() -> None:
+    # DeepSpeed's ipg bucket (reduce_bucket_size elements, 5e8 by default: 1.86 GiB in fp32) is allocated by the
+    # first gradient's hook, inside the last module's backward: it was counted as that module's activations
+    report = _dry(2)
+    bucket = 500_000_000 * 2  # (the tiny Llama's fp16 gradients)
+    assert report.per_rank["comm_buffers"] >= bucket, report.per_rank
+    assert report.per_rank["activations"] < bucket, report.per_rank

@@ -129,6 +129,10 @@ class Session(dry_mode.Watcher):
             for t, where in zip(trackers, saved):
                 t.where = where
 
+    def comm_buffer(self, tensor: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.mark_comm(tensor)
+
     def keeps_process_group(self) -> bool:
         return True  # the search after a script ended runs its steps on their groups (`finish`)
 

@@ -738,6 +738,11 @@ class StepTracker(TorchDispatchMode):
                 rec.category = category
         return total
 
+    def mark_comm(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage as a communication buffer (`comm_buffers`), as a collective's operand is."""
+        for t in _memory_tensors([tensor]):
+            self._see(t, comm=True)
+
     def records(self, tensors: Iterable[Any]) -> list[_Alloc]:
         """The allocation records of the storages of `tensors`, in order (each storage once)."""
         out: dict[int, _Alloc] = {}

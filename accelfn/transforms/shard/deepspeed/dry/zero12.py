@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..... import dry_mode
 from .....dtensor import local_tensor
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class ZeroSync(_Base):
                 torch.empty(self.reduce_bucket, dtype=self.dtype, device=first.device)
                 for _ in range(self.n_buffers)
             ]
+            # a communication buffer, not an activation of the module whose backward's gradient came first
+            for b in self.bucket.buffers:
+                dry_mode.comm_buffer(b)
         if self.hook_reduces:
             self._add(name)
 

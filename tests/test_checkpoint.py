@@ -224,6 +224,43 @@ def test_save_pretrained_of_a_state_alone_says_what_to_pass(tmp_path):
     assert sorted(os.listdir(tmp_path / "d")) == ["model.safetensors"]
 
 
+def llama_of_hidden_size(hidden: int, tied: bool = False):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_save_pretrained_refuses_a_model_of_other_shapes_than_the_state_before_writing(tmp_path, tied):
+    # the bug: a state trained with hidden size 32, saved with model= a hidden-size-64 model (same names),
+    # wrote config.json (64) beside 32-wide weights, which transformers then failed to load
+    torch.manual_seed(0)
+    step = af.train_step(lm_loss, af.optim.sgd(0.1))
+    state = step.init(llama_of_hidden_size(32, tied))
+    other = llama_of_hidden_size(64, tied)
+    fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "tokenizer.json").write_text("{}")
+    for folder in (fresh, existing):
+        with pytest.raises(ValueError) as e:
+            af.checkpoint.save_pretrained(folder, state, model=other)
+        msg = str(e.value)
+        assert "'model.embed_tokens.weight' has shape (64, 32) in the state but (64, 64) in model=" in msg, (
+            msg
+        )
+        assert "not the module this state trains" in msg and "step.model" in msg, msg
+    assert not fresh.exists()  # nothing written
+    assert sorted(os.listdir(tmp_path)) == ["existing"] and os.listdir(existing) == ["tokenizer.json"]
+    af.checkpoint.save_pretrained(
+        fresh, state, model=step.model
+    )  # its own model: tied or not, no false alarm
+    assert json.loads((fresh / "config.json").read_text())["hidden_size"] == 32
+
+
 def test_save_pretrained_keeps_the_other_files_of_a_model_folder(tmp_path):
     # Re-saving into a Hugging Face model folder replaces the weights, not the tokenizer or README beside them
     torch.manual_seed(0)

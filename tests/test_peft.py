@@ -364,6 +364,19 @@ def test_save_pretrained_of_a_peft_model_with_merge_writes_a_model_transformers_
         assert torch.equal(p, written[n]), n
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_save_pretrained_refuses_a_peft_model_of_another_rank_than_the_state_before_writing(tmp_path, merge):
+    # an adapter of rank 4 saved with model= a PeftModel of rank 8 (the same names) would write an
+    # adapter_config.json (or merged weights) that does not go with the adapter trained
+    step, state = trained(lora_model(r=4), steps=1)
+    with pytest.raises(
+        ValueError, match=r"lora_A\.default\.weight' has shape \(4, 32\) in the state but \(8, 32\)"
+    ):
+        af.checkpoint.save_pretrained(tmp_path / "out", state, model=lora_model(r=8), merge=merge)
+    assert not (tmp_path / "out").exists()
+    af.checkpoint.save_pretrained(tmp_path / "out", state, model=step.model, merge=merge)  # its own: saved
+
+
 def test_save_pretrained_of_the_peft_module_itself_and_of_several_adapters_follows_peft(tmp_path):
     # the module form (its own values), and a second adapter in a subfolder of its name, as PEFT writes them
     model = lora_model()

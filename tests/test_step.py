@@ -303,8 +303,14 @@ def test_loss_of_wrong_type_is_a_clear_error():
 def test_batch_that_is_not_a_tensor_pytree_names_the_key():
     step = af.train_step(lambda m, b: m(b["x"]).sum(), af.optim.sgd(0.1))
     state = step.init(MLP())
-    with pytest.raises(TypeError, match=r"batch\['text'\]\[1\] is a str"):
+    with pytest.raises(TypeError, match=r"batch\['text'\]\[1\] is a str") as e:
         step(state, {"x": torch.randn(4, 8), "text": [torch.zeros(1), "hello"]})
+    fix = "drop the non-tensor fields before the step (e.g. {k: v for k, v in batch.items() if isinstance(v, torch"
+    assert fix + ".Tensor)})" in str(e.value), e.value
+    with pytest.raises(
+        TypeError, match=r"batch\[1\] is a str: .*torch.Tensor; drop the non-tensor fields before the step$"
+    ):
+        step(state, [torch.randn(4, 8), "hello"])  # not a Mapping: no dict comprehension to suggest
     import numpy as np
 
     with pytest.raises(TypeError, match=r"batch\['x'\] is a ndarray.*torch.as_tensor"):

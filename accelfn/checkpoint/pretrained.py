@@ -52,7 +52,8 @@ def _persistent_buffers(module: nn.Module) -> set[str]:
 
 
 def _state_tensors(state: TrainState, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state's params and the persistent ones of its buffers, checked against `model` (the module it trains)."""
+    """The state's params and the persistent ones of its buffers, checked against `model` (the module it trains):
+    names and shapes."""
     own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     persistent = _persistent_buffers(model)
     own_buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
@@ -62,7 +63,39 @@ def _state_tensors(state: TrainState, model: nn.Module) -> dict[str, torch.Tenso
             f"save_pretrained(): model= is not the module this state trains: it has no {foreign[:3]} "
             f"(pass the model of the step that made the state, step.model)"
         )
-    return {**state.params, **{n: b for n, b in state.buffers.items() if n in persistent}}
+    out = {**state.params, **{n: b for n, b in state.buffers.items() if n in persistent}}
+    _check_shapes(
+        out,
+        {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        },
+    )
+    return out
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's whole shape: a DTensor's global one (its `.shape`), a ZeRO-3 partitioned param's `ds_shape`."""
+    shape = getattr(t, "ds_shape", None)
+    return tuple(t.shape if shape is None else shape)
+
+
+def _check_shapes(named: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    """Raise when a tensor of the state has another (full) shape than the model's of the same name: the
+    config.json written would describe another model than the weights (a model built from another config)."""
+    wrong = [
+        (n, _full_shape(t), _full_shape(own[n]))
+        for n, t in named.items()
+        if n in own and _full_shape(t) != _full_shape(own[n])
+    ]
+    if wrong:
+        name, got, want = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ValueError(
+            f"save_pretrained(): {name!r} has shape {got} in the state but {want} in model={more}: model= is not "
+            f"the module this state trains (a model built from another config?), and its config.json would not "
+            f"describe these weights; pass the model of the step that made the state, step.model"
+        )
 
 
 def _named_tensors(model_or_params: Any, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -119,7 +152,9 @@ def save_pretrained(
 
     With a transformers config, the names written are checked against the model it describes (the module,
     or the class its `architectures` names): weights that `from_pretrained` would leave at their random
-    initialisation (or ignore) raise a `ValueError` naming them, before anything is written.
+    initialisation (or ignore) raise a `ValueError` naming them, before anything is written. With `model=`,
+    a tensor of the state whose shape differs from the model's of the same name (a model built from another
+    config) raises a `ValueError` too, before anything is written.
 
     Call on every rank. Saving into an existing model folder replaces the weights (and config) atomically and
     keeps the other files there (tokenizer, README, ...); an adapter there goes too (transformers would apply

@@ -114,7 +114,14 @@ def check_batch(batch: Any) -> Any:
     paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace=_tree.NAMESPACE)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            hint = " (convert it with torch.as_tensor)" if hasattr(leaf, "__array__") else ""
+            if hasattr(leaf, "__array__"):
+                hint = " (convert it with torch.as_tensor)"
+            else:  # a str, an id, ...: a field the loss does not compute on
+                hint = "; drop the non-tensor fields before the step" + (
+                    " (e.g. {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})"
+                    if isinstance(batch, Mapping)
+                    else ""
+                )
             raise TypeError(
                 f"{where(path)} is a {type(leaf).__name__}: a batch must be a pytree (a dict or other Mapping, list, "
                 f"tuple) whose leaves are torch.Tensor{hint}"

@@ -107,3 +107,47 @@ def test_building_the_model_prints_none_of_the_libraries_chatter(tmp_path):
     assert "BertLMHeadModel" in proc.stdout and "| float32 |" in proc.stdout
     for chatter in ("[transformers]", "is_decoder", "Failed to load", "_pytree.py", "Traceback"):
         assert chatter not in proc.stderr, proc.stderr
+
+
+def _hub_env(tmp_path) -> dict[str, str]:
+    import os
+
+    return {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path):
+    """`org/name` (not a path here) is a Hub id: its config.json alone, from the cache huggingface_hub keeps
+    (laid out as `hf download` leaves it), estimated as the same file passed by path."""
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **TINY_GPT2}
+    (snapshot / "config.json").write_text(json.dumps(config))
+    env = _hub_env(tmp_path)
+    by_id = subprocess.run([sys.executable, "-m", "accelfn.cli.main", "estimate-memory", "tiny-org/tiny-gpt2"],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert by_id.returncode == 0, by_id.stderr
+    by_path = _cli("estimate-memory", str(snapshot / "config.json"))
+    assert by_id.stdout.startswith("tiny-org/tiny-gpt2: GPT2LMHeadModel, ")
+    assert by_id.stdout.splitlines()[1:] == by_path.stdout.splitlines()[1:]
+
+
+def test_a_hub_id_not_in_the_cache_offline_says_how_to_get_its_config(tmp_path):
+    env = _hub_env(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "accelfn.cli.main", "estimate-memory", "no-org/no-model"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2
+    assert "'no-org/no-model' looks like a Hub id" in r.stderr
+    assert "hf download no-org/no-model config.json" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_neither_a_path_a_hub_id_nor_a_factory_is_named(capsys):
+    assert main(["estimate-memory", "no/such/folder"]) == 2
+    err = capsys.readouterr().err
+    assert "'no/such/folder' is not a file or folder here, a Hub id 'org/name', or a factory" in err
+    assert main(["estimate-memory", "models/config.json"]) == 2  # a missing file, not a Hub id
+    assert "models/config.json: no such file" in capsys.readouterr().err

@@ -1,8 +1,10 @@
 """``accelfn estimate-memory``: a model's size, largest layer and AdamW training memory per dtype, from its
-config alone (the model is built on the meta device: nothing is allocated or downloaded).
+config alone (the model is built on the meta device: nothing is allocated; of a Hub id, only its config.json is
+downloaded, or read from the Hugging Face cache).
 
 Example:
     $ accelfn estimate-memory path/to/config.json --dtypes float32 bfloat16 int8
+    $ accelfn estimate-memory meta-llama/Llama-3.1-8B
     $ accelfn estimate-memory mypkg.models:build_model
 """
 
@@ -13,6 +15,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,14 +25,23 @@ BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float8": 1.0, "int8":
 """Bytes per weight of each dtype `--dtypes` accepts."""
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A Hugging Face Hub model id, `org/name` (a path that does not exist here)."""
+
+
 def build(spec: str, notes: list[str] | None = None) -> Any:
-    """The model `spec` names, on the meta device: a transformers config (a `config.json` or a folder with one)
-    or a factory `pkg.module:function` called with no arguments. What was guessed (e.g. a class named in
-    `architectures` that transformers lacks) is appended to `notes`, one line each."""
+    """The model `spec` names, on the meta device: a transformers config (a `config.json`, a folder with one, or
+    a Hub id `org/name`, whose config.json alone is fetched: `hub_config`) or a factory `pkg.module:function`
+    called with no arguments. What was guessed (e.g. a class named in `architectures` that transformers lacks)
+    is appended to `notes`, one line each."""
     import accelfn as af
 
     notes = [] if notes is None else notes
     path = Path(spec)
+    if not path.exists() and path.suffix == ".json":
+        raise ValueError(f"{spec}: no such file")
+    if not path.exists() and ":" not in spec and HUB_ID.match(spec):
+        path = hub_config(spec)
     if path.exists():
         with _quiet():
             config = _config_of(path / "config.json" if path.is_dir() else path, notes)
@@ -40,7 +52,9 @@ def build(spec: str, notes: list[str] | None = None) -> Any:
                 raise ValueError(f"{path}: {_one_line(e)}") from None
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
-        raise ValueError(f"{spec!r} is neither a file or folder nor a factory 'pkg.module:function'")
+        raise ValueError(
+            f"{spec!r} is not a file or folder here, a Hub id 'org/name', or a factory 'pkg.module:function'"
+        )
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would: the current folder first
         sys.path.insert(0, os.getcwd())
     try:
@@ -54,6 +68,33 @@ def build(spec: str, notes: list[str] | None = None) -> Any:
     if not hasattr(model, "parameters"):
         raise ValueError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def hub_config(repo_id: str) -> Path:
+    """The local path of Hub model `repo_id`'s config.json: from the Hugging Face cache, else downloaded (that
+    file alone, as `accelerate estimate-memory` does; never the weights). Offline (`HF_HUB_OFFLINE=1`) or
+    without a connection, only the cache; a `ValueError` naming the id and what to do when it is not there."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:  # transformers brings it; without transformers nothing can be estimated anyway
+        raise ValueError(
+            f"{repo_id!r} looks like a Hub id, but huggingface_hub is not installed: pip install transformers, "
+            "or pass a local config.json"
+        ) from None
+    try:
+        with _quiet():
+            return Path(hf_hub_download(repo_id, "config.json"))
+    except LocalEntryNotFoundError:  # offline, or no connection, and not in the cache
+        raise ValueError(
+            f"{repo_id!r} looks like a Hub id, but its config.json is not in the Hugging Face cache and could not "
+            f"be downloaded (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}); on a machine "
+            f"online: `hf download {repo_id} config.json`, then pass that file"
+        ) from None
+    except HfHubHTTPError as e:  # no such repository, a gated one without a token, ...
+        raise ValueError(f"{repo_id!r}: the Hub did not give its config.json ({_one_line(e)})") from None
+    except OSError as e:  # e.g. the repository has no config.json
+        raise ValueError(f"{repo_id!r}: cannot read its config.json from the Hub ({_one_line(e)})") from None
 
 
 @contextlib.contextmanager
@@ -210,7 +251,9 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "model", metavar="CONFIG_OR_PATH", help="config.json, a folder with one, or pkg.module:factory"
+        "model",
+        metavar="CONFIG_OR_PATH",
+        help="config.json, a folder with one, a Hub id org/name (its config.json only), or pkg.module:factory",
     )
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=list(BYTES))
     p.set_defaults(func=_run)

@@ -45,6 +45,30 @@ def test_fsdp_and_hsdp_with_offload_fall_at_legality_as_the_lowering_refuses_the
     assert result.get("lowering") and "offloading FSDP-sharded state is not supported" in result["error"]
 
 
+def test_fsdp_with_ep_cp_and_tp_falls_at_legality_as_the_lowering_refuses_it() -> None:
+    """Experts split over ep x cp x tp are a 3-D DTensor, which FSDP2 does not shard: the lowering names the
+    axes (it was torch's NotImplementedError from inside fully_shard, and the planner spent one dry run per such
+    mesh on it, 15 of DeepSeek-V3's 43 on 256 ranks, and pruned the mesh's ddp candidates with it); ddp lowers."""
+    from accelfn.planner.search import Job, run_job
+
+    mesh = {"dp": 2, "ep": 2, "cp": 2, "tp": 2}
+    for strategy in ("fsdp", "hsdp"):
+        why = illegal(Candidate(mesh, strategy))
+        assert why == f"{strategy} with ep, cp and tp: FSDP2 shards experts split over at most 2 of them", why
+    assert illegal(Candidate(mesh, "ddp")) is None
+    assert illegal(Candidate({"dp": 4, "ep": 2, "tp": 2}, "fsdp")) is None
+    args = ("--steps", "1", "--experts", "16", "--seq", "64", "--remat", "none", "--accumulate", "1")
+    fsdp = run_job(
+        Job(MOE, args, 8, 2, mesh="dp=2,ep=2,cp=2,tp=2", env=_env(strategy="fsdp", global_batch_size=4))
+    )
+    assert fsdp.get("lowering"), fsdp
+    assert "is split over ep=2 x cp=2 x tp=2" in fsdp["error"] and "FSDP2 shards parameters" in fsdp["error"]
+    ddp = run_job(
+        Job(MOE, args, 8, 2, mesh="dp=2,ep=2,cp=2,tp=2", env=_env(strategy="ddp", global_batch_size=4))
+    )
+    assert "error" not in ddp, ddp
+
+
 def test_an_hsdp_mesh_is_measured_without_offload_where_offload_is_open() -> None:
     """Each hsdp mesh's most frugal candidate is its offload=optimizer one; run first, its lowering error was
     taken as the mesh's and the mesh's candidates without offload fell unrun ('as an earlier candidate of its

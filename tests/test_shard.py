@@ -14,6 +14,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:gpt2:smallbuckets", "ddp:gpt2:smallbuckets:overlap:accumulate",  # many ~2 KB buckets
         "ddp:gpt2:local", "fsdp:mlp:local:accumulate",                  # each rank passes only its own rows
         "fsdp:mlp", "fsdp:gpt2", "fsdp:mlp:accumulate",                 # fsdp asserts ~1/2 memory per rank
+        "fsdp:gpt2:accumulate", "fsdp:gpt2:accumulate:nosync",          # reduce-scatters per micro-batch / step
         "fsdp:t5",                                                      # both of T5's stacks sharded per block
         "fsdp:fp16skip", "ddp:fp16skip",                                # inf on one rank: all ranks skip
         "fsdp:bf16policy",                                              # autocast -> FSDP2 MixedPrecisionPolicy
@@ -50,10 +51,11 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
 
 @pytest.mark.slow
 def test_hsdp_on_a_2x2_mesh_equals_one_process():
-    proc = run_workers("shard_worker.py", 4, "hsdp:mlp", "hsdp:mlp:accumulate", timeout=400)
+    configs = ("hsdp:mlp", "hsdp:mlp:accumulate", "hsdp:mlp:accumulate:nosync")
+    proc = run_workers("shard_worker.py", 4, *configs, timeout=400)
     out = output_of(proc)
     assert proc.returncode == 0, out
-    assert proc.stdout.count("OK hsdp mlp") == 8, out
+    assert proc.stdout.count("OK hsdp mlp") == 12, out
 
 
 def test_unknown_mesh_axis_lists_the_axes():

@@ -6,7 +6,7 @@ Who sets what (each field is written by one stage of `accelfn.lowering`, in its 
 | fields                                                        | set by                              |
 |---------------------------------------------------------------|-------------------------------------|
 | module, kind, fn, optimizer, clip_grad_norm, donate, device    | `Step.init` (from the step)         |
-| microbatches, uneven                                           | `af.accumulate`                     |
+| microbatches, uneven, sync_each_microbatch                     | `af.accumulate`                     |
 | autocast_dtype, loss_scale                                     | `af.autocast`                       |
 | fp8_skipped, after_update (fp8 scale refresh)                  | `af.autocast_fp8`                   |
 | forward_contexts, backward_contexts                            | fp8 (TE), tp (loss parallel), cp, remat (budget), compile (blocks) |
@@ -70,6 +70,8 @@ class Plan:
     donate: bool = True
     microbatches: int = 1
     uneven: bool = False
+    # FSDP/HSDP under accumulation: reduce-scatter every micro-batch's gradients (None: the strategy's default)
+    sync_each_microbatch: bool | None = None
     autocast_dtype: torch.dtype | None = None
     autocast_device_type: str = "cpu"
     loss_scale: LossScaleConfig | None = None

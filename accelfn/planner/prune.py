@@ -154,7 +154,8 @@ def illegal(c: Candidate, script_strategy: str | None = None) -> str | None:
     """Why the planner cannot give `c` to the script (None: it can): its global batch must split evenly over
     the data-parallel ranks and their micro-batches; fsdp with an `ep` axis needs a data axis beside it to
     shard the experts over (efsdp), as `af.shard` refuses otherwise (a rule of the strategy, not of the mesh:
-    the mesh's other candidates are not pruned with it); a ZeRO stage (DeepSpeed) takes no af.offload, nor
+    the mesh's other candidates are not pruned with it), and the experts split over ep, cp and tp at once (3 mesh
+    axes, more than FSDP2 shards); a ZeRO stage (DeepSpeed) takes no af.offload, nor
     does fsdp or hsdp (`af.offload` refuses FSDP-sharded state). The strategy is `c`'s, else
     `script_strategy`, the one the script fixes (`lowered_strategy`; None: unknown).
 
@@ -170,6 +171,9 @@ def illegal(c: Candidate, script_strategy: str | None = None) -> str | None:
     named = c.strategy or f"{script_strategy} (the script fixes it)"
     if ep > 1 and strategy == "fsdp" and dp == ep:
         return f"{named} with ep={ep} shards the experts over the data axes other than ep (efsdp), and dp=1 leaves none"
+    if ep > 1 and c.mesh.get("cp", 1) > 1 and c.mesh.get("tp", 1) > 1 and strategy in ("fsdp", "hsdp"):
+        # the experts split over ep x cp x tp: a 3-D DTensor, which FSDP2 does not shard (`lower_fsdp` refuses)
+        return f"{named} with ep, cp and tp: FSDP2 shards experts split over at most 2 of them"
     if strategy in ZERO and c.offload == "optimizer":
         return f"{named} (DeepSpeed) offloads through its own config, not af.offload"
     if strategy in ("fsdp", "hsdp") and c.offload == "optimizer":

@@ -320,12 +320,13 @@ def plan(
         world = nproc_per_node * nnodes
         by_job: dict[Job, Candidate] = {}
         bad_mesh: dict[str, str] = {}
+        # by (mesh, strategy): a lowering error that names its strategy (`af.shard(strategy=...)`'s own refusal)
+        bad_strategy: dict[tuple[str, str | None], str] = {}
         no_pipeline: list[str] = []  # the lowering's error when the script's step has no af.pipeline
         # the meshes the script lowered another strategy on than as one process (its probe)
         other_strategy: dict[str, str | None] = {}
-        first: dict[
-            str, Candidate
-        ] = {}  # each mesh's first candidate in the order run (its error prunes the mesh)
+        # each (mesh, strategy)'s first candidate in the order run (its error prunes the mesh, or the strategy)
+        first: dict[tuple[str, str | None], Candidate] = {}
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
         # by memory group: the candidates measured not to fit (those needing at least their memory cannot)
@@ -414,6 +415,11 @@ def plan(
                     "fell": "lowering",
                     "why": f"{bad_mesh[c.mesh_spec]} (as an earlier candidate of its mesh)",
                 }
+            if (c.mesh_spec, c.strategy) in bad_strategy:
+                return {
+                    "fell": "lowering",
+                    "why": f"{bad_strategy[c.mesh_spec, c.strategy]} (as an earlier {c.strategy} candidate of its mesh)",
+                }
             if no_pipeline and c.mesh.get("pp", 1) > 1:  # every pp mesh fails alike: one dry run says so
                 return {
                     "fell": "lowering",
@@ -461,8 +467,13 @@ def plan(
             if "error" in result:
                 tier = "lowering" if result["lowering"] else "failed"
                 fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
-                if prune and result["lowering"] and first.get(c.mesh_spec) is c:
-                    bad_mesh[c.mesh_spec] = result["error"]  # the first of its mesh: the mesh's error
+                if prune and result["lowering"] and first.get((c.mesh_spec, c.strategy)) is c:
+                    # the first of its mesh and strategy: the mesh's error, or only the strategy's where the error
+                    # is the strategy's own refusal (the mesh's other strategies may lower)
+                    if strategy_error(result["error"], c.strategy):
+                        bad_strategy[c.mesh_spec, c.strategy] = result["error"]
+                    else:
+                        bad_mesh[c.mesh_spec] = result["error"]
                 if prune and result["lowering"] and NO_PIPELINE in result["error"] and not no_pipeline:
                     no_pipeline.append(result["error"])
                     notes.append("pp not searched further: the script's step has no af.pipeline (its first pp "
@@ -540,7 +551,7 @@ def plan(
         else:
             bound_order = order
         for c in order:
-            first.setdefault(c.mesh_spec, c)
+            first.setdefault((c.mesh_spec, c.strategy), c)
         jobs = []
         job_of_c: dict[int, Job] = {}
         for c in order:
@@ -660,6 +671,19 @@ def _stages(c: Candidate) -> int:
     pp = c.mesh.get("pp", 1)
     info = SCHEDULES.get(c.pipeline_schedule or "1f1b")
     return pp * (info.stages_per_rank if pp > 1 and info is not None else 1)
+
+
+def strategy_error(error: str, strategy: str | None) -> bool:
+    """Whether a lowering `error` is `strategy`'s own refusal (`af.shard(strategy=...)`'s lowering names it:
+    "shard(strategy='fsdp'): ..."), which says nothing of the mesh's other strategies.
+
+    Example:
+        >>> strategy_error("ValueError: shard(strategy='fsdp'): x is split over ep=2 x cp=2 x tp=2 ...", "fsdp")
+        True
+        >>> strategy_error("ValueError: tp=8 does not divide 4 kv heads", "fsdp")
+        False
+    """
+    return strategy is not None and f"shard(strategy={strategy!r})" in error
 
 
 def _remat_every(c: Candidate) -> int:

@@ -345,8 +345,8 @@ def check(strategy, extra, mesh):
         ref_losses.append(m["loss"].item())
 
     step = af.train_step(loss_fn, opt(), clip_grad_norm=1.0)
-    if "accumulate" in extra:
-        step = af.accumulate(step, 2)
+    if "accumulate" in extra:  # nosync: one reduce-scatter per step (FSDP2's no_sync), else each micro-batch
+        step = af.accumulate(step, 2, sync_each_microbatch=False if "nosync" in extra else None)
     kw = {"overlap": True} if "overlap" in extra else {}
     kw["inputs"] = "local" if "local" in extra else "global"
     if "smallbuckets" in extra:  # ~2 KB buckets: many buckets, several in flight at once with overlap
@@ -365,12 +365,22 @@ def check(strategy, extra, mesh):
         n = next(iter(b.values())).shape[0] // mesh.data_size
         return {k: v[mesh.data_rank * n : (mesh.data_rank + 1) * n] for k, v in b.items()}
 
-    calls = {"all_reduce": 0}
+    calls = {"all_reduce": 0, "reduce_scatter": 0}
     real_all_reduce = dist.all_reduce
+    # FSDP2 calls dist.reduce_scatter_single (torch 2.13) or dist.reduce_scatter_tensor (before)
+    scatter_names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    real_scatters = {n: getattr(dist, n) for n in scatter_names}
 
     def counting_all_reduce(*a, **k):
         calls["all_reduce"] += 1
         return real_all_reduce(*a, **k)
+
+    def counting(name):
+        def call(*a, **k):
+            calls["reduce_scatter"] += 1
+            return real_scatters[name](*a, **k)
+
+        return call
 
     state = step.init(make_model())
     if "compile" in extra:
@@ -385,14 +395,19 @@ def check(strategy, extra, mesh):
         units = [n for n, m in step.model.named_modules() if type(m).__name__.startswith("FSDP")]
         assert units == ["", *[f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(2)]], units
     dist.all_reduce = counting_all_reduce
+    for name in scatter_names:
+        setattr(dist, name, counting(name))
     losses = []
-    per_step_calls = []
+    per_step_calls, per_step_scatters = [], []
     for b in data:
-        before = calls["all_reduce"]
+        before, scatters = calls["all_reduce"], calls["reduce_scatter"]
         state, m = step(state, local_part(b))
         per_step_calls.append(calls["all_reduce"] - before)
+        per_step_scatters.append(calls["reduce_scatter"] - scatters)
         losses.append(m["loss"].item())
     dist.all_reduce = real_all_reduce
+    for name, real in real_scatters.items():
+        setattr(dist, name, real)
 
     params = full(state.params)
     diff = max((params[k] - ref_state.params[k]).abs().max().item() for k in params)
@@ -412,6 +427,17 @@ def check(strategy, extra, mesh):
             buckets * len(data) if "overlap" in extra else 0
         )  # buckets started during the backward pass
         assert step.plan.grad_sync.overlapped == expected, (step.plan.grad_sync.overlapped, expected)
+    if strategy in ("fsdp", "hsdp") and "compile" not in extra:
+        # one reduce-scatter per FSDP2 unit per micro-batch (sync_each_microbatch), or per step with nosync
+        from torch.distributed.fsdp import FSDPModule
+
+        units = sum(
+            1
+            for mod in step.model.modules()
+            if isinstance(mod, FSDPModule) and mod._get_fsdp_state()._fsdp_param_group is not None
+        )
+        micro = 2 if "accumulate" in extra and "nosync" not in extra else 1
+        assert per_step_scatters == [units * micro] * len(data), (per_step_scatters, units, micro)
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
         total = sum(v.numel() for v in params.values())

@@ -54,6 +54,9 @@ class FSDPSync(GradSync):
     root: nn.Module
     data_group: dist.ProcessGroup | None
     shard_group: dist.ProcessGroup | None
+    # reduce-scatter each micro-batch's gradients (and, under hsdp, all-reduce only in the last): `af.accumulate`
+    sync_each_microbatch: bool = True
+    hsdp: bool = False
     own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
     unused: list[tuple[str, bool]] = attrs.Factory(list)  # this step: which trainable params got no gradient
 
@@ -88,11 +91,23 @@ class FSDPSync(GradSync):
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
-        self.root.set_requires_gradient_sync(last)  # type: ignore[operator]  # an FSDPModule
+        """Each micro-batch reduce-scatters its gradients (hsdp: the replicas' all-reduce only in the last), or
+        with `sync_each_microbatch=False` only the last does (FSDP2 keeps the unsharded gradients until then)."""
+        if last or (self.sync_each_microbatch and not self.hsdp):
+            yield
+            return
+        if (
+            self.sync_each_microbatch
+        ):  # hsdp: reduce-scatter now, all-reduce the accumulated shards in the last
+            self.root.set_requires_all_reduce(False)  # type: ignore[operator]  # an FSDPModule
+        else:
+            self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            if not last:
+            if self.sync_each_microbatch:
+                self.root.set_requires_all_reduce(True)  # type: ignore[operator]
+            else:
                 self.root.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def reduce(
@@ -239,7 +254,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     shard_group = hsdp.get_group(1) if hsdp is not None else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
-        return FSDPSync(plan.module, data_group, shard_group)
+        return FSDPSync(plan.module, data_group, shard_group, *_sync_each(plan, hsdp is not None))
     on_meta = has_meta(plan.module)  # built on the meta device: shard first, then allocate the shards only
     if not on_meta:
         move(plan.module, mesh.device)
@@ -276,6 +291,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             fully_shard(part, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
+    _check_param_meshes(plan.module, shard.strategy)
     on_dim1: set[tuple[int, int]] = set()  # (efsdp, local experts) of the experts sharded on dim 1
     for unit, axes in split_units(mesh, plan.module):  # experts: over the data axes but ep (efsdp)
         efsdp = mesh.submesh(*axes)
@@ -304,4 +320,24 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     n_blocks = len(blocks)
     plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")
-    return FSDPSync(plan.module, data_group, shard_group)
+    return FSDPSync(plan.module, data_group, shard_group, *_sync_each(plan, hsdp is not None))
+
+
+def _check_param_meshes(module: nn.Module, strategy: str) -> None:
+    """FSDP2 shards a DTensor parameter whose own mesh has at most 2 dims (tp, ep, or ep x tp): experts split
+    over ep and both the cp and tp axes it borrows are refused here, naming the axes, rather than deep inside
+    `fully_shard` (NotImplementedError "FSDP only supports 1D TP/EP or 2D EP+TP")."""
+    for name, p in module.named_parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.ndim > 2:
+            axes = " x ".join(f"{a}={mesh.size(i)}" for i, a in enumerate(mesh.mesh_dim_names or ()))
+            raise ValueError(
+                f"shard(strategy={strategy!r}): {name} is split over {axes} (ep and the cp and tp axes it "
+                "borrows); FSDP2 shards parameters split over at most 2 mesh axes (ep x tp, ep x cp). Use cp or tp with ep, "
+                "not both, under fsdp/hsdp (ddp takes all three)"
+            )
+
+
+def _sync_each(plan: Plan, hsdp: bool) -> tuple[bool, bool]:
+    """`FSDPSync`'s (sync_each_microbatch, hsdp): `af.accumulate`'s choice, by default each micro-batch."""
+    return plan.sync_each_microbatch is not False, hsdp

@@ -30,7 +30,8 @@ class GradSync:
     - `prepare(params)` once, after binding the state's params and before any forward: register gradient hooks,
       broadcast buffers, refuse a state whose params are not the strategy's own;
     - `microbatch(last)` around each micro-batch's backward (a context): DDP launches its bucket all-reduces
-      only in the last one, FSDP2 reduce-scatters only then;
+      only in the last one; FSDP2 reduce-scatters in each (hsdp all-reduces only in the last), or only in the
+      last with `af.accumulate(..., sync_each_microbatch=False)`;
     - `max_over_ranks(x)` (fp16 only): the largest value of a 0-d tensor over the ranks (the loss normaliser
       every rank must agree on);
     - `record_unused(names, missing)` after the backward passes: which trainable params got no gradient;

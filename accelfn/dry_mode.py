@@ -30,6 +30,7 @@ __all__ = [
     "models_a_device",
     "keeps_process_group",
     "comm_buffer",
+    "gradients",
     "fp8_support",
     "grouped_mm_dtypes",
     "modelled_device",
@@ -75,6 +76,10 @@ class Watcher:
 
     def comm_buffer(self, tensor: Any) -> None:
         """`tensor` is a communication buffer (a gradient bucket), whatever module's backward allocated it."""
+
+    def gradients(self, tensors: Any) -> None:
+        """`tensors` are gradients held between micro-batches (FSDP2's unsharded ones under `no_sync`), not the
+        activations of the modules whose backward made them."""
 
     def keeps_process_group(self) -> bool:
         """Whether closing a `Mesh` keeps the process group (it closes the meshes only): a dry run's fake group
@@ -183,6 +188,13 @@ def comm_buffer(tensor: Any) -> None:
     bucket, allocated by the first gradient's hook, is not the activation of the module whose backward ran."""
     if _watcher is not None:
         _watcher.comm_buffer(tensor)
+
+
+def gradients(tensors: Any) -> None:
+    """Count `tensors` as gradients in a dry run's memory (no-op outside one): FSDP2's unsharded gradients, held
+    from one micro-batch to the next under `af.accumulate(..., sync_each_microbatch=False)`."""
+    if _watcher is not None:
+        _watcher.gradients(tensors)
 
 
 def keeps_process_group() -> bool:

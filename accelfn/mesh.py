@@ -260,7 +260,11 @@ class Mesh:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self._shape.items())
-        where = f"rank {self.rank}/{self.world_size}" if self._mesh is not None else "closed"
+        where = (
+            f"rank {self.rank}/{self.world_size}"
+            if self._mesh is not None and dist.is_initialized()
+            else "closed"
+        )
         return f"Mesh({axes}; {self._platform.kind}, {where})"
 
     # ---- properties ----------------------------------------------------------------------------------------
@@ -291,11 +295,20 @@ class Mesh:
     @property
     def rank(self) -> int:
         """This process's global rank."""
+        self._check_open("rank")
         return dist.get_rank()
 
     @property
     def world_size(self) -> int:
+        self._check_open("world_size")
         return dist.get_world_size()
+
+    def _check_open(self, what: str) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{self!r} is closed (Mesh.close(), or the end of its `with af.Mesh(...)` block, destroyed its "
+                f"process group): read Mesh.{what} before closing, or make a new af.Mesh"
+            )
 
     @property
     def local_rank(self) -> int:

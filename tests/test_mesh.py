@@ -95,6 +95,10 @@ def test_close_and_context_manager_destroy_the_process_group() -> None:
     assert not dist.is_initialized() and af.Mesh.current() is None
     with pytest.raises(RuntimeError, match=r"Mesh\(dp=1; cpu, closed\) is closed: .*make a new af.Mesh"):
         _ = mesh.torch_mesh
+    with pytest.raises(
+        RuntimeError, match=r"Mesh\(dp=1; cpu, closed\) is closed .*read Mesh.rank before closing"
+    ):
+        _ = mesh.rank  # torch's "Default process group has not been initialized" before
     mesh.close()  # twice is fine
 
 

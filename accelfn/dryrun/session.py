@@ -133,6 +133,10 @@ class Session(dry_mode.Watcher):
         if self.tracker is not None:
             self.tracker.mark_comm(tensor)
 
+    def gradients(self, tensors: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.label(tensors, "grads")
+
     def keeps_process_group(self) -> bool:
         return True  # the search after a script ended runs its steps on their groups (`finish`)
 

@@ -9,8 +9,9 @@ gradients are reduce-scattered as its backward runs and accumulated sharded (tor
 holds more than a block's unsharded gradients; under "hsdp" they are reduce-scattered each micro-batch and
 all-reduced over the replicas once, in the last. `sync_each_microbatch=False` is FSDP2's `no_sync`
 (Accelerate's default, `sync_each_batch=False`): one reduce-scatter per step, but every parameter's unsharded
-gradient is held from the first micro-batch to the last, the whole model's gradients on every rank (for a 671B
-MoE on 256 GPUs, 2.2 GiB per layer: 130 GiB). DDP's gradients are whole on every rank either way: it
+gradient is held from the first micro-batch to the last, the whole model's gradients on every rank (DeepSeek-V3,
+671B, at `dp=8,ep=32` on 256 GPUs: 2.2 GiB per MoE layer, 130 GiB of a 185 GiB peak per rank; `accelfn dry-run`
+counts them under `grads`). DDP's gradients are whole on every rank either way: it
 all-reduces once, in the last micro-batch.
 
 Example:
@@ -70,8 +71,8 @@ def accumulate(
     batch with fewer rows than `microbatches` (the short last batch of an epoch, `DataLoader(last_batch=
     "short")`, on a rank that got few or no rows) then has empty micro-batches, which add nothing.
 
-    `sync_each_microbatch` (FSDP and HSDP; see the module docs): None, the default, reduce-scatters every
-    micro-batch's gradients (sharded accumulation, the least memory); False reduces once, in the last
+    `sync_each_microbatch` (FSDP and HSDP; see the module docs): None, the default, or True reduce-scatters
+    every micro-batch's gradients (sharded accumulation, the least memory); False reduces once, in the last
     micro-batch (FSDP2's `no_sync`: the fewest collectives, the whole model's unsharded gradients held). DDP
     and DeepSpeed reduce once either way.
 

@@ -170,26 +170,31 @@ def check_fp8_fsdp(mesh):
     data = [torch.randn(16, 32, generator=g) for _ in range(4)]
     every = lambda mod, fqn: isinstance(mod, nn.Linear)  # noqa: E731
     results = {}
-    for strategy in ("ddp", "fsdp"):
-        base = af.autocast_fp8(af.train_step(loss, af.optim.adamw(1e-2)), backend="torchao", emulate=True,
-                               module_filter=every)  # fmt: skip
+    # with bf16 autocast too (fp8 around bf16, as the docs write it): FSDP2 casts the linears' inputs to bf16,
+    # and under ddp torchao's CUDA-only cast left them fp32 on the CPU (different numerics) until accelfn cast them
+    for strategy, bf16 in (("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True)):
+        inner = af.train_step(loss, af.optim.adamw(1e-2))
+        if bf16:
+            inner = af.autocast(inner, "bf16")
+        base = af.autocast_fp8(inner, backend="torchao", emulate=True, module_filter=every)
         step = af.shard(base, mesh, strategy=strategy, inputs="global")
         state = step.init(net())
         losses = []
         for b in data:
             state, m = step(state, b)
             losses.append(m["loss"].item())
-        results[strategy] = (losses, full(state.params))
+        results[strategy, bf16] = (losses, full(state.params))
         if strategy == "fsdp":
             assert "fp8 all-gather under fsdp" in repr(step), repr(step)
             weights = [v._local_tensor for v in state.params.values() if v.dim() == 2]
             assert {type(w).__name__ for w in weights} == {"WeightWithDynamicFloat8CastTensor"}, weights
             # scales refreshed after each update (one all-reduce for all weights, not one per all-gather)
             assert all(getattr(w, "_precomputed_scale", None) is not None for w in weights)
-    (l1, p1), (l2, p2) = results["ddp"], results["fsdp"]
-    diff = max((p1[k] - p2[k]).abs().max().item() for k in p1)
-    assert diff <= 1e-5 and max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-5, (diff, l1, l2)
-    assert l2[-1] < l2[0], l2  # it trains
+    for bf16 in (False, True):
+        (l1, p1), (l2, p2) = results["ddp", bf16], results["fsdp", bf16]
+        diff = max((p1[k] - p2[k]).abs().max().item() for k in p1)
+        assert diff <= 1e-5 and max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-5, (bf16, diff, l1, l2)
+        assert l2[-1] < l2[0], l2  # it trains
     print(f"rank {mesh.rank}: OK fsdp fp8 (vs ddp: {diff:.1e})", flush=True)
 
 

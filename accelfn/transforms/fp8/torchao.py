@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -45,6 +45,31 @@ def convert(plan: Plan, keep: ModuleFilter, recipe: str, emulate: bool) -> int:
     convert_to_float8_training(plan.module, config=config, module_filter_fn=keep)
     from torchao.float8.float8_linear import Float8Linear
 
-    converted = sum(isinstance(m, Float8Linear) for m in plan.module.modules())
+    converted = 0
+    for m in plan.module.modules():
+        if isinstance(m, Float8Linear):
+            converted += 1
+            if not getattr(m, "_accelfn_autocast_input", False):
+                m.register_forward_pre_hook(autocast_input)
+                m._accelfn_autocast_input = True
     assert converted <= before
     return converted
+
+
+def autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A `Float8Linear`'s input in the autocast dtype of its device, where autocast is on and not CUDA's.
+
+    torchao's `Float8Linear.forward` repeats F.linear's autocast cast for CUDA only (`torch.is_autocast_enabled()`,
+    the GPU's): under CPU autocast (emulated fp8) its input stayed fp32 and its output fp32, where under fsdp
+    (FSDP2's bf16 `MixedPrecisionPolicy` casts the inputs) they were bf16, so ddp and fsdp trained different
+    numerics on the CPU. With this pre-hook every device casts as CUDA does, and ddp equals fsdp."""
+    import torch
+
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    kind = x.device.type
+    if kind == "cuda" or not torch.is_autocast_enabled(kind):
+        return None  # torchao casts under CUDA autocast itself
+    dtype = torch.get_autocast_dtype(kind)
+    return None if x.dtype == dtype else (x.to(dtype), *args[1:])

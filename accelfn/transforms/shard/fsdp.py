@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import dry_mode
 from ...dtensor import local_tensor
 from ...engine.contract import GradSync
 from ...materialize import has_meta, materialize
@@ -104,6 +105,10 @@ class FSDPSync(GradSync):
             self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
+            if (
+                not self.sync_each_microbatch
+            ):  # held until the last micro-batch: gradients, in a dry run's memory
+                dry_mode.gradients(_unsharded_grads(self.root))
         finally:
             if self.sync_each_microbatch:
                 self.root.set_requires_all_reduce(True)  # type: ignore[operator]
@@ -321,6 +326,21 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     n_blocks = len(blocks)
     plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")
     return FSDPSync(plan.module, data_group, shard_group, *_sync_each(plan, hsdp is not None))
+
+
+def _unsharded_grads(root: nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 holds between micro-batches without gradient sync (each unsharded
+    parameter's `.grad`, or its accumulated copy in the reduce dtype); none where torch's internals differ."""
+    out: list[torch.Tensor] = []
+    for m in root.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        for p in getattr(group, "fsdp_params", ()):
+            param = getattr(p, "_unsharded_param", None)  # its .grad: set only while unsharded
+            for grad in (getattr(p, "unsharded_accumulated_grad", None), getattr(param, "grad", None)):
+                if isinstance(grad, torch.Tensor):
+                    out.append(grad)
+    return out
 
 
 def _check_param_meshes(module: nn.Module, strategy: str) -> None:

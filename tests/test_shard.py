@@ -22,6 +22,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:frozen", "fsdp:frozen",                                    # ranks that froze other layers: refused
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
         "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
+        "fsdp:moeacc",                                                  # ... in each micro-batch, reduce-scattered
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
         "fsdp:guards",                                                  # what FSDP2 cannot do is refused
         "fsdp:gpt2:compile",                                            # compile per block, in place, then FSDP2
@@ -38,6 +39,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
             "bf16policy": "OK fsdp bf16-policy",
             "fp8": "OK fsdp fp8",
             "moe": f"OK ddp moe overlap={'overlap' in extra}",
+            "moeacc": "OK fsdp moe-accumulate",
             "bn": f"OK {strategy} bn-buffers",
             "guards": "OK fsdp guards",
             "bf16count": f"OK {strategy} bf16-count",

@@ -327,6 +327,7 @@ def plan(
         other_strategy: dict[str, str | None] = {}
         # each (mesh, strategy)'s first candidate in the order run (its error prunes the mesh, or the strategy)
         first: dict[tuple[str, str | None], Candidate] = {}
+        first_of_mesh: dict[str, Candidate] = {}  # each mesh's first candidate in the order run
         # each group's (every knob but accumulate) smallest accumulation that fits
         fitting: dict[tuple[object, ...], int] = {}
         # by memory group: the candidates measured not to fit (those needing at least their memory cannot)
@@ -468,12 +469,14 @@ def plan(
                 tier = "lowering" if result["lowering"] else "failed"
                 fallen.append(Fallen(c, tier, f"{c.label}: {result['error']}"))
                 if prune and result["lowering"] and first.get((c.mesh_spec, c.strategy)) is c:
-                    # the first of its mesh and strategy: the mesh's error, or only the strategy's where the error
-                    # is the strategy's own refusal (the mesh's other strategies may lower)
-                    if strategy_error(result["error"], c.strategy):
-                        bad_strategy[c.mesh_spec, c.strategy] = result["error"]
-                    else:
+                    # the first of its mesh: the mesh's error, unless the error is its strategy's own refusal (the
+                    # mesh's other strategies may lower); the first of a later strategy: that strategy's
+                    if first_of_mesh.get(c.mesh_spec) is c and not strategy_error(
+                        result["error"], c.strategy
+                    ):
                         bad_mesh[c.mesh_spec] = result["error"]
+                    else:
+                        bad_strategy[c.mesh_spec, c.strategy] = result["error"]
                 if prune and result["lowering"] and NO_PIPELINE in result["error"] and not no_pipeline:
                     no_pipeline.append(result["error"])
                     notes.append("pp not searched further: the script's step has no af.pipeline (its first pp "
@@ -552,6 +555,7 @@ def plan(
             bound_order = order
         for c in order:
             first.setdefault((c.mesh_spec, c.strategy), c)
+            first_of_mesh.setdefault(c.mesh_spec, c)
         jobs = []
         job_of_c: dict[int, Job] = {}
         for c in order:
@@ -683,7 +687,11 @@ def strategy_error(error: str, strategy: str | None) -> bool:
         >>> strategy_error("ValueError: tp=8 does not divide 4 kv heads", "fsdp")
         False
     """
-    return strategy is not None and f"shard(strategy={strategy!r})" in error
+    if strategy is None:
+        return False
+    # hsdp lowers through fsdp's code, whose messages name 'fsdp'
+    names = (strategy, "fsdp") if strategy == "hsdp" else (strategy,)
+    return any(f"shard(strategy={s!r})" in error for s in names)
 
 
 def _remat_every(c: Candidate) -> int:

@@ -1,4 +1,4 @@
-"""`af.accumulate`: split each batch into micro-batches, one optimizer update (and one sync) per call.
+"""`af.accumulate`: split each batch into micro-batches, one optimizer update per call.
 
 With `af.Loss(total, count)` losses the update equals the full-batch step exactly, even when micro-batches
 hold different numbers of valid tokens: gradients of the *sums* are accumulated (in the parameters'
@@ -12,7 +12,8 @@ all-reduced over the replicas once, in the last. `sync_each_microbatch=False` is
 gradient is held from the first micro-batch to the last, the whole model's gradients on every rank (DeepSeek-V3,
 671B, at `dp=8,ep=32` on 256 GPUs: 2.2 GiB per MoE layer, 130 GiB of a 185 GiB peak per rank; `accelfn dry-run`
 counts them under `grads`). DDP's gradients are whole on every rank either way: it
-all-reduces once, in the last micro-batch.
+all-reduces once, in the last micro-batch. Under `af.pipeline` the schedule's micro-batches are torch's: its
+stages reduce once, after the last backward (`sync_each_microbatch` does not apply there).
 
 Example:
     >>> import torch, accelfn as af

@@ -243,6 +243,34 @@ def check_moe(mesh, overlap):
     print(f"rank {mesh.rank}: OK ddp moe overlap={overlap} ({diff:.1e})", flush=True)
 
 
+def check_moe_fsdp_accumulate(mesh):
+    """fsdp with 2 micro-batches that reduce-scatter each: rank 0 routes its first micro-batch to e0 and its
+    second to e1, rank 1 the other way round, so each micro-batch's gradients differ in which params they have
+    (over the step both ranks use both experts). The unused expert is reduce-scattered as zeros, so the
+    collectives pair up: equals one process on the global batch (without it: mismatched reduce-scatters)."""
+    g = torch.Generator().manual_seed(6)
+    route = torch.tensor([0] * 4 + [1] * 4 + [1] * 4 + [0] * 4)  # rank 0's rows 0-7, rank 1's 8-15
+    data = [{"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 4, generator=g), "route": route}
+            for _ in range(3)]  # fmt: skip
+
+    def loss_fn(m, b):
+        return af.losses.mse(m(b["x"], b["route"]), b["y"])
+
+    ref_step = af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9))
+    ref = ref_step.init(MoE())
+    for b in data:
+        ref, _ = ref_step(ref, b)
+    step = af.shard(af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), 2), mesh,
+                    strategy="fsdp", inputs="global")  # fmt: skip
+    state = step.init(MoE())
+    for b in data:
+        state, _ = step(state, b)
+    params = full(state.params)
+    diff = max((params[k] - ref.params[k]).abs().max().item() for k in ref.params)
+    assert diff <= 1e-6, f"rank {mesh.rank}: MoE params differ from one process by {diff}"
+    print(f"rank {mesh.rank}: OK fsdp moe-accumulate ({diff:.1e})", flush=True)
+
+
 def check_bn_buffers(mesh, strategy):
     """BatchNorm statistics follow torch DDP (broadcast from rank 0 before each forward), rank by rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -485,6 +513,9 @@ for strategy, kind, *rest in CONFIGS:
         continue
     if kind == "moe":
         check_moe(mesh, overlap="overlap" in rest)
+        continue
+    if kind == "moeacc":
+        check_moe_fsdp_accumulate(mesh)
         continue
     if kind == "bn":
         check_bn_buffers(mesh, strategy)

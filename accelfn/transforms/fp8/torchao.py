@@ -69,7 +69,7 @@ def autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] 
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return None
     kind = x.device.type
-    if kind == "cuda" or not torch.is_autocast_enabled(kind):
+    if kind in ("cuda", "meta") or not torch.is_autocast_enabled(kind):
         return None  # torchao casts under CUDA autocast itself
     dtype = torch.get_autocast_dtype(kind)
     return None if x.dtype == dtype else (x.to(dtype), *args[1:])

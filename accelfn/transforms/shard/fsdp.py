@@ -92,15 +92,14 @@ class FSDPSync(GradSync):
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
-        """Each micro-batch reduce-scatters its gradients (hsdp: the replicas' all-reduce only in the last), or
-        with `sync_each_microbatch=False` only the last does (FSDP2 keeps the unsharded gradients until then)."""
-        if last or (self.sync_each_microbatch and not self.hsdp):
+        """Each micro-batch reduce-scatters its gradients (units sharded over a 2-D mesh, hsdp's and experts' over
+        efsdp: their all-reduce over the replicas only in the last), or with `sync_each_microbatch=False` only
+        the last does (FSDP2 keeps the unsharded gradients until then)."""
+        if last:
             yield
             return
-        if (
-            self.sync_each_microbatch
-        ):  # hsdp: reduce-scatter now, all-reduce the accumulated shards in the last
-            self.root.set_requires_all_reduce(False)  # type: ignore[operator]  # an FSDPModule
+        if self.sync_each_microbatch:  # reduce-scatter now, all-reduce the accumulated shards in the last
+            self.root.set_requires_all_reduce(False)  # type: ignore[operator]  # an FSDPModule (1-D units: no-op)
         else:
             self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
@@ -359,5 +358,12 @@ def _check_param_meshes(module: nn.Module, strategy: str) -> None:
 
 
 def _sync_each(plan: Plan, hsdp: bool) -> tuple[bool, bool]:
-    """`FSDPSync`'s (sync_each_microbatch, hsdp): `af.accumulate`'s choice, by default each micro-batch."""
-    return plan.sync_each_microbatch is not False, hsdp
+    """`FSDPSync`'s (sync_each_microbatch, hsdp): `af.accumulate`'s choice, by default each micro-batch. Syncing
+    each of several micro-batches, a param a rank leaves unused in one of them (an expert no row of it routed
+    to) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's collectives pair
+    up micro-batch by micro-batch (the engine reads a missing gradient as zeros anyway)."""
+    each = plan.sync_each_microbatch is not False
+    root = plan.module
+    if each and plan.microbatches > 1 and hasattr(root, "set_reduce_scatter_unused_params"):
+        root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule
+    return each, hsdp

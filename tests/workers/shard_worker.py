@@ -216,6 +216,19 @@ class MoE(nn.Module):
         return self.out(parts)
 
 
+def _moe_loss(m, b):
+    return af.losses.mse(m(b["x"], b["route"]), b["y"])
+
+
+def _moe_reference(data):
+    """One process on the global batches (both experts used), SGD with momentum: its final state."""
+    ref_step = af.train_step(_moe_loss, af.optim.sgd(0.1, momentum=0.9))
+    ref = ref_step.init(MoE())
+    for b in data:
+        ref, _ = ref_step(ref, b)
+    return ref
+
+
 def check_moe(mesh, overlap):
     """Per-parameter buckets launched in the same order on every rank although each rank's backward reaches
     a different expert: equals one process on the global batch (where both experts are used)."""
@@ -225,14 +238,8 @@ def check_moe(mesh, overlap):
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
         data.append({"x": x, "y": y, "route": torch.arange(8) // 4})  # rows 0-3 (rank 0) -> e0, 4-7 -> e1
 
-    def loss_fn(m, b):
-        return af.losses.mse(m(b["x"], b["route"]), b["y"])
-
-    ref_step = af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9))
-    ref = ref_step.init(MoE())
-    for b in data:
-        ref, _ = ref_step(ref, b)
-    step = af.shard(af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), mesh, inputs="global",
+    ref = _moe_reference(data)
+    step = af.shard(af.train_step(_moe_loss, af.optim.sgd(0.1, momentum=0.9)), mesh, inputs="global",
                     overlap=overlap, bucket_mb=16 / 2**20)  # fmt: skip
     state = step.init(MoE())
     assert len(step.plan.grad_sync.buckets) == 8  # one bucket per tensor
@@ -253,14 +260,8 @@ def check_moe_fsdp_accumulate(mesh):
     data = [{"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 4, generator=g), "route": route}
             for _ in range(3)]  # fmt: skip
 
-    def loss_fn(m, b):
-        return af.losses.mse(m(b["x"], b["route"]), b["y"])
-
-    ref_step = af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9))
-    ref = ref_step.init(MoE())
-    for b in data:
-        ref, _ = ref_step(ref, b)
-    step = af.shard(af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), 2), mesh,
+    ref = _moe_reference(data)
+    step = af.shard(af.accumulate(af.train_step(_moe_loss, af.optim.sgd(0.1, momentum=0.9)), 2), mesh,
                     strategy="fsdp", inputs="global")  # fmt: skip
     state = step.init(MoE())
     for b in data:

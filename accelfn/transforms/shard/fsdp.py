@@ -55,9 +55,8 @@ class FSDPSync(GradSync):
     root: nn.Module
     data_group: dist.ProcessGroup | None
     shard_group: dist.ProcessGroup | None
-    # reduce-scatter each micro-batch's gradients (and, under hsdp, all-reduce only in the last): `af.accumulate`
+    # reduce-scatter each micro-batch's gradients (2-D units all-reduce only in the last): `af.accumulate`
     sync_each_microbatch: bool = True
-    hsdp: bool = False
     own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
     unused: list[tuple[str, bool]] = attrs.Factory(list)  # this step: which trainable params got no gradient
 
@@ -106,7 +105,7 @@ class FSDPSync(GradSync):
             yield
             if (
                 not self.sync_each_microbatch
-            ):  # held until the last micro-batch: gradients, in a dry run's memory
+            ):  # held until the last micro-batch: gradients in a dry run's memory
                 dry_mode.gradients(_unsharded_grads(self.root))
         finally:
             if self.sync_each_microbatch:
@@ -258,7 +257,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     shard_group = hsdp.get_group(1) if hsdp is not None else data_group
     if isinstance(plan.module, FSDPModule):  # initialised again (e.g. after changing requires_grad): reuse it
         plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks (already sharded)")
-        return FSDPSync(plan.module, data_group, shard_group, *_sync_each(plan, hsdp is not None))
+        return FSDPSync(plan.module, data_group, shard_group, _sync_each(plan))
     on_meta = has_meta(plan.module)  # built on the meta device: shard first, then allocate the shards only
     if not on_meta:
         move(plan.module, mesh.device)
@@ -324,7 +323,7 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
             m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     n_blocks = len(blocks)
     plan.notes.append(f"{shard.strategy} over {mesh.grad_size} ranks ({n_blocks} blocks + root sharded)")
-    return FSDPSync(plan.module, data_group, shard_group, *_sync_each(plan, hsdp is not None))
+    return FSDPSync(plan.module, data_group, shard_group, _sync_each(plan))
 
 
 def _unsharded_grads(root: nn.Module) -> list[torch.Tensor]:
@@ -352,13 +351,13 @@ def _check_param_meshes(module: nn.Module, strategy: str) -> None:
             axes = " x ".join(f"{a}={mesh.size(i)}" for i, a in enumerate(mesh.mesh_dim_names or ()))
             raise ValueError(
                 f"shard(strategy={strategy!r}): {name} is split over {axes} (ep and the cp and tp axes it "
-                "borrows); FSDP2 shards parameters split over at most 2 mesh axes (ep x tp, ep x cp). Use cp or tp with ep, "
-                "not both, under fsdp/hsdp (ddp takes all three)"
+                "borrows); FSDP2 shards parameters split over at most 2 mesh axes (ep x tp, ep x cp). Use cp or "
+                "tp with ep, not both, under fsdp/hsdp (ddp takes all three)"
             )
 
 
-def _sync_each(plan: Plan, hsdp: bool) -> tuple[bool, bool]:
-    """`FSDPSync`'s (sync_each_microbatch, hsdp): `af.accumulate`'s choice, by default each micro-batch. Syncing
+def _sync_each(plan: Plan) -> bool:
+    """`FSDPSync.sync_each_microbatch`: `af.accumulate`'s choice, by default each micro-batch. Syncing
     each of several micro-batches, a param a rank leaves unused in one of them (an expert no row of it routed
     to) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's collectives pair
     up micro-batch by micro-batch (the engine reads a missing gradient as zeros anyway)."""
@@ -366,4 +365,4 @@ def _sync_each(plan: Plan, hsdp: bool) -> tuple[bool, bool]:
     root = plan.module
     if each and plan.microbatches > 1 and hasattr(root, "set_reduce_scatter_unused_params"):
         root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule
-    return each, hsdp
+    return each

@@ -48,6 +48,7 @@ from .prune import (
 )
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
+from .traffic import states_traffic, step_floor
 
 __all__ = ["plan"]
 
@@ -523,24 +524,34 @@ def plan(
             if row.step_time_s and (not best or row.step_time_s < best[0]):
                 best[:] = [row.step_time_s]
 
-        # the most promising first (the lowest bound, the largest micro-batches), so that the bound and the
-        # dominance prune the most; the (tp, cp) groups interleaved, so that a search the budget cuts short has
-        # tried every intra-node split
         share = (probe_compute or 0.0) / world
-        order = sorted(
-            _interleaved(survivors), key=lambda c: (round(time_bound(c, share, 1), 9), c.accumulate or 1)
-        )
+        activations = int(probe["report"]["per_rank"].get("activations", 0))
+
+        def estimate(c: Candidate) -> float:
+            """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations."""
+            bound = states_bound(c, totals, script_strategy=None)
+            return bound + activations * activation_share(c)
+
+        def promise(c: Candidate) -> tuple[bool, float, int]:
+            """The order of the search: those the estimate says may fit first (where pruning), then the least
+            step floor (`traffic.step_floor`: the compute share and bubble or the strategy's traffic of the
+            states, whichever is longer, plus the routed rows' all-to-alls: what the compute alone does not
+            rank, a mesh gathering most of the experts every micro-batch), then the fewest micro-batches."""
+            floor = step_floor(
+                time_bound(c, share, 1),
+                states_traffic(c, totals, spec, nproc_per_node, fixed_strategy),
+                routed_bound(c, moe, tokens, spec, nproc_per_node, script_remat),
+            )
+            return (prune and estimate(c) > capacity, round(floor, 9), c.accumulate or 1)
+
+        # the most promising first, so that the bound and the dominance prune the most; the (tp, cp) groups
+        # interleaved, so that a search the budget cuts short has tried every intra-node split
+        order = sorted(_interleaved(survivors), key=promise)
         if prune:  # where memory binds, each group's most frugal candidate first, the likeliest to fit first
-            activations = int(probe["report"]["per_rank"].get("activations", 0))
-
-            def estimate(c: Candidate) -> float:
-                bound = states_bound(c, totals, script_strategy=None)
-                return bound + activations * activation_share(c)
-
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)
             first_runs = frugal_candidates(order, estimate, capacity)
             frugal.update((memory_group(c), c) for c in first_runs)
-            # those estimated under half the usable memory (the likeliest to fit) first, in the time bound's
+            # those estimated under half the usable memory (the likeliest to fit) first, in the search's
             # order: the least estimate first would start with the costliest dry runs (the most split meshes,
             # the most micro-batches: at 8B on 64, two pp=8 runs of 128 micro-batch passes took the budget)
             pos = {id(c): i for i, c in enumerate(order)}

@@ -1,0 +1,181 @@
+"""The planner's estimate of a candidate's data-parallel traffic before it runs: what its strategy's gathers and
+reductions of the states take per step, on the links its mesh puts them on.
+
+The dry run measures every collective; before a candidate's dry run, the planner knows the states a rank holds
+(`prune.States`, from the one-process probe) and how the strategy moves them, as the lowering does:
+
+- fsdp (and ZeRO-3): each micro-batch all-gathers a rank's params twice (forward, and again in the backward:
+  `reshard_after_forward`; once per step under a pipeline, which keeps a stage's params gathered) and
+  reduce-scatters its gradients (each micro-batch: `af.accumulate`'s `sync_each_microbatch`, fsdp's default);
+  the dense params over the data axes and cp, the experts over the data axes but ep (efsdp);
+- hsdp: the same over its shard axes (fsdp, ep, cp), and the replicas (dp) all-reduce their shard once a step;
+- ddp: one all-reduce of the gradients a step (`no_sync` holds them over the micro-batches), the experts' among
+  the ranks that hold the same ones;
+- ZeRO-1/2: one reduce-scatter of the gradients and one all-gather of the updated params a step.
+
+Each collective is timed as the dry run times it (`comm_time.collective_time`, its group placed as the mesh
+places it); params are gathered at 16 bits a value (`prune.DTYPE_RATIO`: their bf16 copy under mixed precision;
+fp32 params without it move twice that), grads reduced as the probe holds them (fp32 under af.autocast: FSDP's
+reduce_dtype; DDP reduces them as they are). Padding is not counted (FSDP pads each param's first dim to the
+shard count: the tiny test models' 4 experts over 8 ranks move twice their bytes). The step waits for a link's collectives at least as long as they take together (the dry run
+serves each link's collectives one after another), so `step_floor` is the larger of the compute and the busiest
+link's traffic, plus the all-to-alls on the critical path. The planner orders its dry runs by it: a mesh that
+splits the experts over few ranks gathers most of them every micro-batch (DeepSeek-V3 on 256: `dp=16,ep=2,tp=8`
+moves ~2x the bytes of `dp=8,ep=32`), which its compute alone does not show. An estimate for the order, not a
+bound the planner prunes by (a script's own sync choice or wrapping may move less).
+
+Example:
+    >>> from accelfn.planner.candidates import Candidate
+    >>> from accelfn.planner.prune import States
+    >>> from accelfn.platforms.specs import spec
+    >>> totals = States(params=32 * 10**9, grads=32 * 10**9, optimizer=64 * 10**9)  # 8B in fp32
+    >>> inside = states_traffic(Candidate({"dp": 8}, "fsdp"), totals, spec("h100-sxm"), 8)
+    >>> across = states_traffic(Candidate({"dp": 64}, "fsdp"), totals, spec("h100-sxm"), 8)
+    >>> round(across / inside, 1)  # the network's bandwidth against NVLink's
+    10.1
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..dryrun.comm_time import CommAssumptions, collective_time, group_nodes
+from ..dryrun.layout import _intra_node
+from ..mesh import DATA_AXES, GRAD_AXES
+from ..platforms.specs import DeviceSpec
+from .candidates import ZERO, Candidate
+from .prune import DTYPE_RATIO, States
+
+__all__ = ["Traffic", "states_traffic", "traffic_of", "step_floor"]
+
+
+@attrs.define
+class Traffic:
+    """Collectives' seconds by link (intra- and inter-node), added up, and their bytes (full buffers) by kind
+    and group (`moved`: `("all_gather", ("dp", "ep"))`, the axes in mesh order)."""
+
+    intra: float = 0.0
+    inter: float = 0.0
+    moved: dict[tuple[str, tuple[str, ...]], float] = attrs.Factory(dict)
+
+    def add(
+        self,
+        kind: str,
+        nbytes: float,
+        axes: tuple[str, ...],
+        mesh: dict[str, int],
+        device: DeviceSpec,
+        nproc_per_node: int,
+        times: int = 1,
+    ) -> None:
+        """`times` collectives of `kind` over the mesh's `axes` (those of size > 1), each of a full buffer of
+        `nbytes`."""
+        axes = tuple(a for a in mesh if a in axes and mesh[a] > 1)
+        n = 1
+        for a in axes:
+            n *= mesh[a]
+        if n <= 1 or nbytes <= 0 or times <= 0:
+            return
+        nodes = group_nodes(n, _intra_node(axes, mesh, nproc_per_node), nproc_per_node)
+        seconds = times * collective_time(kind, int(nbytes), n, nodes, device, CommAssumptions())
+        self.moved[kind, axes] = self.moved.get((kind, axes), 0.0) + times * nbytes
+        if nodes <= 1:
+            self.intra += seconds
+        else:
+            self.inter += seconds
+
+    @property
+    def busiest(self) -> float:
+        """The busier link's seconds (the links serve their collectives side by side)."""
+        return max(self.intra, self.inter)
+
+
+def states_traffic(
+    c: Candidate,
+    totals: States,
+    device: DeviceSpec,
+    nproc_per_node: int,
+    script_strategy: str | None = None,
+) -> float:
+    """Seconds the busiest link of a rank of `c` spends a step on its strategy's gathers and reductions of the
+    states (module docstring, `traffic_of`); 0 for a strategy that is not known (`script_strategy` None, for a
+    candidate that sets none) or a mesh without data-parallel ranks.
+
+    Example:
+        >>> from accelfn.platforms.specs import spec
+        >>> totals = States(params=4 * 10**9, grads=4 * 10**9, optimizer=8 * 10**9)
+        >>> fsdp = states_traffic(Candidate({"dp": 8}, "fsdp", accumulate=2), totals, spec("h100-sxm"), 8)
+        >>> ddp = states_traffic(Candidate({"dp": 8}, "ddp", accumulate=2), totals, spec("h100-sxm"), 8)
+        >>> round(fsdp / ddp, 1)  # 2 x (2 gathers of bf16 params, a reduce-scatter of fp32 grads) : 1 all-reduce
+        2.0
+    """
+    return traffic_of(c, totals, device, nproc_per_node, script_strategy).busiest
+
+
+def traffic_of(
+    c: Candidate,
+    totals: States,
+    device: DeviceSpec,
+    nproc_per_node: int,
+    script_strategy: str | None = None,
+) -> Traffic:
+    """The `Traffic` of `states_traffic`: its seconds by link and its bytes by collective."""
+    t = Traffic()
+    strategy = c.strategy or script_strategy
+    if strategy is None:
+        return t
+    mesh = dict(c.mesh)
+    model = mesh.get("tp", 1) * mesh.get("pp", 1)
+    micro = c.accumulate or 1
+    pipeline = mesh.get("pp", 1) > 1
+    # a rank's part of the model, whole (before the data-parallel split): params gathered at 16 bits a value,
+    # grads reduced as the probe holds them (FSDP's reduce_dtype is fp32 under af.autocast, DDP reduces them as
+    # they are); the experts' part split further over ep and the cp ranks it borrows
+    experts = min(totals.experts / totals.params, 1.0) if mesh.get("ep", 1) > 1 and totals.params else 0.0
+    ep = mesh.get("ep", 1) * mesh.get("cp", 1)
+    dense_p = totals.params * (1 - experts) / (model * DTYPE_RATIO)
+    expert_p = totals.params * experts / (model * DTYPE_RATIO * ep)
+    dense_g = totals.grads * (1 - experts) / model
+    expert_g = totals.grads * experts / (model * ep)
+    grads = dense_g + expert_g
+
+    def add(kind: str, nbytes: float, axes: tuple[str, ...], times: int = 1) -> None:
+        t.add(kind, nbytes, axes, mesh, device, nproc_per_node, times)
+
+    others = tuple(a for a in DATA_AXES if a != "ep")  # the experts' data-parallel ranks
+    if strategy in ("fsdp", "zero3"):
+        gathers = 1 if pipeline else 2 * micro
+        reduces = 1 if pipeline else micro
+        add("all_gather", dense_p, GRAD_AXES, gathers)
+        add("reduce_scatter", dense_g, GRAD_AXES, reduces)
+        add("all_gather", expert_p, others, gathers)
+        add("reduce_scatter", expert_g, others, reduces)
+    elif strategy == "hsdp":
+        gathers = 1 if pipeline else 2 * micro
+        reduces = 1 if pipeline else micro
+        shard_axes = ("fsdp", "ep", "cp")
+        shard = max(1, mesh.get("fsdp", 1) * mesh.get("ep", 1) * mesh.get("cp", 1))
+        add("all_gather", dense_p, shard_axes, gathers)
+        add("reduce_scatter", dense_g, shard_axes, reduces)
+        add("all_gather", expert_p, ("fsdp",), gathers)
+        add("reduce_scatter", expert_g, ("fsdp",), reduces)
+        efsdp = max(1, mesh.get("fsdp", 1))
+        add("all_reduce", dense_g / shard + expert_g / efsdp, ("dp", "dp_replicate"))
+    elif strategy == "ddp":
+        add("all_reduce", dense_g, GRAD_AXES)
+        add("all_reduce", expert_g, others)
+    elif strategy in ZERO:  # zero1 / zero2
+        add("reduce_scatter", grads, GRAD_AXES)
+        add("all_gather", dense_p + expert_p, GRAD_AXES)
+    return t
+
+
+def step_floor(compute_s: float, traffic_s: float, routed_s: float) -> float:
+    """What a step takes at least as the dry run replays it: the compute (and bubble) or the busiest link's
+    traffic, whichever is longer, plus the all-to-alls, which wait on the critical path.
+
+    Example:
+        >>> step_floor(2.0, 3.0, 0.5)
+        3.5
+    """
+    return max(compute_s, traffic_s) + routed_s

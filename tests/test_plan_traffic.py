@@ -1,0 +1,84 @@
+"""The planner's estimate of a candidate's data-parallel traffic before it runs (`planner.traffic`): the bytes of
+each gather and reduction as the dry run measures them afterwards, and the order it gives an MoE search.
+
+A tiny Qwen3-MoE (examples/train_moe.py, 4 experts, bf16 autocast) at 8 fake ranks: the one-process probe gives
+the states, three dry runs (fsdp and ddp over dp x ep with 2 micro-batches, hsdp) give the measured collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from accelfn import launch_env
+from accelfn.planner import tiers
+from accelfn.planner.candidates import Candidate
+from accelfn.planner.prune import States
+from accelfn.planner.search import Job, Pool, run_job
+from accelfn.planner.traffic import states_traffic, step_floor, traffic_of
+from accelfn.platforms.specs import spec
+from tests._launch import ROOT
+
+MOE = str(ROOT / "examples" / "train_moe.py")
+ARGS = ("--steps", "2", "--experts", "4", "--offload", "none", "--bf16", "--remat", "none")
+H100 = spec("h100-sxm")
+
+
+def _env(**knobs: object) -> tuple[tuple[str, str], ...]:
+    return tuple((launch_env.KNOBS[k][0], str(v)) for k, v in knobs.items())
+
+
+@pytest.fixture(scope="module")
+def totals() -> States:
+    with Pool(1) as pool:
+        probe = tiers._probe(pool, MOE, ARGS, "h100-sxm", "cuda", 16)
+    return States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
+
+
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [("dp=2,ep=4", "fsdp"), ("dp=2,ep=4", "ddp"), ("dp=2,fsdp=2,ep=2", "hsdp")],
+)
+def test_the_estimated_bytes_are_the_dry_runs_gathers_and_reductions(
+    totals: States, mesh: str, strategy: str
+) -> None:
+    """Before any run: each collective of the strategy (fsdp: 2 gathers and a reduce-scatter per micro-batch, of
+    the dense params over dp x ep and the experts' over dp; ddp: one all-reduce a step; hsdp: its shards, then the
+    replicas' all-reduce) has the bytes the dry run then measures, within 3% (the estimate counts buffers as
+    params, the dry run FSDP's padding), and the estimate has no collective the dry run has not."""
+    job = Job(MOE, (*ARGS, "--accumulate", "2"), 8, 1, mesh=mesh, gpu="h100-sxm",
+              env=_env(strategy=strategy, global_batch_size=16))  # fmt: skip
+    report = run_job(job)["report"]
+    assert strategy in report["strategy"]
+    moved = traffic_of(Candidate(report["mesh"], strategy, accumulate=2), totals, H100, 8).moved
+    measured: dict[tuple[str, str], Any] = {
+        (kind, group): row["bytes"]
+        for kind, rows in report["comm"].items()
+        for group, row in rows.items()
+        if kind in ("all_gather", "reduce_scatter") or (kind == "all_reduce" and row["bytes"] > 1024)
+    }  # (the clip's and the loss's all-reduces are a few bytes, not the states')
+    ours = {(kind, "x".join(axes)): nbytes for (kind, axes), nbytes in moved.items()}
+    assert set(ours) == set(measured), (ours, measured)
+    for key, nbytes in ours.items():
+        assert nbytes == pytest.approx(measured[key], rel=0.03), key
+
+
+def test_a_mesh_that_splits_the_experts_over_few_ranks_gathers_more_of_them() -> None:
+    """DeepSeek-V3's states (671B in fp32, 97% of them experts) on 256 H100s, 8 per node: `dp=16,ep=2,tp=8`
+    (experts split 16 ways: each rank gathers a sixteenth of them from 16 ranks, every micro-batch) moves more
+    than `dp=8,ep=32` (a 32nd from 8 ranks), though its compute share is the same: the step floor ranks it after.
+    Under fsdp the traffic grows with the micro-batches (each gathers and reduce-scatters); under ddp it does
+    not (one all-reduce a step)."""
+    params = 671 * 10**9 * 4
+    totals = States(params=params, grads=params, optimizer=2 * params, experts=int(0.975 * params))
+    few = Candidate({"dp": 16, "ep": 2, "tp": 8}, "fsdp", accumulate=4)
+    many = Candidate({"dp": 8, "ep": 32}, "fsdp", accumulate=4)
+    t_few, t_many = (states_traffic(c, totals, H100, 8) for c in (few, many))
+    assert t_few > 1.05 * t_many
+    assert step_floor(12.0, t_few, 5.5) > step_floor(12.0, t_many, 8.3)
+    double = Candidate({"dp": 8, "ep": 32}, "fsdp", accumulate=8)
+    assert states_traffic(double, totals, H100, 8) == pytest.approx(2 * t_many, rel=1e-6)
+    ddp = [Candidate({"dp": 8, "ep": 32}, "ddp", accumulate=a) for a in (1, 8)]
+    assert states_traffic(ddp[0], totals, H100, 8) == states_traffic(ddp[1], totals, H100, 8) > 0
+    assert states_traffic(Candidate({"dp": 8, "ep": 32}), totals, H100, 8) == 0.0  # the script's own: unknown

@@ -19,7 +19,9 @@ fp32 params without it move twice that), grads reduced as the probe holds them (
 reduce_dtype; DDP reduces them as they are). Padding is not counted (FSDP pads each param's first dim to the
 shard count: the tiny test models' 4 experts over 8 ranks move twice their bytes). The step waits for a link's collectives at least as long as they take together (the dry run
 serves each link's collectives one after another), so `step_floor` is the larger of the compute and the busiest
-link's traffic, plus the all-to-alls on the critical path. The planner orders its dry runs by it: a mesh that
+link's traffic, plus any collectives known to be on the critical path. The planner orders its dry runs by it
+(with none of those: its all-to-alls' bound alone would rank ep meshes after tp's, whose collectives are not
+estimated before a run): a mesh that
 splits the experts over few ranks gathers most of them every micro-batch (DeepSeek-V3 on 256: `dp=16,ep=2,tp=8`
 moves ~2x the bytes of `dp=8,ep=32`), which its compute alone does not show. An estimate for the order, not a
 bound the planner prunes by (a script's own sync choice or wrapping may move less).

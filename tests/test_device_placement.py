@@ -225,9 +225,9 @@ def test_the_readme_demo_trains_evaluates_and_samples_on_a_gpu():
 def test_a_model_built_on_the_meta_device_is_materialised_on_the_mesh_device(strategy, monkeypatch):
     from accelfn.transforms.shard.fsdp import FSDPSync
 
-    # fsdp's check that every rank produced the same gradients reads the all-reduced flags' values, which fake
+    # fsdp's check that every rank ran the same FSDP2 units reads the all-reduced flags' values, which fake
     # tensors do not have (with one rank there is nothing to compare)
-    monkeypatch.setattr(FSDPSync, "_check_unused", lambda self, counts: None)
+    monkeypatch.setattr(FSDPSync, "_check_units", lambda self, counts: None)
     with fake_gpu() as gpu, gpu.mesh() as mesh:
         with af.init_empty():
             model = MLP()

@@ -21,7 +21,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:bf16count", "fsdp:bf16count",                              # Loss counts summed exactly in bf16 runs
         "ddp:frozen", "fsdp:frozen",                                    # ranks that froze other layers: refused
         "fsdp:fp8",                                                     # torchao fp8 all-gather == fp8 under ddp
-        "ddp:moe:overlap", "ddp:moe",                                   # each rank uses a different expert
+        "ddp:moe:overlap", "ddp:moe", "fsdp:moe",                       # each rank uses a different expert
         "fsdp:moeacc",                                                  # ... in each micro-batch, reduce-scattered
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
         "fsdp:guards",                                                  # what FSDP2 cannot do is refused
@@ -38,7 +38,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
             "fp16skip": f"OK {strategy} fp16-skip",
             "bf16policy": "OK fsdp bf16-policy",
             "fp8": "OK fsdp fp8",
-            "moe": f"OK ddp moe overlap={'overlap' in extra}",
+            "moe": f"OK {strategy} moe overlap={'overlap' in extra}",
             "moeacc": "OK fsdp moe-accumulate",
             "bn": f"OK {strategy} bn-buffers",
             "guards": "OK fsdp guards",

@@ -229,9 +229,10 @@ def _moe_reference(data):
     return ref
 
 
-def check_moe(mesh, overlap):
-    """Per-parameter buckets launched in the same order on every rank although each rank's backward reaches
-    a different expert: equals one process on the global batch (where both experts are used)."""
+def check_moe(mesh, strategy, overlap):
+    """ddp: per-parameter buckets launched in the same order on every rank although each rank's backward reaches
+    a different expert. fsdp (no accumulation): the expert a rank leaves unused is reduce-scattered as zeros
+    (it was refused). Either equals one process on the global batch (where both experts are used)."""
     g = torch.Generator().manual_seed(5)
     data = []
     for _ in range(3):
@@ -239,15 +240,37 @@ def check_moe(mesh, overlap):
         data.append({"x": x, "y": y, "route": torch.arange(8) // 4})  # rows 0-3 (rank 0) -> e0, 4-7 -> e1
 
     ref = _moe_reference(data)
-    step = af.shard(af.train_step(_moe_loss, af.optim.sgd(0.1, momentum=0.9)), mesh, inputs="global",
-                    overlap=overlap, bucket_mb=16 / 2**20)  # fmt: skip
+    kw = {"overlap": overlap, "bucket_mb": 16 / 2**20} if strategy == "ddp" else {}
+    step = af.shard(af.train_step(_moe_loss, af.optim.sgd(0.1, momentum=0.9)), mesh, strategy=strategy,
+                    inputs="global", **kw)  # fmt: skip
     state = step.init(MoE())
-    assert len(step.plan.grad_sync.buckets) == 8  # one bucket per tensor
+    if strategy == "ddp":
+        assert len(step.plan.grad_sync.buckets) == 8  # one bucket per tensor
     for b in data:
         state, _ = step(state, b)
-    diff = max((state.params[k] - ref.params[k]).abs().max().item() for k in ref.params)
-    assert diff <= 1e-6, f"rank {mesh.rank}: MoE params differ from one process by {diff}"
-    print(f"rank {mesh.rank}: OK ddp moe overlap={overlap} ({diff:.1e})", flush=True)
+    params = full(state.params)
+    torch.testing.assert_close(params, ref.params, rtol=1e-5, atol=1e-5)  # (a mismatch names the param)
+    diff = max((params[k] - ref.params[k]).abs().max().item() for k in ref.params)
+    print(f"rank {mesh.rank}: OK {strategy} moe overlap={overlap} ({diff:.1e})", flush=True)
+
+
+class ExpertList(nn.Module):
+    """`MoE` with its experts in a module list: fsdp shards each expert as an FSDP2 unit of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x, route):
+        h = self.inp(x)
+        parts = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            rows = route == i
+            if bool(rows.any()):  # a rank none of whose rows route here does not call the unit
+                parts = parts.index_put((rows.nonzero().squeeze(1),), expert(h[rows]))
+        return self.out(parts)
 
 
 def check_moe_fsdp_accumulate(mesh):
@@ -353,11 +376,15 @@ def check_fsdp_guards(mesh):
     diff = max((v.full_tensor() - ref.params[k]).abs().max().item() for k, v in state.params.items())
     assert diff <= 1e-6, diff
 
-    moe = af.shard(af.train_step(lambda m, b: af.losses.mse(m(b["x"], b["route"]), b["y"]), af.optim.sgd(0.1)),
-                   mesh, strategy="fsdp", inputs="global")  # fmt: skip
-    moe_state = moe.init(MoE())
-    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 4), "route": torch.arange(8) // 4}
-    expect(lambda: moe(moe_state, batch), "got a gradient on some ranks and none on others")
+    # experts that are FSDP2 units of their own, called only by the ranks that route to them (after a step in
+    # which every rank called both): the unit a rank skips is reduce-scattered after its backward, out of order
+    moe = af.shard(af.train_step(_moe_loss, af.optim.sgd(0.1)), mesh, strategy="fsdp", inputs="global")
+    moe_state = moe.init(ExpertList())
+    assert "experts.0" in moe.plan.grad_sync.forwards.names, moe.plan.grad_sync.forwards.names
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 4), "route": torch.arange(8) % 2}
+    moe_state, _ = moe(moe_state, batch)
+    batch["route"] = torch.arange(8) // 4
+    expect(lambda: moe(moe_state, batch), "the FSDP2 unit 'experts.0' ran its forward on some ranks and not")
 
     expect(lambda: af.offload(step).init(net()), "offloading FSDP-sharded state is not supported")
     print(f"rank {mesh.rank}: OK fsdp guards (re-init vs one process {diff:.1e})", flush=True)
@@ -513,7 +540,7 @@ for strategy, kind, *rest in CONFIGS:
         check_fsdp_guards(mesh)
         continue
     if kind == "moe":
-        check_moe(mesh, overlap="overlap" in rest)
+        check_moe(mesh, strategy, overlap="overlap" in rest)
         continue
     if kind == "moeacc":
         check_moe_fsdp_accumulate(mesh)

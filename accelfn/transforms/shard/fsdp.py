@@ -3,10 +3,12 @@
 The state's params are the module's own DTensor parameters (measured while designing accelfn:
 passing other tensors through an FSDP2 module makes it compute and communicate twice), so binding is in
 place and free. FSDP2 reads a module's parameters once, so a state whose params are other tensors (a copy,
-another model's state, `donate=False`) is refused rather than silently ignored. FSDP2 reduce-scatters only
-the gradients a rank produced: a step in which ranks leave different parameters without a gradient (an
-expert only some ranks route to) is refused too, naming them; use `strategy="ddp"` for such models.
-Buffers are broadcast from the first rank before each step, as with ddp.
+another model's state, `donate=False`) is refused rather than silently ignored. A parameter a rank leaves
+without a gradient (an expert only some ranks route to) is reduce-scattered as zeros
+(`set_reduce_scatter_unused_params`), so ranks may use different parameters of a unit. A whole FSDP2 unit (a
+block, a module list's item) whose forward runs on some ranks only is refused, naming it: FSDP2 reduce-scatters
+an unused unit's gradients after the backward, out of the other ranks' order. Buffers are broadcast from the
+first rank before each step, as with ddp.
 """
 
 from __future__ import annotations
@@ -58,10 +60,14 @@ class FSDPSync(GradSync):
     # reduce-scatter each micro-batch's gradients (2-D units all-reduce only in the last): `af.accumulate`
     sync_each_microbatch: bool = True
     own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
-    unused: list[tuple[str, bool]] = attrs.Factory(list)  # this step: which trainable params got no gradient
+    forwards: _UnitForwards | None = None  # which FSDP2 units ran their forward since it was last read
+    ran: list[list[bool]] = attrs.Factory(list)  # this step, per reducing micro-batch: units that ran
+    unused: list[bool] = attrs.Factory(list)  # this step: which trainable params got no gradient
+    names: tuple[str, ...] = ()  # the trainable params, as `unused` lists them
 
     def __attrs_post_init__(self) -> None:
         self.own = dict(self.root.named_parameters())
+        self.forwards = _UnitForwards.of(self.root)
 
     def prepare(self, params: dict[str, torch.Tensor]) -> None:
         foreign = [n for n, p in params.items() if self.own.get(n) is not p]
@@ -73,20 +79,45 @@ class FSDPSync(GradSync):
                 "init() or its last call (af.checkpoint.load(path, like=that state) loads into it)"
             )
         broadcast_buffers(self.root, self.data_group)
+        assert self.forwards is not None
+        self.forwards.read()  # forwards before this step (an eval step's) are not this step's
+        self.ran, self.unused, self.names = [], [], ()
 
     def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
-        """Note which params got no gradient; `reduce` compares the ranks in its one collective."""
-        self.unused = [(n, n in missing) for n in names]
+        """Note which params got no gradient; `reduce` compares the ranks in its one collective. (FSDP2 gives
+        every param of a unit that ran a gradient, zeros where unused, except in a torch without
+        `set_reduce_scatter_unused_params`.)"""
+        self.unused = [n in missing for n in names]
+        self.names = names
 
-    def _check_unused(self, counts: torch.Tensor) -> None:
-        """Refuse a step in which the ranks produced gradients for different params."""
+    def _check_units(self, counts: torch.Tensor) -> None:
+        """Refuse a step in which an FSDP2 unit ran its forward on some ranks only (in a micro-batch whose
+        backward reduce-scatters): FSDP2 reduce-scatters such a unit's gradients after the backward on the
+        ranks that did not run it, so the ranks' reduce-scatters would pair up wrongly. (A parameter a rank
+        leaves without a gradient inside a unit that ran is reduce-scattered as zeros, in order.)"""
+        assert self.forwards is not None
         ranks = dist.get_world_size(self.data_group)
-        differ = [n for (n, _), c in zip(self.unused, counts.tolist()) if 0 < c < ranks]
+        units = self.forwards.names
+        per_unit = counts[len(self.unused) :].tolist()
+        for i, c in enumerate(per_unit):
+            if 0 < c < ranks:
+                micro, unit = divmod(i, len(units))
+                where = f" in micro-batch {micro + 1}" if len(per_unit) > len(units) else ""
+                raise ValueError(
+                    f"shard(strategy='fsdp'): the FSDP2 unit {units[unit] or '(the root)'!r} ran its forward on "
+                    f"some ranks and not on others{where} (e.g. an expert module only some ranks route to). "
+                    "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' "
+                    "sums would pair up wrongly: call the module on every rank (on zero rows where none route "
+                    "to it; params a rank leaves unused inside a unit that ran are reduce-scattered as zeros), "
+                    "or use strategy='ddp'"
+                )
+        differ = [n for n, c in zip(self.names, counts[: len(self.unused)].tolist()) if 0 < c < ranks]
         if differ:
             raise ValueError(
                 f"shard(strategy='fsdp'): params {differ[:3]} got a gradient on some ranks and none on others "
-                "(e.g. an expert only some ranks route to). FSDP2 reduce-scatters only the gradients a rank "
-                "produced, so the sums would pair up wrongly: use strategy='ddp', or make every rank use them"
+                "(e.g. an expert only some ranks route to). This torch's FSDP2 reduce-scatters only the gradients a "
+                "rank produced (no set_reduce_scatter_unused_params), so the sums would pair up wrongly: use "
+                "strategy='ddp', a torch whose FSDP2 has it, or make every rank use them"
             )
 
     @contextlib.contextmanager
@@ -94,33 +125,40 @@ class FSDPSync(GradSync):
         """Each micro-batch reduce-scatters its gradients (units sharded over a 2-D mesh, hsdp's and experts' over
         efsdp: their all-reduce over the replicas only in the last), or with `sync_each_microbatch=False` only
         the last does (FSDP2 keeps the unsharded gradients until then)."""
-        if last:
-            yield
-            return
-        if self.sync_each_microbatch:  # reduce-scatter now, all-reduce the accumulated shards in the last
+        assert self.forwards is not None
+        ran = self.forwards.read()  # the units this micro-batch's forward ran (before its backward)
+        if last or self.sync_each_microbatch:  # this backward reduce-scatters
+            self.ran.append([n in ran for n in self.forwards.names])
+        if not last and self.sync_each_microbatch:  # reduce-scatter now, all-reduce the shards in the last
             self.root.set_requires_all_reduce(False)  # type: ignore[operator]  # an FSDPModule (1-D units: no-op)
-        else:
+        elif not last:
             self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
-            if (
-                not self.sync_each_microbatch
-            ):  # held until the last micro-batch: gradients in a dry run's memory
+            if not last and not self.sync_each_microbatch:  # held until the last: gradients in a dry run
                 dry_mode.gradients(_unsharded_grads(self.root))
         finally:
-            if self.sync_each_microbatch:
+            self.forwards.read()  # forwards the backward ran again (activation checkpointing): not the next one's
+            if not last and self.sync_each_microbatch:
                 self.root.set_requires_all_reduce(True)  # type: ignore[operator]
-            else:
+            elif not last:
                 self.root.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        flags = torch.tensor([float(u) for _, u in self.unused])  # summed: how many ranks lack each gradient
+        assert self.forwards is not None
+        if not self.ran:  # no micro-batch contexts (a pipeline's schedule ran the backwards): its forwards
+            ran = self.forwards.read()
+            self.ran.append([n in ran for n in self.forwards.names])
+        # summed: on how many ranks each param got no gradient, and each unit ran (per reducing micro-batch)
+        flags = torch.tensor(
+            [float(u) for u in self.unused] + [float(r) for micro in self.ran for r in micro]
+        )
         flat = torch.cat([torch.stack([loss_sum.detach().float().reshape(()), count.detach().float().reshape(())]),
                           flags.to(loss_sum.device)])  # fmt: skip
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
-        self._check_unused(flat[2:])
+        self._check_units(flat[2:])
         return flat[0].to(loss_sum.dtype), flat[1].to(count.dtype)  # counts stay exact (fp32+)
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -150,6 +188,44 @@ class FSDPSync(GradSync):
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         return max_over(x, self.data_group)
+
+
+class _UnitForwards:
+    """Which FSDP2 units (the sharded modules holding params) ran their forward since `read` last asked: a
+    forward pre-hook on each, registered once per sharded model and shared by its steps' `FSDPSync`s."""
+
+    def __init__(self, root: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.names = [
+            n
+            for n, m in root.named_modules()
+            if isinstance(m, FSDPModule) and next(_unit_params(m), None)  # type: ignore[arg-type]
+        ]
+        self.ran: set[str] = set()
+        modules = dict(root.named_modules())
+        for name in self.names:
+            modules[name].register_forward_pre_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        @torch._dynamo.disable  # type: ignore[untyped-decorator]  # a compiled block's hooks: not traced
+        def ran(module: nn.Module, args: object) -> None:
+            self.ran.add(name)
+
+        return ran
+
+    def read(self) -> set[str]:
+        """The units that ran since the last call."""
+        out, self.ran = self.ran, set()
+        return out
+
+    @classmethod
+    def of(cls, root: nn.Module) -> _UnitForwards:
+        found = getattr(root, "_accelfn_unit_forwards", None)
+        if not isinstance(found, cls):
+            found = cls(root)
+            root._accelfn_unit_forwards = found  # type: ignore[assignment]
+        return found
 
 
 def _unit_params(unit: nn.Module) -> Iterator[tuple[nn.Module, nn.Parameter]]:
@@ -357,12 +433,16 @@ def _check_param_meshes(module: nn.Module, strategy: str) -> None:
 
 
 def _sync_each(plan: Plan) -> bool:
-    """`FSDPSync.sync_each_microbatch`: `af.accumulate`'s choice, by default each micro-batch. Syncing
-    each of several micro-batches, a param a rank leaves unused in one of them (an expert no row of it routed
-    to) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's collectives pair
-    up micro-batch by micro-batch (the engine reads a missing gradient as zeros anyway)."""
+    """`FSDPSync.sync_each_microbatch`: `af.accumulate`'s choice, by default each micro-batch.
+
+    A param a rank leaves without a gradient in a backward (an expert none of its rows routed to, with or
+    without accumulation) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's
+    reduce-scatters pair up, as DDP's `find_unused_parameters` (the engine reads a missing gradient as zeros
+    anyway). It costs nothing while every param gets a gradient; an unused one costs a zero tensor of its
+    unsharded size while its unit reduces, and its bytes in the unit's reduce-scatter (which the ranks that used
+    it send anyway; where no rank used it, bytes FSDP2 would have skipped)."""
     each = plan.sync_each_microbatch is not False
     root = plan.module
-    if each and plan.microbatches > 1 and hasattr(root, "set_reduce_scatter_unused_params"):
+    if hasattr(root, "set_reduce_scatter_unused_params"):
         root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule
     return each

@@ -60,6 +60,23 @@ def test_hsdp_on_a_2x2_mesh_equals_one_process():
     assert proc.stdout.count("OK hsdp mlp") == 12, out
 
 
+@pytest.mark.slow
+def test_a_step_that_raises_in_a_micro_batch_leaves_nothing_for_the_next():
+    # the loss (or the model's forward, or the backward) raising in micro-batch 2 of 4, caught by the user: the
+    # next steps equal a run without that step. hsdp on 2 ranks: 2 replicas of 1 shard (the all-reduce over the
+    # replicas, whose partial sums a failed step left behind)
+    for strategy in ("fsdp", "hsdp"):
+        configs = [f"{strategy}:abort", f"{strategy}:abort:nosync"] + (
+            ["ddp:abort"] if strategy == "fsdp" else []
+        )
+        proc = run_workers("shard_worker.py", 2, *configs, timeout=300)
+        out = output_of(proc)
+        assert proc.returncode == 0, out
+        for c in configs:
+            s, _, *extra = c.split(":")
+            assert proc.stdout.count(f"OK {s} abort {extra}") == 2, out
+
+
 def test_unknown_mesh_axis_lists_the_axes():
     mesh = af.Mesh({"dp": -1}, device="cpu")
     try:

@@ -42,7 +42,11 @@ class GradSync:
     - `after_update(params, step)` after the optimizer update (also when fp16 skipped it): `params` the trainable
       params, updated; `step` the state's step counter before this step (local SGD averages the params here; a
       backend whose phases own the update calls it itself, or refuses strategies that need it);
-    - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks.
+    - `reduce_metrics(values)`: average the `aux` metric scalars over the data-parallel ranks;
+    - `abandon()` instead of the rest, when the step raised before `reduce` (in a forward or backward, the
+      user's loss included, which the caller may catch and step again): drop what the finished backwards left
+      (partial sums, held gradients, a backend's per-iteration state) so that the next step is as if this one
+      never ran. Local only: the ranks that did not raise run on into their collectives.
 
     `rank_loss` (a flag) says whether the loss summed on a rank before `reduce` is the loss of its own rows,
     reported as `metrics["rank_loss"]` (not under a pipeline, where only the last stage has a loss).
@@ -97,6 +101,9 @@ class GradSync:
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Average metric scalars over the data-parallel ranks."""
         return values
+
+    def abandon(self) -> None:
+        """The step raised before `reduce`: drop its partial gradient state (no collective)."""
 
     def init_opt_state(self, trainable: dict[str, torch.Tensor]) -> Any:
         """The optimizer state of a backend that keeps its own (None: the step's optimizer's `init`)."""

@@ -81,10 +81,16 @@ class TrainPhases:
         run = self.start(plan, state, batch)
         mark = dry_mode.phase  # a no-op unless a dry run watches
         mark("check", run)
-        self.check(run)
-        self.split(run)
-        mark("forward_backward", run)
-        self.forward_backward(run)
+        try:
+            self.check(run)
+            self.split(run)
+            mark("forward_backward", run)
+            self.forward_backward(run)
+        except (
+            BaseException
+        ):  # e.g. the loss raising in a micro-batch: the caller may catch it and step again
+            run.sync.abandon()
+            raise
         mark("reduce", run)
         self.reduce(run)
         mark("clip", run)

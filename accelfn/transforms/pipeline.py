@@ -168,6 +168,9 @@ class PipelineSync(GradSync):
     def after_update(self, params: dict[str, torch.Tensor], step: torch.Tensor) -> None:
         self.inner.after_update(params, step)
 
+    def abandon(self) -> None:
+        self.inner.abandon()
+
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

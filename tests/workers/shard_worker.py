@@ -1,5 +1,6 @@
 """Worker: af.shard(strategy) on N ranks == the unsharded step on the global batch (run by test_shard.py)."""
 
+import os
 import sys
 
 import torch
@@ -295,6 +296,73 @@ def check_moe_fsdp_accumulate(mesh):
     print(f"rank {mesh.rank}: OK fsdp moe-accumulate ({diff:.1e})", flush=True)
 
 
+class Boom(Exception):
+    pass
+
+
+def check_abort(mesh, strategy, nosync):
+    """A step of 4 micro-batches raising in its second (in the loss, in the middle of the model's forward, or
+    in the backward), which the user catches and steps on: FSDP2's state is reset and the first micro-batch's
+    gradients dropped (hsdp's partial sums awaiting the replicas' all-reduce, no_sync's unsharded gradients,
+    the sharded partial sums), so the next steps equal a run in which that step never happened."""
+    calls, fail_at = [0], [None]  # the loss calls so far; the call that raises, and where
+
+    def net():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+        def mid_forward(module, args):  # in the forward of the second of the model's FSDP2 units
+            if fail_at[0] == (calls[0], "forward"):
+                raise Boom("in the forward")
+
+        m[2].register_forward_pre_hook(mid_forward)
+        return m
+
+    def loss_fn(model, b):
+        calls[0] += 1
+        out = model(b["x"])
+        if fail_at[0] == (calls[0], "loss"):
+            raise Boom("in the loss")
+        if fail_at[0] == (calls[0], "backward"):
+
+            def boom(grad):
+                raise Boom("in the backward")
+
+            out.register_hook(boom)
+        return af.losses.cross_entropy(out, b["y"])
+
+    g = torch.Generator().manual_seed(1)
+    data = [
+        {"x": torch.randn(16, 8, generator=g), "y": torch.randint(0, 5, (16,), generator=g)} for _ in range(4)
+    ]
+
+    def run(where):
+        calls[0], fail_at[0] = 0, (4 + 2, where)  # step 2, micro-batch 2
+        step = af.accumulate(af.train_step(loss_fn, af.optim.adamw(1e-2)), 4, sync_each_microbatch=not nosync)
+        kw = {"overlap": True} if strategy == "ddp" else {}
+        step = af.shard(step, mesh, strategy=strategy, inputs="global", **kw)
+        state = step.init(net())
+        losses = []
+        for i, b in enumerate(data):
+            if where is None and i == 1:  # the reference: that step never happened
+                calls[0] += 2
+                continue
+            try:
+                state, m = step(state, b)
+                losses.append(m["loss"])
+            except Boom:
+                assert i == 1 and where is not None, (i, where)
+        return full(state.params), torch.stack(losses)
+
+    ref_params, ref_losses = run(None)
+    for where in ("loss", "forward", "backward"):
+        params, losses = run(where)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")  # noqa: B023
+        torch.testing.assert_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    extra = ["nosync"] if nosync else []
+    print(f"rank {mesh.rank}: OK {strategy} abort {extra}", flush=True)
+
+
 def check_bn_buffers(mesh, strategy):
     """BatchNorm statistics follow torch DDP (broadcast from rank 0 before each forward), rank by rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -512,7 +580,9 @@ def check(strategy, extra, mesh):
     )
 
 
-mesh = af.Mesh({"dp": 2, "fsdp": 2} if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
+# hsdp: 2 replicas of 2 shards on 4 ranks, or of 1 shard on 2 (FSDP2's all-reduce over the replicas alone)
+hsdp_axes = {"dp": 2, "fsdp": int(os.environ["WORLD_SIZE"]) // 2}
+mesh = af.Mesh(hsdp_axes if CONFIGS[0][0] == "hsdp" else {"dp": -1}, device="cpu")
 # the data-parallel group spans every data axis (hsdp: dp x fsdp = all 4 ranks); TE reduces fp8 amax over it
 group = mesh.data_group()
 ones = torch.ones(1)
@@ -544,6 +614,9 @@ for strategy, kind, *rest in CONFIGS:
         continue
     if kind == "moeacc":
         check_moe_fsdp_accumulate(mesh)
+        continue
+    if kind == "abort":
+        check_abort(mesh, strategy, nosync="nosync" in rest)
         continue
     if kind == "bn":
         check_bn_buffers(mesh, strategy)

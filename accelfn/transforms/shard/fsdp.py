@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -143,6 +143,28 @@ class FSDPSync(GradSync):
                 self.root.set_requires_all_reduce(True)  # type: ignore[operator]
             elif not last:
                 self.root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def abandon(self) -> None:
+        """The step raised in a micro-batch (the loss, a forward, a backward): reset FSDP2's per-iteration state
+        (`reset_iter_state`: waits for collectives in flight, reshards, forgets the unit states of a forward
+        cut short and hsdp's partial sums awaiting the replicas' all-reduce), then drop the gradients the
+        finished backwards left, which it keeps: no_sync's unsharded gradients and the sharded partial sums."""
+        state = self.root._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
+        if getattr(state, "_is_root", None):  # (None before the first forward initialises FSDP2)
+            if hasattr(self.root, "reset_iter_state"):
+                self.root.reset_iter_state()  # type: ignore[operator]
+            else:  # (a torch without it: the partial sums at least)
+                for group in _param_groups(self.root):
+                    group._partial_reduce_output = None
+        for group in _param_groups(self.root):
+            for p in getattr(group, "fsdp_params", ()):
+                p.unsharded_accumulated_grad = None
+                if getattr(p, "_unsharded_param", None) is not None:
+                    p._unsharded_param.grad = None
+        for p in self.own.values():
+            p.grad = None
+        assert self.forwards is not None
+        self.forwards.read()
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
@@ -402,13 +424,23 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
     return FSDPSync(plan.module, data_group, shard_group, _sync_each(plan))
 
 
+def _param_groups(root: nn.Module) -> Iterator[Any]:
+    """FSDP2's parameter groups (torch internals: one per unit holding params; none where they differ)."""
+    for m in root.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        state = get() if callable(get) else None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        yield from groups
+
+
 def _unsharded_grads(root: nn.Module) -> list[torch.Tensor]:
     """The unsharded gradients FSDP2 holds between micro-batches without gradient sync (each unsharded
     parameter's `.grad`, or its accumulated copy in the reduce dtype); none where torch's internals differ."""
     out: list[torch.Tensor] = []
-    for m in root.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+    for group in _param_groups(root):
         for p in getattr(group, "fsdp_params", ()):
             param = getattr(p, "_unsharded_param", None)  # its .grad: set only while unsharded
             for grad in (getattr(p, "unsharded_accumulated_grad", None), getattr(param, "grad", None)):

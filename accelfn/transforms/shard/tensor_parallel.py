@@ -678,6 +678,9 @@ class TensorParallelSync(GradSync):
     def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
         self.inner.record_unused(names, missing)
 
+    def abandon(self) -> None:
+        self.inner.abandon()
+
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -495,6 +495,15 @@ def check(strategy, extra, mesh):
         return {k: v[mesh.data_rank * n : (mesh.data_rank + 1) * n] for k, v in b.items()}
 
     calls = {"all_reduce": 0, "reduce_scatter": 0}
+    # hsdp: this step's reduce-scatters ("rs") and FSDP2's all-reduces over the replicas ("ar"), in order
+    events: list[str] = []
+    replicas = None
+    if strategy == "hsdp":
+        from accelfn.transforms.shard.fsdp import hsdp_mesh
+
+        replicas = hsdp_mesh(mesh).get_group(
+            0
+        )  # the group FSDP2 all-reduces the reduce-scattered shards over
     real_all_reduce = dist.all_reduce
     # FSDP2 calls dist.reduce_scatter_single (torch 2.13) or dist.reduce_scatter_tensor (before)
     scatter_names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
@@ -502,11 +511,14 @@ def check(strategy, extra, mesh):
 
     def counting_all_reduce(*a, **k):
         calls["all_reduce"] += 1
+        if replicas is not None and k.get("group", a[1] if len(a) > 1 else None) is replicas:
+            events.append("ar")
         return real_all_reduce(*a, **k)
 
     def counting(name):
         def call(*a, **k):
             calls["reduce_scatter"] += 1
+            events.append("rs")
             return real_scatters[name](*a, **k)
 
         return call
@@ -527,12 +539,14 @@ def check(strategy, extra, mesh):
     for name in scatter_names:
         setattr(dist, name, counting(name))
     losses = []
-    per_step_calls, per_step_scatters = [], []
+    per_step_calls, per_step_scatters, per_step_events = [], [], []
     for b in data:
         before, scatters = calls["all_reduce"], calls["reduce_scatter"]
+        events.clear()
         state, m = step(state, local_part(b))
         per_step_calls.append(calls["all_reduce"] - before)
         per_step_scatters.append(calls["reduce_scatter"] - scatters)
+        per_step_events.append(list(events))
         losses.append(m["loss"].item())
     dist.all_reduce = real_all_reduce
     for name, real in real_scatters.items():
@@ -567,6 +581,11 @@ def check(strategy, extra, mesh):
         )
         micro = 2 if "accumulate" in extra and "nosync" not in extra else 1
         assert per_step_scatters == [units * micro] * len(data), (per_step_scatters, units, micro)
+        if strategy == "hsdp":
+            # one all-reduce over the replicas per unit per step, in the last micro-batch (after every earlier
+            # micro-batch's reduce-scatters; with nosync the only one's)
+            for ev in per_step_events:
+                assert ev.count("ar") == units and "ar" not in ev[: units * (micro - 1)], (ev, units, micro)
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
         total = sum(v.numel() for v in params.values())

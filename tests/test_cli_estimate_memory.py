@@ -135,6 +135,45 @@ def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path):
     assert by_id.stdout.splitlines()[1:] == by_path.stdout.splitlines()[1:]
 
 
+def test_a_hub_id_without_an_org_reads_its_config_from_the_cache_unless_a_path_has_its_name(tmp_path):
+    """`tiny-gpt2` (no org, as `gpt2` or `bert-base-uncased`) is a Hub id where no path of that name exists here,
+    as Accelerate reads it: its config.json from the cache (`models--tiny-gpt2`); a folder of that name in the
+    current folder is read as the folder; not cached, offline, it says how to fetch it."""
+    commit = "1" * 40
+    repo = tmp_path / "hub" / "models--tiny-gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                      **TINY_GPT2}))  # fmt: skip
+    env = _hub_env(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(spec: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "accelfn.cli.main", "estimate-memory", spec],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=work)  # fmt: skip
+
+    by_id = run("tiny-gpt2")
+    assert by_id.returncode == 0, by_id.stderr
+    by_path = _cli("estimate-memory", str(snapshot / "config.json"))
+    assert by_id.stdout.startswith("tiny-gpt2: GPT2LMHeadModel, ")
+    assert by_id.stdout.splitlines()[1:] == by_path.stdout.splitlines()[1:]
+
+    (work / "tiny-gpt2").mkdir()  # a local folder of that name: read as the folder, not the Hub id
+    (work / "tiny-gpt2" / "config.json").write_text(json.dumps({"model_type": "bert", **TINY_BERT}))
+    local = run("tiny-gpt2")
+    assert local.returncode == 0, local.stderr
+    assert local.stdout.startswith("tiny-gpt2: Bert"), local.stdout
+
+    missing = run("no-such-model")
+    assert missing.returncode == 2
+    assert "'no-such-model' looks like a Hub id" in missing.stderr
+    assert "hf download no-such-model config.json" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
 def test_a_hub_id_not_in_the_cache_offline_says_how_to_get_its_config(tmp_path):
     env = _hub_env(tmp_path)
     r = subprocess.run([sys.executable, "-m", "accelfn.cli.main", "estimate-memory", "no-org/no-model"],

@@ -5,6 +5,7 @@ downloaded, or read from the Hugging Face cache).
 Example:
     $ accelfn estimate-memory path/to/config.json --dtypes float32 bfloat16 int8
     $ accelfn estimate-memory meta-llama/Llama-3.1-8B
+    $ accelfn estimate-memory gpt2
     $ accelfn estimate-memory mypkg.models:build_model
 """
 
@@ -25,13 +26,14 @@ BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float8": 1.0, "int8":
 """Bytes per weight of each dtype `--dtypes` accepts."""
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-"""A Hugging Face Hub model id, `org/name` (a path that does not exist here)."""
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)$")
+"""A Hugging Face Hub model id, `org/name` or one without an org (`gpt2`, `bert-base-uncased`), where no path
+of that name exists here (as Accelerate reads any name it is given)."""
 
 
 def build(spec: str, notes: list[str] | None = None) -> Any:
     """The model `spec` names, on the meta device: a transformers config (a `config.json`, a folder with one, or
-    a Hub id `org/name`, whose config.json alone is fetched: `hub_config`) or a factory `pkg.module:function`
+    a Hub id `org/name` or `name`, whose config.json alone is fetched: `hub_config`) or a factory `pkg.module:function`
     called with no arguments. What was guessed (e.g. a class named in `architectures` that transformers lacks)
     is appended to `notes`, one line each."""
     import accelfn as af
@@ -253,7 +255,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "model",
         metavar="CONFIG_OR_PATH",
-        help="config.json, a folder with one, a Hub id org/name (its config.json only), or pkg.module:factory",
+        help="config.json, a folder with one, a Hub id org/name or name (its config.json only), or pkg.module:factory",
     )
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=list(BYTES))
     p.set_defaults(func=_run)

@@ -21,6 +21,7 @@ A strategy hooks the phases through its `GradSync` (`accelfn.engine.contract`); 
 
 from __future__ import annotations
 
+import warnings
 from contextlib import ExitStack
 from typing import Any
 
@@ -87,9 +88,19 @@ class TrainPhases:
             mark("forward_backward", run)
             self.forward_backward(run)
         except (
-            BaseException
-        ):  # e.g. the loss raising in a micro-batch: the caller may catch it and step again
-            run.sync.abandon()
+            Exception
+        ) as error:  # e.g. the loss raising in a micro-batch: the caller may catch it, step again
+            # (not on KeyboardInterrupt / SystemExit: FSDP2's reset waits for gathers in flight); a failure of the
+            # abandon itself is a warning, the step's own error is the one raised
+            try:
+                run.sync.abandon()
+            except Exception as e:
+                warnings.warn(
+                    f"the step raised ({type(error).__name__}) and its partial gradient state could not be dropped "
+                    f"({type(e).__name__}: {e}): the next step may carry it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             raise
         mark("reduce", run)
         self.reduce(run)

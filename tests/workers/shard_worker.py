@@ -296,6 +296,46 @@ def check_moe_fsdp_accumulate(mesh):
     print(f"rank {mesh.rank}: OK fsdp moe-accumulate ({diff:.1e})", flush=True)
 
 
+class WithUnused(nn.Module):
+    """Two layers used, and a `pooler` no rank calls (as BERT's pooler under a masked-LM loss)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out, self.pooler = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def check_unused_bf16(mesh):
+    """fsdp under bf16 autocast (fp32 reductions), a param no rank uses, 2 micro-batches: reduce-scattered each
+    (the default) and held to the last (`sync_each_microbatch=False`, FSDP2's no_sync). Zeros for the unused
+    param (`set_reduce_scatter_unused_params`) are its bf16 unsharded dtype beside the held fp32 accumulations,
+    which FSDP2's reduce-scatter refuses ("uniform gradient dtype"): so only where each micro-batch syncs. Both
+    train alike (fp32 sums in another order), the pooler untouched."""
+    g = torch.Generator().manual_seed(7)
+    data = [{"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
+
+    def loss_fn(model, b):
+        return af.losses.mse(model(b["x"]).float(), b["y"])
+
+    out = {}
+    for each in (True, False):
+        step = af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), 2, sync_each_microbatch=each)
+        step = af.shard(af.autocast(step, torch.bfloat16), mesh, strategy="fsdp", inputs="global")
+        state = step.init(WithUnused())
+        start = full(state.params)
+        for b in data:
+            state, _ = step(state, b)
+        out[each] = full(state.params)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
+    for k in ("pooler.weight", "pooler.bias"):
+        torch.testing.assert_close(out[False][k], start[k], rtol=0, atol=0)
+    assert (out[False]["inp.weight"] - start["inp.weight"]).abs().max() > 1e-3
+    print(f"rank {mesh.rank}: OK fsdp unused-bf16", flush=True)
+
+
 class Boom(Exception):
     pass
 
@@ -633,6 +673,9 @@ for strategy, kind, *rest in CONFIGS:
         continue
     if kind == "moeacc":
         check_moe_fsdp_accumulate(mesh)
+        continue
+    if kind == "unusedbf16":
+        check_unused_bf16(mesh)
         continue
     if kind == "abort":
         check_abort(mesh, strategy, nosync="nosync" in rest)

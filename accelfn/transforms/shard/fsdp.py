@@ -115,9 +115,11 @@ class FSDPSync(GradSync):
         if differ:
             raise ValueError(
                 f"shard(strategy='fsdp'): params {differ[:3]} got a gradient on some ranks and none on others "
-                "(e.g. an expert only some ranks route to). This torch's FSDP2 reduce-scatters only the gradients a "
-                "rank produced (no set_reduce_scatter_unused_params), so the sums would pair up wrongly: use "
-                "strategy='ddp', a torch whose FSDP2 has it, or make every rank use them"
+                "(e.g. an expert only some ranks route to). Where gradients are held across backwards "
+                "(af.accumulate(..., sync_each_microbatch=False), a pipeline) or in a torch without "
+                "set_reduce_scatter_unused_params, FSDP2 reduce-scatters only the gradients a rank produced, so "
+                "the sums would pair up wrongly: sync each micro-batch (the default), use strategy='ddp', or make "
+                "every rank use them"
             )
 
     @contextlib.contextmanager
@@ -468,13 +470,19 @@ def _sync_each(plan: Plan) -> bool:
     """`FSDPSync.sync_each_microbatch`: `af.accumulate`'s choice, by default each micro-batch.
 
     A param a rank leaves without a gradient in a backward (an expert none of its rows routed to, with or
-    without accumulation) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's
+    without accumulation, unless gradients are held across backwards: `sync_each_microbatch=False` with several
+    micro-batches, or a pipeline) is reduce-scattered as zeros (`set_reduce_scatter_unused_params`), so that every rank's
     reduce-scatters pair up, as DDP's `find_unused_parameters` (the engine reads a missing gradient as zeros
     anyway). It costs nothing while every param gets a gradient; an unused one costs a zero tensor of its
     unsharded size while its unit reduces, and its bytes in the unit's reduce-scatter (which the ranks that used
     it send anyway; where no rank used it, bytes FSDP2 would have skipped)."""
     each = plan.sync_each_microbatch is not False
     root = plan.module
-    if hasattr(root, "set_reduce_scatter_unused_params"):
+    # not where gradients are held across backwards (no_sync's micro-batches, a pipeline's schedule): FSDP2 fills
+    # an unused param's gradient with zeros of its unsharded (bf16 under af.autocast) dtype beside the others'
+    # fp32 accumulations, and its reduce-scatter asserts a uniform gradient dtype; there ranks must use the same
+    # params (`reduce` refuses them by name otherwise), and a param no rank uses is skipped as before
+    held = (not each and plan.microbatches > 1) or any(t.kind == "pipeline" for t in plan.transforms)
+    if not held and hasattr(root, "set_reduce_scatter_unused_params"):
         root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule
     return each

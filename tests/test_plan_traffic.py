@@ -82,3 +82,38 @@ def test_a_mesh_that_splits_the_experts_over_few_ranks_gathers_more_of_them() ->
     ddp = [Candidate({"dp": 8, "ep": 32}, "ddp", accumulate=a) for a in (1, 8)]
     assert states_traffic(ddp[0], totals, H100, 8) == states_traffic(ddp[1], totals, H100, 8) > 0
     assert states_traffic(Candidate({"dp": 8, "ep": 32}), totals, H100, 8) == 0.0  # the script's own: unknown
+
+
+DENSE = str(ROOT / "tests" / "workers" / "plan_worker.py")
+DENSE_ARGS = ("--remat", "none", "--compile", "none")
+
+
+@pytest.fixture(scope="module")
+def dense_totals() -> States:
+    with Pool(1) as pool:
+        probe = tiers._probe(pool, DENSE, DENSE_ARGS, "h100-sxm", "cuda", 16)
+    assert "autocast(" not in probe["report"]["strategy"]  # fp32: gathered as held (gather_ratio 1)
+    return States.of(probe["report"]["per_rank"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2", "zero3"])
+def test_a_dense_fp32_models_gathers_and_deepspeeds_reductions_are_the_dry_runs(
+    dense_totals: States, strategy: str
+) -> None:
+    """A dense Llama in fp32 (no autocast) at dp=8 with 2 micro-batches: fsdp gathers the fp32 params as held;
+    ZeRO-1 all-reduces the gradients once a step, ZeRO-2 each micro-batch, each all-gathering the updated params
+    once; ZeRO-3 reduce-scatters as fsdp and gathers at least fsdp's bytes (its dry run gathers more)."""
+    pytest.importorskip("deepspeed")
+    job = Job(DENSE, DENSE_ARGS, 8, 1, mesh="dp=8", gpu="h100-sxm",
+              env=_env(strategy=strategy, global_batch_size=16, accumulate=2, offload="none"))  # fmt: skip
+    report = run_job(job)["report"]
+    c = Candidate(report["mesh"], strategy, accumulate=2)
+    moved = traffic_of(c, dense_totals, H100, 8, gather_ratio=1).moved
+    measured = {k: rows["dp"]["bytes"] for k, rows in report["comm"].items() if rows["dp"]["bytes"] > 1024}
+    ours = {kind: nbytes for (kind, axes), nbytes in moved.items() if axes == ("dp",)}
+    assert set(ours) == set(measured), (ours, measured)
+    for kind, nbytes in ours.items():
+        if strategy == "zero3" and kind == "all_gather":
+            assert nbytes <= measured[kind] <= 1.3 * nbytes
+        else:
+            assert nbytes == pytest.approx(measured[kind], rel=0.03), kind

@@ -526,6 +526,8 @@ def plan(
 
         share = (probe_compute or 0.0) / world
         activations = int(probe["report"]["per_rank"].get("activations", 0))
+        # the params' bytes a gather moves: FSDP's bf16 copy of them under af.autocast, else as the probe holds them
+        gather_ratio = 2.0 if "autocast(" in probe["report"].get("strategy", "") else 1.0
 
         def estimate(c: Candidate) -> float:
             """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations."""
@@ -540,13 +542,14 @@ def plan(
             order would put every mesh without ep first, their own critical-path collectives (tp's, cp's) not
             estimated before a run (Qwen3-30B on 64: 7 dry runs, all tp meshes, 3,631 tokens/s/GPU chosen
             against 6,795 without them)."""
-            floor = step_floor(
-                time_bound(c, share, 1), states_traffic(c, totals, spec, nproc_per_node, fixed_strategy), 0.0
-            )
+            traffic = states_traffic(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio)
+            floor = step_floor(time_bound(c, share, 1), traffic, 0.0)
             return (prune and estimate(c) > capacity, round(floor, 9), c.accumulate or 1)
 
-        # the most promising first, so that the bound and the dominance prune the most; the (tp, cp) groups
-        # interleaved, so that a search the budget cuts short has tried every intra-node split
+        # the most promising first, so that the bound and the dominance prune the most; among equal floors (the
+        # compute-bound candidates) the (tp, cp) groups interleaved, so that a search the budget cuts short has
+        # tried every intra-node split. (The floor divides the states' traffic by tp x pp but counts none of
+        # tp's, cp's or pp's own collectives: where the traffic exceeds the compute, it favours those splits.)
         order = sorted(_interleaved(survivors), key=promise)
         if prune:  # where memory binds, each group's most frugal candidate first, the likeliest to fit first
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)

@@ -11,13 +11,15 @@ The dry run measures every collective; before a candidate's dry run, the planner
 - hsdp: the same over its shard axes (fsdp, ep, cp), and the replicas (dp) all-reduce their shard once a step;
 - ddp: one all-reduce of the gradients a step (`no_sync` holds them over the micro-batches), the experts' among
   the ranks that hold the same ones;
-- ZeRO-1/2: one reduce-scatter of the gradients and one all-gather of the updated params a step.
+- ZeRO (DeepSpeed, as its dry run lowers it): stage 1 all-reduces the gradients once a step, stage 2 each
+  micro-batch (its backward hooks), each all-gathering the updated params once a step; stage 3 as fsdp.
 
 Each collective is timed as the dry run times it (`comm_time.collective_time`, its group placed as the mesh
-places it); params are gathered at 16 bits a value (`prune.DTYPE_RATIO`: their bf16 copy under mixed precision;
-fp32 params without it move twice that), grads reduced as the probe holds them (fp32 under af.autocast: FSDP's
-reduce_dtype; DDP reduces them as they are). Padding is not counted (FSDP pads each param's first dim to the
-shard count: the tiny test models' 4 experts over 8 ranks move twice their bytes). The step waits for a link's collectives at least as long as they take together (the dry run
+places it); params are gathered as the step casts them (`gather_ratio`: the probe's bytes over 2 under
+af.autocast, FSDP's bf16 copy of fp32 params; as held otherwise), grads reduced as the probe holds them (fp32
+under af.autocast: FSDP's reduce_dtype; DDP and DeepSpeed reduce them as they are). Padding is not counted (FSDP
+pads each param's first dim to the shard count: the tiny test models' 4 experts over 8 ranks move twice their
+bytes), nor ZeRO-3's extra gathers (its dry run gathers about 1.2x fsdp's bytes). The step waits for a link's collectives at least as long as they take together (the dry run
 serves each link's collectives one after another), so `step_floor` is the larger of the compute and the busiest
 link's traffic, plus any collectives known to be on the critical path. The planner orders its dry runs by it
 (with none of those: its all-to-alls' bound alone would rank ep meshes after tp's, whose collectives are not
@@ -98,10 +100,12 @@ def states_traffic(
     device: DeviceSpec,
     nproc_per_node: int,
     script_strategy: str | None = None,
+    gather_ratio: float = DTYPE_RATIO,
 ) -> float:
     """Seconds the busiest link of a rank of `c` spends a step on its strategy's gathers and reductions of the
     states (module docstring, `traffic_of`); 0 for a strategy that is not known (`script_strategy` None, for a
-    candidate that sets none) or a mesh without data-parallel ranks.
+    candidate that sets none) or a mesh without data-parallel ranks. `gather_ratio`: the probe's param bytes over
+    those a gather moves (2 under af.autocast of fp32 params, `DTYPE_RATIO`; 1 where the step gathers them as held).
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -111,7 +115,7 @@ def states_traffic(
         >>> round(fsdp / ddp, 1)  # 2 x (2 gathers of bf16 params, a reduce-scatter of fp32 grads) : 1 all-reduce
         2.0
     """
-    return traffic_of(c, totals, device, nproc_per_node, script_strategy).busiest
+    return traffic_of(c, totals, device, nproc_per_node, script_strategy, gather_ratio).busiest
 
 
 def traffic_of(
@@ -120,6 +124,7 @@ def traffic_of(
     device: DeviceSpec,
     nproc_per_node: int,
     script_strategy: str | None = None,
+    gather_ratio: float = DTYPE_RATIO,
 ) -> Traffic:
     """The `Traffic` of `states_traffic`: its seconds by link and its bytes by collective."""
     t = Traffic()
@@ -130,13 +135,13 @@ def traffic_of(
     model = mesh.get("tp", 1) * mesh.get("pp", 1)
     micro = c.accumulate or 1
     pipeline = mesh.get("pp", 1) > 1
-    # a rank's part of the model, whole (before the data-parallel split): params gathered at 16 bits a value,
+    # a rank's part of the model, whole (before the data-parallel split): params gathered as the step casts them,
     # grads reduced as the probe holds them (FSDP's reduce_dtype is fp32 under af.autocast, DDP reduces them as
     # they are); the experts' part split further over ep and the cp ranks it borrows
     experts = min(totals.experts / totals.params, 1.0) if mesh.get("ep", 1) > 1 and totals.params else 0.0
     ep = mesh.get("ep", 1) * mesh.get("cp", 1)
-    dense_p = totals.params * (1 - experts) / (model * DTYPE_RATIO)
-    expert_p = totals.params * experts / (model * DTYPE_RATIO * ep)
+    dense_p = totals.params * (1 - experts) / (model * gather_ratio)
+    expert_p = totals.params * experts / (model * gather_ratio * ep)
     dense_g = totals.grads * (1 - experts) / model
     expert_g = totals.grads * experts / (model * ep)
     grads = dense_g + expert_g
@@ -145,7 +150,7 @@ def traffic_of(
         t.add(kind, nbytes, axes, mesh, device, nproc_per_node, times)
 
     others = tuple(a for a in DATA_AXES if a != "ep")  # the experts' data-parallel ranks
-    if strategy in ("fsdp", "zero3"):
+    if strategy in ("fsdp", "zero3"):  # (ZeRO-3's dry run gathers about 1.2x this)
         gathers = 1 if pipeline else 2 * micro
         reduces = 1 if pipeline else micro
         add("all_gather", dense_p, GRAD_AXES, gathers)
@@ -166,8 +171,8 @@ def traffic_of(
     elif strategy == "ddp":
         add("all_reduce", dense_g, GRAD_AXES)
         add("all_reduce", expert_g, others)
-    elif strategy in ZERO:  # zero1 / zero2
-        add("reduce_scatter", grads, GRAD_AXES)
+    elif strategy in ZERO:  # zero1 / zero2: all-reduced (stage 2: each micro-batch), the update all-gathered
+        add("all_reduce", grads, GRAD_AXES, micro if strategy == "zero2" else 1)
         add("all_gather", dense_p + expert_p, GRAD_AXES)
     return t
 

@@ -167,11 +167,17 @@ def test_a_hub_id_without_an_org_reads_its_config_from_the_cache_unless_a_path_h
     assert local.returncode == 0, local.stderr
     assert local.stdout.startswith("tiny-gpt2: Bert"), local.stdout
 
-    missing = run("no-such-model")
+    missing = run("no-such-model")  # (as well a mistyped folder: the message says both)
     assert missing.returncode == 2
-    assert "'no-such-model' looks like a Hub id" in missing.stderr
+    assert (
+        "no file or folder named 'no-such-model' here; as a Hub id: 'no-such-model' looks like"
+        in missing.stderr
+    )
     assert "hf download no-such-model config.json" in missing.stderr
     assert "Traceback" not in missing.stderr
+    colon = run("json.decoder")  # a factory missing its colon: named as one
+    assert colon.returncode == 2
+    assert "a factory is written 'pkg.module:function' ('json' is an importable module)" in colon.stderr
 
 
 def test_a_hub_id_not_in_the_cache_offline_says_how_to_get_its_config(tmp_path):
@@ -187,6 +193,8 @@ def test_a_hub_id_not_in_the_cache_offline_says_how_to_get_its_config(tmp_path):
 def test_neither_a_path_a_hub_id_nor_a_factory_is_named(capsys):
     assert main(["estimate-memory", "no/such/folder"]) == 2
     err = capsys.readouterr().err
-    assert "'no/such/folder' is not a file or folder here, a Hub id 'org/name', or a factory" in err
+    assert (
+        "'no/such/folder' is not a file or folder here, a Hub id ('org/name' or 'name'), or a factory" in err
+    )
     assert main(["estimate-memory", "models/config.json"]) == 2  # a missing file, not a Hub id
     assert "models/config.json: no such file" in capsys.readouterr().err

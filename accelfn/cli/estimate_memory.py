@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -43,7 +44,21 @@ def build(spec: str, notes: list[str] | None = None) -> Any:
     if not path.exists() and path.suffix == ".json":
         raise ValueError(f"{spec}: no such file")
     if not path.exists() and ":" not in spec and HUB_ID.match(spec):
-        path = hub_config(spec)
+        if "/" in spec:
+            path = hub_config(spec)
+        else:  # a bare name may as well be a mistyped path or a factory missing its colon: say so too
+            try:
+                path = hub_config(spec)
+            except ValueError as e:
+                head = spec.split(".")[0]
+                factory = (
+                    f"; a factory is written 'pkg.module:function' ({head!r} is an importable module)"
+                    if "." in spec and importlib.util.find_spec(head) is not None
+                    else ""
+                )
+                raise ValueError(
+                    f"no file or folder named {spec!r} here{factory}; as a Hub id: {e}"
+                ) from None
     if path.exists():
         with _quiet():
             config = _config_of(path / "config.json" if path.is_dir() else path, notes)
@@ -55,7 +70,8 @@ def build(spec: str, notes: list[str] | None = None) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
         raise ValueError(
-            f"{spec!r} is not a file or folder here, a Hub id 'org/name', or a factory 'pkg.module:function'"
+            f"{spec!r} is not a file or folder here, a Hub id ('org/name' or 'name'), or a factory "
+            "'pkg.module:function'"
         )
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would: the current folder first
         sys.path.insert(0, os.getcwd())

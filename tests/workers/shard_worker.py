@@ -322,7 +322,9 @@ def check_unused_bf16(mesh):
 
     out = {}
     for each in (True, False):
-        step = af.accumulate(af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), 2, sync_each_microbatch=each)
+        step = af.accumulate(
+            af.train_step(loss_fn, af.optim.sgd(0.1, momentum=0.9)), 2, sync_each_microbatch=each
+        )
         step = af.shard(af.autocast(step, torch.bfloat16), mesh, strategy="fsdp", inputs="global")
         state = step.init(WithUnused())
         start = full(state.params)

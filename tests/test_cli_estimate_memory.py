@@ -115,22 +115,27 @@ def _hub_env(tmp_path) -> dict[str, str]:
     return {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
 
 
-def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path):
-    """`org/name` (not a path here) is a Hub id: its config.json alone, from the cache huggingface_hub keeps
-    (laid out as `hf download` leaves it), estimated as the same file passed by path."""
-    commit = "0" * 40
-    repo = tmp_path / "hub" / "models--tiny-org--tiny-gpt2"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
+def _cached_gpt2(tmp_path, repo: str, commit: str):
+    """A tiny GPT-2 config.json in a Hugging Face cache under `tmp_path / "hub"`, laid out as `hf download`
+    leaves it (`repo`: `models--ORG--NAME` or `models--NAME`); its path."""
+    (tmp_path / "hub" / repo / "refs").mkdir(parents=True)
+    (tmp_path / "hub" / repo / "refs" / "main").write_text(commit)
+    snapshot = tmp_path / "hub" / repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **TINY_GPT2}
     (snapshot / "config.json").write_text(json.dumps(config))
+    return snapshot / "config.json"
+
+
+def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path):
+    """`org/name` (not a path here) is a Hub id: its config.json alone, from the cache huggingface_hub keeps
+    (laid out as `hf download` leaves it), estimated as the same file passed by path."""
+    config = _cached_gpt2(tmp_path, "models--tiny-org--tiny-gpt2", "0" * 40)
     env = _hub_env(tmp_path)
     by_id = subprocess.run([sys.executable, "-m", "accelfn.cli.main", "estimate-memory", "tiny-org/tiny-gpt2"],
                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
     assert by_id.returncode == 0, by_id.stderr
-    by_path = _cli("estimate-memory", str(snapshot / "config.json"))
+    by_path = _cli("estimate-memory", str(config))
     assert by_id.stdout.startswith("tiny-org/tiny-gpt2: GPT2LMHeadModel, ")
     assert by_id.stdout.splitlines()[1:] == by_path.stdout.splitlines()[1:]
 
@@ -139,14 +144,7 @@ def test_a_hub_id_without_an_org_reads_its_config_from_the_cache_unless_a_path_h
     """`tiny-gpt2` (no org, as `gpt2` or `bert-base-uncased`) is a Hub id where no path of that name exists here,
     as Accelerate reads it: its config.json from the cache (`models--tiny-gpt2`); a folder of that name in the
     current folder is read as the folder; not cached, offline, it says how to fetch it."""
-    commit = "1" * 40
-    repo = tmp_path / "hub" / "models--tiny-gpt2"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                                      **TINY_GPT2}))  # fmt: skip
+    config = _cached_gpt2(tmp_path, "models--tiny-gpt2", "1" * 40)
     env = _hub_env(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
@@ -157,7 +155,7 @@ def test_a_hub_id_without_an_org_reads_its_config_from_the_cache_unless_a_path_h
 
     by_id = run("tiny-gpt2")
     assert by_id.returncode == 0, by_id.stderr
-    by_path = _cli("estimate-memory", str(snapshot / "config.json"))
+    by_path = _cli("estimate-memory", str(config))
     assert by_id.stdout.startswith("tiny-gpt2: GPT2LMHeadModel, ")
     assert by_id.stdout.splitlines()[1:] == by_path.stdout.splitlines()[1:]
 

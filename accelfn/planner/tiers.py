@@ -543,7 +543,7 @@ def plan(
             estimated before a run (Qwen3-30B on 64: 7 dry runs, all tp meshes, 3,631 tokens/s/GPU chosen
             against 6,795 without them)."""
             traffic = states_traffic(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio)
-            floor = step_floor(time_bound(c, share, 1), traffic, 0.0)
+            floor = step_floor(time_bound(c, share, 1), traffic)
             return (prune and estimate(c) > capacity, round(floor, 9), c.accumulate or 1)
 
         # the most promising first, so that the bound and the dominance prune the most; among equal floors (the

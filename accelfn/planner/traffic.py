@@ -21,9 +21,8 @@ under af.autocast: FSDP's reduce_dtype; DDP and DeepSpeed reduce them as they ar
 pads each param's first dim to the shard count: the tiny test models' 4 experts over 8 ranks move twice their
 bytes), nor ZeRO-3's extra gathers (its dry run gathers about 1.2x fsdp's bytes). The step waits for a link's collectives at least as long as they take together (the dry run
 serves each link's collectives one after another), so `step_floor` is the larger of the compute and the busiest
-link's traffic, plus any collectives known to be on the critical path. The planner orders its dry runs by it
-(with none of those: its all-to-alls' bound alone would rank ep meshes after tp's, whose collectives are not
-estimated before a run): a mesh that
+link's traffic. The planner orders its dry runs by it (without the all-to-alls on the critical path: their bound
+alone would rank ep meshes after tp's, whose collectives are not estimated before a run): a mesh that
 splits the experts over few ranks gathers most of them every micro-batch (DeepSeek-V3 on 256: `dp=16,ep=2,tp=8`
 moves ~2x the bytes of `dp=8,ep=32`), which its compute alone does not show. An estimate for the order, not a
 bound the planner prunes by (a script's own sync choice or wrapping may move less).
@@ -150,24 +149,18 @@ def traffic_of(
         t.add(kind, nbytes, axes, mesh, device, nproc_per_node, times)
 
     others = tuple(a for a in DATA_AXES if a != "ep")  # the experts' data-parallel ranks
-    if strategy in ("fsdp", "zero3"):  # (ZeRO-3's dry run gathers about 1.2x this)
-        gathers = 1 if pipeline else 2 * micro
-        reduces = 1 if pipeline else micro
-        add("all_gather", dense_p, GRAD_AXES, gathers)
-        add("reduce_scatter", dense_g, GRAD_AXES, reduces)
-        add("all_gather", expert_p, others, gathers)
-        add("reduce_scatter", expert_g, others, reduces)
-    elif strategy == "hsdp":
-        gathers = 1 if pipeline else 2 * micro
-        reduces = 1 if pipeline else micro
-        shard_axes = ("fsdp", "ep", "cp")
-        shard = max(1, mesh.get("fsdp", 1) * mesh.get("ep", 1) * mesh.get("cp", 1))
-        add("all_gather", dense_p, shard_axes, gathers)
-        add("reduce_scatter", dense_g, shard_axes, reduces)
-        add("all_gather", expert_p, ("fsdp",), gathers)
-        add("reduce_scatter", expert_g, ("fsdp",), reduces)
-        efsdp = max(1, mesh.get("fsdp", 1))
-        add("all_reduce", dense_g / shard + expert_g / efsdp, ("dp", "dp_replicate"))
+    # FSDP2 (and ZeRO-3) per micro-batch: two gathers and a reduce-scatter; once a step under a pipeline
+    gathers, reduces = (1, 1) if pipeline else (2 * micro, micro)
+    if strategy in ("fsdp", "zero3", "hsdp"):  # (ZeRO-3's dry run gathers about 1.2x this)
+        hsdp = strategy == "hsdp"
+        dense_axes, expert_axes = (("fsdp", "ep", "cp"), ("fsdp",)) if hsdp else (GRAD_AXES, others)
+        add("all_gather", dense_p, dense_axes, gathers)
+        add("reduce_scatter", dense_g, dense_axes, reduces)
+        add("all_gather", expert_p, expert_axes, gathers)
+        add("reduce_scatter", expert_g, expert_axes, reduces)
+        if hsdp:  # the replicas all-reduce their shards once a step
+            shard = mesh.get("fsdp", 1) * mesh.get("ep", 1) * mesh.get("cp", 1)
+            add("all_reduce", dense_g / shard + expert_g / mesh.get("fsdp", 1), ("dp", "dp_replicate"))
     elif strategy == "ddp":
         add("all_reduce", dense_g, GRAD_AXES)
         add("all_reduce", expert_g, others)
@@ -177,12 +170,13 @@ def traffic_of(
     return t
 
 
-def step_floor(compute_s: float, traffic_s: float, routed_s: float) -> float:
+def step_floor(compute_s: float, traffic_s: float) -> float:
     """What a step takes at least as the dry run replays it: the compute (and bubble) or the busiest link's
-    traffic, whichever is longer, plus the all-to-alls, which wait on the critical path.
+    traffic, whichever is longer (collectives on the critical path, the all-to-alls, tp's, cp's, are not counted:
+    the module docstring).
 
     Example:
-        >>> step_floor(2.0, 3.0, 0.5)
-        3.5
+        >>> step_floor(2.0, 3.0)
+        3.0
     """
-    return max(compute_s, traffic_s) + routed_s
+    return max(compute_s, traffic_s)

@@ -650,40 +650,24 @@ ones = torch.ones(1)
 dist.all_reduce(ones, group=group)
 assert dist.get_world_size(group) == mesh.data_size and ones.item() == mesh.data_size, (ones, mesh.data_size)
 del group
+# the configs checked by a function of their own, by kind: (strategy, mesh, the config's other parts)
+SPECIAL = {
+    "fp16skip": lambda strategy, mesh, rest: check_fp16_skip(strategy, mesh),
+    "frozen": lambda strategy, mesh, rest: check_frozen_differently(strategy, mesh),
+    "bf16count": lambda strategy, mesh, rest: check_bf16_count(strategy, mesh),
+    "bf16policy": lambda strategy, mesh, rest: check_fsdp_bf16_policy(mesh),
+    "fp8": lambda strategy, mesh, rest: check_fp8_fsdp(mesh),
+    "guards": lambda strategy, mesh, rest: check_fsdp_guards(mesh),
+    "moe": lambda strategy, mesh, rest: check_moe(mesh, strategy, overlap="overlap" in rest),
+    "moeacc": lambda strategy, mesh, rest: check_moe_fsdp_accumulate(mesh),
+    "unusedbf16": lambda strategy, mesh, rest: check_unused_bf16(mesh),
+    "abort": lambda strategy, mesh, rest: check_abort(mesh, strategy, nosync="nosync" in rest),
+    "bn": lambda strategy, mesh, rest: check_bn_buffers(mesh, strategy),
+}
 for strategy, kind, *rest in CONFIGS:
     model_kind = kind  # read by make_model, batches and loss_fn
-    if kind == "fp16skip":
-        check_fp16_skip(strategy, mesh)
-        continue
-    if kind == "frozen":
-        check_frozen_differently(strategy, mesh)
-        continue
-    if kind == "bf16count":
-        check_bf16_count(strategy, mesh)
-        continue
-    if kind == "bf16policy":
-        check_fsdp_bf16_policy(mesh)
-        continue
-    if kind == "fp8":
-        check_fp8_fsdp(mesh)
-        continue
-    if kind == "guards":
-        check_fsdp_guards(mesh)
-        continue
-    if kind == "moe":
-        check_moe(mesh, strategy, overlap="overlap" in rest)
-        continue
-    if kind == "moeacc":
-        check_moe_fsdp_accumulate(mesh)
-        continue
-    if kind == "unusedbf16":
-        check_unused_bf16(mesh)
-        continue
-    if kind == "abort":
-        check_abort(mesh, strategy, nosync="nosync" in rest)
-        continue
-    if kind == "bn":
-        check_bn_buffers(mesh, strategy)
-        continue
-    check(strategy, set(rest), mesh)
+    if kind in SPECIAL:
+        SPECIAL[kind](strategy, mesh, rest)
+    else:
+        check(strategy, set(rest), mesh)
 mesh.close()

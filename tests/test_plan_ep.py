@@ -126,10 +126,10 @@ def test_a_plan_given_to_af_shard_before_the_probe_is_not_read_by_it() -> None:
     count the experts of the model a later probe sees (the full suite's random order hit it in a doctest)."""
     from torch import nn
 
-    from accelfn.planner.experts import recording_experts
+    from accelfn.planner.experts import recording_shapes
     from accelfn.transforms.shard.expert_parallel import GIVEN
 
     GIVEN[:] = [{"model.layers.*.mlp.experts": "ep_dispatch_experts"}]  # left by an earlier af.shard
     seen: dict = {}
-    recording_experts(None, seen)(nn.Linear(2, 2))
-    assert seen == {"experts": 0, "expert_bytes": 0, "moe": {}}
+    recording_shapes(None, seen)(nn.Linear(2, 2))
+    assert seen == {"experts": 0, "expert_bytes": 0, "moe": {}, "decoder": {}}

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["count_experts", "expert_bytes", "moe_shape", "recording_experts"]
+__all__ = ["count_experts", "expert_bytes", "moe_shape", "recording_shapes"]
 
 
 def _stacked(model: nn.Module, plan: Mapping[str, str] | None) -> list[nn.Parameter]:
@@ -87,20 +87,21 @@ def moe_shape(model: nn.Module, plan: Mapping[str, str] | None = None) -> dict[s
     return {"layers": len(owners), "hidden": hidden, "top_k": top_k} if owners else {}
 
 
-def recording_experts(
+def recording_shapes(
     hook: Callable[[nn.Module], None] | None, seen: dict[str, Any]
 ) -> Callable[[nn.Module], None]:
     """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]`,
-    `expert_bytes(model)` in `seen["expert_bytes"]` and `moe_shape(model)` in `seen["moe"]`, under the last plan the script gave `af.shard` since the hook
-    was made (if any: a plan given before, by another script or test in this process, is forgotten), then runs
-    `hook`.
+    `expert_bytes(model)` in `seen["expert_bytes"]` and `moe_shape(model)` in `seen["moe"]`, under the last plan
+    the script gave `af.shard` since the hook was made (if any: a plan given before, by another script or test in
+    this process, is forgotten), and `critical.decoder_shape(model)` in `seen["decoder"]`, then runs `hook`.
 
     Example:
         >>> seen = {}
-        >>> recording_experts(None, seen)(nn.Linear(2, 2)); seen
-        {'experts': 0, 'expert_bytes': 0, 'moe': {}}
+        >>> recording_shapes(None, seen)(nn.Linear(2, 2)); seen
+        {'experts': 0, 'expert_bytes': 0, 'moe': {}, 'decoder': {}}
     """
     from ..transforms.shard.expert_parallel import GIVEN
+    from .critical import decoder_shape
 
     GIVEN.clear()  # only what the script run with this hook gives af.shard
 
@@ -109,6 +110,7 @@ def recording_experts(
         seen["experts"] = count_experts(model, plan)
         seen["expert_bytes"] = expert_bytes(model, plan)
         seen["moe"] = moe_shape(model, plan)
+        seen["decoder"] = decoder_shape(model)
         if hook is not None:
             hook(model)
 

@@ -79,11 +79,11 @@ def run_job(job: Job) -> dict[str, Any]:
 
 def _run_job(job: Job) -> dict[str, Any]:
     from ..transforms.shard.expert_parallel import GIVEN
-    from .experts import recording_experts
+    from .experts import recording_shapes
     from .extrapolate import keep_blocks
 
     launch_env.ASKED.clear()
-    GIVEN.clear()  # the ep plan this job's script gives af.shard (read by recording_experts)
+    GIVEN.clear()  # the ep plan this job's script gives af.shard (read by recording_shapes)
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
     # the stage counts to read each rank's blocks for: the expected one, and those of a schedule the script
     # fixes with another number of stages per rank
@@ -106,7 +106,7 @@ def _run_job(job: Job) -> dict[str, Any]:
                 return {"reports": cut, "asked": sorted(launch_env.ASKED), **_layout(seen), **warmup}
             # a rank's blocks did not change between the cuts (no line through them): measured in full
         reports = done + [
-            _dry_run(job, rank, recording_experts(keep_blocks(None, seen), seen))
+            _dry_run(job, rank, recording_shapes(keep_blocks(None, seen), seen))
             for rank in ranks[len(done) :]
         ]
         report = max(reports, key=lambda r: r.per_rank["peak"])  # the first of equals
@@ -115,6 +115,7 @@ def _run_job(job: Job) -> dict[str, Any]:
             "experts": seen.get("experts", 0),
             "expert_bytes": seen.get("expert_bytes", 0),
             "moe": seen.get("moe") or {},
+            "decoder": seen.get("decoder") or {},
             "asked": sorted(launch_env.ASKED),
             **_layout(seen),
         }
@@ -131,14 +132,14 @@ def _cut_runs(
     periods, each with "at" and "full", full runs, every)`. Stopped at the first run where the hook left the
     model whole (that run, a full dry run, in the third), or where the step's remat checkpoints every n-th
     block for another n (returned last: the cut is run again with it)."""
-    from .experts import recording_experts
+    from .experts import recording_shapes
     from .extrapolate import keep_blocks, rank_blocks, remat_every
 
     seen: dict[str, Any] = {}
     cut: dict[int, list[dict[str, Any]]] = {n: [] for n in job.blocks}
     for n in job.blocks:
         for rank in ranks:
-            hook = recording_experts(keep_blocks(n, seen, stages, every), seen)
+            hook = recording_shapes(keep_blocks(n, seen, stages, every), seen)
             run, warmup = _warm_run(job, rank, hook, again=lambda: "whole" not in seen)
             seen["warmup_s"] = seen.get("warmup_s", 0.0) + warmup
             if "whole" in seen:

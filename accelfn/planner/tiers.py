@@ -31,6 +31,7 @@ from .. import launch_env
 from ..transforms.shard import NO_PIPELINE
 from .calibrate import Calibration
 from .candidates import Candidate, Space, enumerate_candidates, parse_remats
+from .critical import critical_traffic, gathers_in_fp8
 from .extrapolate import BLOCKS, extrapolate
 from .memory import BINDS, activation_share, frugal_candidates, needs_more_memory
 from .memory import group as memory_group
@@ -48,7 +49,7 @@ from .prune import (
 )
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
-from .traffic import states_traffic, step_floor
+from .traffic import step_floor, traffic_of
 
 __all__ = ["plan"]
 
@@ -527,29 +528,35 @@ def plan(
         share = (probe_compute or 0.0) / world
         activations = int(probe["report"]["per_rank"].get("activations", 0))
         # the params' bytes a gather moves: FSDP's bf16 copy of them under af.autocast, else as the probe holds them
-        gather_ratio = 2.0 if "autocast(" in probe["report"].get("strategy", "") else 1.0
+        described = probe["report"].get("strategy", "")
+        gather_ratio = 2.0 if "autocast(" in described else 1.0
 
         def estimate(c: Candidate) -> float:
             """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations."""
             bound = states_bound(c, totals, script_strategy=None)
             return bound + activations * activation_share(c)
 
+        decoder = probe.get("decoder") or {}
+        fp8_gathers = gathers_in_fp8(described)
+
         def promise(c: Candidate) -> tuple[bool, float, int]:
             """The order of the search: those the estimate says may fit first (where pruning), then the least
-            step floor (`traffic.step_floor`: the compute share and bubble or the strategy's traffic of the
-            states, whichever is longer: what the compute alone does not rank, a mesh gathering most of the
-            experts every micro-batch), then the fewest micro-batches. Not the routed rows' all-to-alls: the
-            order would put every mesh without ep first, their own critical-path collectives (tp's, cp's) not
-            estimated before a run (Qwen3-30B on 64: 7 dry runs, all tp meshes, 3,631 tokens/s/GPU chosen
-            against 6,795 without them)."""
-            traffic = states_traffic(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio)
-            floor = step_floor(time_bound(c, share, 1), traffic)
+            step floor (`traffic.step_floor`: the compute share and bubble with the collectives on the critical
+            path, tp's and cp's (`critical.critical_traffic`) and the routed all-to-alls (`prune.routed_bound`),
+            or the strategy's traffic of the states, whichever is longer: what the compute alone does not rank,
+            a mesh gathering most of the experts every micro-batch, a tp mesh gathering the activations), then
+            the fewest micro-batches."""
+            states = traffic_of(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio)
+            critical = critical_traffic(
+                c, decoder, tokens, spec, nproc_per_node, gather_ratio > 1, fp8_gathers, script_remat
+            )
+            routed = routed_bound(c, moe, tokens, spec, nproc_per_node, script_remat)
+            floor = step_floor(time_bound(c, share, 1), states, critical, routed)
             return (prune and estimate(c) > capacity, round(floor, 9), c.accumulate or 1)
 
         # the most promising first, so that the bound and the dominance prune the most; among equal floors (the
         # compute-bound candidates) the (tp, cp) groups interleaved, so that a search the budget cuts short has
-        # tried every intra-node split. (The floor divides the states' traffic by tp x pp but counts none of
-        # tp's, cp's or pp's own collectives: where the traffic exceeds the compute, it favours those splits.)
+        # tried every intra-node split
         order = sorted(_interleaved(survivors), key=promise)
         if prune:  # where memory binds, each group's most frugal candidate first, the likeliest to fit first
             # a group's frugal candidate is waited for by the rest of its group (its verdict may prune them)

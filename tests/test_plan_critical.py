@@ -1,0 +1,99 @@
+"""The planner's estimate of the collectives on a candidate's critical path before it runs (`planner.critical`):
+tensor parallel's sequence gathers and scatters and context parallel's key/value gathers, against what dry runs
+of a tiny Llama (examples/train_llama.py, 2 blocks, 8 fake ranks) then measure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from accelfn import launch_env
+from accelfn.planner import tiers
+from accelfn.planner.candidates import Candidate
+from accelfn.planner.critical import critical_traffic, gathers_in_fp8
+from accelfn.planner.search import Job, Pool, run_job
+from accelfn.platforms.specs import spec
+from tests._launch import ROOT
+
+LLAMA = str(ROOT / "examples" / "train_llama.py")
+H100 = spec("h100-sxm")
+
+
+def _env(**knobs: object) -> tuple[tuple[str, str], ...]:
+    return tuple((launch_env.KNOBS[k][0], str(v)) for k, v in knobs.items())
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[tuple[str, ...], dict[str, Any]]:
+    """The planner's one-process probe of the script with each set of flags (made on first use)."""
+    return {}
+
+
+@pytest.mark.parametrize(
+    "mesh, flags, remat, accumulate",
+    [
+        ("dp=4,tp=2", ("--bf16",), "none", 1),  # bf16 activations, sequence parallel
+        ("dp=4,tp=2", (), "full", 2),  # fp32, recomputed blocks gather again, 2 micro-batches
+        ("dp=2,cp=2,tp=2", ("--bf16",), "full", 1),  # cp's key/value gathers of this tp rank's heads
+        ("dp=4,cp=2", ("--bf16",), "selective", 1),  # selective remat gathers again, scatters not
+        ("dp=4,tp=2", ("--bf16", "--fp8"), "full", 1),  # torchao's float8 styles gather in fp8
+    ],
+)
+def test_the_estimated_bytes_are_the_dry_runs_tp_and_cp_collectives(
+    probes: dict[tuple[str, ...], dict[str, Any]],
+    mesh: str,
+    flags: tuple[str, ...],
+    remat: str,
+    accumulate: int,
+) -> None:
+    """Before any run, from the probe's decoder shape and tokens: each tp and cp gather and scatter has the
+    bytes the dry run then measures, within 3% (the dry run pads the 129-token sequence tp splits), and the
+    estimate has no group the dry run has not."""
+    args = ("--model", "tiny", "--steps", "2", *flags)
+    if flags not in probes:
+        with Pool(1) as pool:
+            probes[flags] = tiers._probe(pool, LLAMA, args, "h100-sxm", "cuda", 16)
+    probe = probes[flags]
+    job = Job(LLAMA, args, 8, 1, mesh=mesh, gpu="h100-sxm",
+              env=_env(strategy="fsdp", global_batch_size=16, remat=remat, accumulate=accumulate))  # fmt: skip
+    report = run_job(job)["report"]
+    c = Candidate(report["mesh"], "fsdp", remat, accumulate=accumulate)
+    described = probe["report"]["strategy"]  # what the planner knows before the run
+    fp8 = gathers_in_fp8(described)
+    assert fp8 == ("float8 tensor-parallel" in report["strategy"])
+    tokens = probe["report"]["tokens_per_step"]
+    moved = critical_traffic(c, probe["decoder"], tokens, H100, 8, "autocast(" in described, fp8).moved
+    measured = {
+        (kind, group): row["bytes"]
+        for kind, rows in report["comm"].items()
+        for group, row in rows.items()
+        if kind in ("all_gather", "reduce_scatter") and group in ("tp", "cp")
+    }
+    ours = {(kind, "x".join(axes)): nbytes for (kind, axes), nbytes in moved.items()}
+    assert set(ours) == set(measured), (ours, measured)
+    for key, nbytes in ours.items():
+        assert nbytes == pytest.approx(measured[key], rel=0.03), key
+
+
+def test_a_tp_mesh_waits_for_its_gathers_where_a_data_parallel_one_of_the_same_compute_does_not() -> None:
+    """At the same compute share, a mesh splitting the blocks over tp 8 pays its gathers and scatters on the
+    critical path (Llama 3 8B, 64 x 8192 tokens a step: 194 gathers of 512 MiB a rank, bf16), which the step floor
+    adds to the compute; a data-parallel mesh with little states traffic (ddp, 1 GiB of grads) has only its
+    compute. Without tp or cp, or without the probe's shape, nothing is on the critical path."""
+    from accelfn.planner.traffic import Traffic, step_floor
+
+    decoder = {"blocks": 32, "hidden": 4096, "kv_width": 1024, "bytes": 4}
+    tp = Candidate({"dp": 8, "tp": 8}, "ddp", "full", accumulate=1)
+    dp = Candidate({"dp": 64}, "ddp", "full", accumulate=1)
+    crit_tp = critical_traffic(tp, decoder, 64 * 8192, H100, 8, autocast=True)
+    crit_dp = critical_traffic(dp, decoder, 64 * 8192, H100, 8, autocast=True)
+    assert crit_tp.intra > 0.1 and crit_tp.inter == 0.0  # tp inside a node
+    assert crit_dp.moved == {} and crit_dp.busiest == 0.0
+    assert critical_traffic(tp, {}, 64 * 8192, H100, 8).moved == {}
+    states = Traffic(inter=0.5)
+    assert step_floor(1.0, states, crit_tp) == pytest.approx(1.0 + crit_tp.intra)
+    assert step_floor(1.0, states, crit_dp) == 1.0
+    fp8 = critical_traffic(tp, decoder, 64 * 8192, H100, 8, autocast=True, fp8_gathers=True)
+    assert fp8.intra < crit_tp.intra  # the blocks' gathers in fp8

@@ -44,6 +44,32 @@ def test_dp2_x_cp2_on_four_processes_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_hsdp_over_dp_x_cp_on_four_processes_equals_one_process():
+    # hsdp with cp: the dense params replicated over dp and sharded over fsdp x cp (the cp ranks hold parts of
+    # every gradient, as under fsdp), the replicas all-reducing their shards
+    configs = ["llama:hsdp", "starcoder2:hsdp:accumulate:remat"]
+    expect_ok(run_workers("cp_worker.py", 4, "dp=2,fsdp=1,cp=2", *configs, timeout=600), configs, 4)
+
+
+def test_hsdp_over_cp_lowers_at_64_ranks_sharding_over_fsdp_x_cp() -> None:
+    """The dry run of hsdp on dp=4 x fsdp=8 x cp=2 (64 fake ranks): the params gathered and their gradients
+    reduce-scattered over the 16 ranks of fsdp x cp, the shards all-reduced over the 4 replicas, the keys and
+    values gathered over cp."""
+    from accelfn.planner.search import Job, run_job
+    from tests._launch import ROOT
+
+    args = ("--model", "tiny", "--steps", "2", "--bf16", "--strategy", "hsdp", "--seq-len", "256")
+    job = Job(str(ROOT / "examples" / "train_llama.py"), args, 8, 8, mesh="dp=4,fsdp=8,cp=2", gpu="h100-sxm")
+    report = run_job(job)["report"]
+    assert "shard(hsdp, dp=4, fsdp=8, cp=2)" in report["strategy"]
+    comm = report["comm"]
+    assert comm["reduce_scatter"]["fsdpxcp"]["group_size"] == 16
+    assert comm["all_gather"]["fsdpxcp"]["count"] == comm["reduce_scatter"]["fsdpxcp"]["count"] * 2
+    assert comm["all_reduce"]["dp"]["group_size"] == 4 and comm["all_reduce"]["dp"]["bytes"] > 1024
+    assert comm["all_gather"]["cp"]["group_size"] == 2
+
+
+@pytest.mark.slow
 def test_cp4_on_four_processes_equals_one_process():
     configs = ["llama", "llama:fsdp:accumulate", "own", "errors"]
     expect_ok(run_workers("cp_worker.py", 4, "cp=4", *configs, timeout=600), configs, 4)

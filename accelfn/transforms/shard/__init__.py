@@ -90,10 +90,7 @@ _NO_DS_TP = "DeepSpeed runs data-parallel over all processes"
 TABLE: tuple[Strategy, ...] = (
     Strategy("ddp", "torch", "ddp:lower_ddp"),
     Strategy("fsdp", "torch", "fsdp:lower_fsdp"),
-    Strategy(
-        "hsdp", "torch", "fsdp:lower_fsdp", needs=("dp", "fsdp"),
-        cp="HSDP over a cp axis is not supported in this version (use strategy='fsdp': it shards over dp x cp)",
-    ),
+    Strategy("hsdp", "torch", "fsdp:lower_fsdp", needs=("dp", "fsdp")),
     Strategy(
         "local_sgd", "torch", "local_sgd:lower_local_sgd", options=("sync_every",),
         tp=f"{_LOCAL_SGD_WHOLE}: tensor parallel is not combined with it", cp=f"{_LOCAL_SGD_WHOLE}: use strategy='ddp'",

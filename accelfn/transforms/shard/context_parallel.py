@@ -38,7 +38,8 @@ sequence gathered over tp by sequence parallel), and gathers their keys and valu
 the same heads.
 
 Training steps only: an `eval_step` on a `cp` mesh runs each rank on whole sequences (the same result on every
-cp rank). Not combined with DeepSpeed or HSDP in this version (clear errors).
+cp rank). hsdp shards over fsdp x cp and replicates over dp. Not combined with DeepSpeed in this version (a
+clear error).
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ def _ok(proc, configs):
 @pytest.mark.slow
 @needs_deepspeed
 def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_special():
+    # `abort`: a step raising in its second micro-batch (in the loss, the model's forward, the middle of the
+    # backward), caught: the engine's micro-step counter and the ZeRO optimizer's partial gradients are dropped,
+    # so the next steps equal a run without that step (ZeRO-0 to 3)
     configs = [
         "zero1:mlp", "zero2:mlp", "zero3:mlp",                      # fp32, Loss(total, count), uneven counts
         "zero3:gpt2:compile", "zero1:gpt2:accumulate",              # a tiny GPT-2, compiled per block (and
@@ -41,6 +44,7 @@ def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_sp
         "zero3:mlp:accumulate", "zero2:mlp:accumulate:schedule",    # warmup-cosine -> LambdaLR
         "zero2:distill", "zero3:distill:accumulate",                # student + frozen teacher in the loss
         "zero2:mlp:bf16",                                           # bf16 trains (looser tolerance)
+        "zero0:abort", "zero1:abort", "zero2:abort", "zero3:abort", # a step raising in micro-batch 2 of 2
     ]  # fmt: skip
     _ok(run_workers("deepspeed_worker.py", 2, *configs, timeout=400), configs)
 
@@ -48,8 +52,10 @@ def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_sp
 @pytest.mark.slow
 @needs_deepspeed
 def test_zero_offload_with_deepspeed_cpu_adam_equals_ddp():
-    # Separate because DeepSpeedCPUAdam is compiled on first use (~150 s here; cached afterwards).
-    _ok(run_workers("deepspeed_worker.py", 2, "zero2:mlp:offload", timeout=500), ["zero2:mlp:offload"])
+    # Separate because DeepSpeedCPUAdam is compiled on first use (~150 s here; cached afterwards). `abort`: a
+    # step that raised leaves nothing in ZeRO-Offload's host gradient copies either
+    configs = ["zero2:mlp:offload", "zero2:abort:offload", "zero3:abort:offload"]
+    _ok(run_workers("deepspeed_worker.py", 2, *configs, timeout=500), configs)
 
 
 @pytest.mark.slow
@@ -175,6 +181,28 @@ def test_lowering_refuses_donate_false_and_eval_steps(mesh):
         kept.init(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="applies to training steps"):
         af.shard(af.eval_step(lambda m, b: m(b)), mesh, backend="deepspeed").init(torch.nn.Linear(2, 2))
+
+
+@needs_deepspeed
+def test_a_failed_step_the_engine_cannot_drop_refuses_the_next_calls():
+    # the reset itself failing (here: an optimizer accelfn does not know) is remembered: the next call raises
+    # instead of updating with what the failed step left in the engine
+    from types import SimpleNamespace
+
+    from accelfn.engine.phases import StepRun
+    from accelfn.transforms.shard.deepspeed import DeepSpeedRun
+    from accelfn.transforms.shard.deepspeed.phases import DeepSpeedPhases
+
+    ds = DeepSpeedRun(SimpleNamespace(optimizer=object(), micro_steps=3), None, 1, {}, False, started=2)
+    phases = DeepSpeedPhases(ds)
+    with pytest.raises(TypeError, match="optimizer is a object, whose held gradients accelfn cannot drop"):
+        phases.abandon()
+    run = StepRun(SimpleNamespace(loss_call=_loss, slots=object()), None, None, None)  # type: ignore[arg-type]
+    with pytest.raises(
+        RuntimeError, match=r"could not be dropped \(TypeError: the engine's optimizer is a obj"
+    ):
+        phases.check(run)
+    phases.abandon()  # that call's own abandon: it raised before the engine ran anything
 
 
 def test_a_deepspeed_state_without_its_engine_is_refused_not_saved_without_moments(tmp_path):

@@ -66,10 +66,10 @@ def test_hsdp_on_a_2x2_mesh_equals_one_process():
 def test_a_step_that_raises_in_a_micro_batch_leaves_nothing_for_the_next():
     # the loss (or the model's forward, or the backward) raising in micro-batch 2 of 4, caught by the user: the
     # next steps equal a run without that step. hsdp on 2 ranks: 2 replicas of 1 shard (the all-reduce over the
-    # replicas, whose partial sums a failed step left behind)
+    # replicas, whose partial sums a failed step left behind). local_sgd: a regression check (nothing to drop)
     for strategy in ("fsdp", "hsdp"):
         configs = [f"{strategy}:abort", f"{strategy}:abort:nosync"] + (
-            ["ddp:abort"] if strategy == "fsdp" else []
+            ["ddp:abort", "local_sgd:abort"] if strategy == "fsdp" else []
         )
         proc = run_workers("shard_worker.py", 2, *configs, timeout=300)
         out = output_of(proc)

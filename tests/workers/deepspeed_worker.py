@@ -1,6 +1,7 @@
 """Worker: af.shard(backend="deepspeed") on N ranks == af.shard(strategy="ddp") (run by test_deepspeed.py).
 
-Arguments like `zero2:mlp`, `zero3:gpt2`, `zero1:mlp:accumulate:schedule`, `zero2:distill`, `zero2:mlp:offload`.
+Arguments like `zero2:mlp`, `zero3:gpt2`, `zero1:mlp:accumulate:schedule`, `zero2:distill`, `zero2:mlp:offload`,
+`zero3:abort` (a step raising in its second micro-batch, caught: the next steps equal a run without it).
 `compile` (gpt2 only) compiles the DeepSpeed step per block (`af.compile(regions="blocks")`) and also compares it
 with one plain-PyTorch process on the global batch (`torch.optim.AdamW`, `clip_grad_norm_`).
 """
@@ -119,7 +120,91 @@ def plain_reference(data):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
+class Boom(Exception):
+    pass
+
+
+def check_abort(mesh, stage, extra):
+    """A step of 2 micro-batches raising in its second (in the loss, in the middle of the model's forward, or in
+    the middle of its backward, the last layer's gradients bucketed), which the user catches and steps on: the engine's micro-step counter, the ZeRO optimizer's
+    buckets and partial gradient partitions (ZeRO-3's gathered params of a forward cut short) are dropped, so
+    the next steps equal a run of the same DeepSpeed step in which that step never happened."""
+    started = time.perf_counter()
+    armed, fail_at = [False], [None]  # the training forward of the failing micro-batch; where it raises
+    data = batches("mlp")
+    for b in data:  # each rank's second micro-batch (rows 2-3 of its 4): the one that raises
+        b["boom"] = torch.tensor([0, 0, 1, 1] * mesh.world_size)
+
+    def net():
+        m = make_model("mlp")
+
+        def mid_forward(module, args):  # in the forward, between two layers (ZeRO-3: params gathered)
+            if armed[0] and fail_at[0] == "forward":
+                raise Boom("in the forward")
+
+        def mid_backward(module, args, out):  # the backward raises after the last layer's gradients
+            if armed[0] and fail_at[0] == "backward":
+
+                def boom(grad):
+                    raise Boom("in the backward")
+
+                out.register_hook(boom)
+
+        m[2].register_forward_pre_hook(mid_forward)
+        m[2].register_forward_hook(mid_backward)
+        return m
+
+    def loss_fn(model, b):
+        # the counting forwards (no gradients) of af.accumulate's af.Loss pass; the training forward raises
+        armed[0] = (
+            fail_at[0] is not None and torch.is_grad_enabled() and bool(b.get("boom", torch.zeros(1)).any())
+        )
+        out = model(b["x"])
+        if armed[0] and fail_at[0] == "loss":
+            raise Boom("in the loss")
+        return af.losses.cross_entropy(out, b["y"])
+
+    def run(where):
+        fail_at[0] = where
+        step = af.accumulate(af.train_step(loss_fn, optimizer(extra), clip_grad_norm=1.0), 2)
+        step = af.shard(step, mesh, inputs="global", backend="deepspeed", zero_stage=stage,
+                        offload_optimizer=True if "offload" in extra else None)  # fmt: skip
+        state = step.init(net())
+        losses = []
+        for i, b in enumerate(data):
+            if i == 1 and where is None:  # the reference: that step never happened
+                continue
+            if i != 1:
+                b = {k: v for k, v in b.items() if k != "boom"}
+            try:
+                state, m = step(state, b)
+                losses.append(m["loss"].item())
+            except Boom:
+                assert i == 1 and where is not None, (i, where)
+        return full_params(step, state), losses, state
+
+    ref_params, ref_losses, _ = run(None)
+    diffs = []
+    for where in ("loss", "forward", "backward"):
+        params, losses, state = run(where)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        diff = max((params[k] - ref_params[k]).abs().max().item() for k in params)
+        assert len(losses) == len(ref_losses) and loss_diff <= 1e-5 and diff <= 1e-5, (
+            f"rank {mesh.rank}: zero{stage} raising in the {where}: the next steps differ from a run without that "
+            f"step by {loss_diff:.1e} (losses), {diff:.1e} (params): {losses} vs {ref_losses}"
+        )
+        assert int(state.step) == STEPS - 1 and int(state.opt_state.count) == STEPS - 1, state.opt_state
+        diffs.append(max(loss_diff, diff))
+    print(
+        f"rank {mesh.rank}: OK zero{stage} abort {sorted(extra)} diff {max(diffs):.1e} "
+        f"({time.perf_counter() - started:.1f}s)",
+        flush=True,
+    )
+
+
 def check(mesh, stage, kind, extra):
+    if kind == "abort":
+        return check_abort(mesh, stage, extra)
     started = time.perf_counter()
     teacher = make_teacher() if kind == "distill" else None
     loss_fn = make_loss(kind, teacher)

@@ -346,7 +346,9 @@ def check_abort(mesh, strategy, nosync):
     """A step of 4 micro-batches raising in its second (in the loss, in the middle of the model's forward, or
     in the backward), which the user catches and steps on: FSDP2's state is reset and the first micro-batch's
     gradients dropped (hsdp's partial sums awaiting the replicas' all-reduce, no_sync's unsharded gradients,
-    the sharded partial sums), so the next steps equal a run in which that step never happened."""
+    the sharded partial sums), so the next steps equal a run in which that step never happened. Local SGD (each
+    rank's own gradients, params averaged every 2 updates) keeps nothing between micro-batches but `.grad`,
+    which every step clears first: checked as a regression."""
     calls, fail_at = [0], [None]  # the loss calls so far; the call that raises, and where
 
     def net():
@@ -381,7 +383,7 @@ def check_abort(mesh, strategy, nosync):
     def run(where):
         calls[0], fail_at[0] = 0, (4 + 2, where)  # step 2, micro-batch 2
         step = af.accumulate(af.train_step(loss_fn, af.optim.adamw(1e-2)), 4, sync_each_microbatch=not nosync)
-        kw = {"overlap": True} if strategy == "ddp" else {}
+        kw = {"ddp": {"overlap": True}, "local_sgd": {"sync_every": 2}}.get(strategy, {})
         step = af.shard(step, mesh, strategy=strategy, inputs="global", **kw)
         state = step.init(net())
         losses = []

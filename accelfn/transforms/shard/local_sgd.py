@@ -13,6 +13,10 @@ state stays each rank's own, and so do buffers (LocalSGD averages parameters onl
 averagings the replicas differ: `af.average_params(state, mesh)` averages them now (LocalSGD's exit from its
 `with` block), e.g. before a final save.
 
+A step that raises in a micro-batch (and is caught) leaves nothing to drop (`GradSync.abandon`'s default): no
+gradient sync is armed or pending, the gradients are `.grad`, which the next step clears before its first
+backward, and the state (step counter, so the averaging schedule) only advances with an update.
+
 Accelerate counts `local_sgd.step()` calls, one per batch even under gradient accumulation; `sync_every`
 counts updates: `sync_every = local_sgd_steps // gradient_accumulation_steps`.
 """

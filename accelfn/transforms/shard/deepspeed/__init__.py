@@ -16,7 +16,12 @@ are the engine module's own parameters (under ZeRO-3 the partitioned ones, with 
 `af.checkpoint.save`/`load` reach them through `checkpoint.DeepSpeedStateAdapter` (full fp32 params and moments
 in accelfn's own layout: the same checkpoint as the equivalent `backend="torch"` step's).
 
-Modules, importing one way: `types` (shared records) <- `config`, `phases` <- `lowering` <- `checkpoint`.
+A step that raises before its update (caught by the caller) is dropped from the engine: its micro-step counter
+and the ZeRO optimizer's partial gradients are reset (`abandon.drop_partial_step`), so the next step is as if it
+never ran; where that fails, later steps raise instead of training on the leftovers.
+
+Modules, importing one way: `types` (shared records), `abandon` <- `config`, `phases` <- `lowering` <-
+`checkpoint`.
 """
 
 from ....checkpoint import adapters as _adapters

@@ -36,6 +36,11 @@ class DeepSpeedSync(GradSync):
             torch.zeros((), dtype=torch.int64), torch.tensor(current_lr(self.run.engine), dtype=torch.float32)
         )
 
+    def abandon(self) -> None:
+        """The step raised before its update: drop what it left in the engine (`DeepSpeedPhases.abandon`)."""
+        assert isinstance(self.phases, DeepSpeedPhases)
+        self.phases.abandon()
+
     def describe(self) -> str:
         zero = self.run.config["zero_optimization"]
         return f"DeepSpeed ZeRO-{zero['stage']} over {self.run.world} ranks"

@@ -8,6 +8,13 @@ global batch, as with `backend="torch"`. A mean (scalar) loss counts the rows of
 `af.Loss` with `af.accumulate(n)`, n > 1, is counted by a forward of each micro-batch without gradients
 first (one extra, cheaper forward per micro-batch; keeping all micro-batches' graphs alive instead would
 cost their activations, and ZeRO-3 does not support that order).
+
+A step that raises before its update (the loss, a forward or a backward of micro-batch k of n) is dropped
+from the engine (`DeepSpeedPhases.abandon`, the strategy's `GradSync.abandon`): the micro-step counter goes
+back to its value when the step began and the optimizer's partial gradients are dropped (`abandon.py`), so the
+caller may catch the error and step again as if that step never ran. A step interrupted otherwise
+(KeyboardInterrupt) is dropped at the start of the next one. Where the engine cannot be reset, every later step
+raises rather than train on the leftovers.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ....engine.batches import loss_parts, rows
 from ....engine.phases import StepRun, TrainPhases, next_state
 from ....engine.plan import Plan
 from ....state import TrainState
+from .abandon import drop_partial_step
 from .types import DeepSpeedRun, DeepSpeedState
 
 __all__ = ["DeepSpeedPhases", "counted_forwards"]
@@ -95,6 +103,12 @@ class DeepSpeedPhases(TrainPhases):
     def check(self, run: StepRun) -> None:
         plan, state, engine = run.plan, run.state, self.ds.engine
         assert plan.loss_call is not None and plan.slots is not None
+        if self.ds.broken is not None:
+            raise RuntimeError(
+                "an earlier DeepSpeed step raised and what its finished backwards left in the engine could not be "
+                f"dropped ({self.ds.broken}): the next update would include them. Build the step again (step.init) "
+                "or load a checkpoint (af.checkpoint.load(path, like=a new step's state))"
+            )
         first_name = next(iter(plan.slots.trainable))
         if state.params.get(first_name) is not engine.module.get_parameter(first_name):
             raise ValueError(
@@ -114,6 +128,9 @@ class DeepSpeedPhases(TrainPhases):
         plan, ds, engine, micro = run.plan, self.ds, self.ds.engine, run.micro
         n = len(micro)
         device = plan.devices[0] if plan.devices else torch.device("cpu")
+        if ds.started is not None:  # a step interrupted without its abandon (KeyboardInterrupt): drop it now
+            self.abandon()
+        ds.started = engine.micro_steps
         forward, first, counts, has_count, local_count = counted_forwards(
             plan, micro, run.step_key, engine, ds
         )
@@ -141,8 +158,22 @@ class DeepSpeedPhases(TrainPhases):
                     aux_sum[k] = v.detach().float() if k not in aux_sum else aux_sum[k] + v.detach().float()
             engine.backward(total * inv, scale_wrt_gas=False)
             engine.step()  # the update, at the last micro-batch (DeepSpeed counts them)
+        ds.started = None
         run.loss_sum, run.aux_sum, run.aux_count = loss_sum, aux_sum, n * ds.world
         run.skipped = engine.skipped_steps != skipped_before
+
+    def abandon(self) -> None:
+        """The step raised before its update: put the engine back as it was when the step began (its micro-step
+        counter, the optimizer's partial gradients; local, no collective). A failure to do so is kept: every
+        later step raises (`check`) instead of updating with what the failed step left."""
+        started, self.ds.started = self.ds.started, None
+        if started is None:  # the step raised before its first backward: nothing in the engine to drop
+            return
+        try:
+            drop_partial_step(self.ds.engine, started)
+        except Exception as e:
+            self.ds.broken = f"{type(e).__name__}: {e}"
+            raise
 
     def reduce(self, run: StepRun) -> None:
         assert isinstance(run, DeepSpeedStepRun) and run.loss_sum is not None and run.global_count is not None

@@ -52,3 +52,5 @@ class DeepSpeedRun:
     config: dict[str, Any]
     fp16: bool
     loss_has_count: bool | None = None  # does loss_fn return an af.Loss? (learnt on the first call)
+    started: int | None = None  # the engine's micro-step counter when the step in its backwards began
+    broken: str | None = None  # why a step that raised could not be dropped from the engine (steps refused)

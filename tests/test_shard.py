@@ -24,6 +24,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
         "ddp:moe:overlap", "ddp:moe", "fsdp:moe",                       # each rank uses a different expert
         "fsdp:moeacc",                                                  # ... in each micro-batch, reduce-scattered
         "fsdp:unusedbf16",                                              # a param no rank uses, bf16, no_sync
+        "fsdp:unreached",                                               # a unit's output in some ranks' loss
         "ddp:bn", "fsdp:bn",                                            # BatchNorm buffers as torch DDP
         "fsdp:guards",                                                  # what FSDP2 cannot do is refused
         "fsdp:gpt2:compile",                                            # compile per block, in place, then FSDP2
@@ -42,6 +43,7 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process_on_the_global_batch():
             "moe": f"OK {strategy} moe overlap={'overlap' in extra}",
             "moeacc": "OK fsdp moe-accumulate",
             "unusedbf16": "OK fsdp unused-bf16",
+            "unreached": "OK fsdp unreached",
             "bn": f"OK {strategy} bn-buffers",
             "guards": "OK fsdp guards",
             "bf16count": f"OK {strategy} bf16-count",

@@ -338,6 +338,93 @@ def check_unused_bf16(mesh):
     print(f"rank {mesh.rank}: OK fsdp unused-bf16", flush=True)
 
 
+class AuxHead(nn.Module):
+    """Three blocks of one shape (FSDP2 units of their own; the root holds no params): `blocks.0` feeds the main
+    output `blocks.1` and an auxiliary head `blocks.2`. (Of one shape, FSDP2's collectives on ranks whose backward
+    skips the head pair up, wrongly, instead of failing on their sizes or hanging.)"""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = torch.tanh(self.blocks[0](x))
+        aux = self.blocks[2](h)
+        return self.blocks[1](h), aux
+
+
+def _aux_loss(fill):
+    """The main loss, plus the auxiliary head's on the rows weighted `w` where a rank has any (`fill`: else
+    `0 * aux.sum()`, so that its output reaches the loss on every rank)."""
+
+    def loss_fn(m, b):
+        main, aux = m(b["x"])
+        loss = (main - b["y"]).pow(2).mean()
+        if bool(b["w"].any()):
+            return loss + (aux.pow(2).mean(1) * b["w"]).mean()
+        return loss + 0 * aux.sum() if fill else loss
+
+    return loss_fn
+
+
+def check_fsdp_unreached(mesh):
+    """Every rank runs the auxiliary head's unit, but its output reaches the loss on rank 0 only: FSDP2 would
+    reduce-scatter it on rank 1 from the backward's final callback, after the others (sums silently wrong).
+    Refused on every rank before the update, naming the unit (and the micro-batch); with `0 * aux.sum()` where
+    a rank has no auxiliary rows it equals one process on the global batch, with and without accumulation."""
+    g = torch.Generator().manual_seed(8)
+
+    def batch(w):
+        return {
+            "x": torch.randn(16, 8, generator=g),
+            "y": torch.randn(16, 8, generator=g),
+            "w": torch.tensor(w),
+        }
+
+    rank0_only = [1.0] * 8 + [0.0] * 8  # rank 0's rows 0-7, rank 1's 8-15
+    late = [1.0] * 12 + [0.0] * 4  # with 2 micro-batches of 4 rows per rank: rank 1's second has none
+    bad = {
+        "": (lambda s: s, rank0_only, "'blocks.2' on 1 of 2 ranks: it ran its forward on every rank"),
+        "acc": (lambda s: af.accumulate(s, 2), late, "'blocks.2' on 1 of 2 ranks in micro-batch 2"),
+        "nosync": (
+            lambda s: af.accumulate(s, 2, sync_each_microbatch=False),
+            late,
+            "'blocks.2' on 1 of 2 ranks:",
+        ),
+    }
+    for name, (wrap, w, text) in bad.items():
+        step = af.shard(wrap(af.train_step(_aux_loss(False), af.optim.sgd(0.1))), mesh, strategy="fsdp",
+                        inputs="global")  # fmt: skip
+        state = step.init(AuxHead())
+        before = full(state.params)
+        try:
+            step(state, batch(w))
+        except ValueError as e:
+            assert text in str(e) and "0 * out.sum()" in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"rank {mesh.rank} ({name}): expected an error containing {text!r}")
+        after = full(state.params)  # (FSDP2 updates its own params in place: the update did not run)
+        assert all(torch.equal(after[k], before[k]) for k in before), name
+
+    data = [batch([1.0] * 16), batch(rank0_only), batch(late)]
+    ref_step = af.train_step(_aux_loss(True), af.optim.sgd(0.1, momentum=0.9))
+    ref = ref_step.init(AuxHead())
+    for b in data:
+        ref, _ = ref_step(ref, b)
+    diffs = []
+    for wrap in (lambda s: s, lambda s: af.accumulate(s, 2)):
+        step = af.shard(wrap(af.train_step(_aux_loss(True), af.optim.sgd(0.1, momentum=0.9))), mesh,
+                        strategy="fsdp", inputs="global")  # fmt: skip
+        state = step.init(AuxHead())
+        for b in data:
+            state, _ = step(state, b)
+        params = full(state.params)
+        diffs.append(max((params[k] - ref.params[k]).abs().max().item() for k in ref.params))
+    assert max(diffs) <= 1e-6, f"rank {mesh.rank}: params differ from one process by {diffs}"
+    print(f"rank {mesh.rank}: OK fsdp unreached ({max(diffs):.1e})", flush=True)
+
+
 class Boom(Exception):
     pass
 
@@ -630,6 +717,13 @@ def check(strategy, extra, mesh):
             # micro-batch's reduce-scatters; with nosync the only one's)
             for ev in per_step_events:
                 assert ev.count("ar") == units and "ar" not in ev[: units * (micro - 1)], (ev, units, micro)
+    if strategy in ("fsdp", "hsdp") and model_kind == "gpt2":
+        # the hooks saw the backward reach every block (compiled, recomputed by remat, or not), in each reducing
+        # micro-batch: the check of a unit the backward reached on some ranks only is not vacuous here
+        sync = step.plan.grad_sync
+        reached = [[n for n, r in zip(sync.forwards.names, micro) if r] for micro in sync.reached]
+        blocks = [n for n in sync.forwards.names if n]  # (not the root: token ids need no gradient)
+        assert len(blocks) == 2 and reached == [blocks] * len(sync.reached) and reached, (reached, blocks)
     if strategy in ("fsdp", "hsdp"):
         local = sum(_l.numel() for _l in (v.to_local() for v in state.params.values()))
         total = sum(v.numel() for v in params.values())
@@ -663,6 +757,7 @@ SPECIAL = {
     "moe": lambda strategy, mesh, rest: check_moe(mesh, strategy, overlap="overlap" in rest),
     "moeacc": lambda strategy, mesh, rest: check_moe_fsdp_accumulate(mesh),
     "unusedbf16": lambda strategy, mesh, rest: check_unused_bf16(mesh),
+    "unreached": lambda strategy, mesh, rest: check_fsdp_unreached(mesh),
     "abort": lambda strategy, mesh, rest: check_abort(mesh, strategy, nosync="nosync" in rest),
     "bn": lambda strategy, mesh, rest: check_bn_buffers(mesh, strategy),
 }

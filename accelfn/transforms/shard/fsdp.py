@@ -7,8 +7,14 @@ another model's state, `donate=False`) is refused rather than silently ignored. 
 without a gradient (an expert only some ranks route to) is reduce-scattered as zeros
 (`set_reduce_scatter_unused_params`), so ranks may use different parameters of a unit. A whole FSDP2 unit (a
 block, a module list's item) whose forward runs on some ranks only is refused, naming it: FSDP2 reduce-scatters
-an unused unit's gradients after the backward, out of the other ranks' order. Buffers are broadcast from the
-first rank before each step, as with ddp.
+an unused unit's gradients after the backward, out of the other ranks' order. So is a unit whose forward runs
+everywhere but whose backward reaches it on some ranks only (its output reaches the loss on some ranks only, an
+auxiliary head added where a rank has labels for it): FSDP2 reduce-scatters a unit when the backward reaches its
+inputs, else from the backward's final callback, after the others. Both are found from hooks (a forward
+pre-hook per unit; gradient hooks on its inputs) whose per-unit flags ride in the one all-reduce that sums the
+loss, before the update: every rank raises, nothing is applied (best effort: where FSDP2's own all-gathers of
+the unit still pair up and the backward finishes). Fix: make its output reach the loss on every rank
+(`+ 0 * out.sum()`), or use ddp. Buffers are broadcast from the first rank before each step, as with ddp.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ... import dry_mode
 from ...dtensor import local_tensor
@@ -60,8 +67,9 @@ class FSDPSync(GradSync):
     # reduce-scatter each micro-batch's gradients (2-D units all-reduce only in the last): `af.accumulate`
     sync_each_microbatch: bool = True
     own: dict[str, torch.Tensor] = attrs.Factory(dict)  # the sharded parameters FSDP2 works with
-    forwards: _UnitForwards | None = None  # which FSDP2 units ran their forward since it was last read
+    forwards: _UnitForwards | None = None  # which FSDP2 units ran forward (or backward) since last read
     ran: list[list[bool]] = attrs.Factory(list)  # this step, per reducing micro-batch: units that ran
+    reached: list[list[bool]] = attrs.Factory(list)  # ... units whose inputs the backward reached
     unused: list[bool] = attrs.Factory(list)  # this step: which trainable params got no gradient
     names: tuple[str, ...] = ()  # the trainable params, as `unused` lists them
 
@@ -81,7 +89,8 @@ class FSDPSync(GradSync):
         broadcast_buffers(self.root, self.data_group)
         assert self.forwards is not None
         self.forwards.read()  # forwards before this step (an eval step's) are not this step's
-        self.ran, self.unused, self.names = [], [], ()
+        self.forwards.read_reached()
+        self.ran, self.reached, self.unused, self.names = [], [], [], ()
 
     def record_unused(self, names: tuple[str, ...], missing: set[str]) -> None:
         """Note which params got no gradient; `reduce` compares the ranks in its one collective. (FSDP2 gives
@@ -91,14 +100,16 @@ class FSDPSync(GradSync):
         self.names = names
 
     def _check_units(self, counts: torch.Tensor) -> None:
-        """Refuse a step in which an FSDP2 unit ran its forward on some ranks only (in a micro-batch whose
-        backward reduce-scatters): FSDP2 reduce-scatters such a unit's gradients after the backward on the
-        ranks that did not run it, so the ranks' reduce-scatters would pair up wrongly. (A parameter a rank
-        leaves without a gradient inside a unit that ran is reduce-scattered as zeros, in order.)"""
+        """Refuse a step in which an FSDP2 unit ran its forward on some ranks only, or the backward reached it on
+        some ranks only (in a micro-batch whose backward reduce-scatters): FSDP2 reduce-scatters such a unit's
+        gradients from the backward's final callback on the ranks the backward did not reach it on, after the
+        others, so the ranks' reduce-scatters would pair up wrongly. (A parameter a rank leaves without a
+        gradient inside a unit that the backward reached is reduce-scattered as zeros, in order.)"""
         assert self.forwards is not None
         ranks = dist.get_world_size(self.data_group)
         units = self.forwards.names
-        per_unit = counts[len(self.unused) :].tolist()
+        n_ran = sum(len(micro) for micro in self.ran)
+        per_unit = counts[len(self.unused) : len(self.unused) + n_ran].tolist()
         for i, c in enumerate(per_unit):
             if 0 < c < ranks:
                 micro, unit = divmod(i, len(units))
@@ -110,6 +121,19 @@ class FSDPSync(GradSync):
                     "sums would pair up wrongly: call the module on every rank (on zero rows where none route "
                     "to it; params a rank leaves unused inside a unit that ran are reduce-scattered as zeros), "
                     "or use strategy='ddp'"
+                )
+        reached = counts[len(self.unused) + n_ran :].tolist()
+        for i, c in enumerate(reached):
+            if 0 < c < ranks:
+                micro, unit = divmod(i, len(units))
+                where = f" in micro-batch {micro + 1}" if len(reached) > len(units) else ""
+                raise ValueError(
+                    f"shard(strategy='fsdp'): the backward reached the FSDP2 unit {units[unit] or '(the root)'!r} on "
+                    f"{int(c)} of {ranks} ranks{where}: it ran its forward on every rank, but its output reaches the "
+                    "loss on some only (e.g. an auxiliary head added to the loss where a rank has labels for it). "
+                    "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' sums "
+                    "would pair up wrongly: make its output reach the loss on every rank (add `0 * out.sum()` "
+                    "where it is not used), or use strategy='ddp'"
                 )
         differ = [n for n, c in zip(self.names, counts[: len(self.unused)].tolist()) if 0 < c < ranks]
         if differ:
@@ -135,12 +159,17 @@ class FSDPSync(GradSync):
             self.root.set_requires_all_reduce(False)  # type: ignore[operator]  # an FSDPModule (1-D units: no-op)
         elif not last:
             self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.forwards.read_reached()
         try:
             yield
+            reached = self.forwards.read_reached()  # the units whose inputs this backward reached
+            if last or self.sync_each_microbatch:
+                self.reached.append([n in reached for n in self.forwards.names])
             if not last and not self.sync_each_microbatch:  # held until the last: gradients in a dry run
                 dry_mode.gradients(_unsharded_grads(self.root))
         finally:
             self.forwards.read()  # forwards the backward ran again (activation checkpointing): not the next one's
+            self.forwards.read_reached()
             if not last and self.sync_each_microbatch:
                 self.root.set_requires_all_reduce(True)  # type: ignore[operator]
             elif not last:
@@ -167,6 +196,7 @@ class FSDPSync(GradSync):
             p.grad = None
         assert self.forwards is not None
         self.forwards.read()
+        self.forwards.read_reached()
 
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
@@ -175,9 +205,13 @@ class FSDPSync(GradSync):
         if not self.ran:  # no micro-batch contexts (a pipeline's schedule ran the backwards): its forwards
             ran = self.forwards.read()
             self.ran.append([n in ran for n in self.forwards.names])
-        # summed: on how many ranks each param got no gradient, and each unit ran (per reducing micro-batch)
+            # (not whether its backwards reached each unit: torch's stage reduce-scatters every unit after them)
+            self.forwards.read_reached()
+        # summed: on how many ranks each param got no gradient, each unit ran, and the backward reached each
+        # unit (per reducing micro-batch)
         flags = torch.tensor(
-            [float(u) for u in self.unused] + [float(r) for micro in self.ran for r in micro]
+            [float(u) for u in self.unused]
+            + [float(r) for micro in (*self.ran, *self.reached) for r in micro]
         )
         flat = torch.cat([torch.stack([loss_sum.detach().float().reshape(()), count.detach().float().reshape(())]),
                           flags.to(loss_sum.device)])  # fmt: skip
@@ -215,8 +249,16 @@ class FSDPSync(GradSync):
 
 
 class _UnitForwards:
-    """Which FSDP2 units (the sharded modules holding params) ran their forward since `read` last asked: a
-    forward pre-hook on each, registered once per sharded model and shared by its steps' `FSDPSync`s."""
+    """Which FSDP2 units (the sharded modules holding params) ran their forward since `read` last asked, and
+    which ones a backward reached since `read_reached` did: a forward pre-hook on each, registered once per
+    sharded model and shared by its steps' `FSDPSync`s.
+
+    "Reached" is what makes FSDP2 reduce-scatter a unit during the backward rather than from its final callback:
+    a gradient arriving at one of the unit's inputs that require one, as FSDP2's pre-forward returns them (its
+    post-backward hook's outputs; the pre-hook runs after FSDP2's, which is prepended). A unit whose inputs
+    require no gradient (the root, on token ids) is reduce-scattered from the final callback on every rank, and
+    never counts as reached. Forwards run again inside a backward (activation checkpointing) hook nothing.
+    """
 
     def __init__(self, root: nn.Module) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -227,20 +269,35 @@ class _UnitForwards:
             if isinstance(m, FSDPModule) and next(_unit_params(m), None)  # type: ignore[arg-type]
         ]
         self.ran: set[str] = set()
+        self.reached: set[str] = set()
         modules = dict(root.named_modules())
         for name in self.names:
-            modules[name].register_forward_pre_hook(self._hook(name))
+            modules[name].register_forward_pre_hook(self._hook(name), with_kwargs=True)
 
     def _hook(self, name: str) -> Callable[..., None]:
+        def reached(grad: torch.Tensor) -> None:
+            self.reached.add(name)
+
         @torch._dynamo.disable  # type: ignore[untyped-decorator]  # a compiled block's hooks: not traced
-        def ran(module: nn.Module, args: object) -> None:
+        def ran(module: nn.Module, args: object, kwargs: object) -> None:
             self.ran.add(name)
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # (a recomputation)
+                return
+            # (not on a leaf: its hook would outlive the step)
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(reached)
 
         return ran
 
     def read(self) -> set[str]:
         """The units that ran since the last call."""
         out, self.ran = self.ran, set()
+        return out
+
+    def read_reached(self) -> set[str]:
+        """The units a backward reached since the last call."""
+        out, self.reached = self.reached, set()
         return out
 
     @classmethod

@@ -750,3 +750,23 @@ def test_the_micro_batch_search_of_a_pipeline_tries_only_batches_its_micro_batch
         report = af.dry_run(LLAMA, args, nproc_per_node=4, gpu="h100-sxm", mesh="pp=2,dp=2")
         assert not report.errors, (extra, report.errors)
         assert report.micro_batch == 2 and report.max_micro_batch is not None and report.max_micro_batch > 2
+
+
+def test_a_pipeline_under_fsdp_counts_its_held_unsharded_gradients_as_gradients_not_activations() -> None:
+    """torch's schedules turn FSDP2's gradient sync off for every backward but the last, so a stage holds its
+    unsharded fp32 gradients across micro-batches: they were counted as the activations of the modules whose
+    backward made them (an 8B block at sequence 8192 seemed to add 0.94 GiB of activations under full remat).
+    With full remat, a block more per stage adds its input per micro-batch in flight (1F1B at pp=2: 2 on the
+    first stage) to the activations, and its unsharded gradient to the gradients."""
+
+    def run(layers: int) -> Any:
+        args = ("--model", "tiny", "--layers", str(layers), "--remat", "full", "--seq-len", "1024", "--bf16",
+                "--strategy", "fsdp", "--batch-size", "4", "--microbatches", "4", "--schedule", "1f1b")  # fmt: skip
+        return af.dry_run(LLAMA, args, nproc_per_node=8, gpu="h100-sxm", mesh="pp=2,dp=4", search=False)
+
+    two, four = run(2), run(4)  # 1 and 2 blocks per stage
+    block_input = 1024 * 128 * 2  # a micro-batch of 1 sequence, hidden 128, bf16
+    grown = four.at_peak["activations"] - two.at_peak["activations"]
+    assert abs(grown - 2 * block_input) < block_input // 4, (grown, 2 * block_input)
+    block = sum(p.numel() for p in _tiny_llama().model.layers[0].parameters())
+    assert four.at_peak["grads"] - two.at_peak["grads"] >= 4 * block  # fp32, unsharded

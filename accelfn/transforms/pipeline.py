@@ -507,6 +507,18 @@ def _make_stage_class() -> type:
         def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
             return self._sync.run_stage(self.stage_index, *args, **kwargs)
 
+        def backward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().backward_maybe_with_nosync(*args, **kwargs)
+            if dry_mode.active() is not None:
+                # torch's stage turns FSDP2's gradient sync and reshard off for every backward but the step's
+                # last: the stage's unsharded gradients (in the reduce dtype) are held from the first backward
+                # to the end of the step, gradients in a dry run's memory, not the activations of the modules
+                # whose backward made them
+                from .shard.fsdp import _unsharded_grads
+
+                dry_mode.gradients(_unsharded_grads(self.submod))
+            return out
+
         def _warmup_forward_vote(self, has_backward: bool, received_acc: Any = None) -> Any:
             return _STATIC
 

@@ -97,3 +97,21 @@ def test_a_tp_mesh_waits_for_its_gathers_where_a_data_parallel_one_of_the_same_c
     assert step_floor(1.0, states, crit_dp) == 1.0
     fp8 = critical_traffic(tp, decoder, 64 * 8192, H100, 8, autocast=True, fp8_gathers=True)
     assert fp8.intra < crit_tp.intra  # the blocks' gathers in fp8
+
+
+def test_a_deferred_job_runs_after_the_others_once() -> None:
+    """`Pool.map`'s `skip` may defer a job (`{"defer": True}`: a candidate whose estimate, corrected by a
+    measured one of its split, is above the memory): it comes after every other pending job, and is asked
+    again then; a second deferral does not loop (it would run)."""
+    jobs = [Job(f"s{i}.py", (), 1, 1) for i in range(3)]
+    asked: list[str] = []
+
+    def skip(job: Job) -> dict[str, object]:
+        asked.append(job.script)
+        if job is jobs[0] and asked.count(job.script) == 1:
+            return {"defer": True}
+        return {"fell": "test", "why": job.script}
+
+    pool = Pool(1)  # (no worker processes: skip answers every job here)
+    order = [job.script for job, _ in pool.map(jobs, skip=skip)]
+    assert order == ["s1.py", "s2.py", "s0.py"] and asked == ["s0.py", "s1.py", "s2.py", "s0.py"]

@@ -132,8 +132,19 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
     tp x pp (a stage holds at least the average) and the strategy's shards (ZeRO: each state by its stage,
     `zero_shards`); with an `ep` axis, the experts' part (`totals.experts`) over their own split
     (`expert_shards`), or without that part known, the whole over the larger of the two splits; offloaded
-    optimizer state is on the host. `script_strategy`: the strategy the script fixes (`lowered_strategy` of its
-    probe), for a candidate that sets none; None where unknown (then as fsdp, the finest split)."""
+    optimizer state is on the host; under a pipeline the gradients are held unsharded over the data axes
+    (torch's pipeline stage syncs them in the step's last backward only: 4 bytes per param of the stage in
+    fp32, which no remat or micro-batch count reduces). `script_strategy`: the strategy the script fixes
+    (`lowered_strategy` of its probe), for a candidate that sets none; None where unknown (then as fsdp, the
+    finest split).
+
+    Example:
+        >>> totals = States(params=4 * 10**9, grads=4 * 10**9, optimizer=8 * 10**9)
+        >>> states_bound(Candidate({"dp": 8}, "fsdp"), totals, script_strategy=None) // 10**6
+        2000
+        >>> states_bound(Candidate({"pp": 2, "dp": 4}, "fsdp"), totals, script_strategy=None) // 10**6  # + 2 GB
+        3500
+    """
     strategy = c.strategy or script_strategy
     model = c.mesh.get("tp", 1) * c.mesh.get("pp", 1)
     optimizer = 0 if c.offload == "optimizer" else totals.optimizer
@@ -141,13 +152,28 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
         p, g, o = zero_shards(strategy, c.mesh)
         return totals.params // (model * p) + totals.grads // (model * g) + optimizer // (model * o)
     ways = shards(strategy, c.mesh)
+    # under a pipeline the stage holds its gradients unsharded over the data axes until the step's last
+    # backward (torch's stage turns FSDP2's gradient sync off for the others: `backward_maybe_with_nosync`)
+    pipelined = c.mesh.get("pp", 1) > 1
+    grad_ways = 1 if pipelined else ways
+    kept = totals.params + optimizer
     if c.mesh.get("ep", 1) == 1:
-        return (totals.params + totals.grads + optimizer) // (model * ways)
+        return kept // (model * ways) + totals.grads // (model * grad_ways)
     experts = expert_shards(strategy, c.mesh)
+    expert_grad_ways = c.mesh.get("ep", 1) * c.mesh.get("cp", 1) if pipelined else experts
     if not totals.experts:  # which bytes are experts is not known: the finer split for all
-        return (totals.params + totals.grads + optimizer) // (model * max(ways, experts))
-    dense, expert = totals.split(optimizer)
-    return dense // (model * ways) + expert // (model * experts)
+        return kept // (model * max(ways, experts)) + totals.grads // (
+            model * max(grad_ways, expert_grad_ways)
+        )
+    share = min(1.0, totals.experts / totals.params) if totals.params else 0.0
+    dense_g, expert_g = int(totals.grads * (1 - share)), int(totals.grads * share)
+    dense, expert = int(kept * (1 - share)), int(kept * share)
+    return (
+        dense // (model * ways)
+        + expert // (model * experts)
+        + dense_g // (model * grad_ways)
+        + expert_g // (model * expert_grad_ways)
+    )
 
 
 def illegal(c: Candidate, script_strategy: str | None = None) -> str | None:

@@ -287,14 +287,18 @@ class Pool:
         before it found), returns the result to yield instead of running it (None: run it). A job for which
         `wait(job)` is true while others run is started after them (the first pending job not waiting runs
         meanwhile): its verdict may depend on theirs. `then=(switch, order)`: once `switch()` is true, the jobs
-        not yet started go in `order`'s order (the same jobs, another order)."""
+        not yet started go in `order`'s order (the same jobs, another order). A `skip` verdict `{"defer": True}`
+        puts the job after every other pending one, once (asked again when it comes round, it runs unless
+        skipped otherwise)."""
         pending = list(jobs)
         running: dict[cf.Future[dict[str, Any]], Job] = {}
         width = self.workers if self._pool is not None else 1
+        deferred: set[Job] = set()
         while pending or running:
             if then is not None and then[0]():
                 left = set(pending)
-                pending = [j for j in then[1] if j in left]
+                pending = [j for j in then[1] if j in left and j not in deferred]
+                pending += [j for j in then[1] if j in left and j in deferred]
                 then = None
             while pending and len(running) < width:
                 # the first pending job not waiting (a scan that stops there: thousands of jobs may be pending)
@@ -305,6 +309,12 @@ class Pool:
                     break
                 job = pending.pop(ready)
                 verdict = skip(job) if skip is not None else None
+                if verdict is not None and verdict.get("defer"):
+                    if job not in deferred:  # after the others, once
+                        deferred.add(job)
+                        pending.append(job)
+                        continue
+                    verdict = None
                 if verdict is not None:
                     yield job, verdict
                 elif deadline is not None and time.monotonic() > (

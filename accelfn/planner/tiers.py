@@ -334,6 +334,10 @@ def plan(
         fitting: dict[tuple[object, ...], int] = {}
         # by memory group: the candidates measured not to fit (those needing at least their memory cannot)
         too_big: dict[tuple[object, ...], list[Row]] = {}
+        # (pp, tp, cp, remat): the largest measured peak's activations over the estimate's (`estimate`), by the
+        # split of the model, which the estimate's share scales alike: a later candidate of that split whose
+        # estimate so corrected is above the usable memory runs after the others (an order, not a pruning)
+        activation_ratio: dict[tuple[object, ...], float] = {}
         # by memory group: its most frugal candidate, until measured (the rest of the group waits for it)
         frugal: dict[tuple[object, ...], Candidate] = {}
         best: list[float] = []  # the best fitting step time so far
@@ -446,6 +450,9 @@ def plan(
                 least, what = least_time(c)
                 if least > best[0]:
                     return {"fell": "time bound", "why": f"{what}, the best so far {_ms(best[0])} ms"}
+            ratio = activation_ratio.get(_split_key(c))
+            if ratio is not None and estimate(c, ratio) > capacity:
+                return {"defer": True}
             return None
 
         def waits(job: Job) -> bool:
@@ -511,6 +518,10 @@ def plan(
             row = Row.of(c, report)
             if band is not None and row.error_band is None:
                 row = attrs.evolve(row, error_band=band)
+            expected = estimate(c) - states_bound(c, totals, script_strategy=None)
+            if row.peak and expected > 0:
+                ratio = max(0.0, row.peak - states_bound(c, totals, script_strategy=None)) / expected
+                activation_ratio[_split_key(c)] = max(activation_ratio.get(_split_key(c), 0.0), ratio)
             if row.fits is False:
                 unfit.append(row)
                 too_big.setdefault(memory_group(c), []).append(row)
@@ -531,10 +542,11 @@ def plan(
         described = probe["report"].get("strategy", "")
         gather_ratio = 2.0 if "autocast(" in described else 1.0
 
-        def estimate(c: Candidate) -> float:
-            """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations."""
+        def estimate(c: Candidate, ratio: float = 1.0) -> float:
+            """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations
+            (times `ratio`: what a measured candidate of its split held over its estimate)."""
             bound = states_bound(c, totals, script_strategy=None)
-            return bound + activations * activation_share(c)
+            return bound + activations * activation_share(c) * ratio
 
         decoder = probe.get("decoder") or {}
         fp8_gathers = gathers_in_fp8(described)
@@ -681,6 +693,17 @@ def _ms(seconds: float) -> str:
 def _rank(r: Row) -> tuple[float, float, int]:
     """Best first: tokens/s per GPU, then the step time, then the peak."""
     return (-(r.tokens_per_s_per_gpu or 0.0), r.step_time_s or 0.0, r.peak)
+
+
+def _split_key(c: Candidate) -> tuple[object, ...]:
+    """What decides how far `memory.activation_share` misses a candidate's activations: the model's split (pp,
+    tp, cp; the schedule's in-flight micro-batches it counts) and the remat.
+
+    Example:
+        >>> _split_key(Candidate({"pp": 2, "dp": 4}, "fsdp", "full", accumulate=2))
+        (2, 1, 1, 'full')
+    """
+    return c.mesh.get("pp", 1), c.mesh.get("tp", 1), c.mesh.get("cp", 1), c.remat
 
 
 def _group(c: Candidate) -> tuple[object, ...]:

@@ -115,3 +115,18 @@ def test_a_deferred_job_runs_after_the_others_once() -> None:
     pool = Pool(1)  # (no worker processes: skip answers every job here)
     order = [job.script for job, _ in pool.map(jobs, skip=skip)]
     assert order == ["s1.py", "s2.py", "s0.py"] and asked == ["s0.py", "s1.py", "s2.py", "s0.py"]
+
+
+def test_a_pipelines_bound_counts_the_experts_gradients_at_their_split_where_only_they_train() -> None:
+    """An expert-only fine-tune (the experts 90% of the params and all of the gradients) at pp=2, ep=8: the
+    states bound holds a stage's gradients unsharded over the data axes but split over ep, so its gradients'
+    part is at most the experts' over pp x ep (E / 16), not a dense share of them held whole."""
+    from accelfn.planner.prune import States, states_bound
+
+    params = 10**10
+    experts = int(0.9 * params)
+    c = Candidate({"pp": 2, "dp": 1, "ep": 8}, "fsdp", accumulate=1, pipeline_microbatches=2)
+    with_grads = States(params=params, grads=experts, optimizer=2 * experts, experts=experts)
+    without = States(params=params, grads=0, optimizer=2 * experts, experts=experts)
+    held = states_bound(c, with_grads, script_strategy=None) - states_bound(c, without, script_strategy=None)
+    assert held <= experts // 16 + 1

@@ -118,14 +118,14 @@ def critical_traffic(
     blocks, hidden = int(decoder.get("blocks", 0)), int(decoder.get("hidden", 0))
     if (tp == 1 and cp == 1) or not (blocks and hidden and tokens):
         return t
-    micro = (c.accumulate or 1) * ((c.pipeline_microbatches or 1) if pp > 1 else 1)
+    micro = (c.accumulate or 1) * ((c.pipeline_microbatches or pp) if pp > 1 else 1)
     rows = tokens / (data_size(mesh) * cp) / micro  # a micro-batch's tokens on this rank's cp part
     act = 2 if autocast else int(decoder.get("bytes", 4))
     stage = math.ceil(blocks / pp)
     remat = c.remat if c.remat is not None else script_remat
     args: dict[str, Any] = remat_args(remat) if remat not in (None, "none") else {"policy": "", "every": 1}
     policy, every = str(args["policy"]), int(args["every"])
-    again = math.ceil(stage / every) if policy in ("full", "selective") else 0  # recomputed blocks
+    again = stage // every if policy in ("full", "selective") else 0  # recomputed: blocks every, 2 every, ...
 
     def add(kind: str, nbytes: float, axis: str, times: int) -> None:
         t.add(kind, nbytes, (axis,), mesh, device, nproc_per_node, times * micro)

@@ -166,8 +166,11 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
             model * max(grad_ways, expert_grad_ways)
         )
     share = min(1.0, totals.experts / totals.params) if totals.params else 0.0
-    dense_g, expert_g = int(totals.grads * (1 - share)), int(totals.grads * share)
     dense, expert = int(kept * (1 - share)), int(kept * share)
+    # the grads are the trainable params' only: as many of their bytes as the experts' are counted as experts'
+    # (the finer split; all of them where only the experts train), so that the bound stays a lower bound
+    expert_g = min(totals.grads, totals.experts)
+    dense_g = totals.grads - expert_g
     return (
         dense // (model * ways)
         + expert // (model * experts)

@@ -334,9 +334,10 @@ def plan(
         fitting: dict[tuple[object, ...], int] = {}
         # by memory group: the candidates measured not to fit (those needing at least their memory cannot)
         too_big: dict[tuple[object, ...], list[Row]] = {}
-        # (pp, tp, cp, remat): the largest measured peak's activations over the estimate's (`estimate`), by the
-        # split of the model, which the estimate's share scales alike: a later candidate of that split whose
-        # estimate so corrected is above the usable memory runs after the others (an order, not a pruning)
+        # (pp, tp, cp, remat): the largest activations (peak less states) of a candidate measured not to fit over
+        # the estimate's (`estimate`), by the split of the model, which the estimate's share scales alike: a later
+        # candidate of that split whose estimate so corrected is above the usable memory runs after the others
+        # (an order, not a pruning)
         activation_ratio: dict[tuple[object, ...], float] = {}
         # by memory group: its most frugal candidate, until measured (the rest of the group waits for it)
         frugal: dict[tuple[object, ...], Candidate] = {}
@@ -518,9 +519,12 @@ def plan(
             row = Row.of(c, report)
             if band is not None and row.error_band is None:
                 row = attrs.evolve(row, error_band=band)
-            expected = estimate(c) - states_bound(c, totals, script_strategy=None)
-            if row.peak and expected > 0:
-                ratio = max(0.0, row.peak - states_bound(c, totals, script_strategy=None)) / expected
+            expected = activations * activation_share(c)
+            if row.fits is False and row.peak and row.states and expected > 0:
+                # (only from candidates that did not fit: where one fits, a higher ratio would only defer the
+                # rest, and a fitting row's fixed overheads, FSDP's gathered blocks, over its smallest activations
+                # would inflate it)
+                ratio = max(0.0, row.peak - row.states) / expected
                 activation_ratio[_split_key(c)] = max(activation_ratio.get(_split_key(c), 0.0), ratio)
             if row.fits is False:
                 unfit.append(row)

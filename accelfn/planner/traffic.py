@@ -20,9 +20,8 @@ af.autocast, FSDP's bf16 copy of fp32 params; as held otherwise), grads reduced 
 under af.autocast: FSDP's reduce_dtype; DDP and DeepSpeed reduce them as they are). Padding is not counted (FSDP
 pads each param's first dim to the shard count: the tiny test models' 4 experts over 8 ranks move twice their
 bytes), nor ZeRO-3's extra gathers (its dry run gathers about 1.2x fsdp's bytes). The step waits for a link's collectives at least as long as they take together (the dry run
-serves each link's collectives one after another), so `step_floor` is the larger of the compute with the
-collectives on the critical path (tp's and cp's, `critical`, and the routed all-to-alls) and the busiest link's
-traffic. The planner orders its dry runs by it: a mesh that
+serves each link's collectives one after another), so `step_floor` is the larger of the compute with tp's and
+cp's collectives on the critical path (`critical`) and the busiest link's traffic. The planner orders its dry runs by it: a mesh that
 splits the experts over few ranks gathers most of them every micro-batch (DeepSeek-V3 on 256: `dp=16,ep=2,tp=8`
 moves ~2x the bytes of `dp=8,ep=32`), which its compute alone does not show. An estimate for the order, not a
 bound the planner prunes by (a script's own sync choice or wrapping may move less).
@@ -170,19 +169,16 @@ def traffic_of(
     return t
 
 
-def step_floor(
-    compute_s: float, states: Traffic, critical: Traffic | None = None, waits_s: float = 0.0
-) -> float:
-    """What a step takes at least as the dry run replays it: the compute (and bubble) plus what waits on the
-    critical path (`critical`: tp's and cp's collectives, `critical.critical_traffic`; `waits_s`: the routed
-    all-to-alls, `prune.routed_bound`), or the busier link's traffic (the states' gathers and reductions, which
-    overlap the compute, and the critical collectives on the same link), whichever is longer.
+def step_floor(compute_s: float, states: Traffic, critical: Traffic | None = None) -> float:
+    """What a step takes at least as the dry run replays it: the compute (and bubble) plus tp's and cp's
+    collectives on the critical path (`critical`, `critical.critical_traffic`), or the busier link's traffic
+    (the states' gathers and reductions, which overlap the compute, and the critical collectives on the same
+    link), whichever is longer. (Not the routed all-to-alls, also on the critical path: the planner's order
+    leaves them out, `tiers.plan`'s `promise`.)
 
     Example:
-        >>> step_floor(2.0, Traffic(intra=3.0)), step_floor(2.0, Traffic(intra=1.5), Traffic(intra=0.5), 0.25)
-        (3.0, 2.75)
+        >>> step_floor(2.0, Traffic(intra=3.0)), step_floor(2.0, Traffic(intra=1.5), Traffic(intra=0.5))
+        (3.0, 2.5)
     """
     crit = critical if critical is not None else Traffic()
-    return max(
-        compute_s + crit.intra + crit.inter + waits_s, states.intra + crit.intra, states.inter + crit.inter
-    )
+    return max(compute_s + crit.intra + crit.inter, states.intra + crit.intra, states.inter + crit.inter)

@@ -76,14 +76,6 @@ class States:
             experts=experts,
         )
 
-    def split(self, optimizer: int) -> tuple[int, int]:
-        """(dense, experts): the bytes of params, grads and `optimizer` (the state counted) of the dense layers
-        and of the experts, each state split as the params are (grads and optimizer state follow their param)."""
-        whole = self.params + self.grads + optimizer
-        share = min(1.0, self.experts / self.params) if self.params else 0.0
-        experts = int(whole * share)
-        return whole - experts, experts
-
 
 def shards(strategy: str | None, mesh: dict[str, int]) -> int:
     """Over how many ranks a data-parallel `strategy` splits the states: fsdp over the data axes and cp, hsdp

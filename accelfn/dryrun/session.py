@@ -135,7 +135,7 @@ class Session(dry_mode.Watcher):
 
     def gradients(self, tensors: Any) -> None:
         if self.tracker is not None:
-            self.tracker.label(tensors, "grads")
+            self.tracker.label(tensors, "grads", known_only=True)  # (a relabelling: nothing allocated here)
 
     def keeps_process_group(self) -> bool:
         return True  # the search after a script ended runs its steps on their groups (`finish`)

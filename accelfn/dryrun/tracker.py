@@ -724,12 +724,18 @@ class StepTracker(TorchDispatchMode):
         return out
 
     # ---- after the step ----------------------------------------------------------------------------------------
-    def label(self, tensors: Iterable[Any], category: str) -> int:
-        """Give the storages of `tensors` (live now) `category`; returns their bytes, each storage once."""
+    def label(self, tensors: Iterable[Any], category: str, known_only: bool = False) -> int:
+        """Give the storages of `tensors` (live now) `category`; returns their bytes, each storage once.
+        `known_only`: only storages the tracker has seen allocated (a relabelling: one it has not seen is not
+        counted as allocated now)."""
         seen: set[int] = set()
         total = 0
         for t in _memory_tensors(tensors):
-            rec = self._see(t)
+            if known_only:
+                st = _held_storage(t, self._fake_mode)
+                rec = self._live.get(st._cdata) if st is not None else None
+            else:
+                rec = self._see(t)
             if rec is None or id(rec) in seen:
                 continue
             seen.add(id(rec))

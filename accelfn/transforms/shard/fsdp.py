@@ -109,32 +109,28 @@ class FSDPSync(GradSync):
         ranks = dist.get_world_size(self.data_group)
         units = self.forwards.names
         n_ran = sum(len(micro) for micro in self.ran)
-        per_unit = counts[len(self.unused) : len(self.unused) + n_ran].tolist()
-        for i, c in enumerate(per_unit):
-            if 0 < c < ranks:
-                micro, unit = divmod(i, len(units))
-                where = f" in micro-batch {micro + 1}" if len(per_unit) > len(units) else ""
-                raise ValueError(
-                    f"shard(strategy='fsdp'): the FSDP2 unit {units[unit] or '(the root)'!r} ran its forward on "
-                    f"some ranks and not on others{where} (e.g. an expert module only some ranks route to). "
-                    "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' "
-                    "sums would pair up wrongly: call the module on every rank (on zero rows where none route "
-                    "to it; params a rank leaves unused inside a unit that ran are reduce-scattered as zeros), "
-                    "or use strategy='ddp'"
-                )
-        reached = counts[len(self.unused) + n_ran :].tolist()
-        for i, c in enumerate(reached):
-            if 0 < c < ranks:
-                micro, unit = divmod(i, len(units))
-                where = f" in micro-batch {micro + 1}" if len(reached) > len(units) else ""
-                raise ValueError(
-                    f"shard(strategy='fsdp'): the backward reached the FSDP2 unit {units[unit] or '(the root)'!r} on "
-                    f"{int(c)} of {ranks} ranks{where}: it ran its forward on every rank, but its output reaches the "
-                    "loss on some only (e.g. an auxiliary head added to the loss where a rank has labels for it). "
-                    "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' sums "
-                    "would pair up wrongly: make its output reach the loss on every rank (add `0 * out.sum()` "
-                    "where it is not used), or use strategy='ddp'"
-                )
+        ran = _some_ranks(counts[len(self.unused) : len(self.unused) + n_ran].tolist(), units, ranks)
+        if ran is not None:
+            unit, where, _ = ran
+            raise ValueError(
+                f"shard(strategy='fsdp'): the FSDP2 unit {unit!r} ran its forward on "
+                f"some ranks and not on others{where} (e.g. an expert module only some ranks route to). "
+                "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' "
+                "sums would pair up wrongly: call the module on every rank (on zero rows where none route "
+                "to it; params a rank leaves unused inside a unit that ran are reduce-scattered as zeros), "
+                "or use strategy='ddp'"
+            )
+        reached = _some_ranks(counts[len(self.unused) + n_ran :].tolist(), units, ranks)
+        if reached is not None:
+            unit, where, c = reached
+            raise ValueError(
+                f"shard(strategy='fsdp'): the backward reached the FSDP2 unit {unit!r} on "
+                f"{c} of {ranks} ranks{where}: it ran its forward on every rank, but its output reaches the "
+                "loss on some only (e.g. an auxiliary head added to the loss where a rank has labels for it). "
+                "FSDP2 reduce-scatters a unit the backward did not reach after the others, so the ranks' sums "
+                "would pair up wrongly: make its output reach the loss on every rank (add `0 * out.sum()` "
+                "where it is not used), or use strategy='ddp'"
+            )
         differ = [n for n, c in zip(self.names, counts[: len(self.unused)].tolist()) if 0 < c < ranks]
         if differ:
             raise ValueError(
@@ -246,6 +242,17 @@ class FSDPSync(GradSync):
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         return max_over(x, self.data_group)
+
+
+def _some_ranks(counts: list[float], units: list[str], ranks: int) -> tuple[str, str, int] | None:
+    """The first unit whose flag (summed over the `ranks`, one per unit per reducing micro-batch) is set on some
+    ranks only: `(its name, " in micro-batch k" where there are several, on how many ranks)`; None if none."""
+    for i, c in enumerate(counts):
+        if 0 < c < ranks:
+            micro, unit = divmod(i, len(units))
+            where = f" in micro-batch {micro + 1}" if len(counts) > len(units) else ""
+            return units[unit] or "(the root)", where, int(c)
+    return None
 
 
 class _UnitForwards:

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from torch import nn
@@ -91,8 +92,12 @@ def gathers_in_fp8(strategy: str) -> bool:
         True
         >>> gathers_in_fp8("Step(... -> autocast_fp8(backend='torchao', recipe='rowwise') -> ...  [in fp8 (torchao)])")
         False
+        >>> gathers_in_fp8("Step(... -> autocast_fp8(recipe='rowwise_with_gw_hp') -> ...  [in fp8 (torchao)])")
+        False
     """
-    return "autocast_fp8(" in strategy and "fp8 (torchao)" in strategy and "recipe='rowwise'" not in strategy
+    recipe = re.search(r"recipe='(\w+)'", strategy)
+    tensorwise = recipe is None or recipe.group(1) == "tensorwise"
+    return "autocast_fp8(" in strategy and "fp8 (torchao)" in strategy and tensorwise
 
 
 def critical_traffic(

@@ -37,6 +37,8 @@ ACCELFN_ACCUMULATE = "ACCELFN_ACCUMULATE"  # micro-batches per step (af.accumula
 ACCELFN_GLOBAL_BATCH_SIZE = "ACCELFN_GLOBAL_BATCH_SIZE"  # samples per step over all data-parallel ranks
 ACCELFN_PIPELINE_SCHEDULE = "ACCELFN_PIPELINE_SCHEDULE"  # af.pipeline's schedule, e.g. 1f1b
 ACCELFN_PIPELINE_MICROBATCHES = "ACCELFN_PIPELINE_MICROBATCHES"  # af.pipeline's micro-batches per step
+# af.pipeline's sync_each_microbatch (fsdp/hsdp: reduce-scatter each micro-batch's gradients): true|false
+ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH = "ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH"
 ACCELFN_OFFLOAD = "ACCELFN_OFFLOAD"  # af.offload: none|optimizer
 ACCELFN_COMPILE = "ACCELFN_COMPILE"  # af.compile: none|step|blocks
 
@@ -65,6 +67,7 @@ ACCELFN_VARIABLES = (
     ACCELFN_GLOBAL_BATCH_SIZE,
     ACCELFN_PIPELINE_SCHEDULE,
     ACCELFN_PIPELINE_MICROBATCHES,
+    ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH,
     ACCELFN_OFFLOAD,
     ACCELFN_COMPILE,
 )
@@ -233,6 +236,7 @@ KNOBS: dict[str, tuple[str, tuple[str, ...] | type]] = {
     "global_batch_size": (ACCELFN_GLOBAL_BATCH_SIZE, int),
     "pipeline_schedule": (ACCELFN_PIPELINE_SCHEDULE, str),
     "pipeline_microbatches": (ACCELFN_PIPELINE_MICROBATCHES, int),
+    "pipeline_sync_each_microbatch": (ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH, bool),
     "offload": (ACCELFN_OFFLOAD, OFFLOAD),
     "compile": (ACCELFN_COMPILE, COMPILE),
 }
@@ -241,8 +245,8 @@ ASKED: set[str] = set()
 
 
 def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str | int:
-    """A knob's value from its text (an int for the counts; remat as `parse_remat`), checked; `source` names
-    the culprit in errors.
+    """A knob's value from its text (an int for the counts, a bool for true|false; remat as `parse_remat`),
+    checked; `source` names the culprit in errors.
 
     Example:
         >>> parse_knob("accumulate", "4"), parse_knob("remat", "selective"), parse_knob("remat", "full:2")
@@ -252,6 +256,13 @@ def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str |
         raise ValueError(f"unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
     var, allowed = KNOBS[name]
     where = source or var
+    if allowed is bool:  # true|false (YAML's booleans, str(bool) as the launcher passes them, 1|0, yes|no)
+        word = str(raw).strip().lower()
+        if word in ("true", "1", "yes", "on"):
+            return True
+        if word in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{where}={raw!r} must be true or false")
     if allowed is int:
         try:
             n = int(raw)
@@ -346,7 +357,7 @@ def knob(
 
     A script leaves a choice to the planner by passing "auto" (e.g. from a `--strategy auto` flag); a value it
     fixes is kept, and `accelfn plan` says so. Knobs: strategy, remat, accumulate, global_batch_size,
-    pipeline_schedule, pipeline_microbatches, offload.
+    pipeline_schedule, pipeline_microbatches, pipeline_sync_each_microbatch (a bool), offload, compile.
 
     Example:
         >>> knob("strategy", "auto", "fsdp", environ={"ACCELFN_STRATEGY": "hsdp"})

@@ -158,6 +158,13 @@ def main() -> None:
         help="pipeline micro-batches per step, with a pp axis (default: one sequence each)",
     )
     p.add_argument(
+        "--pp-sync-each-microbatch",
+        action=argparse.BooleanOptionalAction,
+        default="auto",
+        help="with a pp axis under fsdp/hsdp: reduce-scatter each micro-batch's gradients (af.pipeline's "
+        "sync_each_microbatch; default off: the stage's unsharded gradients are held for the step)",
+    )
+    p.add_argument(
         "--init",
         choices=("host", "meta"),
         default="host",
@@ -182,6 +189,7 @@ def main() -> None:
     accumulate = int(knob("accumulate", args.accumulate, 1))
     schedule = knob("pipeline_schedule", args.schedule, "1f1b")
     microbatches = knob("pipeline_microbatches", args.microbatches, None)
+    sync_each = knob("pipeline_sync_each_microbatch", args.pp_sync_each_microbatch, False)
     global_batch = knob("global_batch_size", "auto", None) if args.batch_size is None else None
     if global_batch is not None:  # the launch config's global batch: this rank's share of it
         if int(global_batch) % mesh.data_size:
@@ -211,7 +219,9 @@ def main() -> None:
         step = af.accumulate(step, accumulate)
     if pp > 1:  # pipeline parallel: every rank of a pipeline reads the same batch
         microbatches = int(microbatches or batch_size // accumulate)
-        step = af.pipeline(step, mesh, microbatches=microbatches, schedule=schedule)
+        step = af.pipeline(
+            step, mesh, microbatches=microbatches, schedule=schedule, sync_each_microbatch=sync_each
+        )
     step = af.shard(
         step,
         mesh,

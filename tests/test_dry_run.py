@@ -770,3 +770,32 @@ def test_a_pipeline_under_fsdp_counts_its_held_unsharded_gradients_as_gradients_
     assert abs(grown - 2 * block_input) < block_input // 4, (grown, 2 * block_input)
     block = sum(p.numel() for p in _tiny_llama().model.layers[0].parameters())
     assert four.at_peak["grads"] - two.at_peak["grads"] >= 4 * block  # fp32, unsharded
+
+
+def test_a_pipeline_reducing_each_micro_batch_holds_no_unsharded_gradients_and_reduce_scatters_each() -> None:
+    """`af.pipeline(..., sync_each_microbatch=True)` under fsdp: each backward reduce-scatters the stage's gradients
+    into their shards, so the stage's unsharded fp32 gradients, held to the end of the step by torch's schedules,
+    leave the peak (the shards, 1/dp of them, are there from the first backward, and FSDP2 keeps the last
+    reduce-scatter's input, one unit's, until the next backward), and the reduce-scatters (count and bytes) are
+    the micro-batches' times as many."""
+
+    def run(*each: str) -> Any:
+        args = ("--model", "tiny", "--layers", "4", "--seq-len", "256", "--bf16", "--strategy", "fsdp",
+                "--batch-size", "4", "--microbatches", "4", "--schedule", "1f1b", *each)  # fmt: skip
+        return af.dry_run(LLAMA, args, nproc_per_node=8, gpu="h100-sxm", mesh="pp=2,dp=4", search=False)
+
+    held, each = run(), run("--pp-sync-each-microbatch")
+    assert not held.errors and not each.errors, (held.errors, each.errors)
+    assert "sync_each_microbatch=True" in each.strategy and "sync_each" not in held.strategy
+    from train_llama import build
+
+    from accelfn.stages import balanced_split
+
+    assert held.rank == each.rank
+    stage = balanced_split(build("tiny", 256, 4), 2).stage_params[held.rank // 4]  # pp is the outer axis
+    unsharded = 4 * stage  # fp32, the reduce dtype under bf16
+    assert held.at_peak["grads"] == unsharded, (held.at_peak, unsharded)
+    assert each.at_peak["grads"] == each.per_rank["grads"] == unsharded // 4, (each.at_peak, each.per_rank)
+    assert held.per_rank["peak"] - each.per_rank["peak"] >= 0.4 * unsharded, (held.per_rank, each.per_rank)
+    once, every = held.comm["reduce_scatter"]["dp"], each.comm["reduce_scatter"]["dp"]
+    assert every["count"] == 4 * once["count"] and every["bytes"] == 4 * once["bytes"], (once, every)

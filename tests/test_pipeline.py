@@ -124,6 +124,67 @@ def test_zero_bubble_schedules_under_fsdp_are_refused_before_any_step():
                 af.shard(step, mesh, strategy="fsdp").init(llama(2))
 
 
+def test_sync_each_microbatch_is_refused_without_fsdp_and_where_accumulate_says_otherwise():
+    step = af.train_step(lm_loss, af.optim.sgd(0.1))
+    each = "reduce-scatters each micro-batch's gradients into their shards, under af.shard"
+    with af.Mesh({"pp": 1, "dp": 1}, device="cpu") as mesh:
+        piped = af.pipeline(step, mesh, microbatches=2, sync_each_microbatch=True)
+        assert "sync_each_microbatch=True" in repr(piped)
+        with pytest.raises(
+            ValueError, match=rf"sync_each_microbatch=True\) {each}.*strategy='ddp' keeps whole"
+        ):
+            af.shard(piped, mesh, strategy="ddp").init(llama(2))
+        with pytest.raises(ValueError, match=rf"{each}.*the step has no af.shard"):
+            piped.init(llama(2))
+        # af.accumulate's own choice beneath a pipeline (whose schedule runs its micro-batches): the same or none
+        for acc, pipe in ((False, True), (True, False)):
+            both = af.pipeline(
+                af.accumulate(step, 2, sync_each_microbatch=acc),
+                mesh,
+                microbatches=1,
+                sync_each_microbatch=pipe,
+            )
+            with pytest.raises(ValueError, match=rf"accumulate's sync_each_microbatch={acc} says otherwise: pass "
+                               rf"af.pipeline\(\.\.\., sync_each_microbatch={acc}\)"):  # fmt: skip
+                af.shard(both, mesh, strategy="fsdp").init(llama(2))
+        for acc in (None, True):  # agreeing: lowered, the pipeline's sync reducing each micro-batch
+            both = af.pipeline(
+                af.accumulate(step, 2, sync_each_microbatch=acc),
+                mesh,
+                microbatches=1,
+                sync_each_microbatch=True,
+            )
+            lowered = af.shard(both, mesh, strategy="fsdp")
+            lowered.init(llama(2))
+            assert "2 micro-batches, gradients reduce-scattered each) over FSDP2" in str(lowered), str(
+                lowered
+            )
+
+
+def test_the_sync_each_microbatch_knob_travels_from_a_written_plan_through_the_config_to_the_script(tmp_path):
+    from accelfn import launch_env
+    from accelfn.launch.config import Config, ConfigError, PlanConfig, load, save
+    from accelfn.launch.launcher import LaunchOptions, resolve
+    from accelfn.planner.candidates import Candidate
+
+    chosen = Candidate(
+        {"pp": 2, "dp": 2}, "fsdp", pipeline_microbatches=4, pipeline_sync_each_microbatch=True
+    )
+    assert chosen.knobs()["pipeline_sync_each_microbatch"] is True
+    cfg = Config(num_processes=4, mesh="pp=2,dp=2", plan=PlanConfig(**chosen.knobs()))  # as af.plan writes it
+    save(cfg, tmp_path / "plan.yaml")
+    assert load(tmp_path / "plan.yaml") == cfg
+    assert "pipeline_sync_each_microbatch: true" in (tmp_path / "plan.yaml").read_text()
+    env = resolve(
+        LaunchOptions(script="x.py", config_file=str(tmp_path / "plan.yaml"), cpu=True), environ={}
+    ).env
+    assert launch_env.knob("pipeline_sync_each_microbatch", "auto", False, environ=env) is True
+    assert launch_env.knob("pipeline_sync_each_microbatch", "auto", False, environ={}) is False
+    assert launch_env.knob("pipeline_sync_each_microbatch", False, True, environ=env) is False  # the script's
+    with pytest.raises(ConfigError, match=r"plan\.pipeline_sync_each_microbatch.*must be true or false"):
+        Config.from_dict({"plan": {"pipeline_sync_each_microbatch": "sometimes"}})
+
+
 def test_a_pp_axis_without_a_pipeline_is_refused_by_shard():
     with af.Mesh({"pp": 1, "dp": 1}, device="cpu") as mesh:
         af.shard(af.train_step(lm_loss, af.optim.sgd(0.1)), mesh).init(llama(2))  # pp=1: nothing to split
@@ -202,9 +263,21 @@ def test_pp2_x_cp2_x_tp2_on_eight_processes_equals_one_process():
 @pytest.mark.slow
 def test_pp2_x_hsdp_on_eight_processes_equals_one_process():
     # 3-D: pipeline over pp, replicas over dp, shards over fsdp (8 processes on this machine's 2 cores)
-    proc = run_workers("pp_train_worker.py", 8, "pp=2,dp=2,fsdp=2", "llama:hsdp:m=2", timeout=600)
+    # (and reducing each micro-batch: reduce-scattered over fsdp each, all-reduced over dp in the last)
+    configs = ["llama:hsdp:m=2", "llama:hsdp:m=2:each"]
+    proc = run_workers("pp_train_worker.py", 8, "pp=2,dp=2,fsdp=2", *configs, timeout=600)
     assert proc.returncode == 0, output_of(proc)
-    assert proc.stdout.count("PP OK") == 8, output_of(proc)
+    assert proc.stdout.count("PP OK") == 8 * len(configs), output_of(proc)
+
+
+@pytest.mark.slow
+def test_pp2_x_fsdp2_reducing_each_micro_batch_equals_one_process():
+    """af.pipeline(..., sync_each_microbatch=True): each backward reduce-scatters its gradients (the worker counts
+    m per FSDP2 unit a step, none again in the schedule's final reduce), and the result is one process's."""
+    configs = ["llama:fsdp:each", "gpt2:fsdp:interleaved_1f1b:each", "llama:fsdp:remat:accumulate:each"]
+    proc = run_workers("pp_train_worker.py", 4, "pp=2,dp=2", *configs, timeout=540)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("PP OK") == 4 * len(configs), output_of(proc)
 
 
 @pytest.mark.slow

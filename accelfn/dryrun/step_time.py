@@ -203,7 +203,7 @@ def pipeline_of(strategy: str) -> Pipeline | None:
     if m is not None:
         pp, n_stages, micro = int(m[2]), int(m[3]), int(m[4])
         return Pipeline(pp, micro, max(1, n_stages // pp), m[1])
-    m = re.search(r"pipeline\((\w+), pp=(\d+), microbatches=(\d+)\)", strategy)
+    m = re.search(r"pipeline\((\w+), pp=(\d+), microbatches=(\d+)[,)]", strategy)
     if m is not None:
         from ..transforms.pipeline import SCHEDULES
 

@@ -181,6 +181,7 @@ class PlanConfig:
     global_batch_size: int | None = _knob()
     pipeline_schedule: str | None = _knob()
     pipeline_microbatches: int | None = _knob()
+    pipeline_sync_each_microbatch: bool | None = _knob()
     offload: str | None = _knob()
     compile: str | None = _knob()
 

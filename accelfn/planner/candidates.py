@@ -116,6 +116,7 @@ class Candidate:
     pipeline_microbatches: int | None = None
     offload: str | None = None
     compile: str | None = None
+    pipeline_sync_each_microbatch: bool | None = None  # not searched: kept where a candidate sets it
 
     @property
     def mesh_spec(self) -> str:
@@ -125,7 +126,8 @@ class Candidate:
     def knobs(self) -> dict[str, str | int]:
         """The knobs this candidate sets (the config's `plan:` section)."""
         names = ("strategy", "remat", "accumulate", "global_batch_size", "pipeline_schedule")
-        out = {k: getattr(self, k) for k in (*names, "pipeline_microbatches", "offload", "compile")}
+        more = ("pipeline_microbatches", "offload", "compile", "pipeline_sync_each_microbatch")
+        out = {k: getattr(self, k) for k in (*names, *more)}
         return {k: v for k, v in out.items() if v is not None}
 
     @property

@@ -246,8 +246,10 @@ def plan(
                 "af.plan: the script leaves the global batch size to the launch configuration ('auto'): give "
                 "global_batch_size (accelfn plan --global-batch-size B), the batch the plan holds fixed"
             )
-        open_knobs = ["mesh", *[k for k in launch_env.KNOBS if k in asked]]
-        fixed = [k for k in launch_env.KNOBS if k not in asked and k != "global_batch_size"]
+        # (not searched, neither open nor fixed: the script's default, or its launch config's)
+        knobs = [k for k in launch_env.KNOBS if k != "pipeline_sync_each_microbatch"]
+        open_knobs = ["mesh", *[k for k in knobs if k in asked]]
+        fixed = [k for k in knobs if k not in asked and k != "global_batch_size"]
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
         # the strategy the script fixes, as its probe lowered it (it ignores the probe's ACCELFN_STRATEGY=ddp):
         # its legality (no af.offload with fsdp) and its states bound; None where it leaves it open

@@ -12,8 +12,9 @@ all-reduced over the replicas once, in the last. `sync_each_microbatch=False` is
 gradient is held from the first micro-batch to the last, the whole model's gradients on every rank (DeepSeek-V3,
 671B, at `dp=8,ep=32` on 256 GPUs: 2.2 GiB per MoE layer, 130 GiB of a 185 GiB peak per rank; `accelfn dry-run`
 counts them under `grads`). DDP's gradients are whole on every rank either way: it
-all-reduces once, in the last micro-batch. Under `af.pipeline` the schedule's micro-batches are torch's: its
-stages reduce once, after the last backward (`sync_each_microbatch` does not apply there).
+all-reduces once, in the last micro-batch. Under `af.pipeline` the schedule runs the micro-batches, so
+`af.pipeline(..., sync_each_microbatch=...)` chooses (default False: once, after the stage's last backward);
+accumulate's own, if given, must say the same.
 
 Example:
     >>> import torch, accelfn as af

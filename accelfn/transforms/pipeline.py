@@ -153,6 +153,8 @@ class PipelineSync(GradSync):
     checked: set[int] = attrs.Factory(set)  # stages whose first output was checked for a stand-in's NaN
     phases: Any = attrs.field(factory=lambda: PipelinePhases())
     rank_loss: bool = False  # only the last stage computes the loss
+    # `sync_each_microbatch=True`: the FSDP2 sync whose `microbatch` context each backward runs in (else None)
+    each: Any = None
     entry_shapes: dict[tuple[int, ...], torch.Size] = attrs.Factory(dict)  # boundary: local shape -> global
 
     def __attrs_post_init__(self) -> None:
@@ -234,7 +236,8 @@ class PipelineSync(GradSync):
         lo = self.layout
         return (
             f"pipeline({lo.schedule}, pp={lo.pp}, stages {list(lo.stages)} of {lo.n_stages}, "
-            f"{lo.microbatches} micro-batches) over {self.inner.describe()}"
+            f"{lo.microbatches} micro-batches{', gradients reduce-scattered each' if self.each is not None else ''}) "
+            f"over {self.inner.describe()}"
         )
 
     # ---- running the schedule ---------------------------------------------------------------------------------
@@ -507,8 +510,30 @@ def _make_stage_class() -> type:
         def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
             return self._sync.run_stage(self.stage_index, *args, **kwargs)
 
-        def backward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().backward_maybe_with_nosync(*args, **kwargs)
+        def backward_maybe_with_nosync(
+            self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+        ) -> Any:
+            each = self._sync.each
+            if each is not None:  # sync_each_microbatch=True: this backward reduce-scatters (fsdp / hsdp)
+                if backward_type != "full":  # (the zero-bubble schedules are refused under fsdp)
+                    raise RuntimeError(
+                        f"af.pipeline(sync_each_microbatch=True): a {backward_type!r} backward"
+                    )
+                from torch.distributed.pipelining._backward import stage_backward
+
+                # torch's stage with the gradient sync on: the params stay gathered until the step's last
+                # reduce (as torch keeps them), each backward reduce-scatters its gradients as `af.accumulate`'s
+                # micro-batches do (hsdp's replicas all-reduce in the stage's last); the step's REDUCE_GRAD
+                # then finds no unsharded gradient left, and only reshards
+                self.submod.set_is_last_backward(False)  # type: ignore[operator]  # an FSDPModule
+                self.submod.set_reshard_after_backward(False)  # type: ignore[operator]  # an FSDPModule
+                self.submod.set_requires_gradient_sync(True)  # type: ignore[operator]  # an FSDPModule
+                with each.microbatch(last_backward):
+                    grads = stage_backward(
+                        bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+                    )
+                return grads, None
+            out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             if dry_mode.active() is not None:
                 # torch's stage turns FSDP2's gradient sync and reshard off for every backward but the step's
                 # last: the stage's unsharded gradients (in the reduce dtype) are held from the first backward
@@ -614,12 +639,14 @@ class Pipeline(TransformBase):
     schedule: str = "1f1b"
     split_points: tuple[str, ...] | None = None
     stages_per_rank: int | None = None
+    sync_each_microbatch: bool = False
     kind: str = "pipeline"
     _built: dict[str, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def describe(self) -> str:
         pp = f", pp={self.mesh.axis_size('pp')}" if self.mesh is not None else ""
-        return f"pipeline({self.schedule}{pp}, microbatches={self.microbatches})"
+        each = ", sync_each_microbatch=True" if self.sync_each_microbatch else ""
+        return f"pipeline({self.schedule}{pp}, microbatches={self.microbatches}{each})"
 
     def mesh_of(self, others: Sequence[Any]) -> Mesh:
         mesh = self.mesh
@@ -653,6 +680,7 @@ class Pipeline(TransformBase):
                 "stages of the same model (a wrong update or a KeyError, measured on torch 2.13): use "
                 "'interleaved_1f1b' or 'looped_bfs' with fsdp, or strategy='ddp' with the zero-bubble schedules",
             )  # fmt: skip
+        _check_sync_each(self, shard, find(others, "accumulate"))
 
     def lower(self, plan: Plan) -> None:
         if plan.kind != "train":
@@ -702,7 +730,49 @@ class Pipeline(TransformBase):
         """The pipeline's sync over the data-parallel strategy's (called by `af.shard`'s lowering)."""
         sync: PipelineSync = self._built["sync"]
         sync.inner = inner
+        if self.sync_each_microbatch:
+            from .shard.fsdp import FSDPSync
+
+            fsdp = inner
+            while not isinstance(fsdp, FSDPSync) and hasattr(fsdp, "inner"):  # under tp's / ep's sync
+                fsdp = fsdp.inner
+            if not isinstance(fsdp, FSDPSync):  # (a mesh without data axes: tensor parallel alone)
+                raise ValueError(
+                    f"af.pipeline(sync_each_microbatch=True) reduce-scatters each micro-batch's gradients under "
+                    f"af.shard(strategy='fsdp' or 'hsdp') over a data axis; this step syncs with "
+                    f"{inner.describe()}: leave sync_each_microbatch False"
+                )
+            fsdp.sync_each_microbatch = True
+            sync.each = fsdp
         return sync
+
+
+def _check_sync_each(pipe: Pipeline, shard: Any, acc: Any) -> None:
+    """`sync_each_microbatch=True` needs fsdp or hsdp (DDP's and a lone pipeline's gradients are whole on every
+    rank either way); `af.accumulate(..., sync_each_microbatch=...)` beneath a pipeline, whose schedule runs its
+    micro-batches, must say the same or nothing."""
+    each = pipe.sync_each_microbatch
+    strategy = getattr(shard, "strategy", None)
+    if each and strategy not in ("fsdp", "hsdp"):
+        why = (
+            "the step has no af.shard, so no data-parallel sharding"
+            if shard is None
+            else f"strategy={strategy!r} keeps whole gradients on every rank and reduces them once, after the "
+            "last backward, either way"
+        )
+        raise ValueError(
+            f"af.pipeline(sync_each_microbatch=True) reduce-scatters each micro-batch's gradients into their "
+            f"shards, under af.shard(strategy='fsdp' or 'hsdp') only: {why}. Leave sync_each_microbatch False, "
+            "or shard with strategy='fsdp'"
+        )
+    told = getattr(acc, "sync_each_microbatch", None)
+    if told is not None and told != each:
+        raise conflict(
+            pipe, acc, f"under af.pipeline the schedule runs the micro-batches, accumulate's among them, so when "
+            f"the gradients are reduced is the pipeline's choice (sync_each_microbatch={each}); accumulate's "
+            f"sync_each_microbatch={told} says otherwise: pass af.pipeline(..., sync_each_microbatch={told}) and "
+            "leave accumulate's out",
+        )  # fmt: skip
 
 
 _ROUTER_LOGITS = (
@@ -805,6 +875,7 @@ def pipeline_step(
     schedule: str = "1f1b",
     split_points: Sequence[str] | None = None,
     stages_per_rank: int | None = None,
+    sync_each_microbatch: bool = False,
 ) -> Step:
     """Train `step` pipeline-parallel over `mesh`'s `pp` axis (see the module docs); `af.pipeline(step, ...)`.
 
@@ -813,6 +884,12 @@ def pipeline_step(
     each stage but the first (default: a Hugging Face decoder's layers, balanced by parameters);
     `stages_per_rank` (v) for the interleaved schedules (default 2; the V schedules need 2). `mesh` may be left
     out when the step is also `af.shard`-ed over a mesh with the `pp` axis.
+
+    `sync_each_microbatch` (fsdp / hsdp only): False, torch's way, reduce-scatters once, after the stage's last
+    backward, holding the stage's unsharded gradients (fp32: 4 bytes a parameter) from its first backward to
+    the end of the step; True reduce-scatters each micro-batch's gradients into the shards as its backward runs
+    (hsdp's replicas all-reduce in the last), as `af.accumulate` does: m times the reduce-scatters, none of
+    that memory.
 
     Example (2 processes: `accelfn launch --nproc-per-node 2 train.py`):
         mesh = af.Mesh({"pp": 2})
@@ -838,7 +915,9 @@ def pipeline_step(
             f"af.pipeline: the mesh has no 'pp' axis; its axes are {mesh.axis_names} (e.g. af.Mesh({{'pp': 2, 'dp': -1}}))"
         )
     points = tuple(split_points) if split_points is not None else None
-    return step.with_transform(Pipeline(mesh, microbatches, schedule, points, stages_per_rank))
+    return step.with_transform(
+        Pipeline(mesh, microbatches, schedule, points, stages_per_rank, sync_each_microbatch)
+    )
 
 
 def pipeline(target: Step | nn.Module, *args: Any, **kwargs: Any) -> Any:

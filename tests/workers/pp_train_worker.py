@@ -7,7 +7,8 @@ gpt2 (4 blocks, head tied to the embedding); options: a schedule name (default 1
 (af.shard over the data axes), remat, accumulate (af.accumulate(step, 2) on top), tp (the mesh's tp axis), split
 (explicit split points), bf16 (af.autocast), fp8 (af.autocast_fp8, torchao emulated), compile (af.compile(step,
 backend='aot_eager'): per block under the pipeline; the reference eager), dropout (dropout 0.1 everywhere: the reference is one process under
-af.accumulate(step, m), which draws per micro-batch), m=<micro-batches>, pretrained=<folder> (save_pretrained of the final state), save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
+af.accumulate(step, m), which draws per micro-batch), each (af.pipeline(..., sync_each_microbatch=True): fsdp/hsdp
+reduce-scatter each micro-batch's gradients), m=<micro-batches>, pretrained=<folder> (save_pretrained of the final state), save=<folder> (save the final state), load=<folder> (start from it), resume=<folder> (save, go
 on, reload and redo: bit-identical).
 Each rank checks its stage's params, and every step's loss and grad norm, against one process.
 """
@@ -87,6 +88,28 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
+class ReduceScatters:
+    """Counts FSDP2's gradient reduce-scatters while entered (torch's collective it calls, by name at call time)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n))
+        self.real, self.count = getattr(dist, self.name), 0
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.real(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        setattr(dist, self.name, self.real)
+
+
 def check(mesh, kind, options):
     data = batches()
     loss_fn = lm_loss
@@ -124,7 +147,7 @@ def check(mesh, kind, options):
     piped = "pp" in mesh.axis_names  # without a pp axis: plain af.shard, to move checkpoints across
     if piped:
         step = af.pipeline(step, mesh, microbatches=micro, schedule=schedule, split_points=split,
-                           stages_per_rank=1 if split else None)  # fmt: skip
+                           stages_per_rank=1 if split else None, sync_each_microbatch="each" in options)  # fmt: skip
     strategy = next((o for o in ("hsdp", "fsdp", "ddp") if o in options), None)
     if strategy or "tp" in mesh.axis_names or "cp" in mesh.axis_names:
         strategy = strategy or "ddp"
@@ -135,6 +158,7 @@ def check(mesh, kind, options):
     if load:
         state = af.checkpoint.load(load, like=state)
     assert ("pipeline" in str(step)) == piped, str(step)
+    assert ("each" in options) == ("gradients reduce-scattered each" in str(step)), str(step)
     assert ("compile" in options and piped) == ("compile per block under a pipeline" in str(step)), str(step)
     if (
         "tp" in mesh.axis_names and kind == "llama" and "fp8" not in options
@@ -143,11 +167,21 @@ def check(mesh, kind, options):
             step
         )
     losses, norms, tokens = [], [], []
-    for b in data:
-        state, met = step(state, b)
-        losses.append(met["loss"].item())
-        norms.append(met["grad_norm"].item())
-        tokens.append(met["tokens"].item())
+    with ReduceScatters() as reduce_scatters:
+        for b in data:
+            state, met = step(state, b)
+            losses.append(met["loss"].item())
+            norms.append(met["grad_norm"].item())
+            tokens.append(met["tokens"].item())
+    # reducing each micro-batch: every FSDP2 unit of the stage reduce-scatters once per micro-batch, none after
+    if "each" in options:
+        from accelfn.transforms.shard.fsdp import _param_groups
+
+        units = sum(1 for g in _param_groups(step.model) if g.fsdp_params)
+        want = len(data) * m * units
+        assert reduce_scatters.count == want, (
+            f"{reduce_scatters.count} reduce-scatters, not {want} ({units} units)"
+        )
     assert len(state.params) < len(ref.params) or not piped, "a stage holds the whole model"
     diff = max((full(v) - ref.params[k]).abs().max().item() for k, v in state.params.items())
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))

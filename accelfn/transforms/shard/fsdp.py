@@ -545,7 +545,9 @@ def _sync_each(plan: Plan) -> bool:
     # not where gradients are held across backwards (no_sync's micro-batches, a pipeline's schedule): FSDP2 fills
     # an unused param's gradient with zeros of its unsharded (bf16 under af.autocast) dtype beside the others'
     # fp32 accumulations, and its reduce-scatter asserts a uniform gradient dtype; there ranks must use the same
-    # params (`reduce` refuses them by name otherwise), and a param no rank uses is skipped as before
+    # params (`reduce` refuses them by name otherwise), and a param no rank uses is skipped as before. (A pipeline
+    # reducing each micro-batch, `af.pipeline(..., sync_each_microbatch=True)`, too: FSDP2 would reduce-scatter
+    # zeros for every unit a backward did not reach, the rank's other stage's, and again in the step's REDUCE_GRAD)
     held = (not each and plan.microbatches > 1) or any(t.kind == "pipeline" for t in plan.transforms)
     if not held and hasattr(root, "set_reduce_scatter_unused_params"):
         root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule

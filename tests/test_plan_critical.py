@@ -117,6 +117,27 @@ def test_a_deferred_job_runs_after_the_others_once() -> None:
     assert order == ["s1.py", "s2.py", "s0.py"] and asked == ["s0.py", "s1.py", "s2.py", "s0.py"]
 
 
+def test_a_deferred_lead_still_runs_before_the_jobs_waiting_for_it() -> None:
+    """A group's frugal lead deferred to the end of the queue: when nothing else runs, the jobs waiting for its
+    verdict (`wait`) do not overtake it (they run after it, as with workers busy), the others do."""
+    lead, m1, m2, other = (Job(f"{n}.py", (), 1, 1) for n in ("lead", "m1", "m2", "other"))
+    asked: list[str] = []
+    finished: set[str] = set()
+
+    def skip(job: Job) -> dict[str, object]:
+        asked.append(job.script)
+        if job is lead and asked.count("lead.py") == 1:
+            return {"defer": True}
+        finished.add(job.script)
+        return {"fell": "test", "why": job.script}
+
+    def wait(job: Job) -> bool:
+        return job in (m1, m2) and "lead.py" not in finished
+
+    order = [job.script for job, _ in Pool(1).map([lead, m1, m2, other], skip=skip, wait=wait)]
+    assert order == ["other.py", "lead.py", "m1.py", "m2.py"]
+
+
 def test_a_pipelines_bound_counts_the_experts_gradients_at_their_split_where_only_they_train() -> None:
     """An expert-only fine-tune (the experts 90% of the params and all of the gradients) at pp=2, ep=8: the
     states bound holds a stage's gradients unsharded over the data axes but split over ep, so its gradients'

@@ -286,7 +286,7 @@ class Pool:
         `time.monotonic()` value, or a function giving it as the jobs finish); `skip(job)`, asked as each job is about to start (so it sees what the jobs
         before it found), returns the result to yield instead of running it (None: run it). A job for which
         `wait(job)` is true while others run is started after them (the first pending job not waiting runs
-        meanwhile): its verdict may depend on theirs. `then=(switch, order)`: once `switch()` is true, the jobs
+        meanwhile, and first where none runs): its verdict may depend on theirs. `then=(switch, order)`: once `switch()` is true, the jobs
         not yet started go in `order`'s order (the same jobs, another order). A `skip` verdict `{"defer": True}`
         puts the job after every other pending one, once (asked again when it comes round, it runs unless
         skipped otherwise)."""
@@ -301,12 +301,14 @@ class Pool:
                 pending += [j for j in then[1] if j in left and j in deferred]
                 then = None
             while pending and len(running) < width:
-                # the first pending job not waiting (a scan that stops there: thousands of jobs may be pending)
-                ready = next(
-                    (i for i, j in enumerate(pending) if not (running and wait is not None and wait(j))), None
-                )
+                # the first pending job not waiting (a scan that stops there: thousands of jobs may be pending);
+                # with none running, the first pending one where all wait (a deferred job they wait for, at the
+                # end of the queue, still runs before them)
+                ready = next((i for i, j in enumerate(pending) if wait is None or not wait(j)), None)
                 if ready is None:
-                    break
+                    if running:
+                        break
+                    ready = 0
                 job = pending.pop(ready)
                 verdict = skip(job) if skip is not None else None
                 if verdict is not None and verdict.get("defer"):

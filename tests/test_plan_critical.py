@@ -151,3 +151,16 @@ def test_a_pipelines_bound_counts_the_experts_gradients_at_their_split_where_onl
     without = States(params=params, grads=0, optimizer=2 * experts, experts=experts)
     held = states_bound(c, with_grads, script_strategy=None) - states_bound(c, without, script_strategy=None)
     assert held <= experts // 16 + 1
+
+
+def test_the_states_bound_splits_the_optimizer_of_an_expert_only_fine_tune_at_the_experts_split() -> None:
+    """ddp over ep=8, only the experts (90% of the params) train: their gradients and optimizer state are split
+    over ep, the dense params held whole. The bound must not exceed that (it split the optimizer by the params'
+    share, 10% of it held whole: 7.1 GB against 5.5)."""
+    from accelfn.planner.prune import States, states_bound
+
+    params, experts = 10 * 10**9, 9 * 10**9
+    totals = States(params=params, grads=experts, optimizer=2 * experts, experts=experts)
+    c = Candidate({"dp": 1, "ep": 8}, "ddp", accumulate=1)
+    held = (params - experts) + experts // 8 + experts // 8 + 2 * experts // 8  # 5.5 GB
+    assert states_bound(c, totals, script_strategy=None) <= held

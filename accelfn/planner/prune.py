@@ -158,9 +158,12 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
             model * max(grad_ways, expert_grad_ways)
         )
     share = min(1.0, totals.experts / totals.params) if totals.params else 0.0
-    dense, expert = int(kept * (1 - share)), int(kept * share)
-    # the grads are the trainable params' only: as many of their bytes as the experts' are counted as experts'
-    # (the finer split; all of them where only the experts train), so that the bound stays a lower bound
+    # the grads and the optimizer state are the trainable params' only: as many of their bytes as the experts'
+    # are counted as experts' (the finer split; all of them where only the experts train), so that the bound
+    # stays a lower bound
+    trained = min(1.0, totals.experts / totals.grads) if totals.grads else share
+    expert = int(totals.params * share) + int(optimizer * trained)
+    dense = kept - expert
     expert_g = min(totals.grads, totals.experts)
     dense_g = totals.grads - expert_g
     return (

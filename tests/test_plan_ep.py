@@ -132,4 +132,5 @@ def test_a_plan_given_to_af_shard_before_the_probe_is_not_read_by_it() -> None:
     GIVEN[:] = [{"model.layers.*.mlp.experts": "ep_dispatch_experts"}]  # left by an earlier af.shard
     seen: dict = {}
     recording_shapes(None, seen)(nn.Linear(2, 2))
-    assert seen == {"experts": 0, "expert_bytes": 0, "moe": {}, "decoder": {}}
+    zero3 = {"persistent": 1.0, "reused": 0.0}  # (its 6 elements under ZeRO-3's persistence threshold)
+    assert seen == {"experts": 0, "expert_bytes": 0, "moe": {}, "decoder": {}, "zero3": zero3}

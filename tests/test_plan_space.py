@@ -303,7 +303,10 @@ def test_the_zero_states_bound_is_each_stages_split_and_below_the_measured_rank(
     for name in ("zero1", "zero2", "zero3"):
         bound = states_bound(rows[name].candidate, whole, script_strategy=None)
         assert bound <= rows[name].states, name
-    assert rows["zero1"].states > rows["zero2"].states > rows["zero3"].states
+    assert rows["zero1"].states > rows["zero2"].states
+    # ZeRO-3 from its second step (the one the plan measures, `Job.steps`): its partitions of every state, and
+    # this Llama's params all persistent (at most 1e5 elements each) every param gathered besides
+    assert rows["zero3"].states >= whole.params + (whole.params + whole.grads + whole.optimizer) // 8
 
 
 def test_the_dry_run_of_a_written_zero_config_reproduces_its_row(zero_plans, tmp_path: Path) -> None:

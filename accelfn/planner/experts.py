@@ -93,15 +93,17 @@ def recording_shapes(
     """A `dry_run(on_model=...)` hook that records `count_experts(model)` in `seen["experts"]`,
     `expert_bytes(model)` in `seen["expert_bytes"]` and `moe_shape(model)` in `seen["moe"]`, under the last plan
     the script gave `af.shard` since the hook was made (if any: a plan given before, by another script or test in
-    this process, is forgotten), and `critical.decoder_shape(model)` in `seen["decoder"]`, then runs `hook`.
+    this process, is forgotten), `critical.decoder_shape(model)` in `seen["decoder"]` and
+    `zero3.zero3_shape(model)` in `seen["zero3"]`, then runs `hook`.
 
     Example:
         >>> seen = {}
         >>> recording_shapes(None, seen)(nn.Linear(2, 2)); seen
-        {'experts': 0, 'expert_bytes': 0, 'moe': {}, 'decoder': {}}
+        {'experts': 0, 'expert_bytes': 0, 'moe': {}, 'decoder': {}, 'zero3': {'persistent': 1.0, 'reused': 0.0}}
     """
     from ..transforms.shard.expert_parallel import GIVEN
     from .critical import decoder_shape
+    from .zero3 import zero3_shape
 
     GIVEN.clear()  # only what the script run with this hook gives af.shard
 
@@ -111,6 +113,7 @@ def recording_shapes(
         seen["expert_bytes"] = expert_bytes(model, plan)
         seen["moe"] = moe_shape(model, plan)
         seen["decoder"] = decoder_shape(model)
+        seen["zero3"] = zero3_shape(model)
         if hook is not None:
             hook(model)
 

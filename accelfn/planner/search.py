@@ -59,6 +59,13 @@ class Job:
     def world(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def steps(self) -> int:
+        """The calls of the step the dry run measures (its report's collectives and time are the last one's):
+        ZeRO-3's first step records DeepSpeed's trace (each param gathered for its forward and its backward,
+        and for an af.Loss's first count forwards), its second is the steady step the plan is for."""
+        return 2 if dict(self.env).get(launch_env.ACCELFN_STRATEGY) == "zero3" else 1
+
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run `job` in this process: `{"report": dict, "asked": [...]}`, or `{"error": str, "lowering": bool,
@@ -78,6 +85,13 @@ def run_job(job: Job) -> dict[str, Any]:
 
 
 def _run_job(job: Job) -> dict[str, Any]:
+    counts: dict[str, bool] = {}
+    with _loss_counts(counts):
+        out = _run_job_seen(job)
+    return out if "error" in out else {**out, "loss_counts": counts.get("loss_counts", False)}
+
+
+def _run_job_seen(job: Job) -> dict[str, Any]:
     from ..transforms.shard.expert_parallel import GIVEN
     from .experts import recording_shapes
     from .extrapolate import keep_blocks
@@ -116,6 +130,7 @@ def _run_job(job: Job) -> dict[str, Any]:
             "expert_bytes": seen.get("expert_bytes", 0),
             "moe": seen.get("moe") or {},
             "decoder": seen.get("decoder") or {},
+            "zero3": seen.get("zero3") or {},
             "asked": sorted(launch_env.ASKED),
             **_layout(seen),
         }
@@ -224,6 +239,7 @@ def _dry_run(job: Job, rank: int, on_model: Callable[[Any], None] | None) -> Any
             search=False,
             assumptions=scaled_assumptions(job.scale, job.gpu, job.reserve_bytes, job.torch_version),
             on_model=on_model,
+            steps=job.steps,
         )
 
 
@@ -237,6 +253,28 @@ def _one_chunk(chunked: Any) -> Iterator[None]:
         yield
     finally:
         chunked.CHUNK_ELEMENTS = saved
+
+
+@contextlib.contextmanager
+def _loss_counts(seen: dict[str, bool]) -> Iterator[None]:
+    """Records in `seen["loss_counts"]` whether the step's loss counts its elements (an af.Loss; a mean loss
+    does not), as the engine's forward and backward reads it: DeepSpeed's step counts each of several
+    micro-batches of an af.Loss by a forward first (`deepspeed.phases.counted_forwards`), which ZeRO-3 gathers
+    the params for (`traffic`)."""
+    from ..engine import phases
+
+    read = phases.loss_parts
+
+    def parts(out: Any) -> Any:
+        total, count, aux = read(out)
+        seen["loss_counts"] = seen.get("loss_counts", False) or count is not None
+        return total, count, aux
+
+    phases.loss_parts = parts  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        phases.loss_parts = read  # type: ignore[assignment]
 
 
 def _init_worker() -> None:

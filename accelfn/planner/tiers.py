@@ -50,6 +50,7 @@ from .prune import (
 from .search import Job, Pool
 from .table import Fallen, Plan, Row
 from .traffic import step_floor, traffic_of
+from .zero3 import Zero3Shape
 
 __all__ = ["plan"]
 
@@ -251,6 +252,7 @@ def plan(
         open_knobs = ["mesh", *[k for k in knobs if k in asked]]
         fixed = [k for k in knobs if k not in asked and k != "global_batch_size"]
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
+        zero3 = Zero3Shape.of_probe(probe)  # what ZeRO-3 keeps gathered of the model (`traffic`)
         # the strategy the script fixes, as its probe lowered it (it ignores the probe's ACCELFN_STRATEGY=ddp):
         # its legality (no af.offload with fsdp) and its states bound; None where it leaves it open
         fixed_strategy = (
@@ -566,7 +568,7 @@ def plan(
             rows' all-to-alls (`prune.routed_bound`): with them Qwen3-30B on 64 reached fewer ep candidates
             (35 dry runs, 3,669 tokens/s/GPU chosen against 7,183 without them; before tp's and cp's
             collectives were counted, 7 dry runs and 3,631)."""
-            states = traffic_of(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio)
+            states = traffic_of(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio, zero3)
             critical = critical_traffic(
                 c, decoder, tokens, spec, nproc_per_node, gather_ratio > 1, fp8_gathers, script_remat
             )

@@ -4,7 +4,7 @@ reductions of the states take per step, on the links its mesh puts them on.
 The dry run measures every collective; before a candidate's dry run, the planner knows the states a rank holds
 (`prune.States`, from the one-process probe) and how the strategy moves them, as the lowering does:
 
-- fsdp (and ZeRO-3): each micro-batch all-gathers a rank's params twice (forward, and again in the backward:
+- fsdp: each micro-batch all-gathers a rank's params twice (forward, and again in the backward:
   `reshard_after_forward`; once per step under a pipeline, which keeps a stage's params gathered) and
   reduce-scatters its gradients (each micro-batch: `af.accumulate`'s `sync_each_microbatch`, fsdp's default);
   the dense params over the data axes and cp, the experts over the data axes but ep (efsdp);
@@ -12,14 +12,27 @@ The dry run measures every collective; before a candidate's dry run, the planner
 - ddp: one all-reduce of the gradients a step (`no_sync` holds them over the micro-batches), the experts' among
   the ranks that hold the same ones;
 - ZeRO (DeepSpeed, as its dry run lowers it): stage 1 all-reduces the gradients once a step, stage 2 each
-  micro-batch (its backward hooks), each all-gathering the updated params once a step; stage 3 as fsdp.
+  micro-batch (its backward hooks), each all-gathering the updated params once a step; stage 3 reduce-scatters
+  as fsdp and gathers as DeepSpeed's parameter coordinator does once the first step has recorded its trace
+  (the planner's dry run of a ZeRO-3 candidate measures its second step, `tiers._job`): the persistent params
+  (at most 1e5 elements each) once a step, after the update; the others each micro-batch for the forward and
+  again for the backward, but those kept from one to the other (used again within
+  `stage3_max_reuse_distance`, 1e9 elements: all of a model under 5e8); an af.Loss over several micro-batches
+  also for each one's count forward, and then keeps none (`_zero3_gathers`). The first step gathers each param
+  for its forward and its backward, and for an af.Loss's first count forwards (the dense tiny Llama of
+  tests/test_plan_traffic.py, all of it persistent, at 2 micro-batches: 4.85x its params in the first step,
+  1x in the second).
 
 Each collective is timed as the dry run times it (`comm_time.collective_time`, its group placed as the mesh
 places it); params are gathered as the step casts them (`gather_ratio`: the probe's bytes over 2 under
 af.autocast, FSDP's bf16 copy of fp32 params; as held otherwise), grads reduced as the probe holds them (fp32
 under af.autocast: FSDP's reduce_dtype; DDP and DeepSpeed reduce them as they are). Padding is not counted (FSDP
 pads each param's first dim to the shard count: the tiny test models' 4 experts over 8 ranks move twice their
-bytes), nor ZeRO-3's extra gathers (its dry run gathers about 1.2x fsdp's bytes). The step waits for a link's collectives at least as long as they take together (the dry run
+bytes), nor what ZeRO-3's count forward prefetches for a backward that does not follow (released unused:
+181M elements a count forward of an 866M-parameter Llama, whose gathers at 2 micro-batches are 1.07x the
+estimate), nor the params it keeps gathered because it prefetched their next use (at 1 micro-batch that Llama
+keeps 79% of its params from forward to backward, the reuse distance 58%: 0.85x the estimate).
+The step waits for a link's collectives at least as long as they take together (the dry run
 serves each link's collectives one after another), so `step_floor` is the larger of the compute with tp's and
 cp's collectives on the critical path (`critical`) and the busiest link's traffic. The planner orders its dry runs by it: a mesh that
 splits the experts over few ranks gathers most of them every micro-batch (DeepSeek-V3 on 256: `dp=16,ep=2,tp=8`
@@ -39,6 +52,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from ..dryrun.comm_time import CommAssumptions, collective_time, group_nodes
@@ -47,6 +62,7 @@ from ..mesh import DATA_AXES, GRAD_AXES
 from ..platforms.specs import DeviceSpec
 from .candidates import ZERO, Candidate
 from .prune import DTYPE_RATIO, States
+from .zero3 import Zero3Shape
 
 __all__ = ["Traffic", "states_traffic", "traffic_of", "step_floor"]
 
@@ -99,11 +115,13 @@ def states_traffic(
     nproc_per_node: int,
     script_strategy: str | None = None,
     gather_ratio: float = DTYPE_RATIO,
+    zero3: Zero3Shape | None = None,
 ) -> float:
     """Seconds the busiest link of a rank of `c` spends a step on its strategy's gathers and reductions of the
     states (module docstring, `traffic_of`); 0 for a strategy that is not known (`script_strategy` None, for a
     candidate that sets none) or a mesh without data-parallel ranks. `gather_ratio`: the probe's param bytes over
     those a gather moves (2 under af.autocast of fp32 params, `DTYPE_RATIO`; 1 where the step gathers them as held).
+    `zero3`: what ZeRO-3 holds gathered of the model (`zero3.Zero3Shape.of_probe`; None: nothing).
 
     Example:
         >>> from accelfn.platforms.specs import spec
@@ -113,7 +131,7 @@ def states_traffic(
         >>> round(fsdp / ddp, 1)  # 2 x (2 gathers of bf16 params, a reduce-scatter of fp32 grads) : 1 all-reduce
         2.0
     """
-    return traffic_of(c, totals, device, nproc_per_node, script_strategy, gather_ratio).busiest
+    return traffic_of(c, totals, device, nproc_per_node, script_strategy, gather_ratio, zero3).busiest
 
 
 def traffic_of(
@@ -123,6 +141,7 @@ def traffic_of(
     nproc_per_node: int,
     script_strategy: str | None = None,
     gather_ratio: float = DTYPE_RATIO,
+    zero3: Zero3Shape | None = None,
 ) -> Traffic:
     """The `Traffic` of `states_traffic`: its seconds by link and its bytes by collective."""
     t = Traffic()
@@ -150,12 +169,15 @@ def traffic_of(
     others = tuple(a for a in DATA_AXES if a != "ep")  # the experts' data-parallel ranks
     # FSDP2 (and ZeRO-3) per micro-batch: two gathers and a reduce-scatter; once a step under a pipeline
     gathers, reduces = (1, 1) if pipeline else (2 * micro, micro)
-    if strategy in ("fsdp", "zero3", "hsdp"):  # (ZeRO-3's dry run gathers about 1.2x this)
+    if strategy in ("fsdp", "zero3", "hsdp"):
         hsdp = strategy == "hsdp"
         dense_axes, expert_axes = (("fsdp", "ep", "cp"), ("fsdp",)) if hsdp else (GRAD_AXES, others)
-        add("all_gather", dense_p, dense_axes, gathers)
+        for params, axes in ((dense_p, dense_axes), (expert_p, expert_axes)):
+            if strategy == "zero3":
+                _zero3_gathers(add, params, axes, zero3 or Zero3Shape(), micro)
+            else:
+                add("all_gather", params, axes, gathers)
         add("reduce_scatter", dense_g, dense_axes, reduces)
-        add("all_gather", expert_p, expert_axes, gathers)
         add("reduce_scatter", expert_g, expert_axes, reduces)
         if hsdp:  # the replicas all-reduce their shards once a step
             shard = mesh.get("fsdp", 1) * mesh.get("ep", 1) * mesh.get("cp", 1)
@@ -167,6 +189,26 @@ def traffic_of(
         add("all_reduce", grads, GRAD_AXES, micro if strategy == "zero2" else 1)
         add("all_gather", dense_p + expert_p, GRAD_AXES)
     return t
+
+
+def _zero3_gathers(
+    add: Callable[..., None], params: float, axes: tuple[str, ...], shape: Zero3Shape, micro: int
+) -> None:
+    """ZeRO-3's all-gathers of `params` bytes in a step after the first (the first records DeepSpeed's trace;
+    `shape` has what DeepSpeed holds gathered): the persistent params once, after the update; the others per
+    micro-batch for the forward, and again for the backward but those kept from their forward to their backward
+    (`reused`). An af.Loss over several micro-batches (`deepspeed.phases.counted_forwards`) gathers them for each
+    micro-batch's count forward too, and keeps none for the backward: DeepSpeed caches a module's release
+    decision by its place in the trace (`__params_to_release`, an lru_cache never cleared), and the first
+    step's count forwards decide each forward module's with the trace of a forward alone, which uses nothing
+    again."""
+    persistent = params * shape.persistent
+    others = params - persistent
+    counted = shape.loss_counts and micro > 1
+    again = others if counted else max(others - params * shape.reused, 0.0)
+    add("all_gather", others, axes, micro * (2 if counted else 1))
+    add("all_gather", again, axes, micro)
+    add("all_gather", persistent, axes, 1)
 
 
 def step_floor(compute_s: float, states: Traffic, critical: Traffic | None = None) -> float:

@@ -168,3 +168,34 @@ def test_zero3_gathers_an_af_loss_three_times_a_micro_batch_and_keeps_none(
     measured = _dp_bytes(report)
     assert moved["all_gather", ("dp",)] == pytest.approx(measured["all_gather"], rel=0.03)
     assert measured["all_gather"] == pytest.approx(times * totals.params, rel=0.03)
+
+
+LLAMA = str(ROOT / "examples" / "train_llama.py")
+LLAMA_ARGS = ("--model", "tiny", "--seq-len", "32", "--remat", "none", "--compile", "none", "--steps", "1")
+
+
+def test_a_pipeline_reduce_scattering_each_micro_batch_moves_its_count_times_the_held_ones(
+    dense_totals: tuple[States, Zero3Shape],
+) -> None:
+    """pp=2 x dp=4 fsdp, 4 pipeline micro-batches: a stage holding its gradients reduce-scatters them once a
+    step; `af.pipeline(..., sync_each_microbatch=True)` (the candidate's knob, or the script's) once per
+    micro-batch, 4x the bytes, as the dry run of a tiny Llama (examples/train_llama.py) measures; the params
+    gathered once a step either way."""
+    totals, _ = dense_totals
+    measured = {}
+    for each in (False, True):
+        env = _env(strategy="fsdp", global_batch_size=16, pipeline_microbatches=4,
+                   pipeline_sync_each_microbatch=each)  # fmt: skip
+        job = Job(LLAMA, LLAMA_ARGS, 8, 1, mesh="pp=2,dp=4", gpu="h100-sxm", env=env)
+        report = run_job(job)["report"]
+        assert ("sync_each_microbatch=True" in report["strategy"]) is each
+        measured[each] = {k: report["comm"][k]["dp"]["bytes"] for k in ("all_gather", "reduce_scatter")}
+    c = Candidate({"pp": 2, "dp": 4}, "fsdp", pipeline_microbatches=4)
+    held = traffic_of(c, totals, H100, 8, gather_ratio=1).moved
+    each = traffic_of(Candidate({"pp": 2, "dp": 4}, "fsdp", pipeline_microbatches=4, pipeline_sync_each_microbatch=True),
+                      totals, H100, 8, gather_ratio=1).moved  # fmt: skip
+    assert traffic_of(c, totals, H100, 8, gather_ratio=1, script_sync_each=True).moved == each
+    rs, ag = ("reduce_scatter", ("dp",)), ("all_gather", ("dp",))
+    assert each[rs] == pytest.approx(4 * held[rs]) and each[ag] == held[ag]
+    assert measured[True]["reduce_scatter"] == pytest.approx(4 * measured[False]["reduce_scatter"], rel=0.03)
+    assert measured[True]["all_gather"] == pytest.approx(measured[False]["all_gather"], rel=0.03)

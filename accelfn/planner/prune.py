@@ -119,16 +119,19 @@ def expert_shards(strategy: str | None, mesh: dict[str, int]) -> int:
     return ep * cp
 
 
-def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -> int:
+def states_bound(
+    c: Candidate, totals: States, *, script_strategy: str | None, script_sync_each: bool = False
+) -> int:
     """The least bytes of params, grads and optimizer state a rank of `c` holds: each is split at most over
     tp x pp (a stage holds at least the average) and the strategy's shards (ZeRO: each state by its stage,
     `zero_shards`); with an `ep` axis, the experts' part (`totals.experts`) over their own split
     (`expert_shards`), or without that part known, the whole over the larger of the two splits; offloaded
     optimizer state is on the host; under a pipeline the gradients are held unsharded over the data axes
     (torch's pipeline stage syncs them in the step's last backward only: 4 bytes per param of the stage in
-    fp32, which no remat or micro-batch count reduces). `script_strategy`: the strategy the script fixes
-    (`lowered_strategy` of its probe), for a candidate that sets none; None where unknown (then as fsdp, the
-    finest split).
+    fp32, which no remat or micro-batch count reduces) unless each micro-batch reduce-scatters them
+    (`af.pipeline(..., sync_each_microbatch=True)`: the candidate's knob, else `script_sync_each`, what the
+    script fixes). `script_strategy`: the strategy the script fixes (`lowered_strategy` of its probe), for a
+    candidate that sets none; None where unknown (then as fsdp, the finest split).
 
     Example:
         >>> totals = States(params=4 * 10**9, grads=4 * 10**9, optimizer=8 * 10**9)
@@ -136,6 +139,9 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
         2000
         >>> states_bound(Candidate({"pp": 2, "dp": 4}, "fsdp"), totals, script_strategy=None) // 10**6  # + 2 GB
         3500
+        >>> states_bound(Candidate({"pp": 2, "dp": 4}, "fsdp", pipeline_sync_each_microbatch=True), totals,
+        ...              script_strategy=None) // 10**6
+        2000
     """
     strategy = c.strategy or script_strategy
     model = c.mesh.get("tp", 1) * c.mesh.get("pp", 1)
@@ -146,7 +152,8 @@ def states_bound(c: Candidate, totals: States, *, script_strategy: str | None) -
     ways = shards(strategy, c.mesh)
     # under a pipeline the stage holds its gradients unsharded over the data axes until the step's last
     # backward (torch's stage turns FSDP2's gradient sync off for the others: `backward_maybe_with_nosync`)
-    pipelined = c.mesh.get("pp", 1) > 1
+    each = c.pipeline_sync_each_microbatch
+    pipelined = c.mesh.get("pp", 1) > 1 and not (script_sync_each if each is None else each)
     grad_ways = 1 if pipelined else ways
     kept = totals.params + optimizer
     if c.mesh.get("ep", 1) == 1:

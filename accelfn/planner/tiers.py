@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,26 @@ def _job(c: Candidate, base: Job) -> Job:
     env = tuple((launch_env.KNOBS[k][0], str(v)) for k, v in c.knobs().items())
     rank: int | str = "ends" if c.mesh.get("pp", 1) > 1 else 0
     return attrs.evolve(base, mesh=c.mesh_spec or None, env=env, rank=rank)
+
+
+def _sync_each(described: str, asked: set[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the script's pipeline reduce-scatters each micro-batch's gradients where a candidate does not
+    say: its probe's step description (`Pipeline.describe`, where it lowered af.pipeline), else, where it leaves
+    the knob to the launch configuration, the environment's value (default: torch's, held).
+
+    Example:
+        >>> _sync_each("Step(... -> pipeline(1f1b, microbatches=4, sync_each_microbatch=True) -> ...)", set())
+        True
+        >>> _sync_each("", {"pipeline_sync_each_microbatch"}, {"ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH": "true"})
+        True
+    """
+    if "sync_each_microbatch=True" in described:
+        return True
+    var = launch_env.KNOBS["pipeline_sync_each_microbatch"][0]
+    raw = (os.environ if environ is None else environ).get(var)
+    if "pipeline_sync_each_microbatch" in asked and raw:
+        return bool(launch_env.parse_knob("pipeline_sync_each_microbatch", raw))
+    return False
 
 
 def plan(
@@ -253,6 +273,9 @@ def plan(
         fixed = [k for k in knobs if k not in asked and k != "global_batch_size"]
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
         zero3 = Zero3Shape.of_probe(probe)  # what ZeRO-3 keeps gathered of the model (`traffic`)
+        # a pipeline that reduce-scatters each micro-batch (no held gradients in the states bound), as the script
+        # fixes it (seen where its probe lowered af.pipeline) or the environment the plan runs in sets it
+        script_sync_each = _sync_each(probe["report"].get("strategy", ""), asked)
         # the strategy the script fixes, as its probe lowered it (it ignores the probe's ACCELFN_STRATEGY=ddp):
         # its legality (no af.offload with fsdp) and its states bound; None where it leaves it open
         fixed_strategy = (
@@ -291,7 +314,7 @@ def plan(
                 why = (f"remat={c.remat} checkpoints blocks {_remat_every(c)}, {2 * _remat_every(c)}, ... "
                        f"and the model has {probed_blocks}: the same step as remat=none")  # fmt: skip
             if why is None and prune:
-                bound = states_bound(c, totals, script_strategy=None)
+                bound = states_bound(c, totals, script_strategy=None, script_sync_each=script_sync_each)
                 if bound > capacity:
                     fallen.append(Fallen(c, "states bound", f"{c.label}: params + grads + optimizer >= "
                                          f"{gib(bound)} per rank > {gib(capacity)} usable"))  # fmt: skip
@@ -553,7 +576,7 @@ def plan(
         def estimate(c: Candidate, ratio: float = 1.0) -> float:
             """`c`'s peak per rank as the shapes go: its states bound and its share of the probe's activations
             (times `ratio`: what a measured candidate of its split held over its estimate)."""
-            bound = states_bound(c, totals, script_strategy=None)
+            bound = states_bound(c, totals, script_strategy=None, script_sync_each=script_sync_each)
             return bound + activations * activation_share(c) * ratio
 
         decoder = probe.get("decoder") or {}
@@ -568,7 +591,9 @@ def plan(
             rows' all-to-alls (`prune.routed_bound`): with them Qwen3-30B on 64 reached fewer ep candidates
             (35 dry runs, 3,669 tokens/s/GPU chosen against 7,183 without them; before tp's and cp's
             collectives were counted, 7 dry runs and 3,631)."""
-            states = traffic_of(c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio, zero3)
+            states = traffic_of(
+                c, totals, spec, nproc_per_node, fixed_strategy, gather_ratio, zero3, script_sync_each
+            )
             critical = critical_traffic(
                 c, decoder, tokens, spec, nproc_per_node, gather_ratio > 1, fp8_gathers, script_remat
             )

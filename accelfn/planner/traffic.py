@@ -142,8 +142,10 @@ def traffic_of(
     script_strategy: str | None = None,
     gather_ratio: float = DTYPE_RATIO,
     zero3: Zero3Shape | None = None,
+    script_sync_each: bool = False,
 ) -> Traffic:
-    """The `Traffic` of `states_traffic`: its seconds by link and its bytes by collective."""
+    """The `Traffic` of `states_traffic`: its seconds by link and its bytes by collective (`script_sync_each`:
+    the script's pipeline reduce-scatters each micro-batch, where the candidate does not say)."""
     t = Traffic()
     strategy = c.strategy or script_strategy
     if strategy is None:
@@ -167,8 +169,13 @@ def traffic_of(
         t.add(kind, nbytes, axes, mesh, device, nproc_per_node, times)
 
     others = tuple(a for a in DATA_AXES if a != "ep")  # the experts' data-parallel ranks
-    # FSDP2 (and ZeRO-3) per micro-batch: two gathers and a reduce-scatter; once a step under a pipeline
-    gathers, reduces = (1, 1) if pipeline else (2 * micro, micro)
+    # FSDP2 (and ZeRO-3) per micro-batch: two gathers and a reduce-scatter; once a step under a pipeline, which
+    # keeps a stage's params gathered, its gradients reduce-scattered each micro-batch where it is told to
+    each = (
+        c.pipeline_sync_each_microbatch if c.pipeline_sync_each_microbatch is not None else script_sync_each
+    )
+    stage_micro = micro * (c.pipeline_microbatches or mesh.get("pp", 1))
+    gathers, reduces = (1, stage_micro if each else 1) if pipeline else (2 * micro, micro)
     if strategy in ("fsdp", "zero3", "hsdp"):
         hsdp = strategy == "hsdp"
         dense_axes, expert_axes = (("fsdp", "ep", "cp"), ("fsdp",)) if hsdp else (GRAD_AXES, others)

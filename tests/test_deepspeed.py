@@ -36,7 +36,9 @@ def _ok(proc, configs):
 def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_special():
     # `abort`: a step raising in its second micro-batch (in the loss, the model's forward, the middle of the
     # backward), caught: the engine's micro-step counter and the ZeRO optimizer's partial gradients are dropped,
-    # so the next steps equal a run without that step (ZeRO-0 to 3)
+    # so the next steps equal a run without that step (ZeRO-0 to 3); one raising in its update (the optimizer's
+    # step, caught or a KeyboardInterrupt) refuses the next steps; ZeRO-3: a second engine in the process trains
+    # on undisturbed
     configs = [
         "zero1:mlp", "zero2:mlp", "zero3:mlp",                      # fp32, Loss(total, count), uneven counts
         "zero3:gpt2:compile", "zero1:gpt2:accumulate",              # a tiny GPT-2, compiled per block (and
@@ -203,6 +205,29 @@ def test_a_failed_step_the_engine_cannot_drop_refuses_the_next_calls():
     ):
         phases.check(run)
     phases.abandon()  # that call's own abandon: it raised before the engine ran anything
+
+
+@needs_deepspeed
+def test_a_step_interrupted_in_its_update_refuses_the_next_calls_without_resetting_the_engine():
+    # the update (optimizer step, lr scheduler) may have changed params and moments: nothing is reset (the
+    # optimizer here would make a reset raise), the next call refuses; also when the interrupt skipped abandon
+    from types import SimpleNamespace
+
+    from accelfn.engine.phases import StepRun
+    from accelfn.transforms.shard.deepspeed import DeepSpeedRun
+    from accelfn.transforms.shard.deepspeed.phases import DeepSpeedPhases
+
+    run = StepRun(SimpleNamespace(loss_call=_loss, slots=object()), None, None, None)  # type: ignore[arg-type]
+    for caught in (True, False):  # an Exception (the engine calls abandon), a KeyboardInterrupt (it does not)
+        engine = SimpleNamespace(optimizer=object(), micro_steps=3)
+        phases = DeepSpeedPhases(DeepSpeedRun(engine, None, 1, {}, False, started=2, updating=True))
+        if caught:
+            phases.abandon()
+        with pytest.raises(
+            RuntimeError, match=r"interrupted in its update.*Reload the state from a checkpoint"
+        ):
+            phases.check(run)
+        assert engine.micro_steps == 3 and phases.ds.started is None and not phases.ds.updating
 
 
 def test_a_deepspeed_state_without_its_engine_is_refused_not_saved_without_moments(tmp_path):

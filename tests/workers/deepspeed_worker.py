@@ -1,7 +1,8 @@
 """Worker: af.shard(backend="deepspeed") on N ranks == af.shard(strategy="ddp") (run by test_deepspeed.py).
 
 Arguments like `zero2:mlp`, `zero3:gpt2`, `zero1:mlp:accumulate:schedule`, `zero2:distill`, `zero2:mlp:offload`,
-`zero3:abort` (a step raising in its second micro-batch, caught: the next steps equal a run without it).
+`zero3:abort` (a step raising in its second micro-batch, caught: the next steps equal a run without it; one
+raising in its update refuses the next steps).
 `compile` (gpt2 only) compiles the DeepSpeed step per block (`af.compile(regions="blocks")`) and also compares it
 with one plain-PyTorch process on the global batch (`torch.optim.AdamW`, `clip_grad_norm_`).
 """
@@ -126,9 +127,16 @@ class Boom(Exception):
 
 def check_abort(mesh, stage, extra):
     """A step of 2 micro-batches raising in its second (in the loss, in the middle of the model's forward, or in
-    the middle of its backward, the last layer's gradients bucketed), which the user catches and steps on: the engine's micro-step counter, the ZeRO optimizer's
-    buckets and partial gradient partitions (ZeRO-3's gathered params of a forward cut short) are dropped, so
-    the next steps equal a run of the same DeepSpeed step in which that step never happened."""
+    the middle of its backward, the last layer's gradients bucketed), which the user catches and steps on: the
+    engine's micro-step counter, the ZeRO optimizer's buckets and partial gradient partitions (ZeRO-3's gathered
+    params of a forward cut short) are dropped, so the next steps equal a run of the same DeepSpeed step in which
+    that step never happened. A step raising in its update (after the torch optimizer's step: the params
+    updated), caught or a KeyboardInterrupt, cannot be dropped: the next step is refused. ZeRO-3: a second
+    engine created after the first (a GAN's discriminator) keeps its root on DeepSpeed's module stack, which is
+    the process's, and trains as in a run where the first engine's step did not raise."""
+    from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     started = time.perf_counter()
     armed, fail_at = [False], [None]  # the training forward of the failing micro-batch; where it raises
     data = batches("mlp")
@@ -154,6 +162,11 @@ def check_abort(mesh, stage, extra):
         m[2].register_forward_hook(mid_backward)
         return m
 
+    def in_update(opt, args, kwargs):  # after a torch optimizer's step in the failing step's update
+        if armed[0] and fail_at[0] in ("update", "interrupt"):
+            armed[0] = False
+            raise Boom("in the update") if fail_at[0] == "update" else KeyboardInterrupt
+
     def loss_fn(model, b):
         # the counting forwards (no gradients) of af.accumulate's af.Loss pass; the training forward raises
         armed[0] = (
@@ -164,29 +177,62 @@ def check_abort(mesh, stage, extra):
             raise Boom("in the loss")
         return af.losses.cross_entropy(out, b["y"])
 
+    def shard(step):
+        return af.shard(step, mesh, inputs="global", backend="deepspeed", zero_stage=stage,
+                        offload_optimizer=True if "offload" in extra else None)  # fmt: skip
+
     def run(where):
         fail_at[0] = where
-        step = af.accumulate(af.train_step(loss_fn, optimizer(extra), clip_grad_norm=1.0), 2)
-        step = af.shard(step, mesh, inputs="global", backend="deepspeed", zero_stage=stage,
-                        offload_optimizer=True if "offload" in extra else None)  # fmt: skip
+        step = shard(af.accumulate(af.train_step(loss_fn, optimizer(extra), clip_grad_norm=1.0), 2))
         state = step.init(net())
+        other, other_losses = None, []
+        if stage == 3:  # a second engine, created after this one, stepped after each of its steps
+            other = shard(af.train_step(make_loss("mlp", None), optimizer(extra)))
+            other_state = other.init(make_model("mlp"))
+            stack = list(FWD_MODULE_STACK)  # every ZeRO-3 engine's root so far, this run's two last
         losses = []
-        for i, b in enumerate(data):
-            if i == 1 and where is None:  # the reference: that step never happened
-                continue
-            if i != 1:
-                b = {k: v for k, v in b.items() if k != "boom"}
-            try:
-                state, m = step(state, b)
-                losses.append(m["loss"].item())
-            except Boom:
-                assert i == 1 and where is not None, (i, where)
-        return full_params(step, state), losses, state
+        hook = register_optimizer_step_post_hook(in_update)
+        try:
+            for i, b in enumerate(data):
+                if i != 1:
+                    b = {k: v for k, v in b.items() if k != "boom"}
+                try:
+                    if i != 1 or where is not None:  # the reference: that step never happened
+                        state, m = step(state, b)
+                        losses.append(m["loss"].item())
+                except (Boom, KeyboardInterrupt):
+                    assert i == 1 and where is not None, (i, where)
+                except RuntimeError as e:  # the step after one that raised in its update
+                    assert where in ("update", "interrupt") and i == 2, (where, i, e)
+                    assert "interrupted in its update" in str(e) and "checkpoint" in str(e), e
+                    return None, losses, state, other_losses
+                if other is not None:  # every run steps it on every batch
+                    assert len(FWD_MODULE_STACK) == len(stack), (where, i, FWD_MODULE_STACK, stack)
+                    assert all(x is y for x, y in zip(FWD_MODULE_STACK, stack)), (where, i)
+                    other_state, m = other(other_state, {k: v for k, v in data[i].items() if k != "boom"})
+                    other_losses.append(m["loss"].item())
+        finally:
+            hook.remove()
+        assert where not in ("update", "interrupt"), (
+            f"zero{stage}: a step after one that raised in its update ran"
+        )
+        return full_params(step, state), losses, state, other_losses
 
-    ref_params, ref_losses, _ = run(None)
+    def same_other(where, other_losses):  # the second engine trains as if the first's step had not raised
+        assert len(other_losses) <= len(ref_other), (where, other_losses)
+        diff = max((abs(x - y) for x, y in zip(other_losses, ref_other)), default=0.0)
+        assert diff <= 1e-6, f"zero{stage} raising in the {where}: {other_losses} vs {ref_other}"
+
+    ref_params, ref_losses, _, ref_other = run(None)
+    for where in ("update", "interrupt"):  # the step after the failed update refused (checked in run)
+        _, losses, _, other_losses = run(where)
+        assert len(losses) == 1 and abs(losses[0] - ref_losses[0]) <= 1e-6, (where, losses, ref_losses)
+        same_other(where, other_losses)
     diffs = []
     for where in ("loss", "forward", "backward"):
-        params, losses, state = run(where)
+        params, losses, state, other_losses = run(where)
+        same_other(where, other_losses)
+        assert len(other_losses) == len(ref_other), (where, other_losses)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         diff = max((params[k] - ref_params[k]).abs().max().item() for k in params)
         assert len(losses) == len(ref_losses) and loss_diff <= 1e-5 and diff <= 1e-5, (

@@ -18,7 +18,8 @@ in accelfn's own layout: the same checkpoint as the equivalent `backend="torch"`
 
 A step that raises before its update (caught by the caller) is dropped from the engine: its micro-step counter
 and the ZeRO optimizer's partial gradients are reset (`abandon.drop_partial_step`), so the next step is as if it
-never ran; where that fails, later steps raise instead of training on the leftovers.
+never ran; where that fails, and after a step that raised in its update (params and moments possibly
+updated), later steps raise instead of training on the leftovers.
 
 Modules, importing one way: `types` (shared records), `abandon` <- `config`, `phases` <- `lowering` <-
 `checkpoint`.

@@ -9,6 +9,10 @@ update would land one micro-batch early, on gradients of both steps. `drop_parti
 back where it was before that step, as DeepSpeed's own overflow path (fp16's skipped step) drops gradients:
 locally, with no collective.
 
+Only a step that raised before its update: one that raised in it (the optimizer's step, partway through ZeRO's
+per-group update, the lr scheduler) may have updated some or all of the parameters and moments, which no
+gradient reset undoes; the strategy refuses further steps instead (`DeepSpeedPhases.abandon`).
+
 Not reset: a parameter that gets no gradient in the next step keeps ZeRO-3's last gradient partition, as it
 would after any step. What cannot be reset here (an optimizer this module does not know, a DeepSpeed whose
 internals moved) raises; the strategy then refuses further steps rather than train on the leftovers.
@@ -20,12 +24,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["drop_partial_step"]
+__all__ = ["drop_partial_step", "module_stack_depth"]
 
 
-def drop_partial_step(engine: Any, micro_steps: int) -> None:
+def module_stack_depth() -> int:
+    """The depth of ZeRO-3's forward module stack (`parameter_offload.FWD_MODULE_STACK`), to record when a step
+    begins: one list per process, holding every ZeRO-3 engine's root module (pushed at its creation) below the
+    modules whose forward is running."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    return len(getattr(parameter_offload, "FWD_MODULE_STACK", ()))
+
+
+def drop_partial_step(engine: Any, micro_steps: int, stack_depth: int) -> None:
     """Reset `engine` to its state before a step that raised: the micro-step counter back to `micro_steps`
-    (its value when the step began), the optimizer's partial gradients and per-backward state dropped."""
+    (its value when the step began), the optimizer's partial gradients and per-backward state dropped, ZeRO-3's
+    module stack cut back to `stack_depth` (`module_stack_depth()` when the step began)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -47,7 +61,7 @@ def drop_partial_step(engine: Any, micro_steps: int) -> None:
         hooks.remaining_grad_acc_hooks = 0
         hooks.reset_for_new_step()
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-        _drop_zero3(engine, opt)
+        _drop_zero3(engine, opt, stack_depth)
     elif isinstance(opt, DeepSpeedZeroOptimizer):
         _drop_zero12(opt)
     # the held gradients themselves: the params' .grad (ZeRO-0's accumulation; first, as ZeRO-3's zero_grad
@@ -64,8 +78,15 @@ def drop_partial_step(engine: Any, micro_steps: int) -> None:
 def _drop_zero12(opt: Any) -> None:
     """ZeRO-1/2: the micro-step id (the first backward copies), the in-flight bucket of a backward cut short,
     and the accumulated partitions, as `DeepSpeedZeroOptimizer.step` drops them on an overflow."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import stage_1_and_2
 
+    # overlap_comm: a backward cut short may leave a bucket's reduction in flight on `reduction_stream` (and its
+    # copies into the bucket on other streams), which would write into the buffers released below; wait for all
+    # of them, as the backward's own epilogue (`independent_gradient_partition_epilogue`) does before it clears
+    # reduced gradients. (Untested: on CPU, the tests' device, every op is synchronous and there is no stream.)
+    if getattr(opt, "overlap_comm", False) and not get_accelerator().resolves_data_dependency():
+        get_accelerator().synchronize()
     opt.micro_step_id = getattr(stage_1_and_2, "INITIAL_MICRO_STEP_ID", -1)
     for bucket in getattr(opt, "ipg_buckets", {}).values():
         bucket.clear()
@@ -86,9 +107,10 @@ def _drop_zero12(opt: Any) -> None:
         opt.all_grad_tensors[k] = None
 
 
-def _drop_zero3(engine: Any, opt: Any) -> None:
+def _drop_zero3(engine: Any, opt: Any, stack_depth: int) -> None:
     """ZeRO-3: the parameters a forward or backward cut short left gathered, a module trace recorded over
-    it, the in-flight gradient bucket and the accumulated partitions (as its overflow clean-up)."""
+    it, the modules it left on the module stack and "in forward", the in-flight gradient bucket and the
+    accumulated partitions (as its overflow clean-up)."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import parameter_offload
 
@@ -100,10 +122,21 @@ def _drop_zero3(engine: Any, opt: Any) -> None:
         coordinator.release_backward_leftovers()
     if coordinator.is_record_trace():  # the trace being recorded stopped where the step raised
         coordinator._invalidate_trace()
+    # a forward cut short skipped the engine's `_forward_epilogue`, which takes every module out of "forward"
+    # (`ZeROOrderedDict._in_forward`): else the next access to one of their partitioned params (accelfn's own
+    # `engine.module.get_parameter` in the next step's check) gathers it and registers it as an external param
+    # of the module on top of the stack: kept gathered, and, when that is another engine's root, in that
+    # engine's trace (its next step fails: "tracing error")
+    for module in engine.module.modules():
+        if getattr(module._parameters, "_in_forward", False):
+            module._parameters._in_forward = False
     offload.partition_all_parameters()  # engine.empty_partition_cache(): every gathered param released
+    # the modules whose forward never returned: pushed since the step began. The stack is the process's, shared
+    # by every ZeRO-3 engine (each keeps its root module there from its creation): cut it back to its depth at
+    # the step's start, not to this engine's root (that would drop the root of an engine created after it)
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if stack is not None and engine.module in stack:  # the modules whose forward never returned
-        del stack[stack.index(engine.module) + 1 :]
+    if stack is not None:
+        del stack[stack_depth:]
     for bucket in opt.ipg_buckets.values():
         if hasattr(bucket, "clear_params"):
             bucket.clear_params()

@@ -13,8 +13,11 @@ A step that raises before its update (the loss, a forward or a backward of micro
 from the engine (`DeepSpeedPhases.abandon`, the strategy's `GradSync.abandon`): the micro-step counter goes
 back to its value when the step began and the optimizer's partial gradients are dropped (`abandon.py`), so the
 caller may catch the error and step again as if that step never ran. A step interrupted otherwise
-(KeyboardInterrupt) is dropped at the start of the next one. Where the engine cannot be reset, every later step
-raises rather than train on the leftovers.
+(KeyboardInterrupt) is dropped at the start of the next one. A step that raised in its update (the last
+micro-batch's `engine.step()`: the optimizer's step, partway through ZeRO's per-group update, the lr scheduler)
+is not dropped: the parameters and moments may already be partly or fully updated, so a retry would apply that
+batch twice. There, and where the engine cannot be reset, every later step raises rather than train on what the
+failed step left (rebuild the step, load a checkpoint).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ....engine.batches import loss_parts, rows
 from ....engine.phases import StepRun, TrainPhases, next_state
 from ....engine.plan import Plan
 from ....state import TrainState
-from .abandon import drop_partial_step
+from .abandon import drop_partial_step, module_stack_depth
 from .types import DeepSpeedRun, DeepSpeedState
 
 __all__ = ["DeepSpeedPhases", "counted_forwards"]
@@ -103,12 +106,12 @@ class DeepSpeedPhases(TrainPhases):
     def check(self, run: StepRun) -> None:
         plan, state, engine = run.plan, run.state, self.ds.engine
         assert plan.loss_call is not None and plan.slots is not None
+        if (
+            self.ds.started is not None
+        ):  # a step interrupted without its abandon (KeyboardInterrupt): drop it now
+            self.abandon()
         if self.ds.broken is not None:
-            raise RuntimeError(
-                "an earlier DeepSpeed step raised and what its finished backwards left in the engine could not be "
-                f"dropped ({self.ds.broken}): the next update would include them. Build the step again (step.init) "
-                "or load a checkpoint (af.checkpoint.load(path, like=a new step's state))"
-            )
+            raise RuntimeError(self.ds.broken)
         first_name = next(iter(plan.slots.trainable))
         if state.params.get(first_name) is not engine.module.get_parameter(first_name):
             raise ValueError(
@@ -128,9 +131,7 @@ class DeepSpeedPhases(TrainPhases):
         plan, ds, engine, micro = run.plan, self.ds, self.ds.engine, run.micro
         n = len(micro)
         device = plan.devices[0] if plan.devices else torch.device("cpu")
-        if ds.started is not None:  # a step interrupted without its abandon (KeyboardInterrupt): drop it now
-            self.abandon()
-        ds.started = engine.micro_steps
+        ds.started, ds.stack_depth = engine.micro_steps, module_stack_depth()
         forward, first, counts, has_count, local_count = counted_forwards(
             plan, micro, run.step_key, engine, ds
         )
@@ -157,22 +158,38 @@ class DeepSpeedPhases(TrainPhases):
                 if isinstance(v, torch.Tensor):
                     aux_sum[k] = v.detach().float() if k not in aux_sum else aux_sum[k] + v.detach().float()
             engine.backward(total * inv, scale_wrt_gas=False)
-            engine.step()  # the update, at the last micro-batch (DeepSpeed counts them)
-        ds.started = None
+            # the update, at the last micro-batch (DeepSpeed counts them): from here the step cannot be dropped
+            ds.updating = engine.is_gradient_accumulation_boundary()
+            engine.step()
+        ds.started, ds.updating = None, False
         run.loss_sum, run.aux_sum, run.aux_count = loss_sum, aux_sum, n * ds.world
         run.skipped = engine.skipped_steps != skipped_before
 
     def abandon(self) -> None:
         """The step raised before its update: put the engine back as it was when the step began (its micro-step
-        counter, the optimizer's partial gradients; local, no collective). A failure to do so is kept: every
-        later step raises (`check`) instead of updating with what the failed step left."""
-        started, self.ds.started = self.ds.started, None
+        counter, the optimizer's partial gradients; local, no collective). A step that raised in its update, and
+        a failure to reset the engine, are kept: every later step raises (`check`) instead of updating with what
+        the failed step left."""
+        ds = self.ds
+        started, updating, ds.started, ds.updating = ds.started, ds.updating, None, False
         if started is None:  # the step raised before its first backward: nothing in the engine to drop
             return
+        if updating:  # params, moments, the lr schedule and the counters may be partly or fully updated
+            ds.broken = (
+                "an earlier DeepSpeed step was interrupted in its update (the engine's optimizer step or lr "
+                "scheduler raised): the parameters and optimizer state may be partly or fully updated, so that "
+                "step can be neither dropped nor retried (a retry would apply its batch twice). Reload the state "
+                "from a checkpoint into a new engine: af.checkpoint.load(path, like=step.init(model))"
+            )
+            return
         try:
-            drop_partial_step(self.ds.engine, started)
+            drop_partial_step(ds.engine, started, ds.stack_depth)
         except Exception as e:
-            self.ds.broken = f"{type(e).__name__}: {e}"
+            ds.broken = (
+                "an earlier DeepSpeed step raised and what its finished backwards left in the engine could not be "
+                f"dropped ({type(e).__name__}: {e}): the next update would include them. Build the step again "
+                "(step.init) or load a checkpoint (af.checkpoint.load(path, like=a new step's state))"
+            )
             raise
 
     def reduce(self, run: StepRun) -> None:

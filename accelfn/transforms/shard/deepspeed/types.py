@@ -53,4 +53,7 @@ class DeepSpeedRun:
     fp16: bool
     loss_has_count: bool | None = None  # does loss_fn return an af.Loss? (learnt on the first call)
     started: int | None = None  # the engine's micro-step counter when the step in its backwards began
-    broken: str | None = None  # why a step that raised could not be dropped from the engine (steps refused)
+    # ZeRO-3's module stack (`FWD_MODULE_STACK`, one per process, every engine's) depth when that step began
+    stack_depth: int = 0
+    updating: bool = False  # the step is in its update (the boundary `engine.step()`): it cannot be dropped
+    broken: str | None = None  # why later steps are refused (a step that raised could not be dropped)

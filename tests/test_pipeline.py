@@ -281,6 +281,26 @@ def test_pp2_x_fsdp2_reducing_each_micro_batch_equals_one_process():
 
 
 @pytest.mark.slow
+def test_reducing_each_micro_batch_with_units_the_last_micro_batch_leaves_out_equals_one_process():
+    """FSDP2 units (blocks) the backward reaches in the first micro-batch only (a data-dependent gate: an expert
+    no token of the last micro-batch reaches): under hsdp their partial sum must still reach the replicas (it was
+    reduce-scattered, never all-reduced: the step lost their gradients), and a param a unit uses on some
+    micro-batches only must not shift the partial sum (`params`). Pipelines reducing each micro-batch (1F1B,
+    interleaved, bf16; fsdp as well), and af.accumulate's, each equal one process; each pipeline unit is reduced
+    once a micro-batch, all-reduced once a step (hsdp). `unfixed` (no zero-filled reduce-scatters) is refused
+    after the schedule, naming the units, not applied. 4 then 2 processes over gloo (dp=2 replicas, fsdp=1)."""
+    piped = ["hsdp", "hsdp:caller", "hsdp:params", "hsdp:interleaved", "hsdp:bf16:params", "hsdp:m=4:params",
+             "fsdp:params", "fsdp:interleaved", "hsdp:unfixed"]  # fmt: skip
+    proc = run_workers("pp_gated_worker.py", 4, "pp=2,dp=2,fsdp=1", *piped, timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("GATED OK") == 4 * len(piped), output_of(proc)
+    accumulated = ["hsdp", "hsdp:caller", "hsdp:params", "fsdp:params"]
+    proc = run_workers("pp_gated_worker.py", 2, "dp=2,fsdp=1", *accumulated, timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.count("GATED OK") == 2 * len(accumulated), output_of(proc)
+
+
+@pytest.mark.slow
 def test_kill_and_resume_on_pp2_x_dp2_is_bit_identical(tmp_path):
     proc = run_workers(
         "pp_train_worker.py", 4, "pp=2,dp=2", f"llama:ddp:resume={tmp_path / 'mid'}", timeout=300

@@ -156,6 +156,7 @@ class PipelineSync(GradSync):
     # `sync_each_microbatch=True`: the FSDP2 sync whose `microbatch` context each backward runs in (else None)
     each: Any = None
     entry_shapes: dict[tuple[int, ...], torch.Size] = attrs.Factory(dict)  # boundary: local shape -> global
+    units_of: dict[int, list[Any]] | None = None  # stage -> its FSDP2 units (`stage_units`, found once)
 
     def __attrs_post_init__(self) -> None:
         # torch's pipelining allocates a module-level tensor when imported (`sum_reducer`'s 0.0): import it now,
@@ -241,6 +242,26 @@ class PipelineSync(GradSync):
         )
 
     # ---- running the schedule ---------------------------------------------------------------------------------
+    def stage_units(self, stage: int) -> list[Any]:
+        """The FSDP2 units (sharded modules) holding params of this rank's `stage` (a unit holding params of
+        several of its stages is in each's list; one whose owner the split does not name, in every one)."""
+        if self.units_of is None:
+            from torch.distributed.fsdp import FSDPModule
+
+            from .shard.fsdp import _unit_params
+
+            root = self.plan.module
+            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            owner, mine = self.layout.split.owner, set(self.layout.stages)
+            self.units_of = {s: [] for s in self.layout.stages}
+            for unit in root.modules():
+                if not isinstance(unit, FSDPModule) or not hasattr(unit, "set_reduce_scatter_unused_params"):
+                    continue  # (a torch without it: a unit left unreduced is refused after the schedule)
+                stages = {owner.get(names.get(id(m), ""), -1) for m, _ in _unit_params(unit)}  # type: ignore[arg-type]
+                for s in mine if -1 in stages else stages & mine:
+                    self.units_of[s].append(unit)
+        return self.units_of.get(stage, [])
+
     def _rank_of(self, stage: int) -> int:
         return _place(self.layout, stage)
 
@@ -528,10 +549,22 @@ def _make_stage_class() -> type:
                 self.submod.set_is_last_backward(False)  # type: ignore[operator]  # an FSDPModule
                 self.submod.set_reshard_after_backward(False)  # type: ignore[operator]  # an FSDPModule
                 self.submod.set_requires_gradient_sync(True)  # type: ignore[operator]  # an FSDPModule
-                with each.microbatch(last_backward):
-                    grads = stage_backward(
-                        bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
-                    )
+                # this stage's units reduce-scatter every param, zeros where this backward left none (a unit or a
+                # param the micro-batch did not use, data-dependent): hsdp's partial sums then always cover the
+                # same params, and the stage's last backward all-reduces every unit that holds one (FSDP2 skips a
+                # unit without gradients: its earlier micro-batches' sum would never reach the replicas). Only
+                # while this stage's backward runs: not the rank's other stages' units, nor in the final REDUCE_GRAD
+                units = self._sync.stage_units(self.stage_index)
+                for unit in units:
+                    unit.set_reduce_scatter_unused_params(True, recurse=False)
+                try:
+                    with each.microbatch(last_backward):
+                        grads = stage_backward(
+                            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+                        )
+                finally:
+                    for unit in units:
+                        unit.set_reduce_scatter_unused_params(False, recurse=False)
                 return grads, None
             out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             if dry_mode.active() is not None:
@@ -605,6 +638,16 @@ class PipelinePhases(TrainPhases):
                 schedule.step(idx, target=idx)  # target: unused (the last stage returns its loss)
         finally:
             sync.run = None
+        if sync.each is not None:
+            from .shard.fsdp import _unreduced_units
+
+            left = _unreduced_units(plan.module)
+            if left:
+                raise RuntimeError(
+                    f"af.pipeline(sync_each_microbatch=True): the FSDP2 units {left[:3]} hold a partial sum of this "
+                    "step's gradients that was never all-reduced over the hsdp replicas (their stage's last backward "
+                    "did not reduce them): the step is not applied. Leave sync_each_microbatch False"
+                )
         device = sync.mesh.device
         if sync.layout.holds_last:
             got = [sync.results[i] for i in range(len(run.micro))]

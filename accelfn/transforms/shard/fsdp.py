@@ -502,6 +502,22 @@ def _param_groups(root: nn.Module) -> Iterator[Any]:
         yield from groups
 
 
+def _unreduced_units(root: nn.Module) -> list[str]:
+    """The FSDP2 units (by name in `root`, "" the root) holding a partial sum of reduce-scattered gradients that
+    awaits hsdp's all-reduce over the replicas (`set_requires_all_reduce(False)`'s backwards, none since)."""
+    out = []
+    for name, m in root.named_modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        state = get() if callable(get) else None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        if any(getattr(g, "_partial_reduce_output", None) is not None for g in groups):
+            out.append(name or "(the root)")
+    return out
+
+
 def _unsharded_grads(root: nn.Module) -> list[torch.Tensor]:
     """The unsharded gradients FSDP2 holds between micro-batches without gradient sync (each unsharded
     parameter's `.grad`, or its accumulated copy in the reduce dtype); none where torch's internals differ."""
@@ -546,8 +562,9 @@ def _sync_each(plan: Plan) -> bool:
     # an unused param's gradient with zeros of its unsharded (bf16 under af.autocast) dtype beside the others'
     # fp32 accumulations, and its reduce-scatter asserts a uniform gradient dtype; there ranks must use the same
     # params (`reduce` refuses them by name otherwise), and a param no rank uses is skipped as before. (A pipeline
-    # reducing each micro-batch, `af.pipeline(..., sync_each_microbatch=True)`, too: FSDP2 would reduce-scatter
-    # zeros for every unit a backward did not reach, the rank's other stage's, and again in the step's REDUCE_GRAD)
+    # reducing each micro-batch, `af.pipeline(..., sync_each_microbatch=True)`, turns it on for the running stage's
+    # units during each of its backwards only: on the root, FSDP2 would reduce-scatter zeros for every unit a
+    # backward did not reach, the rank's other stage's, and again in the step's REDUCE_GRAD)
     held = (not each and plan.microbatches > 1) or any(t.kind == "pipeline" for t in plan.transforms)
     if not held and hasattr(root, "set_reduce_scatter_unused_params"):
         root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # an FSDPModule

@@ -603,14 +603,15 @@ PIPELINE_ARGS = ("--model", "tiny", "--seq-len", "32", "--remat", "none", "--com
 
 
 @pytest.mark.parametrize(
-    "layers, mesh, schedule, stages, ends",
+    "layers, mesh, schedule, stages, ends, each",
     [
-        (18, "pp=4,dp=2", "1f1b", 4, [4, 4]),  # 18 blocks over 4 stages: 4, 5, 5, 4 (uneven)
-        (14, "pp=2,dp=4", "interleaved_1f1b", 4, [7, 7]),  # 3, 4, 4, 3: rank 0 holds stages 0 and 2
+        (18, "pp=4,dp=2", "1f1b", 4, [4, 4], False),  # 18 blocks over 4 stages: 4, 5, 5, 4 (uneven)
+        (14, "pp=2,dp=4", "interleaved_1f1b", 4, [7, 7], False),  # 3, 4, 4, 3: rank 0 holds stages 0 and 2
+        (18, "pp=4,dp=2", "1f1b", 4, [4, 4], True),  # gradients reduce-scattered each micro-batch, not held
     ],
 )
 def test_a_pipeline_cut_to_2_and_3_blocks_per_stage_extrapolates_to_its_full_dry_run(
-    layers: int, mesh: str, schedule: str, stages: int, ends: list[int]
+    layers: int, mesh: str, schedule: str, stages: int, ends: list[int], each: bool
 ) -> None:
     """A pipeline candidate dry-run with its model cut to 2 and to 3 blocks per stage (the same stage count and
     shapes): each end rank's blocks are read from the balanced split of the cut and of the whole model, and the
@@ -621,7 +622,8 @@ def test_a_pipeline_cut_to_2_and_3_blocks_per_stage_extrapolates_to_its_full_dry
     from accelfn.planner.search import Job, run_job
     from accelfn.planner.tiers import _extrapolated
 
-    env = {"strategy": "fsdp", "global_batch_size": 16, "pipeline_schedule": schedule}
+    env = {"strategy": "fsdp", "global_batch_size": 16, "pipeline_schedule": schedule,
+           "pipeline_sync_each_microbatch": each}  # fmt: skip
     knobs = tuple((launch_env.KNOBS[k][0], str(v)) for k, v in env.items())
     args = (*PIPELINE_ARGS, "--layers", str(layers))
     job = Job(PIPELINE, args, 8, 1, mesh=mesh, env=knobs, gpu="h100-sxm", rank="ends")
@@ -633,6 +635,7 @@ def test_a_pipeline_cut_to_2_and_3_blocks_per_stage_extrapolates_to_its_full_dry
     for k in (2, 3):  # k blocks per stage in the cut model, each end rank running v stages
         assert [r["at"] for r in cut["reports"][k]] == [k * v, k * v]
     ex, ref = _extrapolated(cut), full["report"]
+    assert ("sync_each_microbatch=True" in ref["strategy"]) is each
     for k in ("params", "grads", "optimizer"):
         assert ex["per_rank"][k] == ref["per_rank"][k], k
     assert math.isclose(ex["per_rank"]["peak"], ref["per_rank"]["peak"], rel_tol=1.5e-2)

@@ -46,6 +46,10 @@ def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_sp
         "zero3:mlp:accumulate", "zero2:mlp:accumulate:schedule",    # warmup-cosine -> LambdaLR
         "zero2:distill", "zero3:distill:accumulate",                # student + frozen teacher in the loss
         "zero2:mlp:bf16",                                           # bf16 trains (looser tolerance)
+        "zero0:mlp:accumulate", "zero0:mlp:accumulate:bf16",        # ZeRO-0: fp32 optimizer, bf16's
+        "zero2:mlp:accumulate:bf16",                                # an af.Loss over 2 micro-batches, clipped,
+                                                                    # in as many forwards as ddp (each config)
+        "zero3:mlp:accumulate:countfwd",                            # fp16's lowering: counted by forwards first
         "zero0:abort", "zero1:abort", "zero2:abort", "zero3:abort", # a step raising in micro-batch 2 of 2
     ]  # fmt: skip
     _ok(run_workers("deepspeed_worker.py", 2, *configs, timeout=400), configs)
@@ -55,8 +59,10 @@ def test_zero_1_2_3_on_two_ranks_equal_ddp_and_a_frozen_teacher_needs_nothing_sp
 @needs_deepspeed
 def test_zero_offload_with_deepspeed_cpu_adam_equals_ddp():
     # Separate because DeepSpeedCPUAdam is compiled on first use (~150 s here; cached afterwards). `abort`: a
-    # step that raised leaves nothing in ZeRO-Offload's host gradient copies either
-    configs = ["zero2:mlp:offload", "zero2:abort:offload", "zero3:abort:offload"]
+    # step that raised leaves nothing in ZeRO-Offload's host gradient copies either; `accumulate`: an af.Loss over
+    # 2 micro-batches, the update dividing the host gradient partitions by the count
+    configs = ["zero2:mlp:offload", "zero2:abort:offload", "zero3:abort:offload", "zero2:mlp:accumulate:offload",
+               "zero3:mlp:accumulate:offload"]  # fmt: skip
     _ok(run_workers("deepspeed_worker.py", 2, *configs, timeout=500), configs)
 
 

@@ -116,7 +116,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
         },
     },
     # several buckets, params larger than one, reduce to each owner; ZeRO-3's prefetch, reuse distance and
-    # persistence cut short; two micro-batches (an af.Loss: a counting forward each, without gradients)
+    # persistence cut short; two micro-batches of an af.Loss (the update divides by the count: no count forwards)
     "llama, small buckets, 2 micro-batches": {
         "accumulate": 2,
         "ds_config": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from accelfn import launch_env
@@ -135,8 +136,8 @@ def test_a_dense_fp32_models_gathers_and_deepspeeds_reductions_are_the_dry_runs(
     ZeRO-1 all-reduces the gradients once a step, ZeRO-2 each micro-batch, each all-gathering the updated params
     once; ZeRO-3 reduce-scatters as fsdp, and this Llama's params being all persistent (at most 1e5 elements
     each), gathers them once a step, after the update, from its second step on (the first, which records
-    DeepSpeed's trace, gathers 4.85x their bytes: for the af.Loss's first count forward, the count forward of
-    the first micro-batch, the second micro-batch's forward and backward, and after the update)."""
+    DeepSpeed's trace, gathers 3.85x their bytes; 4.85x when an af.Loss's count forwards ran before the
+    micro-batches)."""
     pytest.importorskip("deepspeed")
     report = _dense_run(strategy, DENSE_ARGS)
     totals, zero3 = dense_totals
@@ -150,24 +151,49 @@ def test_a_dense_fp32_models_gathers_and_deepspeeds_reductions_are_the_dry_runs(
     assert zero3.persistent == pytest.approx(1.0) and zero3.loss_counts
 
 
-@pytest.mark.parametrize("accumulate, times", [(1, 1), (2, 6)])
-def test_zero3_gathers_an_af_loss_three_times_a_micro_batch_and_keeps_none(
+@pytest.mark.parametrize("accumulate, times", [(1, 1), (2, 2)])
+def test_zero3_gathers_each_param_once_a_micro_batch_and_keeps_it_for_the_backward(
     wide_totals: tuple[States, Zero3Shape], accumulate: int, times: int
 ) -> None:
-    """ZeRO-3 of the Llama 8x wider (its matrices not persistent, 5M params: under the reuse distance). One
-    micro-batch: each param gathered once, kept from its forward to its backward. Two of an af.Loss: each
-    micro-batch gathers them for its count forward, its forward and its backward (DeepSpeed keeps none from
-    forward to backward: it decides each forward module's release by the forward-only trace of the first step's
-    count forwards, and caches that); 6x the params' bytes. The persistent ones (norms) once; within 3%."""
+    """ZeRO-3 of the Llama 8x wider (its matrices not persistent, 5M params: under the reuse distance). Each
+    micro-batch gathers each param once, kept from its forward to its backward: also two of an af.Loss, whose
+    update divides by the count (no count forward per micro-batch: before, each micro-batch gathered them for
+    its count forward, its forward and its backward, DeepSpeed keeping none from forward to backward after the
+    count forwards' forward-only trace: 6x the params' bytes). The persistent ones (norms) once; within 3%."""
     pytest.importorskip("deepspeed")
     totals, zero3 = wide_totals
-    assert zero3.loss_counts and 0 < zero3.persistent < 0.01 and zero3.reused > 0.99
+    assert (
+        zero3.loss_counts and not zero3.count_forwards and 0 < zero3.persistent < 0.01 and zero3.reused > 0.99
+    )
     report = _dense_run("zero3", WIDE_ARGS, accumulate)
     c = Candidate(report["mesh"], "zero3", accumulate=accumulate)
     moved = traffic_of(c, totals, H100, 8, gather_ratio=1, zero3=zero3).moved
     measured = _dp_bytes(report)
     assert moved["all_gather", ("dp",)] == pytest.approx(measured["all_gather"], rel=0.03)
     assert measured["all_gather"] == pytest.approx(times * totals.params, rel=0.03)
+
+
+def test_zero3_under_fp16_gathers_an_af_loss_for_each_count_forward_too(
+    wide_totals: tuple[States, Zero3Shape], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lowering fp16 gets (DeepSpeed's dynamic loss scale: the count known before the first backward), on
+    the 8x wider Llama at 2 micro-batches of an af.Loss: each micro-batch gathers the params for its count
+    forward and its forward, and keeps them for its backward (the count forwards' cached release decisions
+    cleared: 6x the params' bytes without that); 4x the params' bytes, within 3%."""
+    pytest.importorskip("deepspeed")
+    import importlib
+
+    dry = importlib.import_module("accelfn.transforms.shard.deepspeed.dry")
+    monkeypatch.setattr(dry, "_divides", lambda *a: False)  # as under fp16 (this dry run is fp32)
+    totals, zero3 = wide_totals
+    fp16 = attrs.evolve(zero3, fp16=True)
+    assert fp16.count_forwards and not zero3.count_forwards
+    report = _dense_run("zero3", WIDE_ARGS, 2)
+    c = Candidate(report["mesh"], "zero3", accumulate=2)
+    moved = traffic_of(c, totals, H100, 8, gather_ratio=1, zero3=fp16).moved
+    measured = _dp_bytes(report)
+    assert moved["all_gather", ("dp",)] == pytest.approx(measured["all_gather"], rel=0.03)
+    assert measured["all_gather"] == pytest.approx(4 * totals.params, rel=0.03)
 
 
 LLAMA = str(ROOT / "examples" / "train_llama.py")

@@ -63,7 +63,7 @@ class Job:
     def steps(self) -> int:
         """The calls of the step the dry run measures (its report's collectives and time are the last one's):
         ZeRO-3's first step records DeepSpeed's trace (each param gathered for its forward and its backward,
-        and for an af.Loss's first count forwards), its second is the steady step the plan is for."""
+        under fp16 also for an af.Loss's count forwards), its second is the steady step the plan is for."""
         return 2 if dict(self.env).get(launch_env.ACCELFN_STRATEGY) == "zero3" else 1
 
 
@@ -258,9 +258,9 @@ def _one_chunk(chunked: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _loss_counts(seen: dict[str, bool]) -> Iterator[None]:
     """Records in `seen["loss_counts"]` whether the step's loss counts its elements (an af.Loss; a mean loss
-    does not), as the engine's forward and backward reads it: DeepSpeed's step counts each of several
-    micro-batches of an af.Loss by a forward first (`deepspeed.phases.counted_forwards`), which ZeRO-3 gathers
-    the params for (`traffic`)."""
+    does not), as the engine's forward and backward reads it: under fp16 DeepSpeed's step counts each of
+    several micro-batches of an af.Loss by a forward first (`deepspeed.phases.counted_forwards`), which ZeRO-3
+    gathers the params for (`traffic`)."""
     from ..engine import phases
 
     read = phases.loss_parts

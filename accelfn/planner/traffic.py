@@ -17,21 +17,21 @@ The dry run measures every collective; before a candidate's dry run, the planner
   (the planner's dry run of a ZeRO-3 candidate measures its second step, `tiers._job`): the persistent params
   (at most 1e5 elements each) once a step, after the update; the others each micro-batch for the forward and
   again for the backward, but those kept from one to the other (used again within
-  `stage3_max_reuse_distance`, 1e9 elements: all of a model under 5e8); an af.Loss over several micro-batches
-  also for each one's count forward, and then keeps none (`_zero3_gathers`). The first step gathers each param
-  for its forward and its backward, and for an af.Loss's first count forwards (the dense tiny Llama of
-  tests/test_plan_traffic.py, all of it persistent, at 2 micro-batches: 4.85x its params in the first step,
-  1x in the second).
+  `stage3_max_reuse_distance`, 1e9 elements: all of a model under 5e8); under fp16 an af.Loss over several
+  micro-batches also for each one's count forward (elsewhere DeepSpeed's update divides by the count:
+  `_zero3_gathers`). The first step gathers each param for its forward and its backward (the dense tiny Llama
+  of tests/test_plan_traffic.py, all of it persistent, at 2 micro-batches of an af.Loss: 3.85x its params in
+  the first step, 1x in the second).
 
 Each collective is timed as the dry run times it (`comm_time.collective_time`, its group placed as the mesh
 places it); params are gathered as the step casts them (`gather_ratio`: the probe's bytes over 2 under
 af.autocast, FSDP's bf16 copy of fp32 params; as held otherwise), grads reduced as the probe holds them (fp32
 under af.autocast: FSDP's reduce_dtype; DDP and DeepSpeed reduce them as they are). Padding is not counted (FSDP
 pads each param's first dim to the shard count: the tiny test models' 4 experts over 8 ranks move twice their
-bytes), nor what ZeRO-3's count forward prefetches for a backward that does not follow (released unused:
-181M elements a count forward of an 866M-parameter Llama, whose gathers at 2 micro-batches are 1.07x the
-estimate), nor the params it keeps gathered because it prefetched their next use (at 1 micro-batch that Llama
-keeps 79% of its params from forward to backward, the reuse distance 58%: 0.85x the estimate).
+bytes), nor what ZeRO-3's fp16 count forward prefetches for a backward that does not follow (released
+unused: 181M elements a count forward of an 866M-parameter Llama), nor the params it keeps gathered because it
+prefetched their next use (at 1 micro-batch that Llama keeps 79% of its params from forward to backward, the
+reuse distance 58%: 0.85x the estimate).
 The step waits for a link's collectives at least as long as they take together (the dry run
 serves each link's collectives one after another), so `step_floor` is the larger of the compute with tp's and
 cp's collectives on the critical path (`critical`) and the busiest link's traffic. The planner orders its dry runs by it: a mesh that
@@ -204,15 +204,14 @@ def _zero3_gathers(
     """ZeRO-3's all-gathers of `params` bytes in a step after the first (the first records DeepSpeed's trace;
     `shape` has what DeepSpeed holds gathered): the persistent params once, after the update; the others per
     micro-batch for the forward, and again for the backward but those kept from their forward to their backward
-    (`reused`). An af.Loss over several micro-batches (`deepspeed.phases.counted_forwards`) gathers them for each
-    micro-batch's count forward too, and keeps none for the backward: DeepSpeed caches a module's release
-    decision by its place in the trace (`__params_to_release`, an lru_cache never cleared), and the first
-    step's count forwards decide each forward module's with the trace of a forward alone, which uses nothing
-    again."""
+    (`reused`). Under fp16 an af.Loss over several micro-batches (`deepspeed.phases.counted_forwards`) gathers
+    them for each micro-batch's count forward too (elsewhere DeepSpeed's update divides by the count: no count
+    forwards); the release decisions those forwards cache are cleared after them, so the training forwards keep
+    the reused params for their backward as without them."""
     persistent = params * shape.persistent
     others = params - persistent
-    counted = shape.loss_counts and micro > 1
-    again = others if counted else max(others - params * shape.reused, 0.0)
+    counted = shape.count_forwards and micro > 1
+    again = max(others - params * shape.reused, 0.0)
     add("all_gather", others, axes, micro * (2 if counted else 1))
     add("all_gather", again, axes, micro)
     add("all_gather", persistent, axes, 1)

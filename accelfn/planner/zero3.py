@@ -35,27 +35,37 @@ MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance (elements)
 @attrs.frozen
 class Zero3Shape:
     """What ZeRO-3 holds gathered of a model (`zero3_shape`: `persistent` and `reused`, fractions of its params'
-    bytes) and whether its step's loss counts its elements (`loss_counts`: an af.Loss, whose micro-batches
-    DeepSpeed's step counts by a forward each first, `deepspeed.phases.counted_forwards`). The default: nothing
-    held, no count forwards."""
+    bytes), whether its step's loss counts its elements (`loss_counts`: an af.Loss) and whether the step runs in
+    fp16 (`fp16`: DeepSpeed's dynamic loss scale, where its step counts each of several micro-batches of an
+    af.Loss by a forward first, `deepspeed.phases.counted_forwards`; elsewhere the update divides by the count
+    and no micro-batch runs a forward more). The default: nothing held, no count forwards."""
 
     persistent: float = 0.0
     reused: float = 0.0
     loss_counts: bool = False
+    fp16: bool = False
+
+    @property
+    def count_forwards(self) -> bool:
+        """Whether several micro-batches run a count forward each (an af.Loss under fp16)."""
+        return self.loss_counts and self.fp16
 
     @classmethod
     def of_probe(cls, probe: dict[str, Any]) -> Zero3Shape:
-        """From the planner's probe (`tiers._probe`: its `zero3` and `loss_counts`).
+        """From the planner's probe (`tiers._probe`: its `zero3`, `loss_counts` and the step it described: fp16
+        where it runs under `autocast(float16)`).
 
         Example:
             >>> Zero3Shape.of_probe({"zero3": {"persistent": 0.5, "reused": 0.25}, "loss_counts": True})
-            Zero3Shape(persistent=0.5, reused=0.25, loss_counts=True)
+            Zero3Shape(persistent=0.5, reused=0.25, loss_counts=True, fp16=False)
         """
         shape = probe.get("zero3") or {}
+        described = str((probe.get("report") or {}).get("strategy", ""))
         return cls(
             persistent=float(shape.get("persistent", 0.0)),
             reused=float(shape.get("reused", 0.0)),
             loss_counts=bool(probe.get("loss_counts", False)),
+            fp16="autocast(float16" in described,
         )
 
 

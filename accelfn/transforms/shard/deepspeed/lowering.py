@@ -12,7 +12,7 @@ from .... import dry_mode, platforms
 from ....engine.contract import GradSync
 from ....module import move
 from .config import _get, _lambda_lr, build_config, load_user_config, make_optimizer
-from .phases import DeepSpeedPhases, current_lr
+from .phases import DeepSpeedPhases, current_lr, divides_at_update
 from .types import DeepSpeedRun, DeepSpeedState, Settings
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ def lower_deepspeed(shard: Shard, plan: Plan) -> DeepSpeedSync:
     )  # fmt: skip
 
     run = DeepSpeedRun(engine, None, dist.get_world_size(), config, bool(config["fp16"].get("enabled")))
+    run.divides = divides_at_update(engine)
     plan.module = engine.module
     plan.autocast_device_type = mesh.device_type
     plan.loss_scale = None  # DeepSpeed keeps the fp16 loss scale itself

@@ -52,6 +52,8 @@ class DeepSpeedRun:
     config: dict[str, Any]
     fp16: bool
     loss_has_count: bool | None = None  # does loss_fn return an af.Loss? (learnt on the first call)
+    # the update divides the gradients by the global count (`phases.divides_at_update`): no count forwards
+    divides: bool = False
     started: int | None = None  # the engine's micro-step counter when the step in its backwards began
     # ZeRO-3's module stack (`FWD_MODULE_STACK`, one per process, every engine's) depth when that step began
     stack_depth: int = 0

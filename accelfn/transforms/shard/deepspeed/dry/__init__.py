@@ -87,6 +87,21 @@ from .zero12 import ZeroSync, _flat_groups
 __all__ = ["lower_modelled", "ZeroSync", "Zero3Sync", "ZeroPhases"]
 
 
+def _divides(config: dict[str, Any], stage: int, offload: bool) -> bool:
+    """Whether the engine's update divides by the global count, as `phases.divides_at_update` finds it: not
+    under fp16 (its dynamic loss scale), nor with DeepSpeed's BF16_Optimizer (ZeRO-1, bf16 with fp32 gradient
+    accumulation, not offloaded)."""
+    if _get(config, "fp16.enabled"):
+        return False
+    accum = str(_get(config, "data_types.grad_accum_dtype"))
+    return not (
+        _get(config, "bf16.enabled")
+        and stage == 1
+        and not offload
+        and accum in ("fp32", "float32", "torch.float32")
+    )
+
+
 def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync:
     """The dry run's stand-in for `deepspeed.initialize` (see the module docs)."""
     mesh = shard.mesh
@@ -150,6 +165,7 @@ def lower_modelled(shard: Shard, plan: Plan, config: dict[str, Any]) -> GradSync
         reduce_bucket=int(zero.get("reduce_bucket_size", _DEFAULT_BUCKET)),
         lr=as_schedule(hp["lr"] if hp is not None else 0.0),
         loss_has_count=None,
+        divides=_divides(config, stage, offload),
     )
     if stage == 3:
         ps, sub_groups = _zero3(module, config, param_groups, world)

@@ -9,9 +9,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from .....engine.batches import rows
 from .....engine.contract import GradSync
 from .....engine.phases import StepRun, TrainPhases, next_state
-from ..phases import counted_forwards
+from ..phases import counted_forwards, micro_forward
 
 if TYPE_CHECKING:
     from .....engine import Plan
@@ -71,9 +72,13 @@ class _Base(GradSync):
     reduce_bucket: int  # reduce_bucket_size (elements)
     lr: Callable[[torch.Tensor], Any]  # the optimizer's learning rate at a step count
     loss_has_count: bool | None
+    divides: bool  # the update divides by the global count (`phases.divides_at_update`): no count forwards
 
     def after_backward(self) -> None:
         """The end of one micro-batch's backward (DeepSpeed's epilogue)."""
+
+    def forget_release_decisions(self) -> None:
+        """ZeRO-3: `phases.forget_release_decisions` (the cached release decisions cleared)."""
 
     def grads_now(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gradients DeepSpeed keeps when the backward ends, as the dry run counts them."""
@@ -111,6 +116,7 @@ class _ZeroRun(StepRun):
 
     aux_count: int = 1
     scale: torch.Tensor | None = None
+    divisor: torch.Tensor | None = None  # what the update divides the gradients by (several micro-batches)
 
 
 class ZeroPhases(TrainPhases):
@@ -128,24 +134,38 @@ class ZeroPhases(TrainPhases):
         assert plan.loss_call is not None and run.step_key is not None
         n = len(micro)
         device = plan.devices[0] if plan.devices else torch.device("cpu")
-        # as DeepSpeedPhases: the global count before the first backward
-        forward, first, counts, _, local_count = counted_forwards(
-            plan, micro, run.step_key, plan.module, sync
-        )
-        global_count = _global_sum([local_count], device, sync.group)[0]
-        inv = sync.world / global_count.clamp_min(1)
+        # as DeepSpeedPhases: several micro-batches back-propagate their sums and the update divides by the
+        # global count, summed after the last forward (fp16: counted before the first backward, by count forwards)
+        after = n > 1 and sync.divides
+        counts: list[torch.Tensor | None] = []
+        if after:
+            forward, first = micro_forward(plan, micro, run.step_key, plan.module), None
+        else:
+            forward, first, counts, has_count, local_count = counted_forwards(
+                plan, micro, run.step_key, plan.module, sync
+            )
+            if n > 1 and has_count:
+                sync.forget_release_decisions()  # ZeRO-3: the count forwards' cached decisions
+            global_count = _global_sum([local_count], device, sync.group)[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         aux_sum: dict[str, torch.Tensor] = {}
         for i in range(n):
             total, count, aux = first if first is not None else forward(i)
+            if after:
+                counts.append(count if count is not None else torch.tensor(float(rows(micro[i]))))
+                if i == n - 1:
+                    local = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
+                    global_count = _global_sum([local], device, sync.group)[0]
             if count is None:
                 total = total * counts[i].to(total)  # type: ignore[union-attr]
             loss_sum += total.detach().to(torch.float64)
             for k, v in aux.items():
                 if isinstance(v, torch.Tensor):
                     aux_sum[k] = v.detach().float() if k not in aux_sum else aux_sum[k] + v.detach().float()
-            (total * inv.to(total)).backward()
+            scale = sync.world if after else sync.world / global_count.clamp_min(1)
+            (total * torch.as_tensor(scale).to(total)).backward()
             sync.after_backward()
+        run.divisor = global_count.clamp_min(1) if after else None
         run.loss_sum, run.count_sum, run.aux_sum, run.aux_count = (
             loss_sum,
             global_count,
@@ -166,9 +186,13 @@ class ZeroPhases(TrainPhases):
         sync = run.sync
         assert isinstance(sync, _Base) and isinstance(run, _ZeroRun)
         norm = sync.step_norm()
+        if run.divisor is not None:  # DeepSpeed's loss scale times the divisor, divided out with the clip
+            norm = norm / run.divisor.to(norm)
         run.scale = (
             (sync.clip / (norm + 1e-6)).clamp(max=1.0) if sync.clip else torch.ones((), device=norm.device)
         )
+        if run.divisor is not None:
+            run.scale = run.scale / run.divisor.to(run.scale)
         if sync.fp16_scale is not None:
             run.metrics["skipped"] = torch.zeros(())
             run.metrics["loss_scale"] = torch.tensor(sync.fp16_scale)

@@ -75,6 +75,7 @@ class ZeroSync(_Base):
     in_partition: torch.Tensor | None = None  # grads_in_partition
     pads: list[torch.Tensor] = attrs.Factory(list)
     loss_has_count: bool | None = None  # does loss_fn return an af.Loss? (learnt on the first call)
+    divides: bool = True  # the update divides by the global count (`phases.divides_at_update`)
 
     def __attrs_post_init__(self) -> None:
         for g_i, g in enumerate(self.groups):

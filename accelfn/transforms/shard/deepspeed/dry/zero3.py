@@ -168,6 +168,10 @@ class Zero3Sync(_Base):
     names: dict[int, str] = attrs.Factory(dict)
     params: dict[str, torch.Tensor] = attrs.Factory(dict)
     loss_has_count: bool | None = None
+    divides: bool = True
+
+    def forget_release_decisions(self) -> None:
+        self.release_cache.clear()
 
     def __attrs_post_init__(self) -> None:
         self.by_name = {p.name: p for p in self.ps}

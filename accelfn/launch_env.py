@@ -242,6 +242,8 @@ KNOBS: dict[str, tuple[str, tuple[str, ...] | type]] = {
 }
 # The knobs scripts asked for with "auto" in this process (what `accelfn plan` may choose for them).
 ASKED: set[str] = set()
+# The values scripts fixed for knobs in this process (not "auto": what `accelfn plan` keeps), by knob.
+FIXED: dict[str, Any] = {}
 
 
 def parse_knob(name: str, raw: str | int, *, source: str | None = None) -> str | int:
@@ -368,6 +370,7 @@ def knob(
     if name not in KNOBS:
         raise ValueError(f"accelfn.launch_env.knob: unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
     if value != "auto":
+        FIXED[name] = value
         return value
     ASKED.add(name)
     env = os.environ if environ is None else environ

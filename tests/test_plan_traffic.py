@@ -225,3 +225,31 @@ def test_a_pipeline_reduce_scattering_each_micro_batch_moves_its_count_times_the
     assert each[rs] == pytest.approx(4 * held[rs]) and each[ag] == held[ag]
     assert measured[True]["reduce_scatter"] == pytest.approx(4 * measured[False]["reduce_scatter"], rel=0.03)
     assert measured[True]["all_gather"] == pytest.approx(measured[False]["all_gather"], rel=0.03)
+
+
+def test_a_script_fixing_its_pipelines_gradient_sync_is_seen_by_the_probe() -> None:
+    """examples/train_llama.py --pp-sync-each-microbatch builds its pipeline only when pp > 1, so its
+    one-process probe lowers none; the value it gives the knob (`launch_env.FIXED`) is what tells the plan that
+    its pipelines hold no gradients (`tiers._sync_each`), and the states bound of a pp candidate drops them."""
+    from accelfn.planner.prune import states_bound
+
+    with Pool(1) as pool:
+        probe = tiers._probe(pool, LLAMA, (*LLAMA_ARGS, "--pp-sync-each-microbatch"), "h100-sxm", "cuda", 16)
+    described = probe["report"]["strategy"]
+    assert "pipeline(" not in described and probe["fixed"]["pipeline_sync_each_microbatch"] is True
+    each = tiers._sync_each(described, probe["fixed"])
+    totals = States.of(probe["report"]["per_rank"])
+    c = Candidate({"pp": 2, "dp": 4}, "fsdp")
+    held = states_bound(c, totals, script_strategy=None)
+    assert each and states_bound(c, totals, script_strategy=None, script_sync_each=each) < held
+
+
+def test_a_script_fixing_zero3_is_dry_run_at_its_steady_step_like_a_candidate_choosing_it() -> None:
+    """The estimate models ZeRO-3's steady step; its dry runs measure the second step (`Job.steps`), where a
+    candidate sets the strategy and where the script fixes it (`Job.zero3`, the plan's base job), not where
+    a candidate sets another."""
+    base = Job(DENSE, DENSE_ARGS, 8, 1, zero3=True)
+    assert base.steps == 2
+    assert tiers._job(Candidate({"dp": 8}), base).steps == 2
+    assert tiers._job(Candidate({"dp": 8}, "fsdp"), base).steps == 1
+    assert tiers._job(Candidate({"dp": 8}, "zero3"), Job(DENSE, DENSE_ARGS, 8, 1)).steps == 2

@@ -54,6 +54,7 @@ class Job:
     torch_version: str | None = None  # the torch the job runs (None: the installed one): its SDPA kernel
     # the mixed precision it launches with, as `accelfn launch` passes it (`Config.precision_env`; (): none set)
     precision: tuple[tuple[str, str], ...] = ()
+    zero3: bool = False  # the script fixes DeepSpeed ZeRO-3 (measured at its second step, as `steps` says)
 
     @property
     def world(self) -> int:
@@ -64,7 +65,8 @@ class Job:
         """The calls of the step the dry run measures (its report's collectives and time are the last one's):
         ZeRO-3's first step records DeepSpeed's trace (each param gathered for its forward and its backward,
         under fp16 also for an af.Loss's count forwards), its second is the steady step the plan is for."""
-        return 2 if dict(self.env).get(launch_env.ACCELFN_STRATEGY) == "zero3" else 1
+        strategy = dict(self.env).get(launch_env.ACCELFN_STRATEGY)
+        return 2 if strategy == "zero3" or (strategy is None and self.zero3) else 1
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -97,6 +99,7 @@ def _run_job_seen(job: Job) -> dict[str, Any]:
     from .extrapolate import keep_blocks
 
     launch_env.ASKED.clear()
+    launch_env.FIXED.clear()
     GIVEN.clear()  # the ep plan this job's script gives af.shard (read by recording_shapes)
     ranks = [0, job.world - 1] if job.rank == "ends" else [int(job.rank)]
     # the stage counts to read each rank's blocks for: the expected one, and those of a schedule the script
@@ -132,6 +135,8 @@ def _run_job_seen(job: Job) -> dict[str, Any]:
             "decoder": seen.get("decoder") or {},
             "zero3": seen.get("zero3") or {},
             "asked": sorted(launch_env.ASKED),
+            # the knobs the script fixes, those of plain values (JSON: the probe's result crosses processes)
+            "fixed": {k: v for k, v in launch_env.FIXED.items() if isinstance(v, (bool, int, str))},
             **_layout(seen),
         }
     except Exception as e:  # noqa: BLE001 - the script's (or its lowering's) error is the candidate's verdict

@@ -105,24 +105,21 @@ def _job(c: Candidate, base: Job) -> Job:
     return attrs.evolve(base, mesh=c.mesh_spec or None, env=env, rank=rank)
 
 
-def _sync_each(described: str, asked: set[str], environ: Mapping[str, str] | None = None) -> bool:
+def _sync_each(described: str, fixed: Mapping[str, object]) -> bool:
     """Whether the script's pipeline reduce-scatters each micro-batch's gradients where a candidate does not
-    say: its probe's step description (`Pipeline.describe`, where it lowered af.pipeline), else, where it leaves
-    the knob to the launch configuration, the environment's value (default: torch's, held).
+    say: its probe's step description (`Pipeline.describe`, where it lowered af.pipeline), else the value the
+    script gave the knob (`launch_env.FIXED`: a script that builds its pipeline only when pp > 1 shows its
+    one-process probe none). Where the script leaves the knob open the plan searches it (each candidate's own).
 
     Example:
-        >>> _sync_each("Step(... -> pipeline(1f1b, microbatches=4, sync_each_microbatch=True) -> ...)", set())
+        >>> _sync_each("Step(... -> pipeline(1f1b, microbatches=4, sync_each_microbatch=True) -> ...)", {})
         True
-        >>> _sync_each("", {"pipeline_sync_each_microbatch"}, {"ACCELFN_PIPELINE_SYNC_EACH_MICROBATCH": "true"})
+        >>> _sync_each("Step(... -> shard(fsdp))", {"pipeline_sync_each_microbatch": True})
         True
     """
     if "sync_each_microbatch=True" in described:
         return True
-    var = launch_env.KNOBS["pipeline_sync_each_microbatch"][0]
-    raw = (os.environ if environ is None else environ).get(var)
-    if "pipeline_sync_each_microbatch" in asked and raw:
-        return bool(launch_env.parse_knob("pipeline_sync_each_microbatch", raw))
-    return False
+    return fixed.get("pipeline_sync_each_microbatch") is True
 
 
 def plan(
@@ -272,8 +269,8 @@ def plan(
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
         zero3 = Zero3Shape.of_probe(probe)  # what ZeRO-3 keeps gathered of the model (`traffic`)
         # a pipeline that reduce-scatters each micro-batch (no held gradients in the states bound), as the script
-        # fixes it (seen where its probe lowered af.pipeline) or the environment the plan runs in sets it
-        script_sync_each = _sync_each(probe["report"].get("strategy", ""), asked)
+        # fixes it (seen where its probe lowered af.pipeline, or the value it gave the knob)
+        script_sync_each = _sync_each(probe["report"].get("strategy", ""), probe.get("fixed") or {})
         # the strategy the script fixes, as its probe lowered it (it ignores the probe's ACCELFN_STRATEGY=ddp):
         # its legality (no af.offload with fsdp) and its states bound; None where it leaves it open
         fixed_strategy = (
@@ -335,7 +332,8 @@ def plan(
         deadline = start + budget_minutes * 60
         bar = _bar(len(survivors), progress)
         base = Job(text, args, nproc_per_node, nnodes, device=device, gpu=gpu, reserve_bytes=reserve,
-                   scale=scale, torch_version=torch_version, precision=precision)  # fmt: skip
+                   scale=scale, torch_version=torch_version, precision=precision,
+                   zero3=fixed_strategy == "zero3")  # fmt: skip
         blocks = int(probe.get("blocks", 0))
         # the compute of the whole global batch at the probe's (one process, the largest matmuls) efficiency:
         # a rank's share of it is a lower bound of any candidate's step time (only with the global batch fixed)

@@ -336,26 +336,3 @@ def _plan_worker_model() -> object:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          use_cache=False, attn_implementation="sdpa")  # fmt: skip
     return LlamaForCausalLM(config)
-
-
-def test_a_pipelines_gradient_sync_is_searched_under_fsdp_and_hsdp_as_a_memory_knob() -> None:
-    """`pipeline_sync_each_microbatch` where the script leaves it open: both values for a pipeline mesh under
-    fsdp or hsdp (af.pipeline refuses it with ddp; no pipeline, nothing to choose), and in a memory group the
-    held gradients need at least the memory of a reduce-scatter each micro-batch, so the frugal lead of a
-    group is the one reducing each."""
-    from accelfn.planner.memory import frugal_candidates, needs_more_memory
-
-    space = Space(world=8, nproc_per_node=8, axes=("dp", "pp"), global_batch_size=16,
-                  open=frozenset({"mesh", "strategy", "pipeline_sync_each_microbatch"}),
-                  strategies=("ddp", "fsdp", "hsdp"))  # fmt: skip
-    cs = enumerate_candidates(space)
-    syncs: dict[tuple[bool, str | None], set[bool | None]] = {}
-    for c in cs:
-        syncs.setdefault((c.mesh.get("pp", 1) > 1, c.strategy), set()).add(c.pipeline_sync_each_microbatch)
-    assert syncs[(True, "fsdp")] == {False, True} and syncs[(True, "hsdp")] == {False, True}
-    assert syncs[(True, "ddp")] == {None} and syncs[(False, "fsdp")] == {None}
-    held, each = (c for c in cs if c.mesh == {"pp": 2, "dp": 4} and c.strategy == "fsdp")
-    assert not held.pipeline_sync_each_microbatch and each.pipeline_sync_each_microbatch
-    assert needs_more_memory(held, each) and not needs_more_memory(each, held)
-    assert frugal_candidates([held, each], lambda c: 10.0, 8.0) == [each]
-    assert "pipeline_sync_each_microbatch" not in {k for c in cs if c.strategy == "ddp" for k in c.knobs()}

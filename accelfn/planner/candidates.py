@@ -116,8 +116,7 @@ class Candidate:
     pipeline_microbatches: int | None = None
     offload: str | None = None
     compile: str | None = None
-    # af.pipeline's sync_each_microbatch (fsdp/hsdp under a pipeline): True reduce-scatters each micro-batch
-    pipeline_sync_each_microbatch: bool | None = None
+    pipeline_sync_each_microbatch: bool | None = None  # not searched: kept where a candidate sets it
 
     @property
     def mesh_spec(self) -> str:
@@ -166,8 +165,6 @@ class Space:
     offloads: tuple[str, ...] = ("none", "optimizer")
     compiles: tuple[str, ...] = ("none", "blocks")  # af.compile per block, as torchtitan compiles
     schedules: tuple[str, ...] = SCHEDULES
-    # af.pipeline's sync_each_microbatch, under fsdp/hsdp only: torch's held gradients, or a reduce-scatter each
-    syncs: tuple[bool, ...] = (False, True)
     max_accumulate: int = MAX_ACCUMULATE
     experts: int = 0
     fixed_strategy: str | None = None
@@ -273,15 +270,6 @@ def _pipelines(
             yield s, m
 
 
-def _syncs(space: Space, mesh: dict[str, int], strategy: str | None) -> tuple[bool | None, ...]:
-    """af.pipeline's sync_each_microbatch values for a pipeline mesh whose strategy shards (fsdp, hsdp: DDP's
-    gradients are whole either way, and af.pipeline refuses it); None (the script's) elsewhere."""
-    sharded = (strategy or space.fixed_strategy) in ("fsdp", "hsdp")
-    if mesh.get("pp", 1) == 1 or "pipeline_sync_each_microbatch" not in space.open or not sharded:
-        return (None,)
-    return space.syncs
-
-
 def enumerate_candidates(space: Space) -> list[Candidate]:
     """Every candidate of `space`, cheapest-to-check first (the mesh varies slowest)."""
     out: list[Candidate] = []
@@ -293,12 +281,10 @@ def enumerate_candidates(space: Space) -> list[Candidate]:
             for gbs, acc in _batches(space, mesh):
                 share = gbs // data_size(mesh) // (acc or 1) if gbs and mesh else None
                 for schedule, micro in _pipelines(space, mesh, share):
-                    for sync in _syncs(space, mesh, strategy):
-                        for remat in remats:
-                            for offload in offloads:
-                                for comp in compiles:
-                                    c = Candidate(
-                                        mesh, strategy, remat, acc, gbs, schedule, micro, offload, comp
-                                    )
-                                    out.append(attrs.evolve(c, pipeline_sync_each_microbatch=sync))
+                    for remat in remats:
+                        for offload in offloads:
+                            for comp in compiles:
+                                out.append(
+                                    Candidate(mesh, strategy, remat, acc, gbs, schedule, micro, offload, comp)
+                                )
     return out

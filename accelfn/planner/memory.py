@@ -41,8 +41,8 @@ BINDS = 0.5  # memory may bind in a group whose hungriest estimate is above this
 
 
 def group(c: Candidate) -> tuple[object, ...]:
-    """What two candidates share when only their memory knobs (accumulate, remat, offload, pipeline schedule,
-    pipeline_sync_each_microbatch) differ."""
+    """What two candidates share when only their memory knobs (accumulate, remat, offload, pipeline schedule)
+    differ."""
     return (c.mesh_spec, c.strategy, c.compile, c.global_batch_size, c.pipeline_microbatches)
 
 
@@ -99,24 +99,16 @@ def _remat_frugality(value: str | None) -> float:
     return -1.0 if r is None else r[0] / r[1]
 
 
-def frugality(c: Candidate) -> tuple[int, int, float, int, int]:
-    """How little memory `c` needs within its group, larger for less: a pipeline's gradients reduce-scattered
-    each micro-batch (not held: 4 bytes per parameter of the stage), accumulation, remat, offload, schedule."""
+def frugality(c: Candidate) -> tuple[int, float, int, int]:
+    """How little memory `c` needs within its group, larger for less: accumulation, remat, offload, schedule."""
     offload, schedule = _rank(OFFLOAD, c.offload), _rank(SCHEDULE, c.pipeline_schedule)
-    return (_sync_rank(c), c.accumulate or 0, _remat_frugality(c.remat), -1 if offload is None else offload,
+    return (c.accumulate or 0, _remat_frugality(c.remat), -1 if offload is None else offload,
             -1 if schedule is None else schedule)  # fmt: skip
-
-
-def _sync_rank(c: Candidate) -> int:
-    """af.pipeline's sync_each_microbatch as a memory rank: held (False) 0, each micro-batch 1, unknown -1."""
-    each = c.pipeline_sync_each_microbatch
-    return -1 if each is None else int(each)
 
 
 def needs_more_memory(c: Candidate, other: Candidate) -> bool:
     """Whether `c` needs at least the memory of `other`: the same group, and on every memory knob the same
-    value or one that needs more (a smaller accumulation, less remat as `remat_needs_more`, no offload, GPipe,
-    a pipeline's gradients held)."""
+    value or one that needs more (a smaller accumulation, less remat as `remat_needs_more`, no offload, GPipe)."""
     if group(c) != group(other):
         return False
     acc = _at_most(c.accumulate, other.accumulate)
@@ -125,12 +117,7 @@ def needs_more_memory(c: Candidate, other: Candidate) -> bool:
         and remat_needs_more(c.remat, other.remat)
         and _at_most(_rank(OFFLOAD, c.offload), _rank(OFFLOAD, other.offload))
         and _at_most(_rank(SCHEDULE, c.pipeline_schedule), _rank(SCHEDULE, other.pipeline_schedule))
-        and _at_most(_opt(_sync_rank(c)), _opt(_sync_rank(other)))
     )
-
-
-def _opt(rank: int) -> int | None:
-    return None if rank < 0 else rank
 
 
 def activation_share(c: Candidate) -> float:

@@ -264,8 +264,10 @@ def plan(
                 "af.plan: the script leaves the global batch size to the launch configuration ('auto'): give "
                 "global_batch_size (accelfn plan --global-batch-size B), the batch the plan holds fixed"
             )
-        open_knobs = ["mesh", *[k for k in launch_env.KNOBS if k in asked]]
-        fixed = [k for k in launch_env.KNOBS if k not in asked and k != "global_batch_size"]
+        # (not searched, neither open nor fixed: the script's default, or its launch config's)
+        knobs = [k for k in launch_env.KNOBS if k != "pipeline_sync_each_microbatch"]
+        open_knobs = ["mesh", *[k for k in knobs if k in asked]]
+        fixed = [k for k in knobs if k not in asked and k != "global_batch_size"]
         totals = States.of(probe["report"]["per_rank"], experts=int(probe.get("expert_bytes", 0)))
         zero3 = Zero3Shape.of_probe(probe)  # what ZeRO-3 keeps gathered of the model (`traffic`)
         # a pipeline that reduce-scatters each micro-batch (no held gradients in the states bound), as the script

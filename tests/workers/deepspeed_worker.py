@@ -162,6 +162,8 @@ def check_abort(mesh, stage, extra):
         def mid_forward(module, args):  # in the forward, between two layers (ZeRO-3: params gathered)
             if armed[0] and fail_at[0] == "forward":
                 raise Boom("in the forward")
+            if armed[0] and fail_at[0] == "forward_interrupt":
+                raise KeyboardInterrupt  # (no abandon: the next step's check drops it)
 
         def mid_backward(module, args, out):  # the backward raises after the last layer's gradients
             if armed[0] and fail_at[0] == "backward":
@@ -215,13 +217,21 @@ def check_abort(mesh, stage, extra):
                         losses.append(m["loss"].item())
                 except (Boom, KeyboardInterrupt):
                     assert i == 1 and where is not None, (i, where)
+                    if where == "forward_interrupt" and other is not None:
+                        # ZeRO-3: a third engine made before the interrupted step is dropped (its forward's
+                        # modules still on the stack): dropping them keeps the new engine's root
+                        late = shard(af.train_step(make_loss("mlp", None), optimizer(extra)))
+                        late.init(make_model("mlp"))
+                        stack.append(FWD_MODULE_STACK[-1])
                 except RuntimeError as e:  # the step after one that raised in its update
                     assert where in ("update", "interrupt") and i == 2, (where, i, e)
                     assert "interrupted in its update" in str(e) and "checkpoint" in str(e), e
                     return None, losses, state, other_losses
                 if other is not None:  # every run steps it on every batch
-                    assert len(FWD_MODULE_STACK) == len(stack), (where, i, FWD_MODULE_STACK, stack)
-                    assert all(x is y for x, y in zip(FWD_MODULE_STACK, stack)), (where, i)
+                    # (an interrupt left its forward's modules on the stack until the first engine's next step)
+                    if not (where == "forward_interrupt" and i == 1):
+                        assert len(FWD_MODULE_STACK) == len(stack), (where, i, FWD_MODULE_STACK, stack)
+                        assert all(x is y for x, y in zip(FWD_MODULE_STACK, stack)), (where, i)
                     other_state, m = other(other_state, {k: v for k, v in data[i].items() if k != "boom"})
                     other_losses.append(m["loss"].item())
         finally:
@@ -242,7 +252,7 @@ def check_abort(mesh, stage, extra):
         assert len(losses) == 1 and abs(losses[0] - ref_losses[0]) <= 1e-6, (where, losses, ref_losses)
         same_other(where, other_losses)
     diffs = []
-    for where in ("loss", "forward", "backward"):
+    for where in ("loss", "forward", "backward", "forward_interrupt"):
         params, losses, state, other_losses = run(where)
         same_other(where, other_losses)
         assert len(other_losses) == len(ref_other), (where, other_losses)

@@ -493,29 +493,28 @@ def lower_fsdp(shard: Shard, plan: Plan) -> FSDPSync:
 def _param_groups(root: nn.Module) -> Iterator[Any]:
     """FSDP2's parameter groups (torch internals: one per unit holding params; none where they differ)."""
     for m in root.modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        state = get() if callable(get) else None
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [] if group is None else [group]
-        yield from groups
+        yield from _groups_of(m)
+
+
+def _groups_of(m: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of module `m` itself (none where it is not a unit)."""
+    get = getattr(m, "_get_fsdp_state", None)
+    state = get() if callable(get) else None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def _unreduced_units(root: nn.Module) -> list[str]:
     """The FSDP2 units (by name in `root`, "" the root) holding a partial sum of reduce-scattered gradients that
     awaits hsdp's all-reduce over the replicas (`set_requires_all_reduce(False)`'s backwards, none since)."""
-    out = []
-    for name, m in root.named_modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        state = get() if callable(get) else None
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [] if group is None else [group]
-        if any(getattr(g, "_partial_reduce_output", None) is not None for g in groups):
-            out.append(name or "(the root)")
-    return out
+    return [
+        name or "(the root)"
+        for name, m in root.named_modules()
+        if any(getattr(g, "_partial_reduce_output", None) is not None for g in _groups_of(m))
+    ]
 
 
 def _unsharded_grads(root: nn.Module) -> list[torch.Tensor]:

@@ -135,9 +135,8 @@ def _drop_zero3(engine: Any, opt: Any, stack_depth: int) -> None:
     # by every ZeRO-3 engine (each keeps its root module there from its creation): cut it back to its depth at
     # the step's start, not to this engine's root (that would drop the root of an engine created after it)
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if (
-        stack is not None
-    ):  # this engine's modules above the step's start (not another engine's root pushed since)
+    # this engine's modules above the step's start (not another engine's root pushed since)
+    if stack is not None:
         own = {id(m) for m in engine.module.modules()}
         stack[stack_depth:] = [m for m in stack[stack_depth:] if id(m) not in own]
     for bucket in opt.ipg_buckets.values():

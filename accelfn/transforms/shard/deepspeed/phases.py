@@ -50,6 +50,7 @@ from .types import DeepSpeedRun, DeepSpeedState
 __all__ = [
     "DeepSpeedPhases",
     "counted_forwards",
+    "local_count",
     "micro_forward",
     "divided_update",
     "divides_at_update",
@@ -117,8 +118,12 @@ def counted_forwards(
         counts = [forward(i, grad=False)[1] for i in range(n)]
         if any(c is None for c in counts):
             raise ValueError("loss_fn returned an af.Loss for some micro-batches and a scalar for others")
-    local_count = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
-    return forward, first, counts, has_count, local_count
+    return forward, first, counts, has_count, local_count(counts)
+
+
+def local_count(counts: list[torch.Tensor | None]) -> torch.Tensor:
+    """This rank's count over its micro-batches (a float on the CPU; the all-reduce's input)."""
+    return sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
 
 
 def _divisor_holder(engine: Any) -> Any:
@@ -218,9 +223,8 @@ class DeepSpeedPhases(TrainPhases):
     def check(self, run: StepRun) -> None:
         plan, state, engine = run.plan, run.state, self.ds.engine
         assert plan.loss_call is not None and plan.slots is not None
-        if (
-            self.ds.started is not None
-        ):  # a step interrupted without its abandon (KeyboardInterrupt): drop it now
+        # a step interrupted without its abandon (KeyboardInterrupt): drop it now
+        if self.ds.started is not None:
             self.abandon()
         if self.ds.broken is not None:
             raise RuntimeError(self.ds.broken)
@@ -251,12 +255,10 @@ class DeepSpeedPhases(TrainPhases):
         if after:
             forward, first = micro_forward(plan, micro, run.step_key, engine), None
         else:
-            forward, first, counts, has_count, local_count = counted_forwards(
-                plan, micro, run.step_key, engine, ds
-            )
+            forward, first, counts, has_count, mine = counted_forwards(plan, micro, run.step_key, engine, ds)
             if n > 1 and has_count:
                 forget_release_decisions(engine)  # the count forwards' forward-only decisions (ZeRO-3)
-            run.global_count = self._global_sum([local_count], device)[0]
+            run.global_count = self._global_sum([mine], device)[0]
         scale = ds.world if after else ds.world / run.global_count.clamp_min(1).item()  # type: ignore[union-attr]
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -283,8 +285,7 @@ class DeepSpeedPhases(TrainPhases):
                     f"the training forward ({float(count)}); a Loss count must depend on the batch only"
                 )
             if after and i == n - 1:  # every count is known: the global one, for the update's divisor
-                local = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
-                run.global_count = self._global_sum([local], device)[0]
+                run.global_count = self._global_sum([local_count(counts)], device)[0]
             loss_sum += total.detach().to(torch.float64)
             for k, v in aux.items():
                 if isinstance(v, torch.Tensor):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .....engine.batches import rows
 from .....engine.contract import GradSync
 from .....engine.phases import StepRun, TrainPhases, next_state
-from ..phases import counted_forwards, micro_forward
+from ..phases import counted_forwards, local_count, micro_forward
 
 if TYPE_CHECKING:
     from .....engine import Plan
@@ -141,12 +141,12 @@ class ZeroPhases(TrainPhases):
         if after:
             forward, first = micro_forward(plan, micro, run.step_key, plan.module), None
         else:
-            forward, first, counts, has_count, local_count = counted_forwards(
+            forward, first, counts, has_count, mine = counted_forwards(
                 plan, micro, run.step_key, plan.module, sync
             )
             if n > 1 and has_count:
                 sync.forget_release_decisions()  # ZeRO-3: the count forwards' cached decisions
-            global_count = _global_sum([local_count], device, sync.group)[0]
+            global_count = _global_sum([mine], device, sync.group)[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         aux_sum: dict[str, torch.Tensor] = {}
         for i in range(n):
@@ -154,8 +154,7 @@ class ZeroPhases(TrainPhases):
             if after:
                 counts.append(count if count is not None else torch.tensor(float(rows(micro[i]))))
                 if i == n - 1:
-                    local = sum((c.detach().float().cpu() for c in counts if c is not None), torch.zeros(()))
-                    global_count = _global_sum([local], device, sync.group)[0]
+                    global_count = _global_sum([local_count(counts)], device, sync.group)[0]
             if count is None:
                 total = total * counts[i].to(total)  # type: ignore[union-attr]
             loss_sum += total.detach().to(torch.float64)
